@@ -1,0 +1,32 @@
+//! Record decoder, merge fold and compaction-filter decision on arbitrary bytes: never panic;
+//! valid records round-trip; the filter removes only records that decode and have expired.
+#![no_main]
+
+use idemdb::format::{FilterDecision, Record, apply_operands, compaction_decision};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    // A record that decodes is canonical: it re-encodes to exactly the input.
+    if let Ok(record) = Record::decode(data) {
+        assert_eq!(record.encode(), data);
+    }
+
+    // The filter's clock is the input's first 8 bytes.
+    let now_ms = data
+        .first_chunk::<8>()
+        .map_or(0, |bytes| u64::from_be_bytes(*bytes));
+    if compaction_decision(data, now_ms) == FilterDecision::Remove {
+        let record = Record::decode(data).expect("removed values decode");
+        assert!(record.is_expired(now_ms), "removed an unexpired record");
+    }
+
+    // The merge fold over arbitrary existing values and operands never panics, and its result
+    // is either one of its inputs' records or empty.
+    let mut parts = data.split(|&byte| byte == 0xff);
+    let existing = parts.next();
+    let operands: Vec<&[u8]> = parts.collect();
+    let merged = apply_operands(existing, operands.iter().copied());
+    if !merged.is_empty() && Some(&merged[..]) != existing {
+        Record::decode(&merged).expect("an installed record decodes");
+    }
+});

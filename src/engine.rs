@@ -1,0 +1,642 @@
+//! The engine: opening the RocksDB store, the table handles, and the one write path.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rocksdb::{
+    BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily, ColumnFamilyDescriptor,
+    CompactOptions, DB, DBCompressionType, DBRecoveryMode, IteratorMode, WriteBatch, WriteOptions,
+};
+
+use crate::claim::{Expiry, Outcome, begin};
+use crate::clock::Clock;
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
+use crate::latch::Latches;
+use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
+use crate::options::{Durability, EngineBuilder, TableOptions};
+use crate::record::Record;
+use crate::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
+
+/// The column family holding every consumer's dedup records.
+pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
+/// Meta key (default column family) holding the store format marker.
+const META_FORMAT_KEY: &[u8] = b"idemdb.format";
+/// Store format marker: magic and format version 1.
+const STORE_FORMAT_V1: &[u8] = b"idemdb store format 1";
+/// Meta key prefix recording each table's kind, so a table cannot change kind between opens.
+const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
+
+/// The embedded dedup store. Cheap to clone (an `Arc`); every handle keeps the store open, and it
+/// closes when the last clone and handle are dropped.
+///
+/// ```
+/// use idemdb::{Engine, Fingerprint, Outcome};
+/// let dir = tempfile::tempdir()?;
+/// let engine = Engine::builder(dir.path()).open()?;
+/// let billing = engine.consumer("billing")?;
+/// match billing.begin(b"order-42", Fingerprint::of(b"payload"))? {
+///     Outcome::Fresh(claim) => { claim.commit(b"charged")?; }
+///     _ => unreachable!("a new store has seen nothing"),
+/// }
+/// assert!(matches!(
+///     billing.begin(b"order-42", Fingerprint::of(b"payload"))?,
+///     Outcome::Duplicate { .. }
+/// ));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// The state shared by the engine and all its handles.
+pub(crate) struct Inner {
+    pub(crate) db: DB,
+    pub(crate) path: PathBuf,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) retention_ms: u64,
+    write_options: WriteOptions,
+    /// Set by a write whose durability is unknown; every later write is refused.
+    poisoned: AtomicBool,
+    /// One latch set per marker table: index 0 is [`RECORDS_TABLE`], then the entity tables.
+    pub(crate) markers: Vec<MarkerTable>,
+    business: Vec<TableOptions>,
+}
+
+/// A column family whose values are idemdb records (the consumers' table or an entity table).
+pub(crate) struct MarkerTable {
+    pub(crate) name: String,
+    pub(crate) latches: Latches,
+}
+
+impl Engine {
+    /// Starts building an engine over the store directory `path` (created if missing).
+    pub fn builder(path: impl AsRef<Path>) -> EngineBuilder {
+        EngineBuilder::new(path)
+    }
+
+    pub(crate) fn open(builder: EngineBuilder) -> Result<Engine> {
+        let path = builder.path.clone();
+        let existing_tables = existing_tables(&path)?;
+        if let Some(tables) = &existing_tables {
+            check_existing_tables(&builder, &path, tables)?;
+        }
+
+        let cache = Cache::new_lru_cache(builder.block_cache_bytes);
+        let mut descriptors = vec![
+            ColumnFamilyDescriptor::new(
+                rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
+                table_options(&builder, &cache),
+            ),
+            ColumnFamilyDescriptor::new(RECORDS_TABLE, marker_table_options(&builder, &cache)),
+        ];
+        for table in &builder.business_tables {
+            let mut options = table_options(&builder, &cache);
+            if let Some((name, merge)) = &table.merge_operator {
+                let merge = merge.clone();
+                options.set_merge_operator(
+                    name.as_str(),
+                    move |key: &[u8],
+                          existing: Option<&[u8]>,
+                          operands: &rocksdb::MergeOperands| {
+                        let operands: Vec<&[u8]> = operands.iter().collect();
+                        merge(key, existing, &operands)
+                    },
+                    |_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands| None,
+                );
+            }
+            descriptors.push(ColumnFamilyDescriptor::new(table.name.as_str(), options));
+        }
+        for name in &builder.entity_tables {
+            descriptors.push(ColumnFamilyDescriptor::new(
+                name.as_str(),
+                marker_table_options(&builder, &cache),
+            ));
+        }
+
+        let db = DB::open_cf_descriptors(&db_options(), &path, descriptors).map_err(|error| {
+            // RocksDB reports a held LOCK file as an I/O error naming the file.
+            if error.kind() == rocksdb::ErrorKind::IOError && error.as_ref().contains("LOCK") {
+                Error::AlreadyOpen { path: path.clone() }
+            } else {
+                Error::from(error)
+            }
+        })?;
+
+        let mut write_options = WriteOptions::default();
+        write_options.set_sync(builder.durability == Durability::Sync);
+        write_options.disable_wal(false);
+
+        let markers = std::iter::once(RECORDS_TABLE.to_owned())
+            .chain(builder.entity_tables.iter().cloned())
+            .map(|name| MarkerTable {
+                name,
+                latches: Latches::new(),
+            })
+            .collect();
+        let inner = Inner {
+            db,
+            path,
+            clock: builder.clock.clone(),
+            retention_ms: builder.retention_ms,
+            write_options,
+            poisoned: AtomicBool::new(false),
+            markers,
+            business: builder.business_tables.clone(),
+        };
+        inner.check_or_write_meta(&builder, existing_tables.is_none())?;
+        Ok(Engine {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// A handle on one consumer's dedup records. Consumers sharing a store never see each
+    /// other's keys.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] unless `consumer_id` has
+    /// [`crate::CONSUMER_ID_BYTES_MIN`]..=[`crate::CONSUMER_ID_BYTES_MAX`] bytes.
+    pub fn consumer(&self, consumer_id: &str) -> Result<Consumer> {
+        Ok(Consumer {
+            inner: self.inner.clone(),
+            id: consumer_id.to_owned(),
+            prefix: consumer_prefix(consumer_id.as_bytes())?,
+        })
+    }
+
+    /// A handle on a business table declared with [`EngineBuilder::business_table`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownTable`] if no business table of that name was declared.
+    pub fn business_table(&self, name: &str) -> Result<BusinessTable> {
+        let declared = self
+            .inner
+            .business
+            .iter()
+            .find(|table| table.name == name)
+            .ok_or_else(|| Error::UnknownTable {
+                name: name.to_owned(),
+                expected: "business",
+            })?;
+        Ok(BusinessTable {
+            inner: self.inner.clone(),
+            name: declared.name.clone(),
+            has_merge_operator: declared.merge_operator.is_some(),
+        })
+    }
+
+    /// A handle on an entity table declared with [`EngineBuilder::entity_table`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownTable`] if no entity table of that name was declared.
+    pub fn entity_table(&self, name: &str) -> Result<EntityTable> {
+        let index = self
+            .inner
+            .markers
+            .iter()
+            .skip(1)
+            .position(|marker| marker.name == name)
+            .ok_or_else(|| Error::UnknownTable {
+                name: name.to_owned(),
+                expected: "entity",
+            })?;
+        Ok(EntityTable {
+            inner: self.inner.clone(),
+            marker: index + 1,
+        })
+    }
+
+    /// Makes every commit so far durable: fsyncs the WAL. Needed only with
+    /// [`Durability::Buffered`]; with [`Durability::Sync`] each commit already is.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`] if an earlier write failed; a failure here poisons the engine too.
+    pub fn flush_wal(&self) -> Result<()> {
+        self.inner.check_not_poisoned()?;
+        let flushed = self.inner.db.flush_wal(true);
+        self.inner.poison_on_failure(flushed)
+    }
+
+    /// Compacts every marker table fully, so the compaction filter removes all records expired
+    /// by now. RocksDB also does this on its own (size-triggered and periodic compactions); this
+    /// is for tests and operators who want the space back now.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if RocksDB fails the flush or compaction.
+    pub fn compact(&self) -> Result<()> {
+        let mut options = CompactOptions::default();
+        options.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
+        for marker in &self.inner.markers {
+            let cf = self.inner.cf(&marker.name);
+            self.inner.db.flush_cf(cf)?;
+            self.inner
+                .db
+                .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
+        }
+        Ok(())
+    }
+
+    /// Counts the records physically present in the consumers' table, by what a read at this
+    /// instant would make of them. Walks the whole table: meant for tests and operators.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the iteration fails.
+    pub fn record_counts(&self) -> Result<RecordCounts> {
+        let now_ms = self.inner.clock.now_ms();
+        let mut counts = RecordCounts::default();
+        let cf = self.inner.cf(RECORDS_TABLE);
+        for entry in self.inner.db.iterator_cf(cf, IteratorMode::Start) {
+            let (_, value) = entry?;
+            match Record::decode(&value) {
+                Ok(record) if record.is_expired(now_ms) => counts.expired += 1,
+                Ok(_) => counts.live += 1,
+                Err(_) => counts.corrupt += 1,
+            }
+        }
+        Ok(counts)
+    }
+
+    /// The number of claims this process holds open right now, over all marker tables.
+    #[must_use]
+    pub fn open_claims(&self) -> usize {
+        self.inner
+            .markers
+            .iter()
+            .map(|marker| marker.latches.held())
+            .sum()
+    }
+
+    /// The store's directory.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The engine clock's current reading, in ms since the Unix epoch.
+    #[must_use]
+    pub fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Records in the consumers' table by state, as counted by [`Engine::record_counts`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecordCounts {
+    /// Completed records not yet expired.
+    pub live: u64,
+    /// Expired records that compaction has not removed yet (they already read as absent).
+    pub expired: u64,
+    /// Values that do not decode.
+    pub corrupt: u64,
+}
+
+impl Inner {
+    pub(crate) fn cf(&self, name: &str) -> &ColumnFamily {
+        // Every name asked for was declared and created at open, and tables are never dropped.
+        self.db
+            .cf_handle(name)
+            .expect("table declared at open is present")
+    }
+
+    pub(crate) fn check_not_poisoned(&self) -> Result<()> {
+        if self.poisoned.load(Ordering::Acquire) {
+            return Err(Error::Poisoned);
+        }
+        Ok(())
+    }
+
+    /// Maps a write-path result, poisoning the engine unless the failure is known to have
+    /// written nothing.
+    fn poison_on_failure(&self, outcome: std::result::Result<(), rocksdb::Error>) -> Result<()> {
+        outcome.map_err(|error| {
+            let error = Error::from(error);
+            if !error.is_retryable() {
+                self.poisoned.store(true, Ordering::Release);
+            }
+            error
+        })
+    }
+
+    /// The one write path: writes `batch` atomically with the engine's durability.
+    pub(crate) fn write(&self, batch: WriteBatch) -> Result<()> {
+        self.check_not_poisoned()?;
+        let written = self.db.write_opt(batch, &self.write_options);
+        self.poison_on_failure(written)
+    }
+
+    fn check_or_write_meta(&self, builder: &EngineBuilder, new_store: bool) -> Result<()> {
+        let meta = self.cf(rocksdb::DEFAULT_COLUMN_FAMILY_NAME);
+        let mut batch = WriteBatch::default();
+        match self.db.get_cf(meta, META_FORMAT_KEY)? {
+            Some(format) if format == STORE_FORMAT_V1 => {}
+            Some(_) => return Err(self.incompatible("written by an unknown idemdb store format")),
+            None if new_store => batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V1),
+            None => return Err(self.incompatible("not an idemdb store (no format marker)")),
+        }
+        let kinds = builder
+            .business_tables
+            .iter()
+            .map(|table| (table.name.as_str(), &b"business"[..]))
+            .chain(
+                builder
+                    .entity_tables
+                    .iter()
+                    .map(|name| (name.as_str(), &b"entity"[..])),
+            );
+        for (name, kind) in kinds {
+            let key = format!("{META_TABLE_KIND_PREFIX}{name}");
+            match self.db.get_cf(meta, &key)? {
+                Some(stored) if stored == kind => {}
+                Some(_) => {
+                    return Err(self.incompatible(&format!(
+                        "table {name:?} was created as another kind of table"
+                    )));
+                }
+                None => batch.put_cf(meta, key, kind),
+            }
+        }
+        if !batch.is_empty() {
+            // The marker must be durable before any record is, whatever the durability mode.
+            let mut sync = WriteOptions::default();
+            sync.set_sync(true);
+            self.db.write_opt(batch, &sync)?;
+        }
+        Ok(())
+    }
+
+    fn incompatible(&self, reason: &str) -> Error {
+        Error::IncompatibleStore {
+            path: self.path.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+/// The tables of the store at `path`, or `None` if there is no store there yet.
+fn existing_tables(path: &Path) -> Result<Option<Vec<String>>> {
+    if !path.join("CURRENT").exists() {
+        return Ok(None);
+    }
+    Ok(Some(DB::list_cf(&rocksdb::Options::default(), path)?))
+}
+
+/// RocksDB refuses to open a store without all of its column families, with a message that does
+/// not say which to declare; this says it, and catches a directory that is not ours.
+fn check_existing_tables(builder: &EngineBuilder, path: &Path, tables: &[String]) -> Result<()> {
+    let incompatible = |reason: String| Error::IncompatibleStore {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if !tables.iter().any(|table| table == RECORDS_TABLE) {
+        return Err(incompatible(format!(
+            "not an idemdb store (no {RECORDS_TABLE:?} table)"
+        )));
+    }
+    let declared: Vec<&str> = builder.table_names().collect();
+    for table in tables {
+        let ours = table == rocksdb::DEFAULT_COLUMN_FAMILY_NAME || table == RECORDS_TABLE;
+        if !ours && !declared.contains(&table.as_str()) {
+            return Err(incompatible(format!(
+                "the store has table {table:?}, which was not declared; declare it with \
+                 business_table or entity_table"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Database-wide options. Each is set explicitly because the engine's guarantees depend on it.
+fn db_options() -> rocksdb::Options {
+    let mut options = rocksdb::Options::default();
+    options.create_if_missing(true);
+    options.create_missing_column_families(true);
+    // Verify checksums and refuse to open over detected corruption rather than guess.
+    options.set_paranoid_checks(true);
+    // After a crash, replay the WAL up to the first damaged entry: every write acknowledged with
+    // fsync is before it. Later entries are dropped, never partially applied.
+    options.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
+    // Writes reach the WAL inside `write`; a buffered WAL would make `Durability::Buffered` lose
+    // commits on a process crash, not just on power loss.
+    options.set_manual_wal_flush(false);
+    // The WAL is always on, so a batch spanning tables is atomic through it; atomic flush (for
+    // WAL-less setups) is not needed.
+    options.set_atomic_flush(false);
+    options.set_enable_pipelined_write(false);
+    options.set_use_fsync(false);
+    options.set_max_background_jobs(2);
+    options.set_max_open_files(-1);
+    options
+}
+
+/// Options common to every table.
+fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
+    let mut block = BlockBasedOptions::default();
+    block.set_block_cache(cache);
+    // Most lookups are for keys never seen before: a whole-key bloom filter answers them without
+    // touching data blocks.
+    block.set_bloom_filter(10.0, false);
+    block.set_whole_key_filtering(true);
+    block.set_cache_index_and_filter_blocks(true);
+    let mut options = rocksdb::Options::default();
+    options.set_block_based_table_factory(&block);
+    options.set_compression_type(DBCompressionType::Lz4);
+    options.set_write_buffer_size(builder.write_buffer_bytes);
+    options.set_level_compaction_dynamic_level_bytes(true);
+    options.set_optimize_filters_for_hits(false);
+    options
+}
+
+/// Options of a marker table: the record merge operator, the TTL compaction filter, and periodic
+/// compaction so cold files are filtered too.
+fn marker_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
+    let mut options = table_options(builder, cache);
+    options.set_merge_operator(
+        MERGE_OPERATOR_NAME,
+        rocksdb_full_merge,
+        rocksdb_partial_merge,
+    );
+    // Fold operands only on reads and compactions, never eagerly on the write path.
+    options.set_max_successive_merges(0);
+    let clock = builder.clock.clone();
+    options.set_compaction_filter(COMPACTION_FILTER_NAME, move |_level, _key, value| {
+        match compaction_decision(value, clock.now_ms()) {
+            FilterDecision::Keep => rocksdb::CompactionDecision::Keep,
+            FilterDecision::Remove => rocksdb::CompactionDecision::Remove,
+        }
+    });
+    options.set_periodic_compaction_seconds(builder.periodic_compaction_s);
+    options
+}
+
+/// A handle on one consumer's records: `begin` claims message keys, `get` inspects them.
+#[derive(Clone)]
+pub struct Consumer {
+    inner: Arc<Inner>,
+    id: String,
+    prefix: Vec<u8>,
+}
+
+impl Consumer {
+    /// Claims `message_key` for processing, or reports why not. See [`Outcome`].
+    ///
+    /// `fingerprint` identifies the content: a redelivery whose fingerprint differs from the
+    /// completed one is an [`Outcome::Conflict`].
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] for a bad key, [`Error::Corrupt`] if the stored record does not
+    /// decode, [`Error::Storage`] if the read fails.
+    pub fn begin(
+        &self,
+        message_key: impl AsRef<[u8]>,
+        fingerprint: Fingerprint,
+    ) -> Result<Outcome> {
+        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        let expiry = Expiry::After(std::time::Duration::from_millis(self.inner.retention_ms));
+        begin(&self.inner, 0, stored_key, fingerprint, expiry)
+    }
+
+    /// The live record for `message_key`, if any (an expired record reads as `None`).
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin`].
+    pub fn get(&self, message_key: impl AsRef<[u8]>) -> Result<Option<Record>> {
+        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        self.inner.read_record(0, &stored_key)
+    }
+
+    /// The consumer id.
+    #[must_use]
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer").field("id", &self.id).finish()
+    }
+}
+
+/// A table whose records are themselves the markers (R5): `begin(entity_key)` inserts the
+/// entity if absent, and a second insert of the same key is a duplicate or a conflict.
+/// The committed result *is* the entity. Records never expire unless the claim sets an expiry.
+#[derive(Clone)]
+pub struct EntityTable {
+    inner: Arc<Inner>,
+    marker: usize,
+}
+
+impl EntityTable {
+    /// Claims the entity key for insertion, or reports why not. Keys follow the message-key
+    /// limits ([`crate::MESSAGE_KEY_BYTES_MIN`]..=[`crate::MESSAGE_KEY_BYTES_MAX`]).
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin`].
+    pub fn begin(&self, entity_key: impl AsRef<[u8]>, fingerprint: Fingerprint) -> Result<Outcome> {
+        let entity_key = entity_key.as_ref();
+        check_message_key(entity_key)?;
+        begin(
+            &self.inner,
+            self.marker,
+            entity_key.to_vec(),
+            fingerprint,
+            Expiry::Never,
+        )
+    }
+
+    /// The entity's record, if present and not expired.
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin`].
+    pub fn get(&self, entity_key: impl AsRef<[u8]>) -> Result<Option<Record>> {
+        let entity_key = entity_key.as_ref();
+        check_message_key(entity_key)?;
+        self.inner.read_record(self.marker, entity_key)
+    }
+
+    /// The table's name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.inner.markers[self.marker].name
+    }
+}
+
+impl std::fmt::Debug for EntityTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EntityTable")
+            .field("name", &self.name())
+            .finish()
+    }
+}
+
+/// A handle on a business table: claims stage writes into it; `get` reads it.
+#[derive(Clone)]
+pub struct BusinessTable {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) name: String,
+    pub(crate) has_merge_operator: bool,
+}
+
+impl BusinessTable {
+    /// The current value under `key`, merges applied.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the read (or a merge) fails.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        Ok(self.inner.db.get_cf(self.inner.cf(&self.name), key)?)
+    }
+
+    /// The table's name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl std::fmt::Debug for BusinessTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BusinessTable")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl Inner {
+    /// Reads and decodes a marker record, treating an expired one as absent.
+    pub(crate) fn read_record(&self, marker: usize, stored_key: &[u8]) -> Result<Option<Record>> {
+        let now_ms = self.clock.now_ms();
+        Ok(self
+            .read_record_raw(marker, stored_key)?
+            .filter(|record| !record.is_expired(now_ms)))
+    }
+
+    /// Reads and decodes a marker record, expired or not.
+    pub(crate) fn read_record_raw(
+        &self,
+        marker: usize,
+        stored_key: &[u8],
+    ) -> Result<Option<Record>> {
+        let cf = self.cf(&self.markers[marker].name);
+        let Some(value) = self.db.get_pinned_cf(cf, stored_key)? else {
+            return Ok(None);
+        };
+        Record::decode(&value)
+            .map(Some)
+            .map_err(|reason| Error::Corrupt {
+                key: stored_key.to_vec(),
+                reason,
+            })
+    }
+}

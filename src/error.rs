@@ -1,0 +1,209 @@
+//! The crate's error type: one variant per failure a caller can act on, each carrying evidence.
+
+use std::path::PathBuf;
+
+/// A specialised `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Which limit an input violated. Every limit is a named constant of the crate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Limit {
+    /// [`crate::CONSUMER_ID_BYTES_MIN`] ..= [`crate::CONSUMER_ID_BYTES_MAX`].
+    ConsumerIdBytes,
+    /// [`crate::MESSAGE_KEY_BYTES_MIN`] ..= [`crate::MESSAGE_KEY_BYTES_MAX`].
+    MessageKeyBytes,
+    /// [`crate::RESULT_BYTES_MAX`].
+    ResultBytes,
+    /// [`crate::TABLE_NAME_BYTES_MIN`] ..= [`crate::TABLE_NAME_BYTES_MAX`].
+    TableNameBytes,
+    /// [`crate::TABLE_KEY_BYTES_MIN`] ..= [`crate::TABLE_KEY_BYTES_MAX`].
+    TableKeyBytes,
+    /// [`crate::TABLE_VALUE_BYTES_MAX`].
+    TableValueBytes,
+    /// [`crate::STAGED_WRITES_MAX`].
+    StagedWrites,
+    /// [`crate::STAGED_BYTES_MAX`].
+    StagedBytes,
+    /// [`crate::RETENTION_MS_MIN`] ..= [`crate::RETENTION_MS_MAX`].
+    RetentionMs,
+    /// [`crate::PERIODIC_COMPACTION_S_MIN`] ..= [`crate::PERIODIC_COMPACTION_S_MAX`].
+    PeriodicCompactionS,
+    /// [`crate::BLOCK_CACHE_BYTES_MIN`] ..= [`crate::BLOCK_CACHE_BYTES_MAX`].
+    BlockCacheBytes,
+    /// [`crate::WRITE_BUFFER_BYTES_MIN`] ..= [`crate::WRITE_BUFFER_BYTES_MAX`].
+    WriteBufferBytes,
+    /// [`crate::TABLES_MAX`].
+    Tables,
+}
+
+/// What RocksDB reported, reduced to what a caller can act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StorageErrorKind {
+    /// The operation did not take effect and may simply be retried (RocksDB `Busy`, `TryAgain`,
+    /// `TimedOut`, `Incomplete`).
+    Retryable,
+    /// An I/O failure. On the write path this poisons the engine (see [`Error::Poisoned`]).
+    Io,
+    /// RocksDB detected corruption of its own files (checksums, manifest, WAL).
+    Corruption,
+    /// The store is shutting down.
+    ShuttingDown,
+    /// Anything else RocksDB reports (invalid argument, not supported, ...). A bug in idemdb or an
+    /// incompatible store rather than a transient condition.
+    Other,
+}
+
+/// Every failure idemdb reports. Duplicates, conflicts and in-progress keys are *not* errors:
+/// they are [`crate::Outcome`]s.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An input was outside a documented limit.
+    #[error("{limit:?} is {actual}, allowed {min}..={max}: shorten or split the input")]
+    LimitExceeded {
+        /// Which limit.
+        limit: Limit,
+        /// The value supplied (a length in bytes, a count, or a duration in the limit's unit).
+        actual: u64,
+        /// The smallest allowed value.
+        min: u64,
+        /// The largest allowed value.
+        max: u64,
+    },
+
+    /// The store at `path` is held open by another process or by another `Engine` in this one.
+    #[error(
+        "store {path:?} is already open (by another process or another Engine in this process); \
+         close it there first"
+    )]
+    AlreadyOpen {
+        /// The store's directory.
+        path: PathBuf,
+    },
+
+    /// An option given to the builder is inconsistent (a duplicate table name, a reserved name ...).
+    #[error("invalid option: {reason}")]
+    InvalidOption {
+        /// What is wrong, in words.
+        reason: String,
+    },
+
+    /// The directory holds a RocksDB database that is not an idemdb store, or one written by an
+    /// incompatible version of idemdb, or one whose tables differ from the declared ones.
+    #[error("incompatible store at {path:?}: {reason}")]
+    IncompatibleStore {
+        /// The store's directory.
+        path: PathBuf,
+        /// What does not match, in words.
+        reason: String,
+    },
+
+    /// A table handle was requested by a name that was not declared when the engine was opened,
+    /// or with the wrong kind.
+    #[error("table {name:?} was not declared as a {expected} table when the engine was opened")]
+    UnknownTable {
+        /// The name asked for.
+        name: String,
+        /// The kind of table asked for ("business" or "entity").
+        expected: &'static str,
+    },
+
+    /// A handle belongs to a different `Engine` than the claim it was used with.
+    #[error("table {name:?} belongs to another Engine; take the handle from the claim's engine")]
+    ForeignTable {
+        /// The table's name.
+        name: String,
+    },
+
+    /// A merge was staged into a business table declared without a merge operator.
+    #[error("table {name:?} has no merge operator; declare one with TableOptions::merge_operator")]
+    NoMergeOperator {
+        /// The table's name.
+        name: String,
+    },
+
+    /// A stored record (or merge operand) failed to decode. The key is the stored key, printable
+    /// with [`crate::format::printable`].
+    #[error("corrupt record at key {}: {reason}", crate::format::printable(key))]
+    Corrupt {
+        /// The stored key whose value did not decode.
+        key: Vec<u8>,
+        /// Why it did not decode.
+        reason: crate::format::DecodeError,
+    },
+
+    /// An earlier write failed in a way that leaves its durability unknown (a failed WAL write or
+    /// fsync). The engine refuses writes until it is dropped and reopened, which recovers a
+    /// consistent state from the WAL.
+    #[error("the engine is poisoned by an earlier failed write; drop it and reopen the store")]
+    Poisoned,
+
+    /// RocksDB reported an error. `kind` is the part to act on; `detail` is for logs only and its
+    /// wording is not part of the API.
+    #[error("storage error ({kind:?}): {detail}")]
+    Storage {
+        /// What kind of failure.
+        kind: StorageErrorKind,
+        /// RocksDB's own message, for logs.
+        detail: String,
+    },
+}
+
+impl Error {
+    /// True when the same call may succeed if simply retried (nothing was written).
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::Storage {
+                kind: StorageErrorKind::Retryable,
+                ..
+            }
+        )
+    }
+
+    pub(crate) fn limit(limit: Limit, actual: usize, min: usize, max: usize) -> Error {
+        // `usize` fits in `u64` on every platform Rust supports.
+        Error::LimitExceeded {
+            limit,
+            actual: actual as u64,
+            min: min as u64,
+            max: max as u64,
+        }
+    }
+
+    #[cfg(feature = "engine")]
+    pub(crate) fn invalid_option(reason: impl Into<String>) -> Error {
+        Error::InvalidOption {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Checks `min <= actual <= max`, else returns [`Error::LimitExceeded`] naming `limit`.
+pub(crate) fn check_limit(limit: Limit, actual: usize, min: usize, max: usize) -> Result<()> {
+    if actual < min || actual > max {
+        return Err(Error::limit(limit, actual, min, max));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "engine")]
+impl From<rocksdb::Error> for Error {
+    fn from(error: rocksdb::Error) -> Error {
+        use rocksdb::ErrorKind as K;
+        let kind = match error.kind() {
+            K::Busy | K::TryAgain | K::TimedOut | K::Incomplete => StorageErrorKind::Retryable,
+            K::IOError => StorageErrorKind::Io,
+            K::Corruption => StorageErrorKind::Corruption,
+            K::ShutdownInProgress => StorageErrorKind::ShuttingDown,
+            _ => StorageErrorKind::Other,
+        };
+        Error::Storage {
+            kind,
+            detail: error.into_string(),
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! The marker tables' merge operator: the record state machine, applied by RocksDB.
+//!
+//! A claim's commit is written as a merge operand ("install this record if the key is absent or
+//! still holds the record I found expired"), never as a blind put. RocksDB orders all operands
+//! of a key by sequence number and folds them over the base value with [`apply_operands`], so the
+//! outcome of concurrent transitions is decided by one deterministic function over one total
+//! order, whenever and wherever (read, flush, compaction) the fold runs. docs/design.md gives the
+//! rules and the argument for why they compose with the claim latch and the compaction filter.
+
+use crate::record::{Operand, RecordHeader};
+
+/// The name RocksDB persists in the OPTIONS file; changing it makes old stores refuse to open.
+#[cfg(feature = "engine")]
+pub(crate) const MERGE_OPERATOR_NAME: &str = "idemdb.record.v1";
+
+/// Folds `operands` (oldest first) over `existing`, returning the new stored value.
+///
+/// Rules, for each operand in order:
+/// - `Commit { replaces_epoch, record }` installs `record` when the current value is absent or is
+///   a record whose epoch equals `replaces_epoch`; otherwise the current value stands
+///   (insert-if-absent: a completed record is never overwritten by a commit it did not expect).
+/// - An operand that does not decode is skipped; a current value that does not decode is kept
+///   as it is, so that reads of this one key report it as corrupt.
+///
+/// Never fails: a failed merge makes RocksDB stop compaction for the whole store, which is a
+/// worse outcome than one key reading as corrupt. When there is nothing valid to store at all
+/// (no existing value and no operand that decodes) the result is the empty value, which reads
+/// as [`crate::Error::Corrupt`] for that key alone and which the compaction filter keeps.
+pub fn apply_operands<'a>(
+    existing: Option<&'a [u8]>,
+    operands: impl IntoIterator<Item = &'a [u8]>,
+) -> Vec<u8> {
+    let mut current: Option<&[u8]> = existing;
+    for operand in operands {
+        let Ok(Operand::Commit {
+            replaces_epoch,
+            record_bytes,
+        }) = Operand::decode(operand)
+        else {
+            continue;
+        };
+        let installs = match current {
+            None => true,
+            Some(value) => match RecordHeader::decode(value) {
+                Ok(header) => header.epoch == replaces_epoch,
+                Err(_) => false,
+            },
+        };
+        if installs {
+            current = Some(record_bytes);
+        }
+    }
+    current.map(<[u8]>::to_vec).unwrap_or_default()
+}
+
+/// The merge operator as RocksDB calls it.
+#[cfg(feature = "engine")]
+pub(crate) fn rocksdb_full_merge(
+    _key: &[u8],
+    existing: Option<&[u8]>,
+    operands: &rocksdb::MergeOperands,
+) -> Option<Vec<u8>> {
+    Some(apply_operands(existing, operands))
+}
+
+/// Partial merges (operands without a base) are declined: a commit's effect depends on the base
+/// value, so two operands cannot be combined without it. RocksDB then keeps the operands and
+/// folds them when the base is known.
+#[cfg(feature = "engine")]
+pub(crate) fn rocksdb_partial_merge(
+    _key: &[u8],
+    _existing: Option<&[u8]>,
+    _operands: &rocksdb::MergeOperands,
+) -> Option<Vec<u8>> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::record::Record;
+    use bytes::Bytes;
+
+    fn record(epoch: u64, result: &str) -> Record {
+        Record::new(
+            epoch,
+            10,
+            20,
+            Fingerprint::of(result),
+            Bytes::copy_from_slice(result.as_bytes()),
+        )
+    }
+
+    fn commit(replaces: u64, result: &str) -> Vec<u8> {
+        Operand::encode_commit(replaces, &record(replaces + 1, result))
+    }
+
+    fn fold(existing: Option<Record>, operands: &[Vec<u8>]) -> Option<Record> {
+        let existing = existing.map(|r| r.encode());
+        let merged = apply_operands(existing.as_deref(), operands.iter().map(Vec::as_slice));
+        (!merged.is_empty()).then(|| Record::decode(&merged).unwrap())
+    }
+
+    #[test]
+    fn first_commit_over_absent_wins() {
+        let merged = fold(None, &[commit(0, "a"), commit(0, "b")]).unwrap();
+        assert_eq!(merged.result, "a");
+        assert_eq!(merged.epoch, 1);
+    }
+
+    #[test]
+    fn commit_replaces_only_the_record_it_saw() {
+        let merged = fold(Some(record(4, "old")), &[commit(4, "new")]).unwrap();
+        assert_eq!(merged.result, "new");
+        let kept = fold(Some(record(4, "old")), &[commit(3, "stale")]).unwrap();
+        assert_eq!(kept.result, "old");
+    }
+
+    #[test]
+    fn corrupt_operands_are_skipped_and_corrupt_bases_kept() {
+        let merged = fold(None, &[b"junk".to_vec(), commit(0, "a")]).unwrap();
+        assert_eq!(merged.result, "a");
+        let kept = apply_operands(Some(b"junk"), [commit(0, "a").as_slice()]);
+        assert_eq!(kept, b"junk");
+        assert!(apply_operands(None, [&b"junk"[..]]).is_empty());
+    }
+}

@@ -1,0 +1,298 @@
+//! Options for opening an engine: the builder, durability modes and table declarations.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Clock, SystemClock};
+use crate::engine::Engine;
+use crate::error::{Error, Limit, Result, check_limit};
+
+/// The shortest default retention, in milliseconds. Zero would expire records as they are written.
+pub const RETENTION_MS_MIN: u64 = 1;
+/// The longest retention, in milliseconds (3650 days). Use [`crate::Expiry::Never`] for records
+/// that must never expire.
+pub const RETENTION_MS_MAX: u64 = 3650 * 24 * 3600 * 1000;
+/// The default retention: 7 days, in milliseconds.
+pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
+
+/// The shortest periodic-compaction interval, in seconds (1 hour).
+pub const PERIODIC_COMPACTION_S_MIN: u64 = 3600;
+/// The longest periodic-compaction interval, in seconds (365 days).
+pub const PERIODIC_COMPACTION_S_MAX: u64 = 365 * 24 * 3600;
+/// The default periodic-compaction interval, in seconds (1 day).
+pub const PERIODIC_COMPACTION_S_DEFAULT: u64 = 24 * 3600;
+
+/// The smallest block cache, in bytes (1 MiB).
+pub const BLOCK_CACHE_BYTES_MIN: usize = 1 << 20;
+/// The largest block cache, in bytes (64 GiB).
+pub const BLOCK_CACHE_BYTES_MAX: usize = 64 << 30;
+/// The default block cache, in bytes (64 MiB), shared by all tables.
+pub const BLOCK_CACHE_BYTES_DEFAULT: usize = 64 << 20;
+
+/// The smallest memtable (write buffer) per table, in bytes (1 MiB).
+pub const WRITE_BUFFER_BYTES_MIN: usize = 1 << 20;
+/// The largest memtable (write buffer) per table, in bytes (1 GiB).
+pub const WRITE_BUFFER_BYTES_MAX: usize = 1 << 30;
+/// The default memtable (write buffer) per table, in bytes (64 MiB).
+pub const WRITE_BUFFER_BYTES_DEFAULT: usize = 64 << 20;
+
+/// The shortest table name, in bytes.
+pub const TABLE_NAME_BYTES_MIN: usize = 1;
+/// The longest table name, in bytes.
+pub const TABLE_NAME_BYTES_MAX: usize = 64;
+/// The most tables (business and entity together) one engine declares.
+pub const TABLES_MAX: usize = 64;
+
+/// Table names starting with this are reserved for idemdb's own column families.
+pub(crate) const RESERVED_TABLE_PREFIX: &str = "idemdb";
+
+/// When a commit returns relative to the disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Durability {
+    /// The WAL is written and fsynced before `commit` returns: an acknowledged commit survives
+    /// a power failure. The default.
+    #[default]
+    Sync,
+    /// The WAL is written (to the OS page cache) before `commit` returns, not fsynced: a commit
+    /// survives a process crash but not a power failure until [`Engine::flush_wal`] returns.
+    Buffered,
+}
+
+/// A user merge function for a business table: `(key, existing value, operands oldest first)`
+/// to the new value, or `None` to report a corrupt operand (RocksDB then fails the read).
+pub type TableMergeFn = dyn Fn(&[u8], Option<&[u8]>, &[&[u8]]) -> Option<Vec<u8>> + Send + Sync;
+
+/// Declares a business table (a RocksDB column family) that claims can stage writes into.
+#[derive(Clone)]
+#[must_use]
+pub struct TableOptions {
+    pub(crate) name: String,
+    pub(crate) merge_operator: Option<(String, Arc<TableMergeFn>)>,
+}
+
+impl TableOptions {
+    /// A business table called `name`: 1..=[`TABLE_NAME_BYTES_MAX`] bytes of ASCII letters,
+    /// digits, `_`, `-` and `.`, not starting with `idemdb` (reserved). Checked at open.
+    pub fn new(name: impl Into<String>) -> TableOptions {
+        TableOptions {
+            name: name.into(),
+            merge_operator: None,
+        }
+    }
+
+    /// Gives the table a merge operator, so claims can stage `merge` writes into it. The name is
+    /// persisted by RocksDB; reopen with the same name. Default: none (staging a merge into the
+    /// table is then an [`Error::NoMergeOperator`]).
+    ///
+    /// [`crate::merge_ops::add_u64`] is a ready-made counter.
+    pub fn merge_operator(
+        mut self,
+        name: impl Into<String>,
+        merge: impl Fn(&[u8], Option<&[u8]>, &[&[u8]]) -> Option<Vec<u8>> + Send + Sync + 'static,
+    ) -> TableOptions {
+        self.merge_operator = Some((name.into(), Arc::new(merge)));
+        self
+    }
+}
+
+impl fmt::Debug for TableOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TableOptions")
+            .field("name", &self.name)
+            .field(
+                "merge_operator",
+                &self.merge_operator.as_ref().map(|(name, _)| name),
+            )
+            .finish()
+    }
+}
+
+/// Builds an [`Engine`]. Every setter documents its default and bounds; all are checked by
+/// [`EngineBuilder::open`].
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct EngineBuilder {
+    pub(crate) path: PathBuf,
+    pub(crate) retention_ms: u64,
+    pub(crate) durability: Durability,
+    pub(crate) business_tables: Vec<TableOptions>,
+    pub(crate) entity_tables: Vec<String>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) periodic_compaction_s: u64,
+    pub(crate) block_cache_bytes: usize,
+    pub(crate) write_buffer_bytes: usize,
+}
+
+impl EngineBuilder {
+    pub(crate) fn new(path: impl AsRef<Path>) -> EngineBuilder {
+        EngineBuilder {
+            path: path.as_ref().to_path_buf(),
+            retention_ms: RETENTION_MS_DEFAULT,
+            durability: Durability::default(),
+            business_tables: Vec::new(),
+            entity_tables: Vec::new(),
+            clock: Arc::new(SystemClock),
+            periodic_compaction_s: PERIODIC_COMPACTION_S_DEFAULT,
+            block_cache_bytes: BLOCK_CACHE_BYTES_DEFAULT,
+            write_buffer_bytes: WRITE_BUFFER_BYTES_DEFAULT,
+        }
+    }
+
+    /// How long a consumer's completed record is remembered, unless its claim sets its own
+    /// expiry. Keep it longer than the broker can redeliver (max deliveries x visibility
+    /// timeout, plus message TTL, plus dead-letter resubmission delay).
+    /// Default 7 days ([`RETENTION_MS_DEFAULT`]); bounds [`RETENTION_MS_MIN`]..=[`RETENTION_MS_MAX`].
+    pub fn retention(mut self, retention: Duration) -> EngineBuilder {
+        self.retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// When commits return relative to the disk. Default [`Durability::Sync`].
+    pub fn durability(mut self, durability: Durability) -> EngineBuilder {
+        self.durability = durability;
+        self
+    }
+
+    /// Declares a business table claims can stage writes into. Default: none. At most
+    /// [`TABLES_MAX`] tables in all. A store must always be opened with every table it has.
+    pub fn business_table(mut self, table: TableOptions) -> EngineBuilder {
+        self.business_tables.push(table);
+        self
+    }
+
+    /// Declares an entity table: a table whose records are themselves the markers (the entity
+    /// is inserted if absent; see [`crate::EntityTable`]). Its records never expire unless a
+    /// claim sets an expiry. Same naming rules as [`TableOptions::new`]. Default: none.
+    pub fn entity_table(mut self, name: impl Into<String>) -> EngineBuilder {
+        self.entity_tables.push(name.into());
+        self
+    }
+
+    /// The clock for timestamps, expiry and the compaction filter. Default [`SystemClock`];
+    /// tests inject a [`crate::MockClock`].
+    pub fn clock(mut self, clock: impl Clock) -> EngineBuilder {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// How often RocksDB recompacts files that no other compaction touched, so that the
+    /// compaction filter also reclaims expired records in cold files. Default 1 day
+    /// ([`PERIODIC_COMPACTION_S_DEFAULT`]); bounds
+    /// [`PERIODIC_COMPACTION_S_MIN`]..=[`PERIODIC_COMPACTION_S_MAX`] seconds.
+    pub fn periodic_compaction(mut self, every: Duration) -> EngineBuilder {
+        self.periodic_compaction_s = every.as_secs();
+        self
+    }
+
+    /// The block cache shared by all tables, in bytes. Default 64 MiB
+    /// ([`BLOCK_CACHE_BYTES_DEFAULT`]); bounds [`BLOCK_CACHE_BYTES_MIN`]..=[`BLOCK_CACHE_BYTES_MAX`].
+    pub fn block_cache_bytes(mut self, bytes: usize) -> EngineBuilder {
+        self.block_cache_bytes = bytes;
+        self
+    }
+
+    /// The memtable size of each table, in bytes. Default 64 MiB
+    /// ([`WRITE_BUFFER_BYTES_DEFAULT`]); bounds [`WRITE_BUFFER_BYTES_MIN`]..=[`WRITE_BUFFER_BYTES_MAX`].
+    pub fn write_buffer_bytes(mut self, bytes: usize) -> EngineBuilder {
+        self.write_buffer_bytes = bytes;
+        self
+    }
+
+    /// Validates the options and opens (or creates) the store.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] or [`Error::InvalidOption`] for bad options,
+    /// [`Error::AlreadyOpen`] when another process (or another `Engine` here) holds the store,
+    /// [`Error::IncompatibleStore`] when the directory is not a matching idemdb store,
+    /// [`Error::Storage`] for RocksDB failures.
+    pub fn open(self) -> Result<Engine> {
+        self.validate()?;
+        Engine::open(self)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.path.as_os_str().is_empty() {
+            return Err(Error::invalid_option("the store path is empty"));
+        }
+        check_u64(
+            Limit::RetentionMs,
+            self.retention_ms,
+            RETENTION_MS_MIN,
+            RETENTION_MS_MAX,
+        )?;
+        check_u64(
+            Limit::PeriodicCompactionS,
+            self.periodic_compaction_s,
+            PERIODIC_COMPACTION_S_MIN,
+            PERIODIC_COMPACTION_S_MAX,
+        )?;
+        check_limit(
+            Limit::BlockCacheBytes,
+            self.block_cache_bytes,
+            BLOCK_CACHE_BYTES_MIN,
+            BLOCK_CACHE_BYTES_MAX,
+        )?;
+        check_limit(
+            Limit::WriteBufferBytes,
+            self.write_buffer_bytes,
+            WRITE_BUFFER_BYTES_MIN,
+            WRITE_BUFFER_BYTES_MAX,
+        )?;
+        let names: Vec<&str> = self.table_names().collect();
+        check_limit(Limit::Tables, names.len(), 0, TABLES_MAX)?;
+        for (index, name) in names.iter().enumerate() {
+            check_table_name(name)?;
+            if names[..index].contains(name) {
+                return Err(Error::invalid_option(format!(
+                    "table {name:?} is declared twice"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn table_names(&self) -> impl Iterator<Item = &str> {
+        self.business_tables
+            .iter()
+            .map(|table| table.name.as_str())
+            .chain(self.entity_tables.iter().map(String::as_str))
+    }
+}
+
+fn check_u64(limit: Limit, actual: u64, min: u64, max: u64) -> Result<()> {
+    if actual < min || actual > max {
+        return Err(Error::LimitExceeded {
+            limit,
+            actual,
+            min,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// Table names become RocksDB column-family names: they are persisted, shown by tools and passed
+/// through C strings, so they are kept to a plain, printable alphabet.
+fn check_table_name(name: &str) -> Result<()> {
+    check_limit(
+        Limit::TableNameBytes,
+        name.len(),
+        TABLE_NAME_BYTES_MIN,
+        TABLE_NAME_BYTES_MAX,
+    )?;
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    if !name.chars().all(allowed) {
+        return Err(Error::invalid_option(format!(
+            "table name {name:?} may hold only ASCII letters, digits, '_', '-' and '.'"
+        )));
+    }
+    if name.starts_with(RESERVED_TABLE_PREFIX) || name == rocksdb::DEFAULT_COLUMN_FAMILY_NAME {
+        return Err(Error::invalid_option(format!(
+            "table name {name:?} is reserved (names starting with {RESERVED_TABLE_PREFIX:?}, \
+             and \"default\")"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,102 @@
+//! Guards opening a store: a store held by another process or engine is a typed error, and a
+//! store opened with tables that do not match is refused with a reason.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use crate::util::TestStore;
+use idemdb::{Engine, Error, TableOptions};
+
+/// Environment variable telling the child test which store to hold open.
+const HOLD_ENV: &str = "IDEMDB_TEST_HOLD_STORE";
+const HOLDING: &str = "IDEMDB-HOLDING";
+
+#[test]
+fn second_engine_in_this_process_gets_already_open() {
+    let store = TestStore::new();
+    let _engine = store.open();
+    assert!(matches!(
+        store.builder().open(),
+        Err(Error::AlreadyOpen { .. })
+    ));
+}
+
+/// Not a test on its own: the child half of `another_process_holding_the_store_...`.
+#[test]
+#[ignore = "run by another test as a child process"]
+fn child_holds_store_open() {
+    let Ok(path) = std::env::var(HOLD_ENV) else {
+        return;
+    };
+    let _engine = Engine::builder(&path)
+        .open()
+        .expect("child opens the store");
+    println!("{HOLDING}");
+    // Hold the store until the parent closes our stdin.
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+#[test]
+fn another_process_holding_the_store_gives_already_open() {
+    let store = TestStore::new();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "open::child_holds_store_open",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(HOLD_ENV, store.dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let holding = lines.by_ref().any(|line| line.unwrap().contains(HOLDING));
+    assert!(holding, "the child never opened the store");
+
+    let result = Engine::builder(store.dir.path()).open();
+    drop(child.stdin.take());
+    // Keep reading so the child can finish writing its test report.
+    lines.for_each(drop);
+    assert!(child.wait().unwrap().success());
+    match result {
+        Err(error @ Error::AlreadyOpen { .. }) => {
+            assert!(error.to_string().contains("already open"));
+        }
+        other => panic!("expected AlreadyOpen, got {other:?}"),
+    }
+    // Once the child is gone the store opens.
+    Engine::builder(store.dir.path()).open().unwrap();
+}
+
+#[test]
+fn mismatched_tables_are_refused_with_a_reason() {
+    let store = TestStore::new();
+    drop(store.open());
+    // `orders` exists in the store but is not declared.
+    let result = Engine::builder(store.dir.path())
+        .entity_table("customers")
+        .open();
+    assert!(
+        matches!(&result, Err(Error::IncompatibleStore { reason, .. }) if reason.contains("orders")),
+        "{result:?}"
+    );
+    // `customers` was created as an entity table; declaring it as a business table is refused.
+    let result = Engine::builder(store.dir.path())
+        .business_table(TableOptions::new("orders"))
+        .business_table(TableOptions::new("counters"))
+        .business_table(TableOptions::new("customers"))
+        .open();
+    assert!(
+        matches!(&result, Err(Error::IncompatibleStore { reason, .. }) if reason.contains("customers")),
+        "{result:?}"
+    );
+    // A new table can be added to an existing store.
+    store
+        .builder()
+        .business_table(TableOptions::new("audit"))
+        .open()
+        .unwrap();
+}

@@ -1,0 +1,49 @@
+//! Test helpers: a temporary store on a mock clock, removed when dropped.
+
+use idemdb::{Durability, Engine, EngineBuilder, MockClock, TableOptions, merge_ops};
+use tempfile::TempDir;
+
+/// The mock clock's starting time: a fixed, realistic instant (2026-01-01T00:00:00Z).
+pub const START_MS: u64 = 1_767_225_600_000;
+
+/// A store directory that is deleted on drop, with the clock its engines use.
+pub struct TestStore {
+    pub dir: TempDir,
+    pub clock: MockClock,
+}
+
+impl TestStore {
+    pub fn new() -> TestStore {
+        TestStore {
+            dir: tempfile::tempdir().expect("temp dir"),
+            clock: MockClock::new(START_MS),
+        }
+    }
+
+    /// The builder every test starts from: mock clock, buffered WAL (crash-safe for a process
+    /// crash, which is all these tests simulate), an `orders` table, a `counters` table with an
+    /// add-u64 merge operator, and a `customers` entity table.
+    pub fn builder(&self) -> EngineBuilder {
+        Engine::builder(self.dir.path())
+            .clock(self.clock.clone())
+            .durability(Durability::Buffered)
+            .write_buffer_bytes(4 << 20)
+            .business_table(TableOptions::new("orders"))
+            .business_table(
+                TableOptions::new("counters").merge_operator("add_u64", merge_ops::add_u64),
+            )
+            .entity_table("customers")
+    }
+
+    pub fn open(&self) -> Engine {
+        self.builder().open().expect("open test store")
+    }
+}
+
+/// The value of a counter in the `counters` table (0 when absent).
+pub fn counter(engine: &Engine, name: &str) -> u64 {
+    let counters = engine.business_table("counters").unwrap();
+    counters.get(name).unwrap().map_or(0, |value| {
+        merge_ops::read_u64(&value).expect("8-byte counter")
+    })
+}
