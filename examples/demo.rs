@@ -137,7 +137,9 @@ fn open(args: &Args, dir: &std::path::Path) -> idemdb::Result<Engine> {
     Engine::builder(dir)
         .durability(args.durability)
         .business_table(TableOptions::new("orders"))
-        .business_table(TableOptions::new("effects").merge_operator("add_u64", merge_ops::add_u64))
+        .business_table(
+            TableOptions::new("effects").associative_merge_operator("add_u64", merge_ops::add_u64),
+        )
         .open()
 }
 

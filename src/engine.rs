@@ -95,17 +95,23 @@ impl Engine {
         ];
         for table in &builder.business_tables {
             let mut options = table_options(&builder, &cache);
-            if let Some((name, merge)) = &table.merge_operator {
-                let merge = merge.clone();
+            if let Some(operator) = &table.merge_operator {
+                let full = operator.merge.clone();
+                let partial = operator.associative.then(|| operator.merge.clone());
                 options.set_merge_operator(
-                    name.as_str(),
+                    operator.name.as_str(),
                     move |key: &[u8],
                           existing: Option<&[u8]>,
                           operands: &rocksdb::MergeOperands| {
                         let operands: Vec<&[u8]> = operands.iter().collect();
-                        merge(key, existing, &operands)
+                        full(key, existing, &operands)
                     },
-                    |_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands| None,
+                    // Declining a partial merge is always correct: RocksDB keeps the operands.
+                    move |key: &[u8], _: Option<&[u8]>, operands: &rocksdb::MergeOperands| {
+                        let partial = partial.as_ref()?;
+                        let operands: Vec<&[u8]> = operands.iter().collect();
+                        partial(key, None, &operands)
+                    },
                 );
             }
             descriptors.push(ColumnFamilyDescriptor::new(table.name.as_str(), options));

@@ -22,7 +22,7 @@
 //! let dir = tempfile::tempdir()?;
 //! let engine = Engine::builder(dir.path())
 //!     .business_table(TableOptions::new("orders"))
-//!     .business_table(TableOptions::new("totals").merge_operator("add_u64", merge_ops::add_u64))
+//!     .business_table(TableOptions::new("totals").associative_merge_operator("add_u64", merge_ops::add_u64))
 //!     .open()?;
 //! let billing = engine.consumer("billing")?;
 //! let orders = engine.business_table("orders")?;

@@ -1,6 +1,7 @@
 //! Ready-made merge operators for business tables.
 
-/// A counter: the value is a `u64` in 8 big-endian bytes, each operand a `u64` (8 big-endian
+/// A counter, associative (declare it with [`crate::TableOptions::associative_merge_operator`]):
+/// the value is a `u64` in 8 big-endian bytes, each operand a `u64` (8 big-endian
 /// bytes) to add, wrapping on overflow. An absent value counts as 0. Returns `None` (the read
 /// fails) if the value or an operand is not exactly 8 bytes.
 ///

@@ -69,7 +69,16 @@ pub type TableMergeFn = dyn Fn(&[u8], Option<&[u8]>, &[&[u8]]) -> Option<Vec<u8>
 #[must_use]
 pub struct TableOptions {
     pub(crate) name: String,
-    pub(crate) merge_operator: Option<(String, Arc<TableMergeFn>)>,
+    pub(crate) merge_operator: Option<MergeOperator>,
+}
+
+/// A business table's merge operator, as declared.
+#[derive(Clone)]
+pub(crate) struct MergeOperator {
+    pub(crate) name: String,
+    pub(crate) merge: Arc<TableMergeFn>,
+    /// Whether RocksDB may also combine operands without the base value (partial merge).
+    pub(crate) associative: bool,
 }
 
 impl TableOptions {
@@ -86,13 +95,35 @@ impl TableOptions {
     /// persisted by RocksDB; reopen with the same name. Default: none (staging a merge into the
     /// table is then an [`Error::NoMergeOperator`]).
     ///
-    /// [`crate::merge_ops::add_u64`] is a ready-made counter.
+    /// RocksDB calls `merge` only with the base value known (full merges), so operands of one key
+    /// accumulate until a read or compaction reaches the base. For an associative operation use
+    /// [`TableOptions::associative_merge_operator`] instead.
     pub fn merge_operator(
-        mut self,
+        self,
         name: impl Into<String>,
         merge: impl Fn(&[u8], Option<&[u8]>, &[&[u8]]) -> Option<Vec<u8>> + Send + Sync + 'static,
     ) -> TableOptions {
-        self.merge_operator = Some((name.into(), Arc::new(merge)));
+        self.with_merge(name.into(), Arc::new(merge), false)
+    }
+
+    /// Like [`TableOptions::merge_operator`], for an operation where combining operands first
+    /// gives the same result (`merge(merge(v, a), b) == merge(v, merge(None, a, b))`): RocksDB
+    /// may then also fold operands without the base (partial merges), so a hot key does not
+    /// accumulate operands. [`crate::merge_ops::add_u64`] is such a counter.
+    pub fn associative_merge_operator(
+        self,
+        name: impl Into<String>,
+        merge: impl Fn(&[u8], Option<&[u8]>, &[&[u8]]) -> Option<Vec<u8>> + Send + Sync + 'static,
+    ) -> TableOptions {
+        self.with_merge(name.into(), Arc::new(merge), true)
+    }
+
+    fn with_merge(mut self, name: String, merge: Arc<TableMergeFn>, associative: bool) -> Self {
+        self.merge_operator = Some(MergeOperator {
+            name,
+            merge,
+            associative,
+        });
         self
     }
 }
@@ -103,7 +134,7 @@ impl fmt::Debug for TableOptions {
             .field("name", &self.name)
             .field(
                 "merge_operator",
-                &self.merge_operator.as_ref().map(|(name, _)| name),
+                &self.merge_operator.as_ref().map(|operator| &operator.name),
             )
             .finish()
     }

@@ -96,7 +96,11 @@ fn eight_threads_deliver_each_key_four_times() {
             1,
             "key {key} committed"
         );
-        let expected_fresh = if key.is_multiple_of(FAIL_FIRST_EVERY) { 2 } else { 1 };
+        let expected_fresh = if key.is_multiple_of(FAIL_FIRST_EVERY) {
+            2
+        } else {
+            1
+        };
         assert_eq!(
             fresh[key].load(Ordering::SeqCst),
             expected_fresh,
