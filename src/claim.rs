@@ -113,6 +113,8 @@ pub(crate) fn begin(
     fingerprint: Fingerprint,
     expiry: Expiry,
 ) -> Result<Outcome> {
+    // A poisoned engine cannot commit: say so now rather than hand out a claim that must fail.
+    inner.check_not_poisoned()?;
     let now_ms = inner.clock.now_ms();
     let latches = &inner.markers[marker].latches;
     if let Err(since_ms) = latches.try_acquire(&stored_key, now_ms) {
@@ -339,6 +341,13 @@ impl Drop for Claim {
             .release(&self.stored_key);
     }
 }
+
+// Claims move between threads (a worker pool, an async runtime): keep them `Send`.
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<Claim>();
+    assert_send::<Outcome>();
+};
 
 impl std::fmt::Debug for Claim {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

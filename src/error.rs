@@ -61,7 +61,7 @@ pub enum StorageErrorKind {
 #[non_exhaustive]
 pub enum Error {
     /// An input was outside a documented limit.
-    #[error("{limit:?} is {actual}, allowed {min}..={max}: shorten or split the input")]
+    #[error("{limit:?} is {actual}, outside the allowed {min}..={max}; see the limit's constant")]
     LimitExceeded {
         /// Which limit.
         limit: Limit,

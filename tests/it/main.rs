@@ -1,6 +1,7 @@
 //! Integration tests of the public API, in one binary (one link of RocksDB).
 
 mod claim;
+mod corrupt;
 mod durability;
 mod entity;
 mod limits;
