@@ -17,9 +17,21 @@ cargo test --release
 
 if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | grep -q nightly; then
     seconds="${IDEMDB_FUZZ_SECONDS:-20}"
+    # New inputs go to a scratch directory; the committed seed corpus is only read.
+    scratch="$(mktemp -d)"
+    trap 'rm -rf "$scratch"' EXIT
     for target in key_codec record_decoder; do
         echo "== fuzz smoke: $target (${seconds}s)"
-        (cd fuzz && cargo +nightly fuzz run "$target" -- -max_total_time="$seconds" -print_final_stats=1 2>&1 | tail -n 3)
+        mkdir -p "$scratch/$target"
+        log="$scratch/$target.log"
+        if ! (cd fuzz && cargo +nightly fuzz run --target-dir "$CARGO_TARGET_DIR/../fuzz-target" \
+            "$target" "$scratch/$target" "corpus/$target" \
+            -- -max_total_time="$seconds" -print_final_stats=1 >"$log" 2>&1); then
+            cat "$log"
+            echo "fuzz target $target failed; the crashing input is under fuzz/artifacts/$target" >&2
+            exit 1
+        fi
+        grep -E "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" "$log" || true
     done
 else
     echo "== fuzz smoke skipped (needs: cargo install cargo-fuzz, and a nightly toolchain)"
