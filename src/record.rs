@@ -156,38 +156,25 @@ impl Record {
     /// [`DecodeError`] for anything that is not exactly one version-1 record.
     pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         let header = RecordHeader::decode(bytes)?;
-        let body = &bytes[RECORD_HEADER_BYTES..];
-        let result_len = header.result_len;
-        if body.len() < result_len {
-            return Err(DecodeError::Truncated {
-                needed: RECORD_HEADER_BYTES + result_len,
-                available: bytes.len(),
-            });
-        }
-        if body.len() > result_len {
-            return Err(DecodeError::TrailingBytes {
-                extra: body.len() - result_len,
-            });
-        }
         Ok(Record {
             epoch: header.epoch,
             committed_at_ms: header.committed_at_ms,
             expires_at_ms: header.expires_at_ms,
             fingerprint: header.fingerprint,
-            result: Bytes::copy_from_slice(body),
+            result: Bytes::copy_from_slice(&bytes[RECORD_HEADER_BYTES..]),
         })
     }
 }
 
 /// The fixed-size part of a record, decoded without copying the result. The merge operator and
-/// the compaction filter need only this.
+/// the compaction filter need only this, but they validate the whole value like
+/// [`Record::decode`] does: a value is a record for all of them, or for none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RecordHeader {
     pub(crate) epoch: u64,
     pub(crate) committed_at_ms: u64,
     pub(crate) expires_at_ms: u64,
     pub(crate) fingerprint: Fingerprint,
-    pub(crate) result_len: usize,
 }
 
 impl RecordHeader {
@@ -228,12 +215,23 @@ impl RecordHeader {
                 reason: "result length above RESULT_BYTES_MAX",
             });
         }
+        let expected = RECORD_HEADER_BYTES + result_len;
+        if bytes.len() < expected {
+            return Err(DecodeError::Truncated {
+                needed: expected,
+                available: bytes.len(),
+            });
+        }
+        if bytes.len() > expected {
+            return Err(DecodeError::TrailingBytes {
+                extra: bytes.len() - expected,
+            });
+        }
         Ok(RecordHeader {
             epoch,
             committed_at_ms,
             expires_at_ms,
             fingerprint,
-            result_len,
         })
     }
 }
@@ -314,19 +312,6 @@ impl Operand<'_> {
         let replaces_epoch = Reader { bytes, at: 2 }.u64();
         let record_bytes = &bytes[OPERAND_HEADER_BYTES..];
         let header = RecordHeader::decode(record_bytes)?;
-        let expected = RECORD_HEADER_BYTES + header.result_len;
-        if record_bytes.len() != expected {
-            return Err(if record_bytes.len() < expected {
-                DecodeError::Truncated {
-                    needed: expected,
-                    available: record_bytes.len(),
-                }
-            } else {
-                DecodeError::TrailingBytes {
-                    extra: record_bytes.len() - expected,
-                }
-            });
-        }
         if header.epoch != replaces_epoch.wrapping_add(1) {
             return Err(DecodeError::Invalid {
                 reason: "commit operand epoch is not replaces_epoch + 1",

@@ -65,5 +65,12 @@ mod tests {
         let never = encoded(EXPIRES_NEVER_MS);
         assert_eq!(compaction_decision(&never, u64::MAX), FilterDecision::Keep);
         assert_eq!(compaction_decision(b"", u64::MAX), FilterDecision::Keep);
+        // An expired header with a wrong length is corrupt, not expired: kept as evidence.
+        let mut trailing = encoded(100);
+        trailing.push(0);
+        assert_eq!(compaction_decision(&trailing, 200), FilterDecision::Keep);
+        let truncated = encoded(100);
+        let truncated = &truncated[..truncated.len() - 1];
+        assert_eq!(compaction_decision(truncated, 200), FilterDecision::Keep);
     }
 }
