@@ -348,7 +348,11 @@ impl Inner {
         match self.db.get_cf(meta, META_FORMAT_KEY)? {
             Some(format) if format == STORE_FORMAT_V1 => {}
             Some(_) => return Err(self.incompatible("written by an unknown idemdb store format")),
-            None if new_store => batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V1),
+            // A crash during the very first open can leave the tables created but the marker
+            // unwritten; a store with no record yet is still new.
+            None if new_store || self.records_empty()? => {
+                batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V1);
+            }
             None => return Err(self.incompatible("not an idemdb store (no format marker)")),
         }
         let kinds = builder
@@ -380,6 +384,13 @@ impl Inner {
             self.db.write_opt(batch, &sync)?;
         }
         Ok(())
+    }
+
+    fn records_empty(&self) -> Result<bool> {
+        let mut entries = self
+            .db
+            .iterator_cf(self.cf(RECORDS_TABLE), IteratorMode::Start);
+        Ok(entries.next().transpose()?.is_none())
     }
 
     fn incompatible(&self, reason: &str) -> Error {

@@ -100,3 +100,49 @@ fn mismatched_tables_are_refused_with_a_reason() {
         .open()
         .unwrap();
 }
+
+/// Creates a plain RocksDB database at `path` with the given column families, and `records`
+/// raw entries in `idemdb.records` if that family is among them.
+fn create_raw(path: &std::path::Path, families: &[&str], records: &[(&[u8], &[u8])]) {
+    let mut options = rocksdb::Options::default();
+    options.create_if_missing(true);
+    options.create_missing_column_families(true);
+    let db = rocksdb::DB::open_cf(&options, path, families).unwrap();
+    for (key, value) in records {
+        db.put_cf(db.cf_handle("idemdb.records").unwrap(), key, value)
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_plain_rocksdb_database_is_not_an_idemdb_store() {
+    let store = TestStore::new();
+    create_raw(store.dir.path(), &["default", "other"], &[]);
+    let result = Engine::builder(store.dir.path()).open();
+    assert!(
+        matches!(&result, Err(Error::IncompatibleStore { reason, .. }) if reason.contains("not an idemdb store")),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn a_store_without_format_marker_opens_only_while_it_holds_no_record() {
+    // As left by a crash during the first open: tables created, marker not yet written.
+    let empty = TestStore::new();
+    create_raw(empty.dir.path(), &["default", "idemdb.records"], &[]);
+    Engine::builder(empty.dir.path()).open().unwrap();
+    // Reopening finds the marker written by the first successful open.
+    Engine::builder(empty.dir.path()).open().unwrap();
+
+    let holding = TestStore::new();
+    create_raw(
+        holding.dir.path(),
+        &["default", "idemdb.records"],
+        &[(b"\x01ck", b"value")],
+    );
+    let result = Engine::builder(holding.dir.path()).open();
+    assert!(
+        matches!(&result, Err(Error::IncompatibleStore { reason, .. }) if reason.contains("format marker")),
+        "{result:?}"
+    );
+}
