@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every check idemdb's CI runs: formatting, clippy, the format-only build, all tests
+# Runs every check idemdb's CI runs: formatting, clippy, the format-only build, docs, all tests
 # (unit, integration, doc), and a short fuzz smoke run when cargo-fuzz and nightly are present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,8 @@ echo "== clippy"
 cargo clippy --release --all-targets -- -D warnings
 echo "== format-only build (no RocksDB)"
 cargo clippy --release --lib --no-default-features -- -D warnings
+echo "== docs (broken links are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps
 echo "== tests"
 cargo test --release
 
