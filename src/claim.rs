@@ -11,7 +11,7 @@ use crate::engine::{BusinessTable, Inner};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
-use crate::record::{EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record};
+use crate::record::{EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record, RecordState};
 
 /// The shortest key of a staged business write, in bytes.
 pub const TABLE_KEY_BYTES_MIN: usize = 1;
@@ -25,13 +25,16 @@ pub const STAGED_WRITES_MAX: usize = 65_536;
 pub const STAGED_BYTES_MAX: usize = 256 << 20;
 
 /// What `begin` found. Match every variant: each asks the caller for a different action.
+///
+/// `C` is the claim a fresh outcome carries: a [`Claim`] from [`crate::Consumer::begin`], an
+/// [`crate::ExternalClaim`] from [`crate::Consumer::begin_external`].
 #[derive(Debug)]
 #[must_use = "an outcome tells the caller whether to process, skip or dead-letter the message"]
-pub enum Outcome {
+pub enum Outcome<C = Claim> {
     /// The key was free and this caller now owns it: process the message, stage the business
-    /// writes on the claim and [`Claim::commit`]. Dropping the claim releases the key and writes
+    /// writes on the claim and commit. For a [`Claim`], dropping it releases the key and writes
     /// nothing (a transient failure: let the broker redeliver).
-    Fresh(Claim),
+    Fresh(C),
     /// The message was processed before: acknowledge it without effect and, if useful, return
     /// the stored result.
     #[non_exhaustive]
@@ -44,13 +47,23 @@ pub enum Outcome {
         expires_at_ms: u64,
         /// The record's epoch.
         epoch: u64,
+        /// False when the first attempt's failure was recorded as the result
+        /// ([`crate::FailurePolicy::RecordFailure`]): replay it, do not retry.
+        succeeded: bool,
     },
-    /// Another claim in this process holds the key right now: do not acknowledge; let the
-    /// broker redeliver later (or retry after a delay).
+    /// Another holder has the key right now: do not acknowledge; let the broker redeliver later.
+    /// Either a claim in this process (`holder` and `lease_until_ms` are `None`), or a durable
+    /// external claim whose lease is live.
     #[non_exhaustive]
     InProgress {
-        /// When the holding claim was taken (engine clock, ms since the Unix epoch).
+        /// When the holder took the key (engine clock, ms since the Unix epoch).
         since_ms: u64,
+        /// The external holder's identity.
+        holder: Option<Bytes>,
+        /// Until when the external holder's lease runs.
+        lease_until_ms: Option<u64>,
+        /// The external holder's epoch.
+        epoch: Option<u64>,
     },
     /// The key was completed with different content (R15): the producer reused an id or the
     /// message changed. Route the message to a dead-letter path and alert; do not process it.
@@ -63,6 +76,156 @@ pub enum Outcome {
         /// When the first commit happened.
         first_committed_at_ms: u64,
     },
+}
+
+/// An earlier holder's attempt that a new claim took over after its lease expired. Its side
+/// effect may have been partly applied: reconcile before repeating it (for example query the
+/// downstream service with the same idempotency key).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PreviousAttempt {
+    /// The earlier holder's epoch (the new claim's epoch is one more).
+    pub epoch: u64,
+    /// The earlier holder's identity.
+    pub holder: Bytes,
+    /// When it took the key.
+    pub since_ms: u64,
+    /// When its lease ran out.
+    pub lease_until_ms: u64,
+}
+
+/// What the latch holder's read of a key decided.
+pub(crate) enum Found {
+    /// The key may be claimed; the new record must replace the one with `replaces_epoch`.
+    Claimable {
+        replaces_epoch: u64,
+        previous: Option<PreviousAttempt>,
+    },
+    /// Anything but fresh.
+    Settled(Outcome<std::convert::Infallible>),
+}
+
+impl<C> Outcome<C> {
+    pub(crate) fn settled(outcome: Outcome<std::convert::Infallible>) -> Outcome<C> {
+        match outcome {
+            Outcome::Fresh(never) => match never {},
+            Outcome::Duplicate {
+                result,
+                first_committed_at_ms,
+                expires_at_ms,
+                epoch,
+                succeeded,
+            } => Outcome::Duplicate {
+                result,
+                first_committed_at_ms,
+                expires_at_ms,
+                epoch,
+                succeeded,
+            },
+            Outcome::InProgress {
+                since_ms,
+                holder,
+                lease_until_ms,
+                epoch,
+            } => Outcome::InProgress {
+                since_ms,
+                holder,
+                lease_until_ms,
+                epoch,
+            },
+            Outcome::Conflict {
+                stored_fingerprint,
+                new_fingerprint,
+                first_committed_at_ms,
+            } => Outcome::Conflict {
+                stored_fingerprint,
+                new_fingerprint,
+                first_committed_at_ms,
+            },
+        }
+    }
+
+    pub(crate) fn in_process(since_ms: u64) -> Outcome<C> {
+        Outcome::InProgress {
+            since_ms,
+            holder: None,
+            lease_until_ms: None,
+            epoch: None,
+        }
+    }
+}
+
+/// Reads `stored_key` (the caller holds its latch) and decides what a claimant gets.
+pub(crate) fn inspect(
+    inner: &Inner,
+    marker: usize,
+    stored_key: &[u8],
+    fingerprint: Fingerprint,
+    now_ms: u64,
+) -> Result<Found> {
+    let Some(record) = inner.read_record_raw(marker, stored_key)? else {
+        return Ok(Found::Claimable {
+            replaces_epoch: 0,
+            previous: None,
+        });
+    };
+    if record.is_absent_at(now_ms) {
+        return Ok(Found::Claimable {
+            replaces_epoch: record.epoch,
+            previous: None,
+        });
+    }
+    let settled = match record.state {
+        RecordState::InProgress {
+            since_ms,
+            lease_until_ms,
+            holder,
+            ..
+        } => {
+            if lease_until_ms <= now_ms {
+                return Ok(Found::Claimable {
+                    replaces_epoch: record.epoch,
+                    previous: Some(PreviousAttempt {
+                        epoch: record.epoch,
+                        holder,
+                        since_ms,
+                        lease_until_ms,
+                    }),
+                });
+            }
+            Outcome::InProgress {
+                since_ms,
+                holder: Some(holder),
+                lease_until_ms: Some(lease_until_ms),
+                epoch: Some(record.epoch),
+            }
+        }
+        RecordState::Completed {
+            committed_at_ms,
+            expires_at_ms,
+            result,
+            succeeded,
+        } => {
+            if record.fingerprint == fingerprint {
+                Outcome::Duplicate {
+                    result,
+                    first_committed_at_ms: committed_at_ms,
+                    expires_at_ms,
+                    epoch: record.epoch,
+                    succeeded,
+                }
+            } else {
+                Outcome::Conflict {
+                    stored_fingerprint: record.fingerprint,
+                    new_fingerprint: fingerprint,
+                    first_committed_at_ms: committed_at_ms,
+                }
+            }
+        }
+        // Released records are absent (handled above).
+        RecordState::Released { .. } => unreachable!("released records read as absent"),
+    };
+    Ok(Found::Settled(settled))
 }
 
 /// How long a committed record is kept.
@@ -100,9 +263,8 @@ pub struct Claim {
     fingerprint: Fingerprint,
     claimed_at_ms: u64,
     expiry: Expiry,
-    batch: WriteBatch,
-    staged_writes: usize,
-    staged_bytes: usize,
+    previous: Option<PreviousAttempt>,
+    staged: Staged,
 }
 
 /// Takes the latch on `stored_key`, then reads its record while holding it.
@@ -118,7 +280,7 @@ pub(crate) fn begin(
     let now_ms = inner.clock.now_ms();
     let latches = &inner.markers[marker].latches;
     if let Err(since_ms) = latches.try_acquire(&stored_key, now_ms) {
-        return Ok(Outcome::InProgress { since_ms });
+        return Ok(Outcome::in_process(since_ms));
     }
     // From here the latch is ours: the claim releases it on drop, and so does every early return
     // below (the claim is built first so that its drop covers them).
@@ -130,29 +292,135 @@ pub(crate) fn begin(
         fingerprint,
         claimed_at_ms: now_ms,
         expiry,
-        batch: WriteBatch::default(),
-        staged_writes: 0,
-        staged_bytes: 0,
+        previous: None,
+        staged: Staged::default(),
     };
-    let existing = inner.read_record_raw(marker, &claim.stored_key)?;
-    match existing {
-        None => Ok(Outcome::Fresh(claim)),
-        Some(record) if record.is_expired(now_ms) => {
-            claim.replaces_epoch = record.epoch;
+    match inspect(inner, marker, &claim.stored_key, fingerprint, now_ms)? {
+        Found::Claimable {
+            replaces_epoch,
+            previous,
+        } => {
+            claim.replaces_epoch = replaces_epoch;
+            claim.previous = previous;
             Ok(Outcome::Fresh(claim))
         }
-        Some(record) if record.fingerprint == fingerprint => Ok(Outcome::Duplicate {
-            result: record.result,
-            first_committed_at_ms: record.committed_at_ms,
-            expires_at_ms: record.expires_at_ms,
-            epoch: record.epoch,
-        }),
-        Some(record) => Ok(Outcome::Conflict {
-            stored_fingerprint: record.fingerprint,
-            new_fingerprint: fingerprint,
-            first_committed_at_ms: record.committed_at_ms,
-        }),
+        Found::Settled(outcome) => Ok(Outcome::settled(outcome)),
     }
+}
+
+/// Business writes staged on a claim: a private write batch, and its size against the limits.
+#[derive(Default)]
+pub(crate) struct Staged {
+    pub(crate) batch: WriteBatch,
+    pub(crate) writes: usize,
+    pub(crate) bytes: usize,
+}
+
+impl Staged {
+    pub(crate) fn put(
+        &mut self,
+        inner: &Arc<Inner>,
+        table: &BusinessTable,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<()> {
+        self.check_write(inner, table, key, value.len())?;
+        self.batch.put_cf(inner.cf(&table.name), key, value);
+        Ok(())
+    }
+
+    pub(crate) fn delete(
+        &mut self,
+        inner: &Arc<Inner>,
+        table: &BusinessTable,
+        key: &[u8],
+    ) -> Result<()> {
+        self.check_write(inner, table, key, 0)?;
+        self.batch.delete_cf(inner.cf(&table.name), key);
+        Ok(())
+    }
+
+    pub(crate) fn merge(
+        &mut self,
+        inner: &Arc<Inner>,
+        table: &BusinessTable,
+        key: &[u8],
+        operand: &[u8],
+    ) -> Result<()> {
+        if !table.has_merge_operator {
+            return Err(Error::NoMergeOperator {
+                name: table.name.clone(),
+            });
+        }
+        self.check_write(inner, table, key, operand.len())?;
+        self.batch.merge_cf(inner.cf(&table.name), key, operand);
+        Ok(())
+    }
+
+    /// Checks a result against its limit and the staged total; nothing is written on error.
+    pub(crate) fn check_result(&self, result: &[u8]) -> Result<()> {
+        check_limit(Limit::ResultBytes, result.len(), 0, RESULT_BYTES_MAX)?;
+        check_limit(
+            Limit::StagedBytes,
+            self.bytes + result.len(),
+            0,
+            STAGED_BYTES_MAX,
+        )
+    }
+
+    fn check_write(
+        &mut self,
+        inner: &Arc<Inner>,
+        table: &BusinessTable,
+        key: &[u8],
+        value_len: usize,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(&table.inner, inner) {
+            return Err(Error::ForeignTable {
+                name: table.name.clone(),
+            });
+        }
+        check_limit(
+            Limit::TableKeyBytes,
+            key.len(),
+            TABLE_KEY_BYTES_MIN,
+            TABLE_KEY_BYTES_MAX,
+        )?;
+        check_limit(Limit::TableValueBytes, value_len, 0, TABLE_VALUE_BYTES_MAX)?;
+        check_limit(Limit::StagedWrites, self.writes + 1, 0, STAGED_WRITES_MAX)?;
+        let bytes = self.bytes + key.len() + value_len;
+        check_limit(Limit::StagedBytes, bytes, 0, STAGED_BYTES_MAX)?;
+        self.writes += 1;
+        self.bytes = bytes;
+        Ok(())
+    }
+}
+
+/// When a record committed at `now_ms` with `expiry` expires. Durations are bounded by
+/// [`RETENTION_MS_MAX`]; the sum saturates below "never" for absurd clocks.
+pub(crate) fn expires_at_ms(expiry: Expiry, now_ms: u64) -> u64 {
+    match expiry {
+        Expiry::After(duration) => now_ms
+            .saturating_add(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+            .min(EXPIRES_NEVER_MS - 1),
+        Expiry::Never => EXPIRES_NEVER_MS,
+    }
+}
+
+/// Checks an expiry against [`RETENTION_MS_MIN`]..=[`RETENTION_MS_MAX`].
+pub(crate) fn check_expiry(expiry: Expiry) -> Result<()> {
+    if let Expiry::After(duration) = expiry {
+        let ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+        if !(RETENTION_MS_MIN..=RETENTION_MS_MAX).contains(&ms) {
+            return Err(Error::LimitExceeded {
+                limit: Limit::RetentionMs,
+                actual: ms,
+                min: RETENTION_MS_MIN,
+                max: RETENTION_MS_MAX,
+            });
+        }
+    }
+    Ok(())
 }
 
 impl Claim {
@@ -168,10 +436,8 @@ impl Claim {
         key: impl AsRef<[u8]>,
         value: impl AsRef<[u8]>,
     ) -> Result<()> {
-        let (key, value) = (key.as_ref(), value.as_ref());
-        self.check_write(table, key, value.len())?;
-        self.batch.put_cf(self.inner.cf(&table.name), key, value);
-        Ok(())
+        self.staged
+            .put(&self.inner, table, key.as_ref(), value.as_ref())
     }
 
     /// Stages a deletion of `key` in `table`; applied only if the claim commits.
@@ -179,10 +445,7 @@ impl Claim {
     /// # Errors
     /// As for [`Claim::put`].
     pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
-        let key = key.as_ref();
-        self.check_write(table, key, 0)?;
-        self.batch.delete_cf(self.inner.cf(&table.name), key);
-        Ok(())
+        self.staged.delete(&self.inner, table, key.as_ref())
     }
 
     /// Stages a merge of `operand` into `key` of `table` (which needs a merge operator);
@@ -196,16 +459,8 @@ impl Claim {
         key: impl AsRef<[u8]>,
         operand: impl AsRef<[u8]>,
     ) -> Result<()> {
-        let (key, operand) = (key.as_ref(), operand.as_ref());
-        if !table.has_merge_operator {
-            return Err(Error::NoMergeOperator {
-                name: table.name.clone(),
-            });
-        }
-        self.check_write(table, key, operand.len())?;
-        self.batch
-            .merge_cf(self.inner.cf(&table.name), key, operand);
-        Ok(())
+        self.staged
+            .merge(&self.inner, table, key.as_ref(), operand.as_ref())
     }
 
     /// Sets how long the committed record is kept, instead of the table's default (the engine's
@@ -215,17 +470,7 @@ impl Claim {
     /// [`Error::LimitExceeded`] for a duration outside
     /// [`RETENTION_MS_MIN`]..=[`RETENTION_MS_MAX`] ms.
     pub fn set_expiry(&mut self, expiry: Expiry) -> Result<()> {
-        if let Expiry::After(duration) = expiry {
-            let ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
-            if !(RETENTION_MS_MIN..=RETENTION_MS_MAX).contains(&ms) {
-                return Err(Error::LimitExceeded {
-                    limit: Limit::RetentionMs,
-                    actual: ms,
-                    min: RETENTION_MS_MIN,
-                    max: RETENTION_MS_MAX,
-                });
-            }
-        }
+        check_expiry(expiry)?;
         self.expiry = expiry;
         Ok(())
     }
@@ -241,18 +486,9 @@ impl Claim {
     /// engine refuses further writes until reopened.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
         let result = result.as_ref();
-        check_limit(Limit::ResultBytes, result.len(), 0, RESULT_BYTES_MAX)?;
-        let total_bytes = self.staged_bytes + result.len();
-        check_limit(Limit::StagedBytes, total_bytes, 0, STAGED_BYTES_MAX)?;
-
+        self.staged.check_result(result)?;
         let committed_at_ms = self.inner.clock.now_ms();
-        let expires_at_ms = match self.expiry {
-            // Duration bounded by RETENTION_MS_MAX; saturate below "never" for absurd clocks.
-            Expiry::After(duration) => committed_at_ms
-                .saturating_add(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
-                .min(EXPIRES_NEVER_MS - 1),
-            Expiry::Never => EXPIRES_NEVER_MS,
-        };
+        let expires_at_ms = expires_at_ms(self.expiry, committed_at_ms);
         let epoch = self.replaces_epoch + 1;
         let record = Record::new(
             epoch,
@@ -261,8 +497,8 @@ impl Claim {
             self.fingerprint,
             Bytes::copy_from_slice(result),
         );
-        let operand = Operand::encode_commit(self.replaces_epoch, &record);
-        let mut batch = std::mem::take(&mut self.batch);
+        let operand = Operand::encode_install(self.replaces_epoch, &record);
+        let mut batch = std::mem::take(&mut self.staged.batch);
         batch.merge_cf(
             self.inner.cf(&self.inner.markers[self.marker].name),
             &self.stored_key,
@@ -299,36 +535,17 @@ impl Claim {
         self.claimed_at_ms
     }
 
+    /// The external attempt this claim took over after its lease expired, if any: its side
+    /// effect may have been partly applied.
+    #[must_use]
+    pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
+        self.previous.as_ref()
+    }
+
     /// How many business writes are staged.
     #[must_use]
     pub fn staged_writes(&self) -> usize {
-        self.staged_writes
-    }
-
-    fn check_write(&mut self, table: &BusinessTable, key: &[u8], value_len: usize) -> Result<()> {
-        if !Arc::ptr_eq(&table.inner, &self.inner) {
-            return Err(Error::ForeignTable {
-                name: table.name.clone(),
-            });
-        }
-        check_limit(
-            Limit::TableKeyBytes,
-            key.len(),
-            TABLE_KEY_BYTES_MIN,
-            TABLE_KEY_BYTES_MAX,
-        )?;
-        check_limit(Limit::TableValueBytes, value_len, 0, TABLE_VALUE_BYTES_MAX)?;
-        check_limit(
-            Limit::StagedWrites,
-            self.staged_writes + 1,
-            0,
-            STAGED_WRITES_MAX,
-        )?;
-        let staged_bytes = self.staged_bytes + key.len() + value_len;
-        check_limit(Limit::StagedBytes, staged_bytes, 0, STAGED_BYTES_MAX)?;
-        self.staged_writes += 1;
-        self.staged_bytes = staged_bytes;
-        Ok(())
+        self.staged.writes
     }
 }
 
@@ -354,7 +571,7 @@ impl std::fmt::Debug for Claim {
         f.debug_struct("Claim")
             .field("stored_key", &crate::format::printable(&self.stored_key))
             .field("epoch", &self.epoch())
-            .field("staged_writes", &self.staged_writes)
+            .field("staged_writes", &self.staged.writes)
             .finish_non_exhaustive()
     }
 }

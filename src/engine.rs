@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rocksdb::{
     BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily, ColumnFamilyDescriptor,
@@ -13,12 +13,14 @@ use crate::claim::{Expiry, Outcome, begin};
 use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
-use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
+use crate::key::{check_message_key, consumer_prefix, decode_key, encode_with_prefix};
 use crate::latch::Latches;
+use crate::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
 use crate::options::{Durability, EngineBuilder, TableOptions};
-use crate::record::Record;
+use crate::record::{Record, RecordState};
 use crate::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
+use bytes::Bytes;
 
 /// The column family holding every consumer's dedup records.
 pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
@@ -61,6 +63,9 @@ pub(crate) struct Inner {
     write_options: WriteOptions,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
+    /// Lease tokens: a per-open random seed hashed with a counter, so tokens never repeat.
+    token_seed: u64,
+    token_counter: AtomicU64,
     /// One latch set per marker table: index 0 is [`RECORDS_TABLE`], then the entity tables.
     pub(crate) markers: Vec<MarkerTable>,
     business: Vec<TableOptions>,
@@ -150,6 +155,8 @@ impl Engine {
             retention_ms: builder.retention_ms,
             write_options,
             poisoned: AtomicBool::new(false),
+            token_seed: token_seed(),
+            token_counter: AtomicU64::new(0),
             markers,
             business: builder.business_tables.clone(),
         };
@@ -256,9 +263,15 @@ impl Engine {
         let cf = self.inner.cf(RECORDS_TABLE);
         for entry in self.inner.db.iterator_cf(cf, IteratorMode::Start) {
             let (_, value) = entry?;
-            match Record::decode(&value) {
-                Ok(record) if record.is_expired(now_ms) => counts.expired += 1,
-                Ok(_) => counts.live += 1,
+            match Record::decode(&value).map(|record| record.state) {
+                Ok(RecordState::Completed { expires_at_ms, .. })
+                    if crate::record::is_expired(expires_at_ms, now_ms) =>
+                {
+                    counts.expired += 1;
+                }
+                Ok(RecordState::Completed { .. }) => counts.live += 1,
+                Ok(RecordState::InProgress { .. }) => counts.in_progress += 1,
+                Ok(RecordState::Released { .. }) => counts.released += 1,
                 Err(_) => counts.corrupt += 1,
             }
         }
@@ -304,11 +317,37 @@ pub struct RecordCounts {
     pub live: u64,
     /// Expired records that compaction has not removed yet (they already read as absent).
     pub expired: u64,
+    /// In-progress records of external claims, whether their lease is live or not.
+    pub in_progress: u64,
+    /// Released records kept so epochs keep increasing (they read as absent).
+    pub released: u64,
     /// Values that do not decode.
     pub corrupt: u64,
 }
 
+/// A seed that differs between opens, processes and machines without a random-number crate:
+/// the wall clock's nanoseconds, the process id and a stack address, hashed.
+fn token_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos());
+    let local = 0u8;
+    let address = std::ptr::addr_of!(local) as usize;
+    let mut bytes = Vec::with_capacity(32);
+    bytes.extend_from_slice(&nanos.to_le_bytes());
+    bytes.extend_from_slice(&std::process::id().to_le_bytes());
+    bytes.extend_from_slice(&address.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&bytes)
+}
+
 impl Inner {
+    /// A fresh lease token. Together with the epoch it identifies one holder, so a holder whose
+    /// record was removed and whose epoch a later holder reached again is still fenced out.
+    pub(crate) fn next_token(&self) -> u64 {
+        let count = self.token_counter.fetch_add(1, Ordering::Relaxed);
+        xxhash_rust::xxh3::xxh3_64_with_seed(&count.to_le_bytes(), self.token_seed)
+    }
+
     pub(crate) fn cf(&self, name: &str) -> &ColumnFamily {
         // Every name asked for was declared and created at open, and tables are never dropped.
         self.db
@@ -520,17 +559,136 @@ impl Consumer {
         fingerprint: Fingerprint,
     ) -> Result<Outcome> {
         let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
-        let expiry = Expiry::After(std::time::Duration::from_millis(self.inner.retention_ms));
-        begin(&self.inner, 0, stored_key, fingerprint, expiry)
+        begin(
+            &self.inner,
+            0,
+            stored_key,
+            fingerprint,
+            self.default_expiry(),
+        )
     }
 
-    /// The live record for `message_key`, if any (an expired record reads as `None`).
+    /// The record for `message_key`, if any: completed and not expired, or in progress (an
+    /// expired or released record reads as `None`).
     ///
     /// # Errors
     /// As for [`Consumer::begin`].
     pub fn get(&self, message_key: impl AsRef<[u8]>) -> Result<Option<Record>> {
         let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
         self.inner.read_record(0, &stored_key)
+    }
+
+    /// Takes `message_key` under a durable lease for a side effect outside the batch (R7): the
+    /// in-progress record, with `holder`'s identity, the lease deadline and a new fencing epoch,
+    /// is written (honouring the durability mode) before this returns. A key whose holder's
+    /// lease ran out is taken over: the claim's [`ExternalClaim::previous_attempt`] says so.
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin`], and [`Error::LimitExceeded`] for a lease outside
+    /// [`crate::LEASE_MS_MIN`]..=[`crate::LEASE_MS_MAX`] or a holder longer than
+    /// [`crate::HOLDER_BYTES_MAX`]; a failed write as for [`crate::Claim::commit`].
+    pub fn begin_external(
+        &self,
+        message_key: impl AsRef<[u8]>,
+        fingerprint: Fingerprint,
+        lease: std::time::Duration,
+        holder: impl AsRef<[u8]>,
+    ) -> Result<Outcome<ExternalClaim>> {
+        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        crate::lease::begin_external(
+            &self.inner,
+            0,
+            stored_key,
+            fingerprint,
+            lease,
+            holder.as_ref(),
+            self.default_expiry(),
+        )
+    }
+
+    /// Rebuilds an external claim from its ticket, for example after a restart. Nothing is
+    /// checked until the claim's next call, which fails with [`Error::LeaseLost`] if the key
+    /// changed hands meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::ForeignTicket`] if the ticket was issued by another consumer.
+    pub fn resume(&self, ticket: &LeaseTicket) -> Result<ExternalClaim> {
+        let ours = ticket.stored_key.starts_with(&self.prefix)
+            && decode_key(&ticket.stored_key).is_ok_and(|(id, _)| id == self.id.as_bytes());
+        if !ours {
+            return Err(Error::ForeignTicket);
+        }
+        Ok(ExternalClaim::resumed(
+            self.inner.clone(),
+            0,
+            ticket.clone(),
+            self.default_expiry(),
+        ))
+    }
+
+    /// Lists up to `limit` of this consumer's in-progress records taken at least `older_than`
+    /// ago, in key order, whether their lease is live or not: the candidates for reconciliation.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the scan fails; [`Error::Corrupt`] for a record that does not decode.
+    pub fn in_progress(
+        &self,
+        older_than: std::time::Duration,
+        limit: usize,
+    ) -> Result<Vec<InProgressEntry>> {
+        let now_ms = self.inner.clock.now_ms();
+        let age_ms = u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX);
+        let cf = self.inner.cf(RECORDS_TABLE);
+        let mode = IteratorMode::From(&self.prefix, rocksdb::Direction::Forward);
+        let mut found = Vec::new();
+        for entry in self.inner.db.iterator_cf(cf, mode) {
+            let (key, value) = entry?;
+            if !key.starts_with(&self.prefix) || found.len() >= limit {
+                break;
+            }
+            let record = Record::decode(&value).map_err(|reason| Error::Corrupt {
+                key: key.to_vec(),
+                reason,
+            })?;
+            if let RecordState::InProgress {
+                since_ms,
+                lease_until_ms,
+                holder,
+                ..
+            } = record.state
+                && now_ms.saturating_sub(since_ms) >= age_ms
+            {
+                found.push(InProgressEntry {
+                    message_key: Bytes::copy_from_slice(&key[self.prefix.len()..]),
+                    epoch: record.epoch,
+                    holder,
+                    since_ms,
+                    lease_until_ms,
+                });
+            }
+        }
+        Ok(found)
+    }
+
+    /// Resolves an in-progress key by hand (an operator's reconciliation): completes it with a
+    /// result or releases it, whoever holds it. The holder's next call gets
+    /// [`Error::LeaseLost`].
+    ///
+    /// # Errors
+    /// [`Error::NotInProgress`] if the key is not in progress; as for [`Consumer::begin`].
+    pub fn resolve(&self, message_key: impl AsRef<[u8]>, resolution: Resolution) -> Result<()> {
+        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        crate::lease::resolve(
+            &self.inner,
+            0,
+            &stored_key,
+            resolution,
+            self.default_expiry(),
+        )
+    }
+
+    fn default_expiry(&self) -> Expiry {
+        Expiry::After(std::time::Duration::from_millis(self.inner.retention_ms))
     }
 
     /// The consumer id.
@@ -631,12 +789,12 @@ impl std::fmt::Debug for BusinessTable {
 }
 
 impl Inner {
-    /// Reads and decodes a marker record, treating an expired one as absent.
+    /// Reads and decodes a marker record, treating an expired or released one as absent.
     pub(crate) fn read_record(&self, marker: usize, stored_key: &[u8]) -> Result<Option<Record>> {
         let now_ms = self.clock.now_ms();
         Ok(self
             .read_record_raw(marker, stored_key)?
-            .filter(|record| !record.is_expired(now_ms)))
+            .filter(|record| !record.is_absent_at(now_ms)))
     }
 
     /// Reads and decodes a marker record, expired or not.

@@ -35,6 +35,10 @@ pub enum Limit {
     WriteBufferBytes,
     /// [`crate::TABLES_MAX`].
     Tables,
+    /// [`crate::LEASE_MS_MIN`] ..= [`crate::LEASE_MS_MAX`].
+    LeaseMs,
+    /// [`crate::HOLDER_BYTES_MAX`].
+    HolderBytes,
 }
 
 /// What RocksDB reported, reduced to what a caller can act on.
@@ -133,6 +137,26 @@ pub enum Error {
         /// Why it did not decode.
         reason: crate::format::DecodeError,
     },
+
+    /// An external claim's holder lost the key: its lease expired and another holder took it
+    /// over (or it was resolved by an operator). Nothing of this call was written, staged writes
+    /// included. Stop, and do not acknowledge the message as processed by this attempt.
+    #[error("lease lost: the key is now at epoch {current_epoch}; stop and drop this attempt")]
+    LeaseLost {
+        /// The key's epoch now (0 when the key holds no record).
+        current_epoch: u64,
+    },
+
+    /// An operator resolution targeted a key that is not in progress.
+    #[error("the key is not in progress (epoch {current_epoch}); nothing to resolve")]
+    NotInProgress {
+        /// The key's epoch now (0 when the key holds no record).
+        current_epoch: u64,
+    },
+
+    /// A lease ticket was resumed on a consumer or table it was not issued by.
+    #[error("the lease ticket was issued for another consumer or table")]
+    ForeignTicket,
 
     /// An earlier write failed in a way that leaves its durability unknown (a failed WAL write or
     /// fsync). The engine refuses writes until it is dropped and reopened, which recovers a

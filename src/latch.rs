@@ -50,6 +50,35 @@ impl Latches {
         }
     }
 
+    /// Takes the latch on `key` as a guard that releases it on drop, or returns when the
+    /// current holder took it.
+    pub(crate) fn try_guard<'a>(
+        &'a self,
+        key: &'a [u8],
+        now_ms: u64,
+    ) -> Result<LatchGuard<'a>, u64> {
+        self.try_acquire(key, now_ms)?;
+        Ok(LatchGuard { latches: self, key })
+    }
+
+    /// Takes the latch on `key`, waiting for the current holder to release it. Latches are held
+    /// for a read and a write, except by a transactional claim, which holds its key until it
+    /// commits or drops; waiting backs off from yielding to 1 ms sleeps.
+    pub(crate) fn acquire_waiting<'a>(&'a self, key: &'a [u8], now_ms: u64) -> LatchGuard<'a> {
+        let mut attempt = 0u32;
+        while self.try_acquire(key, now_ms).is_err() {
+            attempt = attempt.saturating_add(1);
+            if attempt < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(u64::from(
+                    attempt.min(1_000),
+                )));
+            }
+        }
+        LatchGuard { latches: self, key }
+    }
+
     /// Releases the latch on `key`. The caller must hold it.
     pub(crate) fn release(&self, key: &[u8]) {
         let removed = self.shard(key).lock().remove(key);
@@ -59,6 +88,18 @@ impl Latches {
     /// How many keys are latched right now.
     pub(crate) fn held(&self) -> usize {
         self.shards.iter().map(|shard| shard.lock().len()).sum()
+    }
+}
+
+/// A latch taken by [`Latches::acquire_waiting`], released on drop.
+pub(crate) struct LatchGuard<'a> {
+    latches: &'a Latches,
+    key: &'a [u8],
+}
+
+impl Drop for LatchGuard<'_> {
+    fn drop(&mut self) {
+        self.latches.release(self.key);
     }
 }
 

@@ -60,6 +60,8 @@ mod fingerprint;
 mod key;
 #[cfg(feature = "engine")]
 mod latch;
+#[cfg(feature = "engine")]
+mod lease;
 mod merge;
 pub mod merge_ops;
 #[cfg(feature = "engine")]
@@ -69,8 +71,8 @@ mod ttl;
 
 #[cfg(feature = "engine")]
 pub use claim::{
-    Claim, Committed, Expiry, Outcome, STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX,
-    TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
+    Claim, Committed, Expiry, Outcome, PreviousAttempt, STAGED_BYTES_MAX, STAGED_WRITES_MAX,
+    TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
 };
 pub use clock::{Clock, MockClock, SystemClock};
 #[cfg(feature = "engine")]
@@ -81,6 +83,11 @@ pub use key::{
     CONSUMER_ID_BYTES_MAX, CONSUMER_ID_BYTES_MIN, MESSAGE_KEY_BYTES_MAX, MESSAGE_KEY_BYTES_MIN,
 };
 #[cfg(feature = "engine")]
+pub use lease::{
+    ExternalClaim, FailurePolicy, InProgressEntry, LEASE_MS_MAX, LEASE_MS_MIN, LeaseTicket,
+    Resolution,
+};
+#[cfg(feature = "engine")]
 pub use options::{
     BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN, Durability,
     EngineBuilder, PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX,
@@ -88,13 +95,15 @@ pub use options::{
     TABLE_NAME_BYTES_MAX, TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions,
     WRITE_BUFFER_BYTES_DEFAULT, WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };
-pub use record::{EXPIRES_NEVER_MS, RESULT_BYTES_MAX, Record};
+pub use record::{EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, RecordState};
 
 /// The on-disk format, for tools, fuzzers and tests: key and record codecs and the compaction
 /// filter's decision. Specified byte by byte in docs/design.md.
 pub mod format {
     pub use crate::key::{decode_key, encode_key, printable};
     pub use crate::merge::apply_operands;
-    pub use crate::record::{DecodeError, Record, encode_commit_operand};
+    pub use crate::record::{
+        DecodeError, Record, RecordState, encode_commit_operand, encode_replace_operand,
+    };
     pub use crate::ttl::{FilterDecision, compaction_decision};
 }

@@ -16,9 +16,12 @@ pub(crate) const MERGE_OPERATOR_NAME: &str = "idemdb.record.v1";
 /// Folds `operands` (oldest first) over `existing`, returning the new stored value.
 ///
 /// Rules, for each operand in order:
-/// - `Commit { replaces_epoch, record }` installs `record` when the current value is absent or is
-///   a record whose epoch equals `replaces_epoch`; otherwise the current value stands
-///   (insert-if-absent: a completed record is never overwritten by a commit it did not expect).
+/// - `Install { replaces_epoch, record }` installs `record` when the current value is absent or
+///   is a record whose epoch equals `replaces_epoch`; otherwise the current value stands
+///   (insert-if-absent: a record is never overwritten by an install that did not expect it).
+/// - `Replace { epoch, token, record }` installs `record` only when the current value is an
+///   in-progress record with that epoch and token (the fenced step of a lease: renew,
+///   complete, fail, release); otherwise the current value stands.
 /// - An operand that does not decode is skipped; a current value that does not decode is kept
 ///   as it is, so that reads of this one key report it as corrupt.
 ///
@@ -32,21 +35,29 @@ pub fn apply_operands<'a>(
 ) -> Vec<u8> {
     let mut current: Option<&[u8]> = existing;
     for operand in operands {
-        let Ok(Operand::Commit {
-            replaces_epoch,
-            record_bytes,
-        }) = Operand::decode(operand)
-        else {
-            continue;
-        };
-        let installs = match current {
-            None => true,
-            Some(value) => match RecordHeader::decode(value) {
-                Ok(header) => header.epoch == replaces_epoch,
-                Err(_) => false,
+        let current_header = current.map(RecordHeader::decode);
+        let installed = match Operand::decode(operand) {
+            Ok(Operand::Install {
+                replaces_epoch,
+                record_bytes,
+            }) => match current_header {
+                None => Some(record_bytes),
+                Some(Ok(header)) if header.epoch == replaces_epoch => Some(record_bytes),
+                Some(_) => None,
             },
+            Ok(Operand::Replace {
+                epoch,
+                token,
+                record_bytes,
+            }) => match current_header {
+                Some(Ok(header)) if header.epoch == epoch && header.token == Some(token) => {
+                    Some(record_bytes)
+                }
+                _ => None,
+            },
+            Err(_) => None,
         };
-        if installs {
+        if let Some(record_bytes) = installed {
             current = Some(record_bytes);
         }
     }
@@ -79,7 +90,7 @@ pub(crate) fn rocksdb_partial_merge(
 mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
-    use crate::record::Record;
+    use crate::record::{Record, RecordState};
     use bytes::Bytes;
 
     fn record(epoch: u64, result: &str) -> Record {
@@ -93,7 +104,20 @@ mod tests {
     }
 
     fn commit(replaces: u64, result: &str) -> Vec<u8> {
-        Operand::encode_commit(replaces, &record(replaces + 1, result))
+        Operand::encode_install(replaces, &record(replaces + 1, result))
+    }
+
+    fn in_progress(epoch: u64, token: u64) -> Record {
+        Record {
+            epoch,
+            fingerprint: Fingerprint::of(b""),
+            state: RecordState::InProgress {
+                since_ms: 1,
+                lease_until_ms: 2,
+                holder: Bytes::from_static(b"h"),
+                token,
+            },
+        }
     }
 
     fn fold(existing: Option<Record>, operands: &[Vec<u8>]) -> Option<Record> {
@@ -105,22 +129,44 @@ mod tests {
     #[test]
     fn first_commit_over_absent_wins() {
         let merged = fold(None, &[commit(0, "a"), commit(0, "b")]).unwrap();
-        assert_eq!(merged.result, "a");
+        assert_eq!(merged.result().unwrap(), "a");
         assert_eq!(merged.epoch, 1);
     }
 
     #[test]
     fn commit_replaces_only_the_record_it_saw() {
         let merged = fold(Some(record(4, "old")), &[commit(4, "new")]).unwrap();
-        assert_eq!(merged.result, "new");
+        assert_eq!(merged.result().unwrap(), "new");
         let kept = fold(Some(record(4, "old")), &[commit(3, "stale")]).unwrap();
-        assert_eq!(kept.result, "old");
+        assert_eq!(kept.result().unwrap(), "old");
+    }
+
+    #[test]
+    fn replace_applies_only_to_the_matching_holder() {
+        let lease = in_progress(3, 77);
+        let done = record(3, "done");
+        let by_holder = Operand::encode_replace(3, 77, &done);
+        let by_stale_epoch = Operand::encode_replace(2, 77, &record(2, "stale"));
+        let by_other_token = Operand::encode_replace(3, 78, &record(3, "other"));
+        let merged = fold(
+            Some(lease.clone()),
+            &[by_stale_epoch, by_other_token.clone()],
+        )
+        .unwrap();
+        assert_eq!(merged, lease);
+        let merged = fold(Some(lease), &[by_holder, by_other_token]).unwrap();
+        assert_eq!(merged.result().unwrap(), "done");
+        // Nothing to replace: a replace never creates a record.
+        assert_eq!(
+            fold(None, &[Operand::encode_replace(1, 1, &record(1, "x"))]),
+            None
+        );
     }
 
     #[test]
     fn corrupt_operands_are_skipped_and_corrupt_bases_kept() {
         let merged = fold(None, &[b"junk".to_vec(), commit(0, "a")]).unwrap();
-        assert_eq!(merged.result, "a");
+        assert_eq!(merged.result().unwrap(), "a");
         let kept = apply_operands(Some(b"junk"), [commit(0, "a").as_slice()]);
         assert_eq!(kept, b"junk");
         assert!(apply_operands(None, [&b"junk"[..]]).is_empty());

@@ -19,17 +19,26 @@ pub(crate) fn is_expired(expires_at_ms: u64, now_ms: u64) -> bool {
     expires_at_ms != EXPIRES_NEVER_MS && expires_at_ms <= now_ms
 }
 
+/// The longest holder identity of an in-progress record, in bytes.
+pub const HOLDER_BYTES_MAX: usize = 255;
+
 /// The record format this build writes and reads.
 pub(crate) const RECORD_FORMAT_VERSION: u8 = 1;
 /// The merge-operand format this build writes and reads.
 pub(crate) const OPERAND_FORMAT_VERSION: u8 = 1;
 
 const STATE_COMPLETED: u8 = 1;
-const OPERAND_COMMIT: u8 = 1;
+const STATE_IN_PROGRESS: u8 = 2;
+const STATE_RELEASED: u8 = 3;
+const STATE_FAILED: u8 = 4;
+const OPERAND_INSTALL: u8 = 1;
+const OPERAND_REPLACE: u8 = 2;
 
-/// version(1) state(1) epoch(8) committed_at_ms(8) expires_at_ms(8) fingerprint(16) result_len(4)
+/// version(1) state(1) epoch(8) at_ms(8) until_ms(8) fingerprint(16) payload_len(4)
 const RECORD_HEADER_BYTES: usize = 1 + 1 + 8 + 8 + 8 + 16 + 4;
-/// version(1) kind(1) replaces_epoch(8), followed by a whole record.
+/// The largest payload any state carries.
+const PAYLOAD_BYTES_MAX: usize = RESULT_BYTES_MAX;
+/// version(1) kind(1) epoch(8), then for a replace token(8), then a whole record.
 const OPERAND_HEADER_BYTES: usize = 1 + 1 + 8;
 
 /// Why stored bytes did not decode.
@@ -78,25 +87,58 @@ pub enum DecodeError {
     },
 }
 
-/// A completed record: what idemdb remembers about a processed message.
+/// What idemdb remembers about one key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Record {
-    /// Increases by one each time the key changes hands; the record's identity for the merge
-    /// operator's compare-and-set. Starts at 1.
+    /// Increases by one each time the key changes hands (a claim commits, an external claim is
+    /// taken or taken over); with the holder's token it fences stale holders. Starts at 1.
     pub epoch: u64,
-    /// When the claim that created this record committed (the engine clock, ms since the epoch).
-    pub committed_at_ms: u64,
-    /// From this instant on the record reads as absent. [`EXPIRES_NEVER_MS`] means never.
-    pub expires_at_ms: u64,
-    /// The fingerprint of the message that created it.
+    /// The fingerprint of the message that created the record.
     pub fingerprint: Fingerprint,
-    /// The result stored at commit, returned to duplicates (for an entity table: the entity).
-    pub result: Bytes,
+    /// The record's state.
+    pub state: RecordState,
+}
+
+/// The states a stored record can be in (docs/design.md, section 6).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// Processed. Duplicates get `result`; `succeeded` is false when the handler's failure was
+    /// recorded as the result (so redeliveries replay the failure instead of retrying).
+    Completed {
+        /// When the claim committed (engine clock, ms since the Unix epoch).
+        committed_at_ms: u64,
+        /// From this instant on the record reads as absent; [`EXPIRES_NEVER_MS`] means never.
+        expires_at_ms: u64,
+        /// The stored result (for an entity table: the entity).
+        result: Bytes,
+        /// False for a recorded failure.
+        succeeded: bool,
+    },
+    /// A side effect outside the batch is being performed under a lease.
+    InProgress {
+        /// When the current holder took the key.
+        since_ms: u64,
+        /// Until when the holder's lease runs; afterwards the key may be taken over.
+        lease_until_ms: u64,
+        /// The holder's identity, as it gave it.
+        holder: Bytes,
+        /// The holder's random token; with the epoch it fences stale holders.
+        token: u64,
+    },
+    /// Released by its holder without a result: reads treat it as absent. It is kept until
+    /// `removable_at_ms` so the key's epoch keeps increasing across the release.
+    Released {
+        /// When it was released.
+        released_at_ms: u64,
+        /// When the compaction filter may remove it.
+        removable_at_ms: u64,
+    },
 }
 
 impl Record {
-    /// Builds a completed record; used by the engine and by tools that write the format.
+    /// A completed record; used by the engine and by tools that write the format.
     #[must_use]
     pub fn new(
         epoch: u64,
@@ -107,47 +149,110 @@ impl Record {
     ) -> Record {
         Record {
             epoch,
-            committed_at_ms,
-            expires_at_ms,
             fingerprint,
-            result,
+            state: RecordState::Completed {
+                committed_at_ms,
+                expires_at_ms,
+                result,
+                succeeded: true,
+            },
         }
     }
 
-    /// True from the instant `expires_at_ms` is reached: expiry is exact at read time,
-    /// whether or not compaction has removed the record yet.
+    /// True when reads treat this record as absent at `now_ms`: a completed record from the
+    /// instant it expires (whether or not compaction has removed it yet), a released record
+    /// always. An in-progress record is never absent.
     #[must_use]
-    pub fn is_expired(&self, now_ms: u64) -> bool {
-        is_expired(self.expires_at_ms, now_ms)
+    pub fn is_absent_at(&self, now_ms: u64) -> bool {
+        match &self.state {
+            RecordState::Completed { expires_at_ms, .. } => is_expired(*expires_at_ms, now_ms),
+            RecordState::InProgress { .. } => false,
+            RecordState::Released { .. } => true,
+        }
+    }
+
+    /// The stored result of a completed record.
+    #[must_use]
+    pub fn result(&self) -> Option<&Bytes> {
+        match &self.state {
+            RecordState::Completed { result, .. } => Some(result),
+            _ => None,
+        }
     }
 
     /// Encodes the record (format version 1).
     ///
     /// # Panics
-    /// Never for records built by the engine: it bounds `result` by [`RESULT_BYTES_MAX`] first.
-    /// A record built by hand with a larger result is a programming error and asserts.
+    /// Never for records built by the engine: it bounds results by [`RESULT_BYTES_MAX`] and
+    /// holders by [`HOLDER_BYTES_MAX`] first. A record built by hand beyond them asserts.
     #[must_use]
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(RECORD_HEADER_BYTES + self.result.len());
+        let mut out = Vec::with_capacity(RECORD_HEADER_BYTES + self.payload_len());
         self.encode_into(&mut out);
         out
     }
 
+    fn payload_len(&self) -> usize {
+        match &self.state {
+            RecordState::Completed { result, .. } => result.len(),
+            RecordState::InProgress { holder, .. } => 8 + holder.len(),
+            RecordState::Released { .. } => 0,
+        }
+    }
+
     fn encode_into(&self, out: &mut Vec<u8>) {
-        assert!(
-            self.result.len() <= RESULT_BYTES_MAX,
-            "result above RESULT_BYTES_MAX"
-        );
         assert!(self.epoch >= 1, "epochs start at 1");
+        let (state, at_ms, until_ms) = match &self.state {
+            RecordState::Completed {
+                committed_at_ms,
+                expires_at_ms,
+                result,
+                succeeded,
+            } => {
+                assert!(
+                    result.len() <= RESULT_BYTES_MAX,
+                    "result above RESULT_BYTES_MAX"
+                );
+                let state = if *succeeded {
+                    STATE_COMPLETED
+                } else {
+                    STATE_FAILED
+                };
+                (state, *committed_at_ms, *expires_at_ms)
+            }
+            RecordState::InProgress {
+                since_ms,
+                lease_until_ms,
+                holder,
+                ..
+            } => {
+                assert!(
+                    holder.len() <= HOLDER_BYTES_MAX,
+                    "holder above HOLDER_BYTES_MAX"
+                );
+                (STATE_IN_PROGRESS, *since_ms, *lease_until_ms)
+            }
+            RecordState::Released {
+                released_at_ms,
+                removable_at_ms,
+            } => (STATE_RELEASED, *released_at_ms, *removable_at_ms),
+        };
         out.push(RECORD_FORMAT_VERSION);
-        out.push(STATE_COMPLETED);
+        out.push(state);
         out.extend_from_slice(&self.epoch.to_be_bytes());
-        out.extend_from_slice(&self.committed_at_ms.to_be_bytes());
-        out.extend_from_slice(&self.expires_at_ms.to_be_bytes());
+        out.extend_from_slice(&at_ms.to_be_bytes());
+        out.extend_from_slice(&until_ms.to_be_bytes());
         out.extend_from_slice(&self.fingerprint.as_u128().to_be_bytes());
-        let result_len = u32::try_from(self.result.len()).expect("bounded by RESULT_BYTES_MAX");
-        out.extend_from_slice(&result_len.to_be_bytes());
-        out.extend_from_slice(&self.result);
+        let payload_len = u32::try_from(self.payload_len()).expect("payload bounded above");
+        out.extend_from_slice(&payload_len.to_be_bytes());
+        match &self.state {
+            RecordState::Completed { result, .. } => out.extend_from_slice(result),
+            RecordState::InProgress { token, holder, .. } => {
+                out.extend_from_slice(&token.to_be_bytes());
+                out.extend_from_slice(holder);
+            }
+            RecordState::Released { .. } => {}
+        }
     }
 
     /// Decodes a stored value.
@@ -156,25 +261,45 @@ impl Record {
     /// [`DecodeError`] for anything that is not exactly one version-1 record.
     pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         let header = RecordHeader::decode(bytes)?;
+        let payload = &bytes[RECORD_HEADER_BYTES..];
+        let state = match header.state {
+            STATE_COMPLETED | STATE_FAILED => RecordState::Completed {
+                committed_at_ms: header.at_ms,
+                expires_at_ms: header.until_ms,
+                result: Bytes::copy_from_slice(payload),
+                succeeded: header.state == STATE_COMPLETED,
+            },
+            STATE_IN_PROGRESS => RecordState::InProgress {
+                since_ms: header.at_ms,
+                lease_until_ms: header.until_ms,
+                token: header.token.expect("checked by RecordHeader::decode"),
+                holder: Bytes::copy_from_slice(&payload[8..]),
+            },
+            _ => RecordState::Released {
+                released_at_ms: header.at_ms,
+                removable_at_ms: header.until_ms,
+            },
+        };
         Ok(Record {
             epoch: header.epoch,
-            committed_at_ms: header.committed_at_ms,
-            expires_at_ms: header.expires_at_ms,
             fingerprint: header.fingerprint,
-            result: Bytes::copy_from_slice(&bytes[RECORD_HEADER_BYTES..]),
+            state,
         })
     }
 }
 
-/// The fixed-size part of a record, decoded without copying the result. The merge operator and
+/// The fixed-size part of a record, decoded without copying the payload. The merge operator and
 /// the compaction filter need only this, but they validate the whole value like
 /// [`Record::decode`] does: a value is a record for all of them, or for none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RecordHeader {
+    pub(crate) state: u8,
     pub(crate) epoch: u64,
-    pub(crate) committed_at_ms: u64,
-    pub(crate) expires_at_ms: u64,
+    pub(crate) at_ms: u64,
+    pub(crate) until_ms: u64,
     pub(crate) fingerprint: Fingerprint,
+    /// The holder's token, for an in-progress record.
+    pub(crate) token: Option<u64>,
 }
 
 impl RecordHeader {
@@ -193,7 +318,10 @@ impl RecordHeader {
             });
         }
         let state = bytes[1];
-        if state != STATE_COMPLETED {
+        if !matches!(
+            state,
+            STATE_COMPLETED | STATE_IN_PROGRESS | STATE_RELEASED | STATE_FAILED
+        ) {
             return Err(DecodeError::UnknownTag {
                 what: "state",
                 tag: state,
@@ -201,21 +329,21 @@ impl RecordHeader {
         }
         let mut fields = Reader { bytes, at: 2 };
         let epoch = fields.u64();
-        let committed_at_ms = fields.u64();
-        let expires_at_ms = fields.u64();
+        let at_ms = fields.u64();
+        let until_ms = fields.u64();
         let fingerprint = Fingerprint::from_u128(fields.u128());
-        let result_len = fields.u32() as usize;
+        let payload_len = fields.u32() as usize;
         if epoch == 0 {
             return Err(DecodeError::Invalid {
                 reason: "epoch 0 (epochs start at 1)",
             });
         }
-        if result_len > RESULT_BYTES_MAX {
+        if payload_len > PAYLOAD_BYTES_MAX {
             return Err(DecodeError::Invalid {
-                reason: "result length above RESULT_BYTES_MAX",
+                reason: "payload length above RESULT_BYTES_MAX",
             });
         }
-        let expected = RECORD_HEADER_BYTES + result_len;
+        let expected = RECORD_HEADER_BYTES + payload_len;
         if bytes.len() < expected {
             return Err(DecodeError::Truncated {
                 needed: expected,
@@ -227,12 +355,37 @@ impl RecordHeader {
                 extra: bytes.len() - expected,
             });
         }
+        let token = match state {
+            STATE_IN_PROGRESS => {
+                if !(8..=8 + HOLDER_BYTES_MAX).contains(&payload_len) {
+                    return Err(DecodeError::Invalid {
+                        reason: "in-progress payload is not a token and a holder",
+                    });
+                }
+                Some(fields.u64())
+            }
+            STATE_RELEASED if payload_len != 0 => {
+                return Err(DecodeError::Invalid {
+                    reason: "released record with a payload",
+                });
+            }
+            _ => None,
+        };
         Ok(RecordHeader {
+            state,
             epoch,
-            committed_at_ms,
-            expires_at_ms,
+            at_ms,
+            until_ms,
             fingerprint,
+            token,
         })
+    }
+
+    /// Whether the compaction filter may remove this record at `now_ms`: a completed (or failed)
+    /// record that has expired, or a released record past its removal time. Never an
+    /// in-progress record, whatever its lease.
+    pub(crate) fn is_removable_at(&self, now_ms: u64) -> bool {
+        self.state != STATE_IN_PROGRESS && is_expired(self.until_ms, now_ms)
     }
 }
 
@@ -265,34 +418,62 @@ impl Reader<'_> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Operand<'a> {
     /// Install `record` if the key is absent or still holds the record with epoch
-    /// `replaces_epoch` (the one the claimant saw, expired). Otherwise the existing record stands.
-    Commit {
+    /// `replaces_epoch` (the one the claimant saw: expired, released, or in progress with an
+    /// expired lease). Otherwise the existing record stands.
+    Install {
         replaces_epoch: u64,
+        record_bytes: &'a [u8],
+    },
+    /// Replace the in-progress record with this `epoch` and `token` by `record`; anything else
+    /// (another holder, a completed record, nothing) stands. The fenced transition of leases.
+    Replace {
+        epoch: u64,
+        token: u64,
         record_bytes: &'a [u8],
     },
 }
 
-/// Encodes the merge operand a claim writes when it commits: install `record` if the key is
-/// absent or holds the record with epoch `replaces_epoch` (0 when the claimant found the key
-/// absent). `record.epoch` must be `replaces_epoch + 1`. For fuzzers and format tools.
+/// Encodes the merge operand a claim writes to install a record: `record` replaces the key's
+/// record only if the key is absent or holds the record with epoch `replaces_epoch` (0 when the
+/// claimant found the key absent). `record.epoch` must be `replaces_epoch + 1`. For fuzzers and
+/// format tools.
 #[must_use]
 pub fn encode_commit_operand(replaces_epoch: u64, record: &Record) -> Vec<u8> {
-    Operand::encode_commit(replaces_epoch, record)
+    Operand::encode_install(replaces_epoch, record)
+}
+
+/// Encodes the fenced merge operand of a lease step: `record` replaces the key's record only if
+/// that is the in-progress record with this `epoch` and `token`. `record.epoch` must equal
+/// `epoch`. For fuzzers and format tools.
+#[must_use]
+pub fn encode_replace_operand(epoch: u64, token: u64, record: &Record) -> Vec<u8> {
+    Operand::encode_replace(epoch, token, record)
 }
 
 impl Operand<'_> {
-    /// Encodes a commit operand; `replaces_epoch` is 0 when the claimant found the key absent.
-    pub(crate) fn encode_commit(replaces_epoch: u64, record: &Record) -> Vec<u8> {
+    pub(crate) fn encode_install(replaces_epoch: u64, record: &Record) -> Vec<u8> {
         let mut out =
-            Vec::with_capacity(OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES + record.result.len());
+            Vec::with_capacity(OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES + record.payload_len());
         out.push(OPERAND_FORMAT_VERSION);
-        out.push(OPERAND_COMMIT);
+        out.push(OPERAND_INSTALL);
         out.extend_from_slice(&replaces_epoch.to_be_bytes());
         record.encode_into(&mut out);
         out
     }
 
-    /// Decodes an operand and validates the record inside it (header and exact length).
+    pub(crate) fn encode_replace(epoch: u64, token: u64, record: &Record) -> Vec<u8> {
+        let mut out = Vec::with_capacity(
+            OPERAND_HEADER_BYTES + 8 + RECORD_HEADER_BYTES + record.payload_len(),
+        );
+        out.push(OPERAND_FORMAT_VERSION);
+        out.push(OPERAND_REPLACE);
+        out.extend_from_slice(&epoch.to_be_bytes());
+        out.extend_from_slice(&token.to_be_bytes());
+        record.encode_into(&mut out);
+        out
+    }
+
+    /// Decodes an operand and validates the record inside it.
     pub(crate) fn decode(bytes: &[u8]) -> Result<Operand<'_>, DecodeError> {
         if bytes.len() < OPERAND_HEADER_BYTES {
             return Err(DecodeError::Truncated {
@@ -303,24 +484,48 @@ impl Operand<'_> {
         if bytes[0] != OPERAND_FORMAT_VERSION {
             return Err(DecodeError::UnknownVersion { version: bytes[0] });
         }
-        if bytes[1] != OPERAND_COMMIT {
-            return Err(DecodeError::UnknownTag {
+        let mut fields = Reader { bytes, at: 2 };
+        let epoch = fields.u64();
+        match bytes[1] {
+            OPERAND_INSTALL => {
+                let record_bytes = &bytes[OPERAND_HEADER_BYTES..];
+                let header = RecordHeader::decode(record_bytes)?;
+                if header.epoch != epoch.wrapping_add(1) {
+                    return Err(DecodeError::Invalid {
+                        reason: "install operand epoch is not replaces_epoch + 1",
+                    });
+                }
+                Ok(Operand::Install {
+                    replaces_epoch: epoch,
+                    record_bytes,
+                })
+            }
+            OPERAND_REPLACE => {
+                if bytes.len() < OPERAND_HEADER_BYTES + 8 {
+                    return Err(DecodeError::Truncated {
+                        needed: OPERAND_HEADER_BYTES + 8,
+                        available: bytes.len(),
+                    });
+                }
+                let token = fields.u64();
+                let record_bytes = &bytes[OPERAND_HEADER_BYTES + 8..];
+                let header = RecordHeader::decode(record_bytes)?;
+                if header.epoch != epoch {
+                    return Err(DecodeError::Invalid {
+                        reason: "replace operand changes the epoch",
+                    });
+                }
+                Ok(Operand::Replace {
+                    epoch,
+                    token,
+                    record_bytes,
+                })
+            }
+            tag => Err(DecodeError::UnknownTag {
                 what: "operand kind",
-                tag: bytes[1],
-            });
+                tag,
+            }),
         }
-        let replaces_epoch = Reader { bytes, at: 2 }.u64();
-        let record_bytes = &bytes[OPERAND_HEADER_BYTES..];
-        let header = RecordHeader::decode(record_bytes)?;
-        if header.epoch != replaces_epoch.wrapping_add(1) {
-            return Err(DecodeError::Invalid {
-                reason: "commit operand epoch is not replaces_epoch + 1",
-            });
-        }
-        Ok(Operand::Commit {
-            replaces_epoch,
-            record_bytes,
-        })
     }
 }
 
@@ -343,6 +548,7 @@ mod tests {
     fn header_is_46_bytes_and_round_trips() {
         let encoded = record(b"ok").encode();
         assert_eq!(encoded.len(), 46 + 2);
+        assert_eq!(encoded[1], STATE_COMPLETED);
         assert_eq!(encoded[0], RECORD_FORMAT_VERSION);
         assert_eq!(Record::decode(&encoded).unwrap(), record(b"ok"));
     }
@@ -384,23 +590,68 @@ mod tests {
     fn large_result_round_trips() {
         let big = vec![7u8; 1 << 20];
         let encoded = record(&big).encode();
-        assert_eq!(Record::decode(&encoded).unwrap().result.len(), 1 << 20);
+        assert_eq!(
+            Record::decode(&encoded).unwrap().result().unwrap().len(),
+            1 << 20
+        );
     }
 
     #[test]
     fn operand_round_trips_and_checks_epoch() {
-        let encoded = Operand::encode_commit(2, &record(b"r"));
-        match Operand::decode(&encoded).unwrap() {
-            Operand::Commit {
-                replaces_epoch,
-                record_bytes,
-            } => {
-                assert_eq!(replaces_epoch, 2);
-                assert_eq!(Record::decode(record_bytes).unwrap(), record(b"r"));
-            }
-        }
-        let wrong_epoch = Operand::encode_commit(5, &record(b"r"));
+        let encoded = Operand::encode_install(2, &record(b"r"));
+        let Operand::Install {
+            replaces_epoch,
+            record_bytes,
+        } = Operand::decode(&encoded).unwrap()
+        else {
+            panic!("install expected");
+        };
+        assert_eq!(replaces_epoch, 2);
+        assert_eq!(Record::decode(record_bytes).unwrap(), record(b"r"));
+        let wrong_epoch = Operand::encode_install(5, &record(b"r"));
         assert!(Operand::decode(&wrong_epoch).is_err());
+
+        let encoded = Operand::encode_replace(3, 99, &record(b"r"));
+        let Operand::Replace { epoch, token, .. } = Operand::decode(&encoded).unwrap() else {
+            panic!("replace expected");
+        };
+        assert_eq!((epoch, token), (3, 99));
+        assert!(Operand::decode(&Operand::encode_replace(4, 99, &record(b"r"))).is_err());
+    }
+
+    #[test]
+    fn every_state_round_trips() {
+        let in_progress = Record {
+            epoch: 7,
+            fingerprint: Fingerprint::of(b"m"),
+            state: RecordState::InProgress {
+                since_ms: 5,
+                lease_until_ms: 9,
+                holder: Bytes::from_static(b"worker-1"),
+                token: 0xfeed,
+            },
+        };
+        let released = Record {
+            epoch: 8,
+            fingerprint: Fingerprint::of(b"m"),
+            state: RecordState::Released {
+                released_at_ms: 10,
+                removable_at_ms: 20,
+            },
+        };
+        let failed = Record {
+            epoch: 9,
+            fingerprint: Fingerprint::of(b"m"),
+            state: RecordState::Completed {
+                committed_at_ms: 1,
+                expires_at_ms: 2,
+                result: Bytes::from_static(b"card declined"),
+                succeeded: false,
+            },
+        };
+        for record in [in_progress, released, failed] {
+            assert_eq!(Record::decode(&record.encode()).unwrap(), record);
+        }
     }
 
     proptest! {

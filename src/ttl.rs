@@ -1,9 +1,9 @@
 //! Retention: the compaction filter that physically removes expired records.
 //!
-//! Expiry itself is exact and happens at read time (`Record::is_expired`); this filter only
+//! Expiry itself is exact and happens at read time (`Record::is_absent_at`); this filter only
 //! reclaims space. It therefore keeps anything it is not sure about.
 
-use crate::record::{RecordHeader, is_expired};
+use crate::record::RecordHeader;
 
 /// The name RocksDB persists in the OPTIONS file for the marker tables' compaction filter.
 #[cfg(feature = "engine")]
@@ -20,9 +20,10 @@ pub enum FilterDecision {
 
 /// Decides the fate of one stored value at `now_ms`.
 ///
-/// Removes exactly the values that decode as a record expired at `now_ms`, that is
-/// the records every read already treats as absent. Keeps everything else, including values
-/// that do not decode: evidence of corruption is not destroyed by compaction.
+/// Removes exactly the values that decode as a completed record expired at `now_ms` or a
+/// released record past its removal time: records every read already treats as absent. Keeps
+/// everything else: in-progress records whatever their lease (they are reconciled, never
+/// silently dropped), and values that do not decode (evidence of corruption).
 ///
 /// ```
 /// use idemdb::format::{compaction_decision, FilterDecision};
@@ -31,7 +32,7 @@ pub enum FilterDecision {
 #[must_use]
 pub fn compaction_decision(value: &[u8], now_ms: u64) -> FilterDecision {
     match RecordHeader::decode(value) {
-        Ok(header) if is_expired(header.expires_at_ms, now_ms) => FilterDecision::Remove,
+        Ok(header) if header.is_removable_at(now_ms) => FilterDecision::Remove,
         _ => FilterDecision::Keep,
     }
 }

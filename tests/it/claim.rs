@@ -105,7 +105,16 @@ fn staged_writes_land_with_the_marker_and_only_on_commit() {
     assert_eq!(orders.get(b"o-1").unwrap().as_deref(), Some(&b"v1"[..]));
     assert_eq!(orders.get(b"o-0").unwrap(), None);
     assert_eq!(counter(&engine, "n"), 1);
-    assert_eq!(billing.get(b"o-1").unwrap().unwrap().result, "done");
+    assert_eq!(
+        billing
+            .get(b"o-1")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone(),
+        "done"
+    );
 }
 
 #[test]
@@ -121,7 +130,16 @@ fn consumers_sharing_a_store_do_not_suppress_each_other() {
         claim.commit(consumer).unwrap();
     }
     let billing = engine.consumer("billing").unwrap();
-    assert_eq!(billing.get(b"msg-1").unwrap().unwrap().result, "billing");
+    assert_eq!(
+        billing
+            .get(b"msg-1")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone(),
+        "billing"
+    );
 }
 
 #[test]

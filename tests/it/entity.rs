@@ -38,12 +38,24 @@ fn entity_is_inserted_once_and_conflicts_are_reported() {
         .clock
         .advance(Duration::from_secs(50 * 365 * 24 * 3600));
     assert_eq!(
-        &customers.get(b"cust-1").unwrap().unwrap().result[..],
+        &customers
+            .get(b"cust-1")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone()[..],
         alice
     );
     engine.compact().unwrap();
     assert_eq!(
-        &customers.get(b"cust-1").unwrap().unwrap().result[..],
+        &customers
+            .get(b"cust-1")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone()[..],
         alice
     );
 }
@@ -64,6 +76,24 @@ fn entity_keys_do_not_collide_with_consumer_keys() {
     };
     claim.commit(b"entity").unwrap();
     other.commit(b"marker").unwrap();
-    assert_eq!(customers.get(b"k").unwrap().unwrap().result, "entity");
-    assert_eq!(consumer.get(b"k").unwrap().unwrap().result, "marker");
+    assert_eq!(
+        customers
+            .get(b"k")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone(),
+        "entity"
+    );
+    assert_eq!(
+        consumer
+            .get(b"k")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone(),
+        "marker"
+    );
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use crate::util::{TestStore, counter};
-use idemdb::{Claim, Clock, Engine, Fingerprint, Outcome};
+use idemdb::{Claim, Clock, Engine, Fingerprint, Outcome, RecordState};
 
 const KEYS: u8 = 4;
 const RETENTION_MS: u64 = 1_000;
@@ -189,9 +189,19 @@ fn check(
         match (stored, model.live(key, now_ms)) {
             (None, None) => {}
             (Some(record), Some(expected)) => {
-                prop_assert_eq!(&record.result[..], &[expected.result][..]);
+                let RecordState::Completed {
+                    result,
+                    expires_at_ms,
+                    ..
+                } = &record.state
+                else {
+                    return Err(TestCaseError::fail(format!(
+                        "key {key}: not completed: {record:?}"
+                    )));
+                };
+                prop_assert_eq!(&result[..], &[expected.result][..]);
                 prop_assert_eq!(record.fingerprint, fingerprint(expected.content));
-                prop_assert_eq!(record.expires_at_ms, expected.expires_at_ms);
+                prop_assert_eq!(*expires_at_ms, expected.expires_at_ms);
             }
             (stored, expected) => {
                 return Err(TestCaseError::fail(format!(

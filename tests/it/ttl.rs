@@ -86,10 +86,19 @@ fn a_recommit_after_expiry_replaces_the_old_record() {
     assert_eq!(claim.epoch(), 2);
     claim.commit(b"second").unwrap();
     let record = consumer.get("k").unwrap().unwrap();
-    assert_eq!(record.result, "second");
+    assert_eq!(record.result().unwrap().clone(), "second");
     assert_eq!(record.epoch, 2);
     assert_eq!(record.fingerprint, Fingerprint::of("other"));
     // The compaction filter must not remove the new record, nor resurrect the old one.
     engine.compact().unwrap();
-    assert_eq!(consumer.get("k").unwrap().unwrap().result, "second");
+    assert_eq!(
+        consumer
+            .get("k")
+            .unwrap()
+            .unwrap()
+            .result()
+            .unwrap()
+            .clone(),
+        "second"
+    );
 }

@@ -1,0 +1,468 @@
+//! Work outside the batch: external claims held under a durable lease with a fencing epoch.
+//!
+//! A side effect that cannot join the write batch (a payment API, another store) is performed
+//! between `begin_external`, which durably records the key as in progress, and `complete`,
+//! which records the result. Every step after the first is *fenced*: under the key's latch the
+//! holder checks that the stored record is still its own in-progress record (same epoch, same
+//! token) and writes a merge operand that applies only to that record. A holder whose lease
+//! expired and was taken over gets [`Error::LeaseLost`] and writes nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rocksdb::WriteBatch;
+
+use crate::claim::{
+    Expiry, Found, Outcome, PreviousAttempt, Staged, check_expiry, expires_at_ms, inspect,
+};
+use crate::engine::{BusinessTable, Inner};
+use crate::error::{Error, Limit, Result, check_limit};
+use crate::fingerprint::Fingerprint;
+use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState};
+
+/// The shortest lease, in milliseconds.
+pub const LEASE_MS_MIN: u64 = 1;
+/// The longest lease, in milliseconds (7 days). Renew a longer side effect.
+pub const LEASE_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+
+/// What to record when the handler of an external claim fails.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Release the key without a result: the broker's redelivery processes it again (the
+    /// default choice for transient failures).
+    Release,
+    /// Record the failure as the key's result: redeliveries get [`Outcome::Duplicate`] with
+    /// `succeeded: false` and replay it instead of retrying (for permanent failures).
+    RecordFailure(Bytes),
+}
+
+/// An operator's resolution of a stuck in-progress key (see [`crate::Consumer::resolve`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    /// Mark it completed with this result (the side effect is known to have happened).
+    Complete(Bytes),
+    /// Release it, so the next delivery processes it again.
+    Release,
+}
+
+/// An in-progress record found by [`crate::Consumer::in_progress`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InProgressEntry {
+    /// The message key.
+    pub message_key: Bytes,
+    /// The holder's epoch.
+    pub epoch: u64,
+    /// The holder's identity.
+    pub holder: Bytes,
+    /// When the holder took the key.
+    pub since_ms: u64,
+    /// Until when its lease runs (it may already have run out).
+    pub lease_until_ms: u64,
+}
+
+/// What an external holder needs to find its claim again after a restart: pass it to
+/// [`crate::Consumer::resume`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseTicket {
+    pub(crate) stored_key: Vec<u8>,
+    pub(crate) epoch: u64,
+    pub(crate) token: u64,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) holder: Bytes,
+    pub(crate) since_ms: u64,
+    pub(crate) lease_until_ms: u64,
+}
+
+impl LeaseTicket {
+    /// The epoch the ticket's holder was given.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+}
+
+/// A key held under a durable lease while a side effect outside the batch is performed.
+///
+/// Unlike a [`crate::Claim`] it does not hold the key in memory: the in-progress record in the
+/// store does, until the lease runs out. Dropping it abandons the attempt; the key is taken over
+/// after the lease. Business writes staged on it land only with [`ExternalClaim::complete`].
+pub struct ExternalClaim {
+    inner: Arc<Inner>,
+    marker: usize,
+    ticket: LeaseTicket,
+    previous: Option<PreviousAttempt>,
+    expiry: Expiry,
+    staged: Staged,
+}
+
+/// Checks a lease length and returns it in milliseconds.
+fn lease_ms(lease: Duration) -> Result<u64> {
+    let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+    if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&ms) {
+        return Err(Error::LimitExceeded {
+            limit: Limit::LeaseMs,
+            actual: ms,
+            min: LEASE_MS_MIN,
+            max: LEASE_MS_MAX,
+        });
+    }
+    Ok(ms)
+}
+
+/// Takes the key under a lease: writes the in-progress record (honouring the durability mode)
+/// before returning.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn begin_external(
+    inner: &Arc<Inner>,
+    marker: usize,
+    stored_key: Vec<u8>,
+    fingerprint: Fingerprint,
+    lease: Duration,
+    holder: &[u8],
+    expiry: Expiry,
+) -> Result<Outcome<ExternalClaim>> {
+    let lease_ms = lease_ms(lease)?;
+    check_limit(Limit::HolderBytes, holder.len(), 0, HOLDER_BYTES_MAX)?;
+    inner.check_not_poisoned()?;
+    let now_ms = inner.clock.now_ms();
+    let latches = &inner.markers[marker].latches;
+    let _latch = match latches.try_guard(&stored_key, now_ms) {
+        Ok(guard) => guard,
+        Err(since_ms) => return Ok(Outcome::in_process(since_ms)),
+    };
+    let (replaces_epoch, previous) = match inspect(inner, marker, &stored_key, fingerprint, now_ms)?
+    {
+        Found::Claimable {
+            replaces_epoch,
+            previous,
+        } => (replaces_epoch, previous),
+        Found::Settled(outcome) => return Ok(Outcome::settled(outcome)),
+    };
+    let ticket = LeaseTicket {
+        stored_key: stored_key.clone(),
+        epoch: replaces_epoch + 1,
+        token: inner.next_token(),
+        fingerprint,
+        holder: Bytes::copy_from_slice(holder),
+        since_ms: now_ms,
+        lease_until_ms: now_ms.saturating_add(lease_ms),
+    };
+    let mut batch = WriteBatch::default();
+    batch.merge_cf(
+        inner.cf(&inner.markers[marker].name),
+        &stored_key,
+        Operand::encode_install(
+            replaces_epoch,
+            &ticket.in_progress_record(ticket.lease_until_ms),
+        ),
+    );
+    inner.write(batch)?;
+    Ok(Outcome::Fresh(ExternalClaim {
+        inner: inner.clone(),
+        marker,
+        ticket,
+        previous,
+        expiry,
+        staged: Staged::default(),
+    }))
+}
+
+impl LeaseTicket {
+    fn in_progress_record(&self, lease_until_ms: u64) -> Record {
+        Record {
+            epoch: self.epoch,
+            fingerprint: self.fingerprint,
+            state: RecordState::InProgress {
+                since_ms: self.since_ms,
+                lease_until_ms,
+                holder: self.holder.clone(),
+                token: self.token,
+            },
+        }
+    }
+}
+
+/// Writes `record` in place of the in-progress record (`epoch`, `token`) of `stored_key`, with
+/// `batch` (staged writes) in the same write batch, after checking under the key's latch that
+/// the record is still that one.
+fn fenced_replace(
+    inner: &Inner,
+    marker: usize,
+    stored_key: &[u8],
+    holder: Option<(u64, u64)>,
+    make_record: impl FnOnce(u64, &Record) -> Record,
+    batch: WriteBatch,
+    not_held: impl FnOnce(u64) -> Error,
+) -> Result<()> {
+    inner.check_not_poisoned()?;
+    let now_ms = inner.clock.now_ms();
+    let _latch = inner.markers[marker]
+        .latches
+        .acquire_waiting(stored_key, now_ms);
+    let current = inner.read_record_raw(marker, stored_key)?;
+    let Some(current) = current else {
+        return Err(not_held(0));
+    };
+    let RecordState::InProgress { token, .. } = current.state else {
+        return Err(not_held(current.epoch));
+    };
+    if holder.is_some_and(|expected| expected != (current.epoch, token)) {
+        return Err(not_held(current.epoch));
+    }
+    let record = make_record(now_ms, &current);
+    let mut batch = batch;
+    batch.merge_cf(
+        inner.cf(&inner.markers[marker].name),
+        stored_key,
+        Operand::encode_replace(current.epoch, token, &record),
+    );
+    inner.write(batch)
+}
+
+/// The record a release leaves: absent to reads, kept for the engine's retention so that the
+/// key's epoch keeps increasing.
+fn released(inner: &Inner, now_ms: u64, current: &Record) -> Record {
+    Record {
+        epoch: current.epoch,
+        fingerprint: current.fingerprint,
+        state: RecordState::Released {
+            released_at_ms: now_ms,
+            removable_at_ms: expires_at_ms(
+                Expiry::After(Duration::from_millis(inner.retention_ms)),
+                now_ms,
+            ),
+        },
+    }
+}
+
+fn completed(
+    now_ms: u64,
+    expiry: Expiry,
+    current: &Record,
+    result: Bytes,
+    succeeded: bool,
+) -> Record {
+    Record {
+        epoch: current.epoch,
+        fingerprint: current.fingerprint,
+        state: RecordState::Completed {
+            committed_at_ms: now_ms,
+            expires_at_ms: expires_at_ms(expiry, now_ms),
+            result,
+            succeeded,
+        },
+    }
+}
+
+/// An operator's resolution of an in-progress key, whoever holds it.
+pub(crate) fn resolve(
+    inner: &Inner,
+    marker: usize,
+    stored_key: &[u8],
+    resolution: Resolution,
+    expiry: Expiry,
+) -> Result<()> {
+    if let Resolution::Complete(result) = &resolution {
+        check_limit(Limit::ResultBytes, result.len(), 0, crate::RESULT_BYTES_MAX)?;
+    }
+    fenced_replace(
+        inner,
+        marker,
+        stored_key,
+        None,
+        |now_ms, current| match resolution {
+            Resolution::Complete(result) => completed(now_ms, expiry, current, result, true),
+            Resolution::Release => released(inner, now_ms, current),
+        },
+        WriteBatch::default(),
+        |current_epoch| Error::NotInProgress { current_epoch },
+    )
+}
+
+impl ExternalClaim {
+    pub(crate) fn resumed(
+        inner: Arc<Inner>,
+        marker: usize,
+        ticket: LeaseTicket,
+        expiry: Expiry,
+    ) -> Self {
+        ExternalClaim {
+            inner,
+            marker,
+            ticket,
+            previous: None,
+            expiry,
+            staged: Staged::default(),
+        }
+    }
+
+    fn fenced(
+        &mut self,
+        make_record: impl FnOnce(u64, &Record) -> Record,
+        batch: WriteBatch,
+    ) -> Result<()> {
+        fenced_replace(
+            &self.inner,
+            self.marker,
+            &self.ticket.stored_key,
+            Some((self.ticket.epoch, self.ticket.token)),
+            make_record,
+            batch,
+            |current_epoch| Error::LeaseLost { current_epoch },
+        )
+    }
+
+    /// Extends the lease to `lease` from now (a heartbeat). Returns the new deadline.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if another holder took the key over; [`Error::LimitExceeded`] for a
+    /// lease outside [`LEASE_MS_MIN`]..=[`LEASE_MS_MAX`].
+    pub fn renew(&mut self, lease: Duration) -> Result<u64> {
+        let lease_ms = lease_ms(lease)?;
+        let ticket = self.ticket.clone();
+        let mut lease_until_ms = 0;
+        self.fenced(
+            |now_ms, _| {
+                lease_until_ms = now_ms.saturating_add(lease_ms);
+                ticket.in_progress_record(lease_until_ms)
+            },
+            WriteBatch::default(),
+        )?;
+        self.ticket.lease_until_ms = lease_until_ms;
+        Ok(lease_until_ms)
+    }
+
+    /// Stages `value` under `key` in `table`; applied only by [`ExternalClaim::complete`].
+    ///
+    /// # Errors
+    /// As for [`crate::Claim::put`].
+    pub fn put(
+        &mut self,
+        table: &BusinessTable,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+    ) -> Result<()> {
+        self.staged
+            .put(&self.inner, table, key.as_ref(), value.as_ref())
+    }
+
+    /// Stages a deletion; applied only by [`ExternalClaim::complete`].
+    ///
+    /// # Errors
+    /// As for [`crate::Claim::put`].
+    pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
+        self.staged.delete(&self.inner, table, key.as_ref())
+    }
+
+    /// Stages a merge; applied only by [`ExternalClaim::complete`].
+    ///
+    /// # Errors
+    /// As for [`crate::Claim::merge`].
+    pub fn merge(
+        &mut self,
+        table: &BusinessTable,
+        key: impl AsRef<[u8]>,
+        operand: impl AsRef<[u8]>,
+    ) -> Result<()> {
+        self.staged
+            .merge(&self.inner, table, key.as_ref(), operand.as_ref())
+    }
+
+    /// Sets how long the completed record is kept (default: the table's).
+    ///
+    /// # Errors
+    /// As for [`crate::Claim::set_expiry`].
+    pub fn set_expiry(&mut self, expiry: Expiry) -> Result<()> {
+        check_expiry(expiry)?;
+        self.expiry = expiry;
+        Ok(())
+    }
+
+    /// Completes: replaces the in-progress record by the completed one (with `result`) and
+    /// applies the staged writes, in one write batch, if this holder still holds the key.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] (nothing written, staged writes included) if the key was taken over;
+    /// otherwise as for [`crate::Claim::commit`].
+    pub fn complete(mut self, result: impl AsRef<[u8]>) -> Result<u64> {
+        let result = result.as_ref();
+        self.staged.check_result(result)?;
+        let result = Bytes::copy_from_slice(result);
+        let expiry = self.expiry;
+        let batch = std::mem::take(&mut self.staged.batch);
+        self.fenced(
+            |now_ms, current| completed(now_ms, expiry, current, result, true),
+            batch,
+        )?;
+        Ok(self.ticket.epoch)
+    }
+
+    /// Records the handler's failure by `policy`. Staged writes are discarded.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if the key was taken over; storage errors as for
+    /// [`crate::Claim::commit`].
+    pub fn fail(mut self, policy: FailurePolicy) -> Result<()> {
+        let expiry = self.expiry;
+        let inner = self.inner.clone();
+        if let FailurePolicy::RecordFailure(result) = &policy {
+            check_limit(Limit::ResultBytes, result.len(), 0, crate::RESULT_BYTES_MAX)?;
+        }
+        self.fenced(
+            |now_ms, current| match policy {
+                FailurePolicy::Release => released(&inner, now_ms, current),
+                FailurePolicy::RecordFailure(result) => {
+                    completed(now_ms, expiry, current, result, false)
+                }
+            },
+            WriteBatch::default(),
+        )
+    }
+
+    /// Releases the key without a result (same as `fail(FailurePolicy::Release)`).
+    ///
+    /// # Errors
+    /// As for [`ExternalClaim::fail`].
+    pub fn release(self) -> Result<()> {
+        self.fail(FailurePolicy::Release)
+    }
+
+    /// What is needed to resume this claim after a restart ([`crate::Consumer::resume`]).
+    #[must_use]
+    pub fn ticket(&self) -> &LeaseTicket {
+        &self.ticket
+    }
+
+    /// This holder's fencing epoch.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.ticket.epoch
+    }
+
+    /// Until when the lease runs, as last written by this holder.
+    #[must_use]
+    pub fn lease_until_ms(&self) -> u64 {
+        self.ticket.lease_until_ms
+    }
+
+    /// The attempt this claim took over, if any: its side effect may have been partly applied.
+    #[must_use]
+    pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
+        self.previous.as_ref()
+    }
+}
+
+impl std::fmt::Debug for ExternalClaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalClaim")
+            .field(
+                "stored_key",
+                &crate::format::printable(&self.ticket.stored_key),
+            )
+            .field("epoch", &self.ticket.epoch)
+            .field("lease_until_ms", &self.ticket.lease_until_ms)
+            .finish_non_exhaustive()
+    }
+}
