@@ -203,6 +203,11 @@ fn work(
                 counts.conflict.fetch_add(1, Ordering::Relaxed);
                 broker.ack();
             }
+            // The demo's messages carry no production time or version, so neither the admission
+            // floor nor the ordering guard can apply.
+            Outcome::TooLate { .. } | Outcome::Stale { .. } => {
+                unreachable!("no admission floor or ordering guard in this demo")
+            }
         }
     }
     Ok(())

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use rocksdb::WriteBatch;
 
-use crate::engine::{BusinessTable, Inner};
+use crate::engine::{BusinessTable, Inner, VERSIONS_TABLE};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
@@ -64,6 +64,23 @@ pub enum Outcome<C = Claim> {
         lease_until_ms: Option<u64>,
         /// The external holder's epoch.
         epoch: Option<u64>,
+    },
+    /// The message was produced before the retention horizon (the admission floor, B6): its
+    /// record may already have expired, so it cannot be told apart from a new message. Do not
+    /// process it; dead-letter or alert.
+    #[non_exhaustive]
+    TooLate {
+        /// When the message was produced, as given.
+        produced_at_ms: u64,
+        /// Messages produced at or before this instant are too late (now minus the retention).
+        horizon_ms: u64,
+    },
+    /// The ordering guard (R11): the entity already has this version or a newer one applied.
+    /// Acknowledge the message without applying it.
+    #[non_exhaustive]
+    Stale {
+        /// The entity's highest applied version.
+        current_version: u64,
     },
     /// The key was completed with different content (R15): the producer reused an id or the
     /// message changed. Route the message to a dead-letter path and alert; do not process it.
@@ -142,6 +159,14 @@ impl<C> Outcome<C> {
                 new_fingerprint,
                 first_committed_at_ms,
             },
+            Outcome::TooLate {
+                produced_at_ms,
+                horizon_ms,
+            } => Outcome::TooLate {
+                produced_at_ms,
+                horizon_ms,
+            },
+            Outcome::Stale { current_version } => Outcome::Stale { current_version },
         }
     }
 
@@ -264,22 +289,28 @@ pub struct Claim {
     claimed_at_ms: u64,
     expiry: Expiry,
     previous: Option<PreviousAttempt>,
+    /// The ordering guard's (versions-table key, version), whose latch this claim also holds.
+    version: Option<(Vec<u8>, u64)>,
     staged: Staged,
 }
 
-/// Takes the latch on `stored_key`, then reads its record while holding it.
-pub(crate) fn begin(
-    inner: &Arc<Inner>,
-    marker: usize,
-    stored_key: Vec<u8>,
-    fingerprint: Fingerprint,
-    expiry: Expiry,
-) -> Result<Outcome> {
+/// What `begin` needs to know about one delivery, beyond the marker table.
+pub(crate) struct Request {
+    pub(crate) stored_key: Vec<u8>,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) produced_at_ms: Option<u64>,
+    /// The ordering guard: (versions-table key, version).
+    pub(crate) version: Option<(Vec<u8>, u64)>,
+    pub(crate) expiry: Expiry,
+}
+
+/// Takes the latch on the request's key, then reads its record while holding it.
+pub(crate) fn begin(inner: &Arc<Inner>, marker: usize, request: Request) -> Result<Outcome> {
     // A poisoned engine cannot commit: say so now rather than hand out a claim that must fail.
     inner.check_not_poisoned()?;
     let now_ms = inner.clock.now_ms();
     let latches = &inner.markers[marker].latches;
-    if let Err(since_ms) = latches.try_acquire(&stored_key, now_ms) {
+    if let Err(since_ms) = latches.try_acquire(&request.stored_key, now_ms) {
         return Ok(Outcome::in_process(since_ms));
     }
     // From here the latch is ours: the claim releases it on drop, and so does every early return
@@ -287,19 +318,34 @@ pub(crate) fn begin(
     let mut claim = Claim {
         inner: inner.clone(),
         marker,
-        stored_key,
+        stored_key: request.stored_key,
         replaces_epoch: 0,
-        fingerprint,
+        fingerprint: request.fingerprint,
         claimed_at_ms: now_ms,
-        expiry,
+        expiry: request.expiry,
         previous: None,
+        version: None,
         staged: Staged::default(),
     };
-    match inspect(inner, marker, &claim.stored_key, fingerprint, now_ms)? {
+    let found = inspect(
+        inner,
+        marker,
+        &claim.stored_key,
+        request.fingerprint,
+        now_ms,
+    )?;
+    let found = admit(inner, found, request.produced_at_ms, now_ms);
+    match found {
         Found::Claimable {
             replaces_epoch,
             previous,
         } => {
+            if let Some((version_key, version)) = request.version {
+                if let Some(settled) = guard_order(inner, &version_key, version, now_ms)? {
+                    return Ok(Outcome::settled(settled));
+                }
+                claim.version = Some((version_key, version));
+            }
             claim.replaces_epoch = replaces_epoch;
             claim.previous = previous;
             Ok(Outcome::Fresh(claim))
@@ -308,15 +354,88 @@ pub(crate) fn begin(
     }
 }
 
-/// Business writes staged on a claim: a private write batch, and its size against the limits.
+/// The admission floor (B6): with it on, a claimable message produced longer ago than the
+/// retention is too late (its record may have expired already), not new.
+pub(crate) fn admit(
+    inner: &Inner,
+    found: Found,
+    produced_at_ms: Option<u64>,
+    now_ms: u64,
+) -> Found {
+    let horizon_ms = now_ms.saturating_sub(inner.retention_ms);
+    match (found, produced_at_ms) {
+        (Found::Claimable { .. }, Some(produced_at_ms))
+            if inner.admission_floor && produced_at_ms <= horizon_ms =>
+        {
+            Found::Settled(Outcome::TooLate {
+                produced_at_ms,
+                horizon_ms,
+            })
+        }
+        (found, _) => found,
+    }
+}
+
+/// The ordering guard (R11): takes the latch of the entity's version and compares. Returns the
+/// outcome to report instead of a claim (stale, or the entity busy), or `None` with the version
+/// latch held by the caller's claim.
+fn guard_order(
+    inner: &Inner,
+    version_key: &[u8],
+    version: u64,
+    now_ms: u64,
+) -> Result<Option<Outcome<std::convert::Infallible>>> {
+    if let Err(since_ms) = inner.version_latches.try_acquire(version_key, now_ms) {
+        // Another message of the same entity is being applied right now.
+        return Ok(Some(Outcome::in_process(since_ms)));
+    }
+    let current = match inner.read_version(version_key) {
+        Ok(current) => current,
+        Err(error) => {
+            inner.version_latches.release(version_key);
+            return Err(error);
+        }
+    };
+    match current {
+        Some(current_version) if version <= current_version => {
+            inner.version_latches.release(version_key);
+            Ok(Some(Outcome::Stale { current_version }))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// One staged business write, kept as data until a commit builds the write batch (so that a
+/// batch commit can put many claims' writes into one `WriteBatch`).
+enum StagedOp {
+    Put {
+        table: usize,
+        key: Box<[u8]>,
+        value: Box<[u8]>,
+    },
+    Delete {
+        table: usize,
+        key: Box<[u8]>,
+    },
+    Merge {
+        table: usize,
+        key: Box<[u8]>,
+        operand: Box<[u8]>,
+    },
+}
+
+/// Business writes staged on a claim, and their size against the limits.
 #[derive(Default)]
 pub(crate) struct Staged {
-    pub(crate) batch: WriteBatch,
-    pub(crate) writes: usize,
+    ops: Vec<StagedOp>,
     pub(crate) bytes: usize,
 }
 
 impl Staged {
+    pub(crate) fn writes(&self) -> usize {
+        self.ops.len()
+    }
+
     pub(crate) fn put(
         &mut self,
         inner: &Arc<Inner>,
@@ -325,7 +444,11 @@ impl Staged {
         value: &[u8],
     ) -> Result<()> {
         self.check_write(inner, table, key, value.len())?;
-        self.batch.put_cf(inner.cf(&table.name), key, value);
+        self.ops.push(StagedOp::Put {
+            table: table.index,
+            key: key.into(),
+            value: value.into(),
+        });
         Ok(())
     }
 
@@ -336,7 +459,10 @@ impl Staged {
         key: &[u8],
     ) -> Result<()> {
         self.check_write(inner, table, key, 0)?;
-        self.batch.delete_cf(inner.cf(&table.name), key);
+        self.ops.push(StagedOp::Delete {
+            table: table.index,
+            key: key.into(),
+        });
         Ok(())
     }
 
@@ -353,8 +479,30 @@ impl Staged {
             });
         }
         self.check_write(inner, table, key, operand.len())?;
-        self.batch.merge_cf(inner.cf(&table.name), key, operand);
+        self.ops.push(StagedOp::Merge {
+            table: table.index,
+            key: key.into(),
+            operand: operand.into(),
+        });
         Ok(())
+    }
+
+    /// Appends every staged write to `batch`, leaving nothing staged.
+    pub(crate) fn drain_into(&mut self, inner: &Inner, batch: &mut WriteBatch) {
+        for op in self.ops.drain(..) {
+            match op {
+                StagedOp::Put { table, key, value } => {
+                    batch.put_cf(inner.business_cf(table), key, value);
+                }
+                StagedOp::Delete { table, key } => batch.delete_cf(inner.business_cf(table), key),
+                StagedOp::Merge {
+                    table,
+                    key,
+                    operand,
+                } => batch.merge_cf(inner.business_cf(table), key, operand),
+            }
+        }
+        self.bytes = 0;
     }
 
     /// Checks a result against its limit and the staged total; nothing is written on error.
@@ -387,10 +535,14 @@ impl Staged {
             TABLE_KEY_BYTES_MAX,
         )?;
         check_limit(Limit::TableValueBytes, value_len, 0, TABLE_VALUE_BYTES_MAX)?;
-        check_limit(Limit::StagedWrites, self.writes + 1, 0, STAGED_WRITES_MAX)?;
+        check_limit(
+            Limit::StagedWrites,
+            self.ops.len() + 1,
+            0,
+            STAGED_WRITES_MAX,
+        )?;
         let bytes = self.bytes + key.len() + value_len;
         check_limit(Limit::StagedBytes, bytes, 0, STAGED_BYTES_MAX)?;
-        self.writes += 1;
         self.bytes = bytes;
         Ok(())
     }
@@ -485,7 +637,20 @@ impl Claim {
     /// fails; the batch then did not become visible, and unless the error is retryable the
     /// engine refuses further writes until reopened.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
-        let result = result.as_ref();
+        let mut batch = WriteBatch::default();
+        let committed = self.append_commit(&mut batch, result.as_ref())?;
+        // The latch is still held: no other claim can read this key until the batch is visible.
+        self.inner.write(batch)?;
+        Ok(committed)
+    }
+
+    /// Appends this claim's staged writes, its ordering-guard version and its marker to `batch`.
+    /// Nothing is appended on error.
+    pub(crate) fn append_commit(
+        &mut self,
+        batch: &mut WriteBatch,
+        result: &[u8],
+    ) -> Result<Committed> {
         self.staged.check_result(result)?;
         let committed_at_ms = self.inner.clock.now_ms();
         let expires_at_ms = expires_at_ms(self.expiry, committed_at_ms);
@@ -497,15 +662,19 @@ impl Claim {
             self.fingerprint,
             Bytes::copy_from_slice(result),
         );
-        let operand = Operand::encode_install(self.replaces_epoch, &record);
-        let mut batch = std::mem::take(&mut self.staged.batch);
+        self.staged.drain_into(&self.inner, batch);
+        if let Some((version_key, version)) = &self.version {
+            batch.put_cf(
+                self.inner.cf(VERSIONS_TABLE),
+                version_key,
+                version.to_be_bytes(),
+            );
+        }
         batch.merge_cf(
             self.inner.cf(&self.inner.markers[self.marker].name),
             &self.stored_key,
-            operand,
+            Operand::encode_install(self.replaces_epoch, &record),
         );
-        // The latch is still held: no other claim can read this key until the batch is visible.
-        self.inner.write(batch)?;
         Ok(Committed {
             epoch,
             committed_at_ms,
@@ -545,7 +714,7 @@ impl Claim {
     /// How many business writes are staged.
     #[must_use]
     pub fn staged_writes(&self) -> usize {
-        self.staged.writes
+        self.staged.writes()
     }
 }
 
@@ -556,6 +725,9 @@ impl Drop for Claim {
         self.inner.markers[self.marker]
             .latches
             .release(&self.stored_key);
+        if let Some((version_key, _)) = &self.version {
+            self.inner.version_latches.release(version_key);
+        }
     }
 }
 
@@ -571,7 +743,7 @@ impl std::fmt::Debug for Claim {
         f.debug_struct("Claim")
             .field("stored_key", &crate::format::printable(&self.stored_key))
             .field("epoch", &self.epoch())
-            .field("staged_writes", &self.staged.writes)
+            .field("staged_writes", &self.staged.writes())
             .finish_non_exhaustive()
     }
 }

@@ -9,7 +9,7 @@ use rocksdb::{
     CompactOptions, DB, DBCompressionType, DBRecoveryMode, IteratorMode, WriteBatch, WriteOptions,
 };
 
-use crate::claim::{Expiry, Outcome, begin};
+use crate::claim::{Expiry, Outcome, Request, begin};
 use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
@@ -17,6 +17,7 @@ use crate::key::{check_message_key, consumer_prefix, decode_key, encode_with_pre
 use crate::latch::Latches;
 use crate::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
+use crate::message::Message;
 use crate::options::{Durability, EngineBuilder, TableOptions};
 use crate::record::{Record, RecordState};
 use crate::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
@@ -24,6 +25,8 @@ use bytes::Bytes;
 
 /// The column family holding every consumer's dedup records.
 pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
+/// The column family holding the ordering guard's highest applied version per entity.
+pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
 /// Meta key (default column family) holding the store format marker.
 const META_FORMAT_KEY: &[u8] = b"idemdb.format";
 /// Store format marker: magic and format version 1.
@@ -60,6 +63,7 @@ pub(crate) struct Inner {
     pub(crate) path: PathBuf,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) retention_ms: u64,
+    pub(crate) admission_floor: bool,
     write_options: WriteOptions,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
@@ -68,6 +72,8 @@ pub(crate) struct Inner {
     token_counter: AtomicU64,
     /// One latch set per marker table: index 0 is [`RECORDS_TABLE`], then the entity tables.
     pub(crate) markers: Vec<MarkerTable>,
+    /// Latches of the ordering guard's entity versions.
+    pub(crate) version_latches: Latches,
     business: Vec<TableOptions>,
 }
 
@@ -97,6 +103,7 @@ impl Engine {
                 table_options(&builder, &cache),
             ),
             ColumnFamilyDescriptor::new(RECORDS_TABLE, marker_table_options(&builder, &cache)),
+            ColumnFamilyDescriptor::new(VERSIONS_TABLE, table_options(&builder, &cache)),
         ];
         for table in &builder.business_tables {
             let mut options = table_options(&builder, &cache);
@@ -153,11 +160,13 @@ impl Engine {
             path,
             clock: builder.clock.clone(),
             retention_ms: builder.retention_ms,
+            admission_floor: builder.admission_floor,
             write_options,
             poisoned: AtomicBool::new(false),
             token_seed: token_seed(),
             token_counter: AtomicU64::new(0),
             markers,
+            version_latches: Latches::new(),
             business: builder.business_tables.clone(),
         };
         inner.check_or_write_meta(&builder, existing_tables.is_none())?;
@@ -185,17 +194,19 @@ impl Engine {
     /// # Errors
     /// [`Error::UnknownTable`] if no business table of that name was declared.
     pub fn business_table(&self, name: &str) -> Result<BusinessTable> {
-        let declared = self
+        let index = self
             .inner
             .business
             .iter()
-            .find(|table| table.name == name)
+            .position(|table| table.name == name)
             .ok_or_else(|| Error::UnknownTable {
                 name: name.to_owned(),
                 expected: "business",
             })?;
+        let declared = &self.inner.business[index];
         Ok(BusinessTable {
             inner: self.inner.clone(),
+            index,
             name: declared.name.clone(),
             has_merge_operator: declared.merge_operator.is_some(),
         })
@@ -348,6 +359,28 @@ impl Inner {
         xxhash_rust::xxh3::xxh3_64_with_seed(&count.to_le_bytes(), self.token_seed)
     }
 
+    /// The ordering guard's highest applied version of an entity (its versions-table key).
+    pub(crate) fn read_version(&self, version_key: &[u8]) -> Result<Option<u64>> {
+        let Some(value) = self
+            .db
+            .get_pinned_cf(self.cf(VERSIONS_TABLE), version_key)?
+        else {
+            return Ok(None);
+        };
+        let bytes = <[u8; 8]>::try_from(&value[..]).map_err(|_| Error::Corrupt {
+            key: version_key.to_vec(),
+            reason: crate::record::DecodeError::Invalid {
+                reason: "an entity version is not 8 bytes",
+            },
+        })?;
+        Ok(Some(u64::from_be_bytes(bytes)))
+    }
+
+    /// The column family of the business table declared at `index`.
+    pub(crate) fn business_cf(&self, index: usize) -> &ColumnFamily {
+        self.cf(&self.business[index].name)
+    }
+
     pub(crate) fn cf(&self, name: &str) -> &ColumnFamily {
         // Every name asked for was declared and created at open, and tables are never dropped.
         self.db
@@ -462,7 +495,12 @@ fn check_existing_tables(builder: &EngineBuilder, path: &Path, tables: &[String]
     }
     let declared: Vec<&str> = builder.table_names().collect();
     for table in tables {
-        let ours = table == rocksdb::DEFAULT_COLUMN_FAMILY_NAME || table == RECORDS_TABLE;
+        let ours = [
+            rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
+            RECORDS_TABLE,
+            VERSIONS_TABLE,
+        ]
+        .contains(&table.as_str());
         if !ours && !declared.contains(&table.as_str()) {
             return Err(incompatible(format!(
                 "the store has table {table:?}, which was not declared; declare it with \
@@ -558,14 +596,32 @@ impl Consumer {
         message_key: impl AsRef<[u8]>,
         fingerprint: Fingerprint,
     ) -> Result<Outcome> {
-        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
-        begin(
-            &self.inner,
-            0,
-            stored_key,
-            fingerprint,
-            self.default_expiry(),
-        )
+        self.begin_message(&Message::new(message_key.as_ref(), fingerprint))
+    }
+
+    /// Like [`Consumer::begin`], for a [`Message`] that may carry its production time (admission
+    /// floor), an entity version (ordering guard) and a correlation id.
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin`]; the entity key of a version follows the message-key limits.
+    pub fn begin_message(&self, message: &Message<'_>) -> Result<Outcome> {
+        let request = self.request(message)?;
+        begin(&self.inner, 0, request)
+    }
+
+    /// The engine-side form of a message: keys encoded and checked.
+    pub(crate) fn request(&self, message: &Message<'_>) -> Result<Request> {
+        let version = match message.version {
+            Some((entity, version)) => Some((encode_with_prefix(&self.prefix, entity)?, version)),
+            None => None,
+        };
+        Ok(Request {
+            stored_key: encode_with_prefix(&self.prefix, message.key)?,
+            fingerprint: message.fingerprint,
+            produced_at_ms: message.produced_at_ms,
+            version,
+            expiry: self.default_expiry(),
+        })
     }
 
     /// The record for `message_key`, if any: completed and not expired, or in progress (an
@@ -594,15 +650,38 @@ impl Consumer {
         lease: std::time::Duration,
         holder: impl AsRef<[u8]>,
     ) -> Result<Outcome<ExternalClaim>> {
-        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        let message = Message::new(message_key.as_ref(), fingerprint);
+        self.begin_external_message(&message, lease, holder)
+    }
+
+    /// Like [`Consumer::begin_external`], for a [`Message`] (production time, correlation id).
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin_external`], and [`Error::InvalidOption`] for a message with a
+    /// version: the ordering guard works with [`Consumer::begin_message`] and batches, whose
+    /// claims hold the entity until they commit.
+    pub fn begin_external_message(
+        &self,
+        message: &Message<'_>,
+        lease: std::time::Duration,
+        holder: impl AsRef<[u8]>,
+    ) -> Result<Outcome<ExternalClaim>> {
+        if message.version.is_some() {
+            return Err(Error::invalid_option(
+                "the ordering guard (Message::version) works with begin_message and batches, \
+                 not with begin_external",
+            ));
+        }
+        let request = self.request(message)?;
         crate::lease::begin_external(
             &self.inner,
             0,
-            stored_key,
-            fingerprint,
+            request.stored_key,
+            request.fingerprint,
             lease,
             holder.as_ref(),
-            self.default_expiry(),
+            request.expiry,
+            request.produced_at_ms,
         )
     }
 
@@ -722,13 +801,14 @@ impl EntityTable {
     pub fn begin(&self, entity_key: impl AsRef<[u8]>, fingerprint: Fingerprint) -> Result<Outcome> {
         let entity_key = entity_key.as_ref();
         check_message_key(entity_key)?;
-        begin(
-            &self.inner,
-            self.marker,
-            entity_key.to_vec(),
+        let request = Request {
+            stored_key: entity_key.to_vec(),
             fingerprint,
-            Expiry::Never,
-        )
+            produced_at_ms: None,
+            version: None,
+            expiry: Expiry::Never,
+        };
+        begin(&self.inner, self.marker, request)
     }
 
     /// The entity's record, if present and not expired.
@@ -760,6 +840,8 @@ impl std::fmt::Debug for EntityTable {
 #[derive(Clone)]
 pub struct BusinessTable {
     pub(crate) inner: Arc<Inner>,
+    /// Position among the declared business tables.
+    pub(crate) index: usize,
     pub(crate) name: String,
     pub(crate) has_merge_operator: bool,
 }

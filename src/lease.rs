@@ -14,7 +14,7 @@ use bytes::Bytes;
 use rocksdb::WriteBatch;
 
 use crate::claim::{
-    Expiry, Found, Outcome, PreviousAttempt, Staged, check_expiry, expires_at_ms, inspect,
+    Expiry, Found, Outcome, PreviousAttempt, Staged, admit, check_expiry, expires_at_ms, inspect,
 };
 use crate::engine::{BusinessTable, Inner};
 use crate::error::{Error, Limit, Result, check_limit};
@@ -122,6 +122,7 @@ pub(crate) fn begin_external(
     lease: Duration,
     holder: &[u8],
     expiry: Expiry,
+    produced_at_ms: Option<u64>,
 ) -> Result<Outcome<ExternalClaim>> {
     let lease_ms = lease_ms(lease)?;
     check_limit(Limit::HolderBytes, holder.len(), 0, HOLDER_BYTES_MAX)?;
@@ -134,6 +135,21 @@ pub(crate) fn begin_external(
     };
     let (replaces_epoch, previous) = match inspect(inner, marker, &stored_key, fingerprint, now_ms)?
     {
+        Found::Claimable {
+            replaces_epoch,
+            previous,
+        } => (replaces_epoch, previous),
+        Found::Settled(outcome) => return Ok(Outcome::settled(outcome)),
+    };
+    let (replaces_epoch, previous) = match admit(
+        inner,
+        Found::Claimable {
+            replaces_epoch,
+            previous,
+        },
+        produced_at_ms,
+        now_ms,
+    ) {
         Found::Claimable {
             replaces_epoch,
             previous,
@@ -391,7 +407,8 @@ impl ExternalClaim {
         self.staged.check_result(result)?;
         let result = Bytes::copy_from_slice(result);
         let expiry = self.expiry;
-        let batch = std::mem::take(&mut self.staged.batch);
+        let mut batch = WriteBatch::default();
+        self.staged.drain_into(&self.inner, &mut batch);
         self.fenced(
             |now_ms, current| completed(now_ms, expiry, current, result, true),
             batch,

@@ -12,6 +12,11 @@
 //! - [`Outcome::Duplicate`]: processed before; the stored result is returned.
 //! - [`Outcome::InProgress`]: another claim in this process holds the key right now.
 //! - [`Outcome::Conflict`]: the key was completed with different content.
+//! - [`Outcome::TooLate`], [`Outcome::Stale`]: the admission floor and the ordering guard, when
+//!   the message carries a production time or an entity version ([`Message`]).
+//!
+//! Side effects that cannot join the batch use [`Consumer::begin_external`]: a durable
+//! in-progress record under a lease with a fencing epoch ([`ExternalClaim`]).
 //!
 //! Records expire exactly at read time after a retention period; a RocksDB compaction filter
 //! reclaims their space later.
@@ -38,6 +43,8 @@
 //!         Outcome::Duplicate { result, .. } => assert_eq!(result, "accepted"),
 //!         Outcome::InProgress { .. } => { /* nack: the broker redelivers later */ }
 //!         Outcome::Conflict { .. } => { /* dead-letter: same id, other content */ }
+//!         Outcome::TooLate { .. } => { /* older than retention: dead-letter */ }
+//!         Outcome::Stale { .. } => { /* an older version of the entity: ack, skip */ }
 //!     }
 //! }
 //! let apples = totals.get(b"apples")?.and_then(|v| merge_ops::read_u64(&v));
@@ -65,6 +72,8 @@ mod lease;
 mod merge;
 pub mod merge_ops;
 #[cfg(feature = "engine")]
+mod message;
+#[cfg(feature = "engine")]
 mod options;
 mod record;
 mod ttl;
@@ -87,6 +96,8 @@ pub use lease::{
     ExternalClaim, FailurePolicy, InProgressEntry, LEASE_MS_MAX, LEASE_MS_MIN, LeaseTicket,
     Resolution,
 };
+#[cfg(feature = "engine")]
+pub use message::Message;
 #[cfg(feature = "engine")]
 pub use options::{
     BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN, Durability,

@@ -147,6 +147,7 @@ impl fmt::Debug for TableOptions {
 pub struct EngineBuilder {
     pub(crate) path: PathBuf,
     pub(crate) retention_ms: u64,
+    pub(crate) admission_floor: bool,
     pub(crate) durability: Durability,
     pub(crate) business_tables: Vec<TableOptions>,
     pub(crate) entity_tables: Vec<String>,
@@ -161,6 +162,7 @@ impl EngineBuilder {
         EngineBuilder {
             path: path.as_ref().to_path_buf(),
             retention_ms: RETENTION_MS_DEFAULT,
+            admission_floor: false,
             durability: Durability::default(),
             business_tables: Vec::new(),
             entity_tables: Vec::new(),
@@ -177,6 +179,15 @@ impl EngineBuilder {
     /// Default 7 days ([`RETENTION_MS_DEFAULT`]); bounds [`RETENTION_MS_MIN`]..=[`RETENTION_MS_MAX`].
     pub fn retention(mut self, retention: Duration) -> EngineBuilder {
         self.retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// The admission floor (B6): when on, a message whose production time
+    /// ([`crate::Message::produced_at_ms`]) is at or before now minus the retention, and whose
+    /// key is not recorded, is [`crate::Outcome::TooLate`] instead of new: its record may have
+    /// expired already. Default off (such a message is treated as new).
+    pub fn admission_floor(mut self, on: bool) -> EngineBuilder {
+        self.admission_floor = on;
         self
     }
 

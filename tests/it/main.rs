@@ -4,6 +4,7 @@ mod claim;
 mod corrupt;
 mod durability;
 mod entity;
+mod guard;
 mod lease;
 mod limits;
 mod model;

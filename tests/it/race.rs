@@ -79,7 +79,7 @@ fn eight_threads_deliver_each_key_four_times() {
                                 in_progress.fetch_add(1, Ordering::SeqCst);
                                 std::thread::yield_now();
                             }
-                            Outcome::Conflict { .. } => panic!("same content cannot conflict"),
+                            other => panic!("unexpected outcome {other:?}"),
                         }
                     }
                 }
