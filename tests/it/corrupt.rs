@@ -9,6 +9,7 @@ fn write_raw(store: &TestStore, values: &[(&str, Vec<u8>)]) {
     let names = [
         "default",
         "idemdb.records",
+        "idemdb.versions",
         "orders",
         "counters",
         "customers",
