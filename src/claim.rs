@@ -2,7 +2,7 @@
 //! commits its marker and staged business writes in one RocksDB write batch.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rocksdb::WriteBatch;
@@ -10,6 +10,7 @@ use rocksdb::WriteBatch;
 use crate::engine::{BusinessTable, Inner, VERSIONS_TABLE};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
+use crate::observe::ConsumerMetrics;
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
 use crate::record::{EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record, RecordState};
 
@@ -124,8 +125,13 @@ pub(crate) enum Found {
 
 impl<C> Outcome<C> {
     pub(crate) fn settled(outcome: Outcome<std::convert::Infallible>) -> Outcome<C> {
-        match outcome {
-            Outcome::Fresh(never) => match never {},
+        outcome.map_fresh(|never| match never {})
+    }
+
+    /// The same outcome with the fresh claim (if any) turned into another value by `f`.
+    pub fn map_fresh<D>(self, f: impl FnOnce(C) -> D) -> Outcome<D> {
+        match self {
+            Outcome::Fresh(claim) => Outcome::Fresh(f(claim)),
             Outcome::Duplicate {
                 result,
                 first_committed_at_ms,
@@ -188,17 +194,27 @@ pub(crate) fn inspect(
     fingerprint: Fingerprint,
     now_ms: u64,
 ) -> Result<Found> {
-    let Some(record) = inner.read_record_raw(marker, stored_key)? else {
-        return Ok(Found::Claimable {
+    let record = inner.read_record_raw(marker, stored_key)?;
+    Ok(inspect_record(record, fingerprint, now_ms))
+}
+
+/// Decides what a claimant gets from the record it read (`None`: the key is absent).
+pub(crate) fn inspect_record(
+    record: Option<Record>,
+    fingerprint: Fingerprint,
+    now_ms: u64,
+) -> Found {
+    let Some(record) = record else {
+        return Found::Claimable {
             replaces_epoch: 0,
             previous: None,
-        });
+        };
     };
     if record.is_absent_at(now_ms) {
-        return Ok(Found::Claimable {
+        return Found::Claimable {
             replaces_epoch: record.epoch,
             previous: None,
-        });
+        };
     }
     let settled = match record.state {
         RecordState::InProgress {
@@ -208,7 +224,7 @@ pub(crate) fn inspect(
             ..
         } => {
             if lease_until_ms <= now_ms {
-                return Ok(Found::Claimable {
+                return Found::Claimable {
                     replaces_epoch: record.epoch,
                     previous: Some(PreviousAttempt {
                         epoch: record.epoch,
@@ -216,7 +232,7 @@ pub(crate) fn inspect(
                         since_ms,
                         lease_until_ms,
                     }),
-                });
+                };
             }
             Outcome::InProgress {
                 since_ms,
@@ -250,7 +266,7 @@ pub(crate) fn inspect(
         // Released records are absent (handled above).
         RecordState::Released { .. } => unreachable!("released records read as absent"),
     };
-    Ok(Found::Settled(settled))
+    Found::Settled(settled)
 }
 
 /// How long a committed record is kept.
@@ -292,6 +308,42 @@ pub struct Claim {
     /// The ordering guard's (versions-table key, version), whose latch this claim also holds.
     version: Option<(Vec<u8>, u64)>,
     staged: Staged,
+    /// The consumer's numbers and the message's correlation id, for metrics and logs.
+    observer: Option<Observer>,
+}
+
+/// What a claim reports its commit to.
+pub(crate) struct Observer {
+    pub(crate) metrics: Arc<ConsumerMetrics>,
+    pub(crate) correlation_id: Option<Box<str>>,
+}
+
+impl Observer {
+    pub(crate) fn new(metrics: Arc<ConsumerMetrics>, correlation_id: Option<&str>) -> Observer {
+        Observer {
+            metrics,
+            correlation_id: correlation_id.map(Into::into),
+        }
+    }
+
+    /// Counts a written commit (or complete) and logs it.
+    pub(crate) fn committed(
+        &self,
+        step: &'static str,
+        stored_key: &[u8],
+        epoch: u64,
+        started: Instant,
+    ) {
+        self.metrics.commit(started.elapsed());
+        tracing::debug!(
+            target: "idemdb",
+            consumer = %self.metrics.consumer,
+            key = %crate::format::printable(stored_key),
+            epoch,
+            correlation_id = self.correlation_id.as_deref(),
+            "{step}"
+        );
+    }
 }
 
 /// What `begin` needs to know about one delivery, beyond the marker table.
@@ -313,35 +365,36 @@ pub(crate) fn begin(inner: &Arc<Inner>, marker: usize, request: Request) -> Resu
     if let Err(since_ms) = latches.try_acquire(&request.stored_key, now_ms) {
         return Ok(Outcome::in_process(since_ms));
     }
-    // From here the latch is ours: the claim releases it on drop, and so does every early return
-    // below (the claim is built first so that its drop covers them).
-    let mut claim = Claim {
-        inner: inner.clone(),
-        marker,
-        stored_key: request.stored_key,
-        replaces_epoch: 0,
-        fingerprint: request.fingerprint,
-        claimed_at_ms: now_ms,
-        expiry: request.expiry,
-        previous: None,
-        version: None,
-        staged: Staged::default(),
-    };
-    let found = inspect(
-        inner,
-        marker,
-        &claim.stored_key,
-        request.fingerprint,
-        now_ms,
-    )?;
-    let found = admit(inner, found, request.produced_at_ms, now_ms);
-    match found {
+    let Request {
+        stored_key,
+        fingerprint,
+        produced_at_ms,
+        version,
+        expiry,
+    } = request;
+    // The claim owns the latch from here: its drop releases it on every path below.
+    let claim = Claim::latched(inner, marker, stored_key, fingerprint, expiry, now_ms);
+    let found = inspect(inner, marker, &claim.stored_key, fingerprint, now_ms)?;
+    decide(claim, found, produced_at_ms, version, now_ms)
+}
+
+/// Turns what the latch holder found into the outcome: the claim itself if the key is
+/// claimable, admitted by the floor and the ordering guard; otherwise the claim is dropped
+/// (releasing the latch) and the outcome says why.
+pub(crate) fn decide(
+    mut claim: Claim,
+    found: Found,
+    produced_at_ms: Option<u64>,
+    version: Option<(Vec<u8>, u64)>,
+    now_ms: u64,
+) -> Result<Outcome> {
+    match admit(&claim.inner, found, produced_at_ms, now_ms) {
         Found::Claimable {
             replaces_epoch,
             previous,
         } => {
-            if let Some((version_key, version)) = request.version {
-                if let Some(settled) = guard_order(inner, &version_key, version, now_ms)? {
+            if let Some((version_key, version)) = version {
+                if let Some(settled) = guard_order(&claim.inner, &version_key, version, now_ms)? {
                     return Ok(Outcome::settled(settled));
                 }
                 claim.version = Some((version_key, version));
@@ -576,6 +629,42 @@ pub(crate) fn check_expiry(expiry: Expiry) -> Result<()> {
 }
 
 impl Claim {
+    /// A claim on `stored_key`, whose latch the caller has just taken.
+    pub(crate) fn latched(
+        inner: &Arc<Inner>,
+        marker: usize,
+        stored_key: Vec<u8>,
+        fingerprint: Fingerprint,
+        expiry: Expiry,
+        now_ms: u64,
+    ) -> Claim {
+        Claim {
+            inner: inner.clone(),
+            marker,
+            stored_key,
+            replaces_epoch: 0,
+            fingerprint,
+            claimed_at_ms: now_ms,
+            expiry,
+            previous: None,
+            version: None,
+            staged: Staged::default(),
+            observer: None,
+        }
+    }
+
+    /// Reports this claim's commit to a consumer's metrics and logs.
+    pub(crate) fn observe(&mut self, metrics: Arc<ConsumerMetrics>, correlation_id: Option<&str>) {
+        self.observer = Some(Observer::new(metrics, correlation_id));
+    }
+
+    /// Counts and logs a commit that was written.
+    pub(crate) fn committed(&self, committed: &Committed, started: Instant) {
+        if let Some(observer) = &self.observer {
+            observer.committed("commit", &self.stored_key, committed.epoch, started);
+        }
+    }
+
     /// Stages `value` under `key` in `table`; applied only if the claim commits.
     ///
     /// # Errors
@@ -637,10 +726,12 @@ impl Claim {
     /// fails; the batch then did not become visible, and unless the error is retryable the
     /// engine refuses further writes until reopened.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
+        let started = Instant::now();
         let mut batch = WriteBatch::default();
         let committed = self.append_commit(&mut batch, result.as_ref())?;
         // The latch is still held: no other claim can read this key until the batch is visible.
         self.inner.write(batch)?;
+        self.committed(&committed, started);
         Ok(committed)
     }
 
@@ -685,6 +776,12 @@ impl Claim {
     /// Releases the key without writing anything (same as dropping the claim). The broker's
     /// redelivery will find the key free.
     pub fn abort(self) {}
+
+    /// The fingerprint this claim will store.
+    #[must_use]
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
 
     /// The stored key this claim holds (for a consumer: the composite key).
     #[must_use]

@@ -18,10 +18,12 @@ use crate::latch::Latches;
 use crate::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
 use crate::message::Message;
+use crate::observe::{ConsumerMetrics, Kind, Stats};
 use crate::options::{Durability, EngineBuilder, TableOptions};
 use crate::record::{Record, RecordState};
 use crate::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
 use bytes::Bytes;
+use std::time::Instant;
 
 /// The column family holding every consumer's dedup records.
 pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
@@ -74,6 +76,10 @@ pub(crate) struct Inner {
     pub(crate) markers: Vec<MarkerTable>,
     /// Latches of the ordering guard's entity versions.
     pub(crate) version_latches: Latches,
+    /// Per-consumer numbers, in the order consumers were first opened.
+    consumer_metrics: parking_lot::Mutex<Vec<Arc<ConsumerMetrics>>>,
+    /// Write batches written (each one `DB::write`, one WAL record).
+    write_batches: AtomicU64,
     business: Vec<TableOptions>,
 }
 
@@ -167,6 +173,8 @@ impl Engine {
             token_counter: AtomicU64::new(0),
             markers,
             version_latches: Latches::new(),
+            consumer_metrics: parking_lot::Mutex::new(Vec::new()),
+            write_batches: AtomicU64::new(0),
             business: builder.business_tables.clone(),
         };
         inner.check_or_write_meta(&builder, existing_tables.is_none())?;
@@ -182,11 +190,42 @@ impl Engine {
     /// [`Error::LimitExceeded`] unless `consumer_id` has
     /// [`crate::CONSUMER_ID_BYTES_MIN`]..=[`crate::CONSUMER_ID_BYTES_MAX`] bytes.
     pub fn consumer(&self, consumer_id: &str) -> Result<Consumer> {
+        let prefix = consumer_prefix(consumer_id.as_bytes())?;
+        let metrics = {
+            let mut registered = self.inner.consumer_metrics.lock();
+            match registered.iter().find(|m| m.consumer == consumer_id) {
+                Some(metrics) => metrics.clone(),
+                None => {
+                    let metrics = Arc::new(ConsumerMetrics::new(consumer_id));
+                    registered.push(metrics.clone());
+                    metrics
+                }
+            }
+        };
         Ok(Consumer {
             inner: self.inner.clone(),
             id: consumer_id.to_owned(),
-            prefix: consumer_prefix(consumer_id.as_bytes())?,
+            prefix,
+            metrics,
         })
+    }
+
+    /// A snapshot of the engine's numbers since it was opened: outcomes, commits and
+    /// `LeaseLost` refusals per consumer, write batches, open claims. The same numbers go to
+    /// the `metrics` facade (names in the crate docs' Observability section).
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        Stats {
+            consumers: self
+                .inner
+                .consumer_metrics
+                .lock()
+                .iter()
+                .map(|metrics| metrics.snapshot())
+                .collect(),
+            write_batches: self.inner.write_batches.load(Ordering::Relaxed),
+            open_claims: self.open_claims(),
+        }
     }
 
     /// A handle on a business table declared with [`EngineBuilder::business_table`].
@@ -411,7 +450,9 @@ impl Inner {
     pub(crate) fn write(&self, batch: WriteBatch) -> Result<()> {
         self.check_not_poisoned()?;
         let written = self.db.write_opt(batch, &self.write_options);
-        self.poison_on_failure(written)
+        self.poison_on_failure(written)?;
+        self.write_batches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     fn check_or_write_meta(&self, builder: &EngineBuilder, new_store: bool) -> Result<()> {
@@ -580,6 +621,7 @@ pub struct Consumer {
     inner: Arc<Inner>,
     id: String,
     prefix: Vec<u8>,
+    metrics: Arc<ConsumerMetrics>,
 }
 
 impl Consumer {
@@ -605,8 +647,62 @@ impl Consumer {
     /// # Errors
     /// As for [`Consumer::begin`]; the entity key of a version follows the message-key limits.
     pub fn begin_message(&self, message: &Message<'_>) -> Result<Outcome> {
+        let started = Instant::now();
         let request = self.request(message)?;
-        begin(&self.inner, 0, request)
+        let mut outcome = begin(&self.inner, 0, request)?;
+        if let Outcome::Fresh(claim) = &mut outcome {
+            claim.observe(self.metrics.clone(), message.correlation_id);
+        }
+        self.observe(message, &outcome, started);
+        Ok(outcome)
+    }
+
+    /// Counts an outcome and logs it.
+    fn observe<C>(&self, message: &Message<'_>, outcome: &Outcome<C>, started: Instant) {
+        let now_ms = self.inner.clock.now_ms();
+        self.metrics.outcome(outcome, started.elapsed(), now_ms);
+        tracing::debug!(
+            target: "idemdb",
+            consumer = %self.id,
+            key = %crate::format::printable(message.key),
+            outcome = Kind::of(outcome).label(),
+            correlation_id = message.correlation_id,
+            "begin"
+        );
+    }
+
+    /// Claims a whole broker batch: one RocksDB multi-get for every key, an outcome per message
+    /// (a repeated key is a [`crate::BatchOutcome::DuplicateInBatch`] of its first copy), and
+    /// [`crate::ClaimBatch::commit`] writes every claim still held in one write batch.
+    ///
+    /// # Errors
+    /// As for [`Consumer::begin_message`], checked for every message before any key is taken;
+    /// [`Error::LimitExceeded`] past [`crate::BATCH_MESSAGES_MAX`] messages.
+    pub fn begin_batch(&self, messages: &[Message<'_>]) -> Result<crate::ClaimBatch> {
+        let started = Instant::now();
+        let requests = messages
+            .iter()
+            .map(|message| self.request(message))
+            .collect::<Result<Vec<_>>>()?;
+        let mut batch = crate::batch::begin_batch(&self.inner, 0, requests)?;
+        let now_ms = self.inner.clock.now_ms();
+        // Each message gets an equal share of the batch's latency.
+        let share = started.elapsed() / u32::try_from(messages.len().max(1)).unwrap_or(u32::MAX);
+        for (index, message) in messages.iter().enumerate() {
+            if let Some(claim) = batch.claim_mut(index) {
+                claim.observe(self.metrics.clone(), message.correlation_id);
+            }
+            let kind = match &batch.outcomes()[index] {
+                crate::BatchOutcome::Fresh => Kind::Fresh,
+                crate::BatchOutcome::DuplicateInBatch { .. } => Kind::DuplicateInBatch,
+                crate::BatchOutcome::Settled(outcome) => {
+                    self.metrics.outcome(outcome, share, now_ms);
+                    continue;
+                }
+            };
+            self.metrics.count(kind);
+        }
+        Ok(batch)
     }
 
     /// The engine-side form of a message: keys encoded and checked.
@@ -672,8 +768,9 @@ impl Consumer {
                  not with begin_external",
             ));
         }
+        let started = Instant::now();
         let request = self.request(message)?;
-        crate::lease::begin_external(
+        let mut outcome = crate::lease::begin_external(
             &self.inner,
             0,
             request.stored_key,
@@ -682,7 +779,12 @@ impl Consumer {
             holder.as_ref(),
             request.expiry,
             request.produced_at_ms,
-        )
+        )?;
+        if let Outcome::Fresh(claim) = &mut outcome {
+            claim.observe(self.metrics.clone(), message.correlation_id);
+        }
+        self.observe(message, &outcome, started);
+        Ok(outcome)
     }
 
     /// Rebuilds an external claim from its ticket, for example after a restart. Nothing is
@@ -697,12 +799,10 @@ impl Consumer {
         if !ours {
             return Err(Error::ForeignTicket);
         }
-        Ok(ExternalClaim::resumed(
-            self.inner.clone(),
-            0,
-            ticket.clone(),
-            self.default_expiry(),
-        ))
+        let mut claim =
+            ExternalClaim::resumed(self.inner.clone(), 0, ticket.clone(), self.default_expiry());
+        claim.observe(self.metrics.clone(), None);
+        Ok(claim)
     }
 
     /// Lists up to `limit` of this consumer's in-progress records taken at least `older_than`

@@ -39,6 +39,8 @@ pub enum Limit {
     LeaseMs,
     /// [`crate::HOLDER_BYTES_MAX`].
     HolderBytes,
+    /// [`crate::BATCH_MESSAGES_MAX`].
+    BatchMessages,
 }
 
 /// What RocksDB reported, reduced to what a caller can act on.

@@ -8,17 +8,19 @@
 //! expired and was taken over gets [`Error::LeaseLost`] and writes nothing.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rocksdb::WriteBatch;
 
 use crate::claim::{
-    Expiry, Found, Outcome, PreviousAttempt, Staged, admit, check_expiry, expires_at_ms, inspect,
+    Expiry, Found, Observer, Outcome, PreviousAttempt, Staged, admit, check_expiry, expires_at_ms,
+    inspect,
 };
 use crate::engine::{BusinessTable, Inner};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
+use crate::observe::ConsumerMetrics;
 use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState};
 
 /// The shortest lease, in milliseconds.
@@ -95,6 +97,7 @@ pub struct ExternalClaim {
     previous: Option<PreviousAttempt>,
     expiry: Expiry,
     staged: Staged,
+    observer: Option<Observer>,
 }
 
 /// Checks a lease length and returns it in milliseconds.
@@ -182,6 +185,7 @@ pub(crate) fn begin_external(
         previous,
         expiry,
         staged: Staged::default(),
+        observer: None,
     }))
 }
 
@@ -311,15 +315,58 @@ impl ExternalClaim {
             previous: None,
             expiry,
             staged: Staged::default(),
+            observer: None,
+        }
+    }
+
+    /// Reports this claim's steps to a consumer's metrics and logs; the consumer's in-progress
+    /// gauge counts it while it is alive.
+    pub(crate) fn observe(&mut self, metrics: Arc<ConsumerMetrics>, correlation_id: Option<&str>) {
+        metrics.in_progress(1);
+        self.observer = Some(Observer::new(metrics, correlation_id));
+    }
+
+    /// Counts a refused step, logs a written one.
+    fn observed(&self, step: &'static str, result: &Result<()>, started: Instant) {
+        let Some(observer) = &self.observer else {
+            return;
+        };
+        match result {
+            Ok(()) if step == "complete" => {
+                observer.committed(step, &self.ticket.stored_key, self.ticket.epoch, started);
+            }
+            Ok(()) => tracing::debug!(
+                target: "idemdb",
+                consumer = %observer.metrics.consumer,
+                key = %crate::format::printable(&self.ticket.stored_key),
+                epoch = self.ticket.epoch,
+                correlation_id = observer.correlation_id.as_deref(),
+                "{step}"
+            ),
+            Err(Error::LeaseLost { current_epoch }) => {
+                observer.metrics.lease_lost();
+                tracing::debug!(
+                    target: "idemdb",
+                    consumer = %observer.metrics.consumer,
+                    key = %crate::format::printable(&self.ticket.stored_key),
+                    epoch = self.ticket.epoch,
+                    current_epoch,
+                    correlation_id = observer.correlation_id.as_deref(),
+                    "{step}: lease lost"
+                );
+            }
+            Err(_) => {}
         }
     }
 
     fn fenced(
         &mut self,
+        step: &'static str,
         make_record: impl FnOnce(u64, &Record) -> Record,
         batch: WriteBatch,
     ) -> Result<()> {
-        fenced_replace(
+        let started = Instant::now();
+        let result = fenced_replace(
             &self.inner,
             self.marker,
             &self.ticket.stored_key,
@@ -327,7 +374,9 @@ impl ExternalClaim {
             make_record,
             batch,
             |current_epoch| Error::LeaseLost { current_epoch },
-        )
+        );
+        self.observed(step, &result, started);
+        result
     }
 
     /// Extends the lease to `lease` from now (a heartbeat). Returns the new deadline.
@@ -340,6 +389,7 @@ impl ExternalClaim {
         let ticket = self.ticket.clone();
         let mut lease_until_ms = 0;
         self.fenced(
+            "renew",
             |now_ms, _| {
                 lease_until_ms = now_ms.saturating_add(lease_ms);
                 ticket.in_progress_record(lease_until_ms)
@@ -410,6 +460,7 @@ impl ExternalClaim {
         let mut batch = WriteBatch::default();
         self.staged.drain_into(&self.inner, &mut batch);
         self.fenced(
+            "complete",
             |now_ms, current| completed(now_ms, expiry, current, result, true),
             batch,
         )?;
@@ -427,7 +478,12 @@ impl ExternalClaim {
         if let FailurePolicy::RecordFailure(result) = &policy {
             check_limit(Limit::ResultBytes, result.len(), 0, crate::RESULT_BYTES_MAX)?;
         }
+        let step = match policy {
+            FailurePolicy::Release => "release",
+            FailurePolicy::RecordFailure(_) => "fail",
+        };
         self.fenced(
+            step,
             |now_ms, current| match policy {
                 FailurePolicy::Release => released(&inner, now_ms, current),
                 FailurePolicy::RecordFailure(result) => {
@@ -468,6 +524,14 @@ impl ExternalClaim {
     #[must_use]
     pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
         self.previous.as_ref()
+    }
+}
+
+impl Drop for ExternalClaim {
+    fn drop(&mut self) {
+        if let Some(observer) = &self.observer {
+            observer.metrics.in_progress(-1);
+        }
     }
 }
 

@@ -58,6 +58,8 @@
 #![warn(missing_docs)]
 
 #[cfg(feature = "engine")]
+mod batch;
+#[cfg(feature = "engine")]
 mod claim;
 mod clock;
 #[cfg(feature = "engine")]
@@ -74,10 +76,14 @@ pub mod merge_ops;
 #[cfg(feature = "engine")]
 mod message;
 #[cfg(feature = "engine")]
+mod observe;
+#[cfg(feature = "engine")]
 mod options;
 mod record;
 mod ttl;
 
+#[cfg(feature = "engine")]
+pub use batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
 #[cfg(feature = "engine")]
 pub use claim::{
     Claim, Committed, Expiry, Outcome, PreviousAttempt, STAGED_BYTES_MAX, STAGED_WRITES_MAX,
@@ -98,6 +104,8 @@ pub use lease::{
 };
 #[cfg(feature = "engine")]
 pub use message::Message;
+#[cfg(feature = "engine")]
+pub use observe::{ConsumerStats, Stats};
 #[cfg(feature = "engine")]
 pub use options::{
     BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN, Durability,

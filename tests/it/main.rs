@@ -1,5 +1,6 @@
 //! Integration tests of the public API, in one binary (one link of RocksDB).
 
+mod batch;
 mod claim;
 mod corrupt;
 mod durability;
@@ -8,6 +9,7 @@ mod guard;
 mod lease;
 mod limits;
 mod model;
+mod observe;
 mod open;
 mod race;
 mod ttl;

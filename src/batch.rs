@@ -1,0 +1,213 @@
+//! Batch-native claims (B5): a broker batch of N messages claimed with one RocksDB multi-get and
+//! its winners committed with one write batch (one WAL write, one fsync).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use rocksdb::WriteBatch;
+
+use crate::claim::{Claim, Committed, Outcome, Request, decide, inspect_record};
+use crate::engine::Inner;
+use crate::error::{Error, Limit, Result, check_limit};
+use crate::record::Record;
+
+/// The most messages one batch claims.
+pub const BATCH_MESSAGES_MAX: usize = 4096;
+
+/// What one message of a batch got.
+#[derive(Debug)]
+pub enum BatchOutcome {
+    /// Claimed: stage its writes with [`ClaimBatch::claim_mut`]; [`ClaimBatch::commit`] commits
+    /// it unless it was [released](ClaimBatch::release).
+    Fresh,
+    /// The same key appears earlier in this batch, at index `first`: this copy is a duplicate
+    /// of that message. Acknowledge it with the batch.
+    DuplicateInBatch {
+        /// The index of the first copy.
+        first: usize,
+    },
+    /// Anything but fresh, exactly as [`crate::Consumer::begin`] would report it.
+    Settled(Outcome<Infallible>),
+}
+
+/// The claims of one batch of messages, in the order given.
+pub struct ClaimBatch {
+    inner: Arc<Inner>,
+    claims: Vec<Option<Claim>>,
+    outcomes: Vec<BatchOutcome>,
+}
+
+/// What deciding a latched message needs besides its claim: production time and version.
+type Pending = (Option<u64>, Option<(Vec<u8>, u64)>);
+
+/// Claims a batch: latches every distinct key, reads all latched keys with one multi-get, then
+/// decides each message as `begin` would.
+pub(crate) fn begin_batch(
+    inner: &Arc<Inner>,
+    marker: usize,
+    requests: Vec<Request>,
+) -> Result<ClaimBatch> {
+    check_limit(Limit::BatchMessages, requests.len(), 0, BATCH_MESSAGES_MAX)?;
+    inner.check_not_poisoned()?;
+    let now_ms = inner.clock.now_ms();
+    let latches = &inner.markers[marker].latches;
+    let mut claims: Vec<Option<Claim>> = Vec::with_capacity(requests.len());
+    let mut outcomes: Vec<BatchOutcome> = Vec::with_capacity(requests.len());
+    // Per latched message: what `decide` needs besides the claim.
+    let mut rest: Vec<Option<Pending>> = Vec::with_capacity(requests.len());
+    let mut first_index: HashMap<Vec<u8>, usize> = HashMap::with_capacity(requests.len());
+    for (index, request) in requests.into_iter().enumerate() {
+        if let Some(&first) = first_index.get(&request.stored_key) {
+            claims.push(None);
+            rest.push(None);
+            outcomes.push(BatchOutcome::DuplicateInBatch { first });
+            continue;
+        }
+        first_index.insert(request.stored_key.clone(), index);
+        match latches.try_acquire(&request.stored_key, now_ms) {
+            Err(since_ms) => {
+                claims.push(None);
+                rest.push(None);
+                outcomes.push(BatchOutcome::Settled(Outcome::in_process(since_ms)));
+            }
+            Ok(()) => {
+                let Request {
+                    stored_key,
+                    fingerprint,
+                    produced_at_ms,
+                    version,
+                    expiry,
+                } = request;
+                // The claim owns the latch from here.
+                claims.push(Some(Claim::latched(
+                    inner,
+                    marker,
+                    stored_key,
+                    fingerprint,
+                    expiry,
+                    now_ms,
+                )));
+                rest.push(Some((produced_at_ms, version)));
+                outcomes.push(BatchOutcome::Fresh);
+            }
+        }
+    }
+
+    // One multi-get for every latched key.
+    let latched: Vec<usize> = (0..claims.len()).filter(|&i| claims[i].is_some()).collect();
+    let cf = inner.cf(&inner.markers[marker].name);
+    let keys: Vec<&[u8]> = latched
+        .iter()
+        .map(|&i| claims[i].as_ref().expect("latched").stored_key())
+        .collect();
+    let values = inner.db.batched_multi_get_cf(cf, keys, false);
+    let mut records = Vec::with_capacity(latched.len());
+    for (&index, value) in latched.iter().zip(values) {
+        let record = match value? {
+            None => None,
+            Some(bytes) => Some(Record::decode(&bytes).map_err(|reason| {
+                Error::Corrupt {
+                    key: claims[index]
+                        .as_ref()
+                        .expect("latched")
+                        .stored_key()
+                        .to_vec(),
+                    reason,
+                }
+            })?),
+        };
+        records.push(record);
+    }
+
+    for (&index, record) in latched.iter().zip(records) {
+        let claim = claims[index].take().expect("latched");
+        let (produced_at_ms, version) = rest[index].take().expect("latched");
+        let found = inspect_record(record, claim.fingerprint(), now_ms);
+        match decide(claim, found, produced_at_ms, version, now_ms)? {
+            Outcome::Fresh(claim) => claims[index] = Some(claim),
+            settled => {
+                outcomes[index] =
+                    BatchOutcome::Settled(settled.map_fresh(|_| unreachable!("matched above")));
+            }
+        }
+    }
+    Ok(ClaimBatch {
+        inner: inner.clone(),
+        claims,
+        outcomes,
+    })
+}
+
+impl ClaimBatch {
+    /// Each message's outcome, in the order the messages were given.
+    #[must_use]
+    pub fn outcomes(&self) -> &[BatchOutcome] {
+        &self.outcomes
+    }
+
+    /// The number of messages in the batch.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.outcomes.len()
+    }
+
+    /// True for a batch of no messages.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.outcomes.is_empty()
+    }
+
+    /// The claim of message `index`, to stage its business writes; `None` unless it is fresh
+    /// and not released.
+    pub fn claim_mut(&mut self, index: usize) -> Option<&mut Claim> {
+        self.claims.get_mut(index)?.as_mut()
+    }
+
+    /// Releases the claim of message `index` without writing anything (its handler failed): it
+    /// is left out of the commit and its key is free again.
+    pub fn release(&mut self, index: usize) {
+        if let Some(slot) = self.claims.get_mut(index) {
+            *slot = None;
+        }
+    }
+
+    /// Commits every claim still held in **one** write batch (one WAL write, and with
+    /// [`crate::Durability::Sync`] one fsync): each one's marker, with the result `result_of`
+    /// gives for its index, and its staged writes. Returns what each committed, by index.
+    ///
+    /// # Errors
+    /// As for [`crate::Claim::commit`]; on any error nothing of the batch is written.
+    pub fn commit<R: AsRef<[u8]>>(
+        mut self,
+        mut result_of: impl FnMut(usize) -> R,
+    ) -> Result<Vec<Option<Committed>>> {
+        let started = std::time::Instant::now();
+        let mut batch = WriteBatch::default();
+        let mut committed = Vec::with_capacity(self.claims.len());
+        for (index, claim) in self.claims.iter_mut().enumerate() {
+            committed.push(match claim {
+                Some(claim) => Some(claim.append_commit(&mut batch, result_of(index).as_ref())?),
+                None => None,
+            });
+        }
+        if !batch.is_empty() {
+            // Every latch is still held until `self` drops, after the batch is visible.
+            self.inner.write(batch)?;
+        }
+        for (claim, committed) in self.claims.iter().zip(&committed) {
+            if let (Some(claim), Some(committed)) = (claim, committed) {
+                claim.committed(committed, started);
+            }
+        }
+        Ok(committed)
+    }
+}
+
+impl std::fmt::Debug for ClaimBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimBatch")
+            .field("outcomes", &self.outcomes)
+            .finish_non_exhaustive()
+    }
+}

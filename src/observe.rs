@@ -1,0 +1,209 @@
+//! Observability (R12, B7): per-consumer counters kept in process (for [`crate::Engine::stats`]),
+//! the same numbers through the `metrics` facade, and `tracing` events for each step.
+//!
+//! Metric names (labels: `consumer`, and `outcome` for the first):
+//!
+//! | name | kind | what |
+//! |---|---|---|
+//! | `idemdb_outcomes_total` | counter | `begin` outcomes: fresh, duplicate, in_progress, conflict, too_late, stale, duplicate_in_batch |
+//! | `idemdb_commits_total` | counter | commits and completes that were written |
+//! | `idemdb_lease_lost_total` | counter | lease steps refused with `LeaseLost` |
+//! | `idemdb_claim_seconds` | histogram | latency of `begin` (and of each batch message's share) |
+//! | `idemdb_commit_seconds` | histogram | latency of a commit or complete |
+//! | `idemdb_duplicate_age_seconds` | histogram | time since the first commit when a duplicate arrives |
+//! | `idemdb_in_progress` | gauge | external claims this process began (or took over) and has not seen finished |
+//!
+//! Handles are registered when the consumer is first asked for, with the recorder installed
+//! then: install a recorder before opening consumers.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Histogram};
+
+use crate::claim::Outcome;
+
+/// The kinds of outcome counted, in the order of [`OutcomeCounts`]' fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Fresh,
+    Duplicate,
+    InProgress,
+    Conflict,
+    TooLate,
+    Stale,
+    DuplicateInBatch,
+}
+
+const KINDS: [Kind; 7] = [
+    Kind::Fresh,
+    Kind::Duplicate,
+    Kind::InProgress,
+    Kind::Conflict,
+    Kind::TooLate,
+    Kind::Stale,
+    Kind::DuplicateInBatch,
+];
+
+impl Kind {
+    pub(crate) fn of<C>(outcome: &Outcome<C>) -> Kind {
+        match outcome {
+            Outcome::Fresh(_) => Kind::Fresh,
+            Outcome::Duplicate { .. } => Kind::Duplicate,
+            Outcome::InProgress { .. } => Kind::InProgress,
+            Outcome::Conflict { .. } => Kind::Conflict,
+            Outcome::TooLate { .. } => Kind::TooLate,
+            Outcome::Stale { .. } => Kind::Stale,
+        }
+    }
+
+    /// The `outcome` label value.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Kind::Fresh => "fresh",
+            Kind::Duplicate => "duplicate",
+            Kind::InProgress => "in_progress",
+            Kind::Conflict => "conflict",
+            Kind::TooLate => "too_late",
+            Kind::Stale => "stale",
+            Kind::DuplicateInBatch => "duplicate_in_batch",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One consumer's numbers: atomics for [`crate::Engine::stats`] and the metric handles.
+pub(crate) struct ConsumerMetrics {
+    pub(crate) consumer: String,
+    outcomes: [AtomicU64; KINDS.len()],
+    commits: AtomicU64,
+    lease_lost: AtomicU64,
+    in_progress: AtomicI64,
+    outcome_counters: [Counter; KINDS.len()],
+    commit_counter: Counter,
+    lease_lost_counter: Counter,
+    claim_seconds: Histogram,
+    commit_seconds: Histogram,
+    duplicate_age_seconds: Histogram,
+    in_progress_gauge: Gauge,
+}
+
+impl ConsumerMetrics {
+    pub(crate) fn new(consumer: &str) -> ConsumerMetrics {
+        let label = consumer.to_owned();
+        ConsumerMetrics {
+            consumer: label.clone(),
+            outcomes: Default::default(),
+            commits: AtomicU64::new(0),
+            lease_lost: AtomicU64::new(0),
+            in_progress: AtomicI64::new(0),
+            outcome_counters: KINDS.map(|kind| {
+                metrics::counter!("idemdb_outcomes_total", "consumer" => label.clone(), "outcome" => kind.label())
+            }),
+            commit_counter: metrics::counter!("idemdb_commits_total", "consumer" => label.clone()),
+            lease_lost_counter: metrics::counter!("idemdb_lease_lost_total", "consumer" => label.clone()),
+            claim_seconds: metrics::histogram!("idemdb_claim_seconds", "consumer" => label.clone()),
+            commit_seconds: metrics::histogram!("idemdb_commit_seconds", "consumer" => label.clone()),
+            duplicate_age_seconds: metrics::histogram!("idemdb_duplicate_age_seconds", "consumer" => label.clone()),
+            in_progress_gauge: metrics::gauge!("idemdb_in_progress", "consumer" => label),
+        }
+    }
+
+    /// Records one `begin` outcome and the time it took.
+    pub(crate) fn outcome<C>(&self, outcome: &Outcome<C>, elapsed: Duration, now_ms: u64) {
+        self.count(Kind::of(outcome));
+        self.claim_seconds.record(elapsed.as_secs_f64());
+        if let Outcome::Duplicate {
+            first_committed_at_ms,
+            ..
+        } = outcome
+        {
+            let age_ms = now_ms.saturating_sub(*first_committed_at_ms);
+            self.duplicate_age_seconds.record(age_ms as f64 / 1000.0);
+        }
+    }
+
+    pub(crate) fn count(&self, kind: Kind) {
+        self.outcomes[kind.index()].fetch_add(1, Ordering::Relaxed);
+        self.outcome_counters[kind.index()].increment(1);
+    }
+
+    pub(crate) fn commit(&self, elapsed: Duration) {
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.commit_counter.increment(1);
+        self.commit_seconds.record(elapsed.as_secs_f64());
+    }
+
+    pub(crate) fn lease_lost(&self) {
+        self.lease_lost.fetch_add(1, Ordering::Relaxed);
+        self.lease_lost_counter.increment(1);
+    }
+
+    /// Moves the in-progress gauge by `delta`.
+    pub(crate) fn in_progress(&self, delta: i64) {
+        self.in_progress.fetch_add(delta, Ordering::Relaxed);
+        // Gauges take f64; a count of in-progress records is far below 2^53.
+        self.in_progress_gauge.increment(delta as f64);
+    }
+
+    pub(crate) fn snapshot(&self) -> ConsumerStats {
+        let load = |kind: Kind| self.outcomes[kind.index()].load(Ordering::Relaxed);
+        ConsumerStats {
+            consumer: self.consumer.clone(),
+            fresh: load(Kind::Fresh),
+            duplicate: load(Kind::Duplicate),
+            in_progress: load(Kind::InProgress),
+            conflict: load(Kind::Conflict),
+            too_late: load(Kind::TooLate),
+            stale: load(Kind::Stale),
+            duplicate_in_batch: load(Kind::DuplicateInBatch),
+            commits: self.commits.load(Ordering::Relaxed),
+            lease_lost: self.lease_lost.load(Ordering::Relaxed),
+            external_in_progress: self.in_progress.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One consumer's counts since the engine was opened (see [`crate::Engine::stats`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// The consumer id.
+    pub consumer: String,
+    /// `begin` outcomes: fresh claims.
+    pub fresh: u64,
+    /// Duplicates.
+    pub duplicate: u64,
+    /// In progress (held in this process or under a live lease).
+    pub in_progress: u64,
+    /// Conflicts.
+    pub conflict: u64,
+    /// Too late (admission floor).
+    pub too_late: u64,
+    /// Stale (ordering guard).
+    pub stale: u64,
+    /// Repeats of a key earlier in the same batch.
+    pub duplicate_in_batch: u64,
+    /// Commits and completes written.
+    pub commits: u64,
+    /// Lease steps refused with `LeaseLost`.
+    pub lease_lost: u64,
+    /// External claims this process began (or took over) and has not seen finished.
+    pub external_in_progress: i64,
+}
+
+/// An in-process snapshot of the engine's numbers, for users without a metrics exporter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Per consumer, in the order consumers were first opened.
+    pub consumers: Vec<ConsumerStats>,
+    /// Write batches written to RocksDB (each one WAL write): commits, batch commits, lease
+    /// steps.
+    pub write_batches: u64,
+    /// Claims held in this process right now.
+    pub open_claims: usize,
+}
