@@ -777,6 +777,14 @@ impl Claim {
     /// redelivery will find the key free.
     pub fn abort(self) {}
 
+    /// The idempotency key to give a downstream call made for this message at `step` (R13):
+    /// the same message and step give the same key, across redeliveries, takeovers, restarts
+    /// and idemdb versions ([`crate::format::derive_key`]).
+    #[must_use]
+    pub fn derive_key(&self, step: &str) -> String {
+        crate::key::derive_key(&self.stored_key, step)
+    }
+
     /// The fingerprint this claim will store.
     #[must_use]
     pub fn fingerprint(&self) -> Fingerprint {

@@ -107,6 +107,70 @@ pub fn decode_key(stored_key: &[u8]) -> Result<(&[u8], &[u8]), DecodeError> {
     Ok((consumer_id, message_key))
 }
 
+/// Builds a message key from a CloudEvents event's `source` and `id` (R1): together they
+/// identify an event, and either alone may repeat. Layout: `[source_len: u16 BE][source][id]`,
+/// injective like the composite key.
+///
+/// # Errors
+/// [`crate::Error::LimitExceeded`] ([`Limit::MessageKeyBytes`]) if either is empty or the key
+/// would be longer than [`MESSAGE_KEY_BYTES_MAX`].
+///
+/// ```
+/// let key = idemdb::cloudevents_key("/billing/invoices", "A234-1234-1234")?;
+/// assert_eq!(key.len(), 2 + 17 + 14);
+/// # Ok::<(), idemdb::Error>(())
+/// ```
+pub fn cloudevents_key(source: &str, id: &str) -> Result<Vec<u8>> {
+    let len = 2 + source.len() + id.len();
+    if source.is_empty() || id.is_empty() {
+        return Err(crate::error::Error::limit(
+            Limit::MessageKeyBytes,
+            source.len().min(id.len()),
+            MESSAGE_KEY_BYTES_MIN,
+            MESSAGE_KEY_BYTES_MAX,
+        ));
+    }
+    check_limit(
+        Limit::MessageKeyBytes,
+        len,
+        MESSAGE_KEY_BYTES_MIN,
+        MESSAGE_KEY_BYTES_MAX,
+    )?;
+    let mut key = Vec::with_capacity(len);
+    // Bounded by MESSAGE_KEY_BYTES_MAX above, so the length fits in u16.
+    key.extend_from_slice(&u16::try_from(source.len()).expect("checked").to_be_bytes());
+    key.extend_from_slice(source.as_bytes());
+    key.extend_from_slice(id.as_bytes());
+    Ok(key)
+}
+
+/// The idempotency key for a downstream call made while processing a message (R13): the same
+/// stored key and step always give the same string, across restarts and versions of idemdb.
+///
+/// Derivation (part of the format, docs/design.md): `"idk1-"` followed by the 32 lowercase hex
+/// digits of XXH3-128 (seed 0) over `"idemdb.derive.v1"`, then the stored key and the step,
+/// each preceded by its length as a u32 big-endian.
+///
+/// ```
+/// let key = idemdb::format::encode_key(b"billing", b"order-42")?;
+/// let downstream = idemdb::format::derive_key(&key, "charge-card");
+/// assert!(downstream.starts_with("idk1-") && downstream.len() == 5 + 32);
+/// # Ok::<(), idemdb::Error>(())
+/// ```
+#[must_use]
+pub fn derive_key(stored_key: &[u8], step: &str) -> String {
+    const TAG: &[u8] = b"idemdb.derive.v1";
+    let mut input = Vec::with_capacity(TAG.len() + 8 + stored_key.len() + step.len());
+    input.extend_from_slice(TAG);
+    for part in [stored_key, step.as_bytes()] {
+        // Stored keys and steps are far below 4 GiB; saturate rather than wrap if not.
+        let len = u32::try_from(part.len()).unwrap_or(u32::MAX);
+        input.extend_from_slice(&len.to_be_bytes());
+        input.extend_from_slice(part);
+    }
+    format!("idk1-{:032x}", xxhash_rust::xxh3::xxh3_128(&input))
+}
+
 /// Renders bytes for humans: the UTF-8 text when it is valid and has no control characters,
 /// otherwise `0x` followed by lowercase hex.
 #[must_use]
@@ -165,6 +229,30 @@ mod tests {
         assert!(decode_key(b"\x00abc").is_err());
         assert!(decode_key(b"\x05ab").is_err());
         assert!(decode_key(b"\x02ab").is_err()); // empty message key
+    }
+
+    #[test]
+    fn derived_keys_are_pinned() {
+        // These strings are part of the format: downstream services dedup on them, so they must
+        // not change between versions.
+        let key = encode_key(b"billing", b"order-42").unwrap();
+        assert_eq!(derive_key(&key, "charge"), DERIVED_CHARGE);
+        assert_ne!(derive_key(&key, "charge"), derive_key(&key, "refund"));
+        let other = encode_key(b"billing", b"order-43").unwrap();
+        assert_ne!(derive_key(&key, "charge"), derive_key(&other, "charge"));
+    }
+
+    const DERIVED_CHARGE: &str = "idk1-71e4434e507f3c213144d05999a08f34";
+
+    #[test]
+    fn cloudevents_keys_are_injective_and_bounded() {
+        assert_ne!(
+            cloudevents_key("ab", "c").unwrap(),
+            cloudevents_key("a", "bc").unwrap()
+        );
+        assert!(cloudevents_key("", "id").is_err());
+        assert!(cloudevents_key("src", "").is_err());
+        assert!(cloudevents_key("s", &"i".repeat(MESSAGE_KEY_BYTES_MAX)).is_err());
     }
 
     #[test]

@@ -508,6 +508,14 @@ impl ExternalClaim {
         &self.ticket
     }
 
+    /// The idempotency key to give the downstream call at `step` (R13): the same for every
+    /// attempt at this message, so a takeover's retry is deduplicated downstream
+    /// ([`crate::format::derive_key`]).
+    #[must_use]
+    pub fn derive_key(&self, step: &str) -> String {
+        crate::key::derive_key(&self.ticket.stored_key, step)
+    }
+
     /// This holder's fencing epoch.
     #[must_use]
     pub fn epoch(&self) -> u64 {

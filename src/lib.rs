@@ -96,6 +96,7 @@ pub use error::{Error, Limit, Result, StorageErrorKind};
 pub use fingerprint::Fingerprint;
 pub use key::{
     CONSUMER_ID_BYTES_MAX, CONSUMER_ID_BYTES_MIN, MESSAGE_KEY_BYTES_MAX, MESSAGE_KEY_BYTES_MIN,
+    cloudevents_key,
 };
 #[cfg(feature = "engine")]
 pub use lease::{
@@ -119,7 +120,7 @@ pub use record::{EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, R
 /// The on-disk format, for tools, fuzzers and tests: key and record codecs and the compaction
 /// filter's decision. Specified byte by byte in docs/design.md.
 pub mod format {
-    pub use crate::key::{decode_key, encode_key, printable};
+    pub use crate::key::{decode_key, derive_key, encode_key, printable};
     pub use crate::merge::apply_operands;
     pub use crate::record::{
         DecodeError, Record, RecordState, encode_commit_operand, encode_replace_operand,

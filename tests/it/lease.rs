@@ -281,3 +281,40 @@ fn compaction_keeps_in_progress_records_whatever_their_lease() {
     engine.compact().unwrap();
     assert_eq!(engine.record_counts().unwrap().in_progress, 1);
 }
+
+#[test]
+fn downstream_keys_are_the_same_for_every_attempt_and_restart() {
+    let store = TestStore::new();
+    let (first_key, ticket_key) = {
+        let engine = store.open();
+        let payments = engine.consumer("payments").unwrap();
+        let attempt = take(&payments, "pay-9", "worker-a");
+        let key = attempt.derive_key("charge-card");
+        assert_ne!(key, attempt.derive_key("send-receipt"));
+        (key, attempt.ticket().clone())
+    };
+    store.clock.advance(LEASE);
+    let engine = store.open();
+    let payments = engine.consumer("payments").unwrap();
+    let takeover = take(&payments, "pay-9", "worker-b");
+    assert_eq!(takeover.derive_key("charge-card"), first_key);
+    assert_eq!(
+        payments
+            .resume(&ticket_key)
+            .unwrap()
+            .derive_key("charge-card"),
+        first_key
+    );
+    // A transactional claim on the same message derives the same key, another consumer not.
+    drop(takeover);
+    store.clock.advance(LEASE);
+    let Outcome::Fresh(claim) = payments.begin("pay-9", fp()).unwrap() else {
+        panic!("fresh expected");
+    };
+    assert_eq!(claim.derive_key("charge-card"), first_key);
+    let refunds = engine.consumer("refunds").unwrap();
+    let Outcome::Fresh(other) = refunds.begin("pay-9", fp()).unwrap() else {
+        panic!("fresh expected");
+    };
+    assert_ne!(other.derive_key("charge-card"), first_key);
+}
