@@ -149,6 +149,12 @@ pub enum Error {
         current_epoch: u64,
     },
 
+    /// A lease step could not take the key's latch in time: another claim in this process
+    /// holds the key (after the lease ran out, a takeover may be under way). Nothing was
+    /// written; retry, or treat the lease as lost.
+    #[error("the key is held by another claim in this process; retry")]
+    KeyBusy,
+
     /// An operator resolution targeted a key that is not in progress.
     #[error("the key is not in progress (epoch {current_epoch}); nothing to resolve")]
     NotInProgress {
@@ -183,10 +189,11 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Error::Storage {
-                kind: StorageErrorKind::Retryable,
-                ..
-            }
+            Error::KeyBusy
+                | Error::Storage {
+                    kind: StorageErrorKind::Retryable,
+                    ..
+                }
         )
     }
 

@@ -61,12 +61,23 @@ impl Latches {
         Ok(LatchGuard { latches: self, key })
     }
 
-    /// Takes the latch on `key`, waiting for the current holder to release it. Latches are held
-    /// for a read and a write, except by a transactional claim, which holds its key until it
-    /// commits or drops; waiting backs off from yielding to 1 ms sleeps.
-    pub(crate) fn acquire_waiting<'a>(&'a self, key: &'a [u8], now_ms: u64) -> LatchGuard<'a> {
+    /// Takes the latch on `key`, waiting up to `wait` (real time) for the current holder to
+    /// release it; `None` if it did not. Latches are held for a read and a write, except by a
+    /// transactional claim, which holds its key until it commits or drops: an unbounded wait
+    /// could deadlock a thread that holds such a claim itself. Waiting backs off from yielding
+    /// to sleeps of up to 1 ms.
+    pub(crate) fn acquire_waiting<'a>(
+        &'a self,
+        key: &'a [u8],
+        now_ms: u64,
+        wait: std::time::Duration,
+    ) -> Option<LatchGuard<'a>> {
+        let deadline = std::time::Instant::now() + wait;
         let mut attempt = 0u32;
         while self.try_acquire(key, now_ms).is_err() {
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
             attempt = attempt.saturating_add(1);
             if attempt < 64 {
                 std::thread::yield_now();
@@ -76,7 +87,7 @@ impl Latches {
                 )));
             }
         }
-        LatchGuard { latches: self, key }
+        Some(LatchGuard { latches: self, key })
     }
 
     /// Releases the latch on `key`. The caller must hold it.

@@ -28,6 +28,9 @@ pub const LEASE_MS_MIN: u64 = 1;
 /// The longest lease, in milliseconds (7 days). Renew a longer side effect.
 pub const LEASE_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 
+/// How long a lease step waits for the key's latch, in real time, before [`Error::KeyBusy`].
+const LATCH_WAIT: Duration = Duration::from_millis(100);
+
 /// What to record when the handler of an external claim fails.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FailurePolicy {
@@ -220,7 +223,8 @@ fn fenced_replace(
     let now_ms = inner.clock.now_ms();
     let _latch = inner.markers[marker]
         .latches
-        .acquire_waiting(stored_key, now_ms);
+        .acquire_waiting(stored_key, now_ms, LATCH_WAIT)
+        .ok_or(Error::KeyBusy)?;
     let current = inner.read_record_raw(marker, stored_key)?;
     let Some(current) = current else {
         return Err(not_held(0));

@@ -1,6 +1,7 @@
 //! Guards the engine against a plain in-memory model: random sequences of begin, commit, abort,
-//! clock advances, compactions and close-and-reopen over a small key space, compared after
-//! every step.
+//! external begin / renew / complete / fail (with takeovers after lease expiry), batch claims,
+//! clock advances, compactions and close-and-reopen (external holders resume from their
+//! tickets) over a small key space, compared after every step.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -8,10 +9,14 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use crate::util::{TestStore, counter};
-use idemdb::{Claim, Clock, Engine, Fingerprint, Outcome, RecordState};
+use idemdb::{
+    BatchOutcome, Claim, Clock, Engine, Error, ExternalClaim, FailurePolicy, Fingerprint,
+    LeaseTicket, Message, Outcome, RecordState,
+};
 
 const KEYS: u8 = 4;
 const RETENTION_MS: u64 = 1_000;
+const LEASE_MS: u64 = 500;
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -29,6 +34,30 @@ enum Op {
     Abort {
         claim: usize,
     },
+    /// Take key under a lease.
+    BeginExternal {
+        key: u8,
+        content: u8,
+    },
+    /// Renew the external claim at this index.
+    Renew {
+        claim: usize,
+    },
+    /// Complete the external claim at this index.
+    Complete {
+        claim: usize,
+        result: u8,
+    },
+    /// Fail the external claim at this index: record the failure, or release.
+    Fail {
+        claim: usize,
+        record: bool,
+    },
+    /// Claim a batch of (key, content) and commit every fresh claim.
+    Batch {
+        messages: Vec<(u8, u8)>,
+        result: u8,
+    },
     AdvanceClock {
         ms: u64,
     },
@@ -37,36 +66,140 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
+    let key = 0..KEYS;
     prop_oneof![
-        6 => (0..KEYS, 0..2u8).prop_map(|(key, content)| Op::Begin { key, content }),
-        4 => (any::<usize>(), any::<u8>()).prop_map(|(claim, result)| Op::Commit { claim, result }),
+        5 => (key.clone(), 0..2u8).prop_map(|(key, content)| Op::Begin { key, content }),
+        3 => (any::<usize>(), any::<u8>()).prop_map(|(claim, result)| Op::Commit { claim, result }),
         1 => any::<usize>().prop_map(|claim| Op::Abort { claim }),
-        2 => (0..2 * RETENTION_MS).prop_map(|ms| Op::AdvanceClock { ms }),
+        3 => (key.clone(), 0..2u8).prop_map(|(key, content)| Op::BeginExternal { key, content }),
+        1 => any::<usize>().prop_map(|claim| Op::Renew { claim }),
+        3 => (any::<usize>(), any::<u8>()).prop_map(|(claim, result)| Op::Complete { claim, result }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(claim, record)| Op::Fail { claim, record }),
+        2 => (prop::collection::vec((key, 0..2u8), 1..5), any::<u8>())
+            .prop_map(|(messages, result)| Op::Batch { messages, result }),
+        3 => (0..2 * RETENTION_MS).prop_map(|ms| Op::AdvanceClock { ms }),
         1 => Just(Op::Compact),
         1 => Just(Op::Reopen),
     ]
 }
 
 #[derive(Clone, Debug, PartialEq)]
-struct ModelRecord {
-    content: u8,
-    result: u8,
-    committed_at_ms: u64,
-    expires_at_ms: u64,
+enum ModelRecord {
+    Completed {
+        content: u8,
+        result: u8,
+        committed_at_ms: u64,
+        expires_at_ms: u64,
+        succeeded: bool,
+    },
+    InProgress {
+        content: u8,
+        holder: u32,
+        lease_until_ms: u64,
+    },
+    Released,
+}
+
+/// What `begin` must report for a key, as the model sees it.
+#[derive(Debug, PartialEq)]
+enum Expected {
+    Fresh { takeover: bool },
+    Duplicate { result: u8, succeeded: bool },
+    Conflict,
+    InProgress,
 }
 
 #[derive(Default)]
 struct Model {
     records: HashMap<u8, ModelRecord>,
     commits: u64,
+    next_holder: u32,
 }
 
 impl Model {
-    fn live(&self, key: u8, now_ms: u64) -> Option<&ModelRecord> {
-        self.records
-            .get(&key)
-            .filter(|record| record.expires_at_ms > now_ms)
+    fn expect(&self, key: u8, content: u8, latched: bool, now_ms: u64) -> Expected {
+        if latched {
+            return Expected::InProgress;
+        }
+        match self.records.get(&key) {
+            Some(ModelRecord::InProgress { lease_until_ms, .. }) if *lease_until_ms > now_ms => {
+                Expected::InProgress
+            }
+            Some(ModelRecord::InProgress { .. }) => Expected::Fresh { takeover: true },
+            Some(ModelRecord::Completed {
+                content: stored,
+                result,
+                expires_at_ms,
+                succeeded,
+                ..
+            }) if *expires_at_ms > now_ms => {
+                if *stored == content {
+                    Expected::Duplicate {
+                        result: *result,
+                        succeeded: *succeeded,
+                    }
+                } else {
+                    Expected::Conflict
+                }
+            }
+            _ => Expected::Fresh { takeover: false },
+        }
     }
+
+    fn holds(&self, key: u8, holder: u32) -> bool {
+        matches!(self.records.get(&key), Some(ModelRecord::InProgress { holder: h, .. }) if *h == holder)
+    }
+
+    fn complete(&mut self, key: u8, content: u8, result: u8, succeeded: bool, now_ms: u64) {
+        self.records.insert(
+            key,
+            ModelRecord::Completed {
+                content,
+                result,
+                committed_at_ms: now_ms,
+                expires_at_ms: now_ms + RETENTION_MS,
+                succeeded,
+            },
+        );
+    }
+}
+
+fn observed<C: std::fmt::Debug>(outcome: &Outcome<C>) -> (Expected, Option<bool>) {
+    match outcome {
+        Outcome::Fresh(_) => (Expected::Fresh { takeover: false }, None),
+        Outcome::Duplicate {
+            result, succeeded, ..
+        } => (
+            Expected::Duplicate {
+                result: result.first().copied().unwrap_or(0),
+                succeeded: *succeeded,
+            },
+            None,
+        ),
+        Outcome::Conflict { .. } => (Expected::Conflict, None),
+        Outcome::InProgress { .. } => (Expected::InProgress, None),
+        other => panic!("the model never produces {other:?}"),
+    }
+}
+
+/// Compares an outcome with the model's expectation; `takeover` is what the claim reports.
+fn check_outcome<C: std::fmt::Debug>(
+    what: &str,
+    outcome: &Outcome<C>,
+    expected: &Expected,
+    takeover: Option<bool>,
+) -> Result<(), TestCaseError> {
+    let (got, _) = observed(outcome);
+    let matches = match (&got, expected) {
+        (Expected::Fresh { .. }, Expected::Fresh { takeover: t }) => takeover == Some(*t),
+        (got, expected) => got == expected,
+    };
+    if !matches {
+        return Err(TestCaseError::fail(format!(
+            "{what}: got {outcome:?} (takeover {takeover:?}), model expected {expected:?}"
+        )));
+    }
+    Ok(())
 }
 
 fn message_key(key: u8) -> String {
@@ -85,88 +218,238 @@ fn open(store: &TestStore) -> Engine {
         .unwrap()
 }
 
+struct External {
+    key: u8,
+    content: u8,
+    holder: u32,
+    claim: ExternalClaim,
+}
+
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let store = TestStore::new();
     let mut engine = open(&store);
     let mut model = Model::default();
-    // Open claims, with the key and content each holds.
+    // Open transactional claims, with the key and content each holds.
     let mut claims: Vec<(u8, u8, Claim)> = Vec::new();
+    let mut externals: Vec<External> = Vec::new();
+    let lease = Duration::from_millis(LEASE_MS);
 
     for op in ops {
         let now_ms = store.clock.now_ms();
+        let consumer = engine.consumer("model").unwrap();
+        let counters = engine.business_table("counters").unwrap();
         match op {
             Op::Begin { key, content } => {
-                let consumer = engine.consumer("model").unwrap();
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let expected = model.expect(key, content, latched, now_ms);
                 let outcome = consumer
                     .begin(message_key(key), fingerprint(content))
                     .unwrap();
-                let held = claims.iter().any(|(held, _, _)| *held == key);
-                match (outcome, held, model.live(key, now_ms)) {
-                    (Outcome::InProgress { .. }, true, _) => {}
-                    (Outcome::Fresh(claim), false, None) => claims.push((key, content, claim)),
-                    (
-                        Outcome::Duplicate {
-                            result,
-                            first_committed_at_ms,
-                            ..
-                        },
-                        false,
-                        Some(r),
-                    ) if r.content == content => {
-                        prop_assert_eq!(&result[..], &[r.result][..]);
-                        prop_assert_eq!(first_committed_at_ms, r.committed_at_ms);
-                    }
-                    (
-                        Outcome::Conflict {
-                            stored_fingerprint, ..
-                        },
-                        false,
-                        Some(r),
-                    ) if r.content != content => {
-                        prop_assert_eq!(stored_fingerprint, fingerprint(r.content));
-                    }
-                    (outcome, held, expected) => {
-                        return Err(TestCaseError::fail(format!(
-                            "begin({key}, {content}) gave {outcome:?}; held={held}, model={expected:?}"
-                        )));
-                    }
+                let takeover = match &outcome {
+                    Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
+                    _ => None,
+                };
+                check_outcome("begin", &outcome, &expected, takeover)?;
+                if let Outcome::Fresh(claim) = outcome {
+                    claims.push((key, content, claim));
                 }
             }
             Op::Commit { claim, result } => {
                 if claims.is_empty() {
                     continue;
                 }
-                let (key, content, claim) = claims.remove(claim % claims.len());
-                let counters = engine.business_table("counters").unwrap();
-                let mut claim = claim;
+                let (key, content, mut claim) = claims.remove(claim % claims.len());
                 claim
                     .merge(&counters, message_key(key), 1u64.to_be_bytes())
                     .unwrap();
                 let committed = claim.commit([result]).unwrap();
                 prop_assert_eq!(committed.expires_at_ms, now_ms + RETENTION_MS);
                 model.commits += 1;
-                model.records.insert(
-                    key,
-                    ModelRecord {
-                        content,
-                        result,
-                        committed_at_ms: now_ms,
-                        expires_at_ms: now_ms + RETENTION_MS,
-                    },
-                );
+                model.complete(key, content, result, true, now_ms);
             }
             Op::Abort { claim } => {
                 if !claims.is_empty() {
                     claims.remove(claim % claims.len()).2.abort();
                 }
             }
+            Op::BeginExternal { key, content } => {
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let expected = model.expect(key, content, latched, now_ms);
+                let outcome = consumer
+                    .begin_external(message_key(key), fingerprint(content), lease, "model")
+                    .unwrap();
+                let takeover = match &outcome {
+                    Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
+                    _ => None,
+                };
+                check_outcome("begin_external", &outcome, &expected, takeover)?;
+                if let Outcome::Fresh(claim) = outcome {
+                    model.next_holder += 1;
+                    let holder = model.next_holder;
+                    model.records.insert(
+                        key,
+                        ModelRecord::InProgress {
+                            content,
+                            holder,
+                            lease_until_ms: now_ms + LEASE_MS,
+                        },
+                    );
+                    externals.push(External {
+                        key,
+                        content,
+                        holder,
+                        claim,
+                    });
+                }
+            }
+            Op::Renew { claim } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let index = claim % externals.len();
+                let External { key, holder, .. } = externals[index];
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let result = externals[index].claim.renew(lease);
+                if latched {
+                    prop_assert!(matches!(result, Err(Error::KeyBusy)), "{result:?}");
+                } else if model.holds(key, holder) {
+                    prop_assert_eq!(result.unwrap(), now_ms + LEASE_MS);
+                    if let Some(ModelRecord::InProgress { lease_until_ms, .. }) =
+                        model.records.get_mut(&key)
+                    {
+                        *lease_until_ms = now_ms + LEASE_MS;
+                    }
+                } else {
+                    prop_assert!(matches!(result, Err(Error::LeaseLost { .. })), "{result:?}");
+                }
+            }
+            Op::Complete { claim, result } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let External {
+                    key,
+                    content,
+                    holder,
+                    mut claim,
+                } = externals.remove(claim % externals.len());
+                claim
+                    .merge(&counters, message_key(key), 1u64.to_be_bytes())
+                    .unwrap();
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let completed = claim.complete([result]);
+                if latched {
+                    prop_assert!(matches!(completed, Err(Error::KeyBusy)), "{completed:?}");
+                } else if model.holds(key, holder) {
+                    completed.unwrap();
+                    model.commits += 1;
+                    model.complete(key, content, result, true, now_ms);
+                } else {
+                    prop_assert!(
+                        matches!(completed, Err(Error::LeaseLost { .. })),
+                        "{completed:?}"
+                    );
+                }
+            }
+            Op::Fail { claim, record } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let External {
+                    key,
+                    content,
+                    holder,
+                    claim,
+                } = externals.remove(claim % externals.len());
+                let policy = if record {
+                    FailurePolicy::RecordFailure(vec![0xee].into())
+                } else {
+                    FailurePolicy::Release
+                };
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let failed = claim.fail(policy);
+                if latched {
+                    prop_assert!(matches!(failed, Err(Error::KeyBusy)), "{failed:?}");
+                } else if model.holds(key, holder) {
+                    failed.unwrap();
+                    if record {
+                        model.complete(key, content, 0xee, false, now_ms);
+                    } else {
+                        model.records.insert(key, ModelRecord::Released);
+                    }
+                } else {
+                    prop_assert!(matches!(failed, Err(Error::LeaseLost { .. })), "{failed:?}");
+                }
+            }
+            Op::Batch { messages, result } => {
+                let keys: Vec<String> = messages.iter().map(|(key, _)| message_key(*key)).collect();
+                let batch_messages: Vec<Message> = messages
+                    .iter()
+                    .zip(&keys)
+                    .map(|((_, content), key)| Message::new(key, fingerprint(*content)))
+                    .collect();
+                let mut batch = consumer.begin_batch(&batch_messages).unwrap();
+                let mut first_seen: HashMap<u8, usize> = HashMap::new();
+                for (index, &(key, content)) in messages.iter().enumerate() {
+                    let outcome = &batch.outcomes()[index];
+                    if let Some(&first) = first_seen.get(&key) {
+                        prop_assert!(
+                            matches!(outcome, BatchOutcome::DuplicateInBatch { first: f } if *f == first),
+                            "{outcome:?}"
+                        );
+                        continue;
+                    }
+                    first_seen.insert(key, index);
+                    let latched = claims.iter().any(|(held, _, _)| *held == key);
+                    let expected = model.expect(key, content, latched, now_ms);
+                    match outcome {
+                        BatchOutcome::Fresh => {
+                            let claim = batch.claim_mut(index).unwrap();
+                            let takeover = claim.previous_attempt().is_some();
+                            prop_assert_eq!(&expected, &Expected::Fresh { takeover });
+                            claim
+                                .merge(&counters, message_key(key), 1u64.to_be_bytes())
+                                .unwrap();
+                        }
+                        BatchOutcome::Settled(settled) => {
+                            check_outcome("batch", settled, &expected, None)?;
+                        }
+                        BatchOutcome::DuplicateInBatch { .. } => {
+                            return Err(TestCaseError::fail("repeat of a key seen once"));
+                        }
+                    }
+                }
+                let committed = batch.commit(|_| [result]).unwrap();
+                for (index, committed) in committed.iter().enumerate() {
+                    if committed.is_some() {
+                        let (key, content) = messages[index];
+                        model.commits += 1;
+                        model.complete(key, content, result, true, now_ms);
+                    }
+                }
+            }
             Op::AdvanceClock { ms } => store.clock.advance(Duration::from_millis(ms)),
             Op::Compact => engine.compact().unwrap(),
             Op::Reopen => {
-                // Closing drops every open claim first: a claim is in-process state.
+                // A restart drops every in-process claim; external holders keep their tickets.
                 claims.clear();
+                let tickets: Vec<(u8, u8, u32, LeaseTicket)> = externals
+                    .drain(..)
+                    .map(|e| (e.key, e.content, e.holder, e.claim.ticket().clone()))
+                    .collect();
+                drop(consumer);
+                drop(counters);
                 drop(engine);
                 engine = open(&store);
+                let consumer = engine.consumer("model").unwrap();
+                for (key, content, holder, ticket) in tickets {
+                    externals.push(External {
+                        key,
+                        content,
+                        holder,
+                        claim: consumer.resume(&ticket).unwrap(),
+                    });
+                }
             }
         }
         check(&engine, &model, store.clock.now_ms(), claims.len())?;
@@ -186,22 +469,41 @@ fn check(
     let mut applied = 0;
     for key in 0..KEYS {
         let stored = consumer.get(message_key(key)).unwrap();
-        match (stored, model.live(key, now_ms)) {
+        let expected = match model.records.get(&key) {
+            Some(ModelRecord::Completed { expires_at_ms, .. }) if *expires_at_ms <= now_ms => None,
+            Some(ModelRecord::Released) | None => None,
+            Some(record) => Some(record),
+        };
+        match (stored.as_ref().map(|r| &r.state), expected) {
             (None, None) => {}
-            (Some(record), Some(expected)) => {
-                let RecordState::Completed {
+            (
+                Some(RecordState::Completed {
                     result,
                     expires_at_ms,
+                    succeeded,
                     ..
-                } = &record.state
-                else {
-                    return Err(TestCaseError::fail(format!(
-                        "key {key}: not completed: {record:?}"
-                    )));
-                };
-                prop_assert_eq!(&result[..], &[expected.result][..]);
-                prop_assert_eq!(record.fingerprint, fingerprint(expected.content));
-                prop_assert_eq!(*expires_at_ms, expected.expires_at_ms);
+                }),
+                Some(ModelRecord::Completed {
+                    content,
+                    result: expected_result,
+                    expires_at_ms: expected_expiry,
+                    succeeded: expected_succeeded,
+                    ..
+                }),
+            ) => {
+                prop_assert_eq!(&result[..], &[*expected_result][..]);
+                prop_assert_eq!(stored.as_ref().unwrap().fingerprint, fingerprint(*content));
+                prop_assert_eq!(expires_at_ms, expected_expiry);
+                prop_assert_eq!(succeeded, expected_succeeded);
+            }
+            (
+                Some(RecordState::InProgress { lease_until_ms, .. }),
+                Some(ModelRecord::InProgress {
+                    lease_until_ms: expected_lease,
+                    ..
+                }),
+            ) => {
+                prop_assert_eq!(lease_until_ms, expected_lease);
             }
             (stored, expected) => {
                 return Err(TestCaseError::fail(format!(
