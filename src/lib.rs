@@ -52,6 +52,27 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! # Observability
+//!
+//! Every `begin`, commit and lease step emits a `tracing` debug event (target `idemdb`) with
+//! the consumer, the key in printable form, the outcome, the epoch and the message's correlation
+//! id. Metrics go through the `metrics` facade (labels: `consumer`, and `outcome` for the
+//! first); [`Engine::stats`] returns the same counts without an exporter:
+//!
+//! | name | kind | what |
+//! |---|---|---|
+//! | `idemdb_outcomes_total` | counter | `begin` outcomes: fresh, duplicate, in_progress, conflict, too_late, stale, duplicate_in_batch |
+//! | `idemdb_commits_total` | counter | commits and completes that were written |
+//! | `idemdb_lease_lost_total` | counter | lease steps refused with `LeaseLost` |
+//! | `idemdb_claim_seconds` | histogram | latency of `begin` (and of each batch message's share) |
+//! | `idemdb_commit_seconds` | histogram | latency of a commit or complete |
+//! | `idemdb_duplicate_age_seconds` | histogram | time since the first commit when a duplicate arrives |
+//! | `idemdb_in_progress` | gauge | external claims alive in this process (begun, taken over or resumed; not yet finished or dropped) |
+//!
+//! Metric handles are registered when a consumer is first asked for, with the recorder
+//! installed then: install the recorder before opening consumers. The in-progress gauge
+//! counts [`ExternalClaim`]s alive in this process.
+//!
 //! See `ARCHITECTURE.md` for the write path and `docs/design.md` for the on-disk format.
 
 #![deny(unsafe_code)]

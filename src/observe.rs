@@ -1,20 +1,7 @@
 //! Observability (R12, B7): per-consumer counters kept in process (for [`crate::Engine::stats`]),
 //! the same numbers through the `metrics` facade, and `tracing` events for each step.
 //!
-//! Metric names (labels: `consumer`, and `outcome` for the first):
-//!
-//! | name | kind | what |
-//! |---|---|---|
-//! | `idemdb_outcomes_total` | counter | `begin` outcomes: fresh, duplicate, in_progress, conflict, too_late, stale, duplicate_in_batch |
-//! | `idemdb_commits_total` | counter | commits and completes that were written |
-//! | `idemdb_lease_lost_total` | counter | lease steps refused with `LeaseLost` |
-//! | `idemdb_claim_seconds` | histogram | latency of `begin` (and of each batch message's share) |
-//! | `idemdb_commit_seconds` | histogram | latency of a commit or complete |
-//! | `idemdb_duplicate_age_seconds` | histogram | time since the first commit when a duplicate arrives |
-//! | `idemdb_in_progress` | gauge | external claims this process began (or took over) and has not seen finished |
-//!
-//! Handles are registered when the consumer is first asked for, with the recorder installed
-//! then: install a recorder before opening consumers.
+//! The metric names are listed in the crate documentation (Observability).
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
@@ -191,7 +178,8 @@ pub struct ConsumerStats {
     pub commits: u64,
     /// Lease steps refused with `LeaseLost`.
     pub lease_lost: u64,
-    /// External claims this process began (or took over) and has not seen finished.
+    /// External claims alive in this process (begun, taken over or resumed; not yet finished
+    /// or dropped).
     pub external_in_progress: i64,
 }
 
