@@ -1,8 +1,9 @@
 //! Record decoder, merge fold and compaction-filter decision on arbitrary bytes: never panic;
-//! valid records round-trip; the filter removes only records that decode and have expired.
+//! valid records round-trip; the filter removes only records that decode and that reads already
+//! treat as absent, never an in-progress one.
 #![no_main]
 
-use idemdb::format::{FilterDecision, Record, apply_operands, compaction_decision};
+use idemdb::format::{FilterDecision, Record, RecordState, apply_operands, compaction_decision};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -17,7 +18,14 @@ fuzz_target!(|data: &[u8]| {
         .map_or(0, |bytes| u64::from_be_bytes(*bytes));
     if compaction_decision(data, now_ms) == FilterDecision::Remove {
         let record = Record::decode(data).expect("removed values decode");
-        assert!(record.is_expired(now_ms), "removed an unexpired record");
+        assert!(
+            record.is_absent_at(now_ms),
+            "removed a record reads still see"
+        );
+        assert!(
+            !matches!(record.state, RecordState::InProgress { .. }),
+            "removed an in-progress record"
+        );
     }
 
     // The merge fold over arbitrary existing values and operands never panics, and its result
