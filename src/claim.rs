@@ -743,7 +743,7 @@ impl Claim {
         result: &[u8],
     ) -> Result<Committed> {
         self.staged.check_result(result)?;
-        let committed_at_ms = self.inner.clock.now_ms();
+        let committed_at_ms = self.inner.write_clock_ms()?;
         let expires_at_ms = expires_at_ms(self.expiry, committed_at_ms);
         let epoch = self.replaces_epoch + 1;
         let record = Record::new(

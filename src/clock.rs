@@ -5,6 +5,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// The latest clock reading at which the engine writes, in ms since the Unix epoch (2^62 ms,
+/// some 146 million years). Beyond it a write returns [`crate::Error::ClockOutOfRange`]: adding
+/// a retention to the clock must never saturate, or a record could be born expired. Reads work
+/// at any reading.
+pub const CLOCK_MS_MAX: u64 = 1 << 62;
+
 /// A source of wall-clock time in milliseconds since the Unix epoch.
 ///
 /// The engine reads it when it stamps a commit (`committed_at_ms`, `expires_at_ms`), when it

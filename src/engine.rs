@@ -398,6 +398,16 @@ impl Inner {
         xxhash_rust::xxh3::xxh3_64_with_seed(&count.to_le_bytes(), self.token_seed)
     }
 
+    /// The clock reading for a write, refused beyond [`crate::CLOCK_MS_MAX`]: past it, a
+    /// record's expiry (now + retention) would saturate and the record could be born expired.
+    pub(crate) fn write_clock_ms(&self) -> Result<u64> {
+        let now_ms = self.clock.now_ms();
+        if now_ms > crate::CLOCK_MS_MAX {
+            return Err(Error::ClockOutOfRange { now_ms });
+        }
+        Ok(now_ms)
+    }
+
     /// The ordering guard's highest applied version of an entity (its versions-table key).
     pub(crate) fn read_version(&self, version_key: &[u8]) -> Result<Option<u64>> {
         let Some(value) = self

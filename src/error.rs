@@ -140,6 +140,14 @@ pub enum Error {
         reason: crate::format::DecodeError,
     },
 
+    /// The engine clock reads beyond [`crate::CLOCK_MS_MAX`]: a write's timestamps would
+    /// overflow. Fix the clock; nothing was written.
+    #[error("the clock reads {now_ms} ms, beyond CLOCK_MS_MAX; nothing was written")]
+    ClockOutOfRange {
+        /// The clock's reading.
+        now_ms: u64,
+    },
+
     /// An external claim's holder lost the key: its lease expired and another holder took it
     /// over (or it was resolved by an operator). Nothing of this call was written, staged writes
     /// included. Stop, and do not acknowledge the message as processed by this attempt.

@@ -133,7 +133,7 @@ pub(crate) fn begin_external(
     let lease_ms = lease_ms(lease)?;
     check_limit(Limit::HolderBytes, holder.len(), 0, HOLDER_BYTES_MAX)?;
     inner.check_not_poisoned()?;
-    let now_ms = inner.clock.now_ms();
+    let now_ms = inner.write_clock_ms()?;
     let latches = &inner.markers[marker].latches;
     let _latch = match latches.try_guard(&stored_key, now_ms) {
         Ok(guard) => guard,
@@ -220,7 +220,7 @@ fn fenced_replace(
     not_held: impl FnOnce(u64) -> Error,
 ) -> Result<()> {
     inner.check_not_poisoned()?;
-    let now_ms = inner.clock.now_ms();
+    let now_ms = inner.write_clock_ms()?;
     let _latch = inner.markers[marker]
         .latches
         .acquire_waiting(stored_key, now_ms, LATCH_WAIT)

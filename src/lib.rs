@@ -110,7 +110,7 @@ pub use claim::{
     Claim, Committed, Expiry, Outcome, PreviousAttempt, STAGED_BYTES_MAX, STAGED_WRITES_MAX,
     TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
 };
-pub use clock::{Clock, MockClock, SystemClock};
+pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
 #[cfg(feature = "engine")]
 pub use engine::{BusinessTable, Consumer, Engine, EntityTable, RecordCounts};
 pub use error::{Error, Limit, Result, StorageErrorKind};

@@ -1,5 +1,6 @@
 //! Integration tests of the public API, in one binary (one link of RocksDB).
 
+mod bad_input;
 mod batch;
 mod claim;
 mod corrupt;

@@ -35,6 +35,10 @@ impl TestStore {
             .entity_table("customers")
     }
 
+    pub fn clock_now(&self) -> u64 {
+        idemdb::Clock::now_ms(&self.clock)
+    }
+
     pub fn open(&self) -> Engine {
         self.builder().open().expect("open test store")
     }
