@@ -16,6 +16,9 @@ echo "== docs (broken links are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps
 echo "== tests"
 cargo test --release
+echo "== loom: every interleaving of the claim latch (2-3 threads)"
+(cd loom && RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/../loom-target" \
+    cargo test --release --quiet)
 
 if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | grep -q nightly; then
     seconds="${IDEMDB_FUZZ_SECONDS:-20}"

@@ -8,8 +8,25 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
+#[cfg(not(loom))]
 use crossbeam::utils::CachePadded;
+#[cfg(loom)]
+use loom::sync::Mutex;
+#[cfg(not(loom))]
 use parking_lot::Mutex;
+
+/// Under loom the shard is loom's mutex, unpadded (loom models the lock, not cache lines).
+#[cfg(loom)]
+type CachePadded<T> = T;
+
+/// Locks a shard. parking_lot's lock does not poison; loom's (std-like) does, and a poisoned
+/// shard can only come from a panic inside the few lines below, which the model would report.
+fn lock<T>(mutex: &Mutex<T>) -> impl std::ops::DerefMut<Target = T> + '_ {
+    #[cfg(loom)]
+    return mutex.lock().expect("latch shard poisoned");
+    #[cfg(not(loom))]
+    return mutex.lock();
+}
 
 /// Shards spread unrelated keys over separate mutexes so that claims on different keys rarely
 /// contend. A power of two, so the shard is a mask of the hash.
@@ -18,6 +35,16 @@ const SHARDS: usize = 64;
 /// One shard: latched keys with the time each claim was taken. Padded to a cache line so that
 /// threads locking neighbouring shards do not contend on one line.
 type Shard = CachePadded<Mutex<HashMap<Box<[u8]>, u64>>>;
+
+#[cfg(not(loom))]
+fn pad<T>(value: T) -> CachePadded<T> {
+    CachePadded::new(value)
+}
+
+#[cfg(loom)]
+fn pad<T>(value: T) -> T {
+    value
+}
 
 /// The latched keys of one marker table.
 pub(crate) struct Latches {
@@ -28,7 +55,7 @@ impl Latches {
     pub(crate) fn new() -> Latches {
         Latches {
             shards: (0..SHARDS)
-                .map(|_| CachePadded::new(Mutex::new(HashMap::new())))
+                .map(|_| pad(Mutex::new(HashMap::new())))
                 .collect(),
         }
     }
@@ -41,7 +68,7 @@ impl Latches {
 
     /// Takes the latch on `key`, or returns when the current holder took it.
     pub(crate) fn try_acquire(&self, key: &[u8], now_ms: u64) -> Result<(), u64> {
-        match self.shard(key).lock().entry(key.into()) {
+        match lock(self.shard(key)).entry(key.into()) {
             Entry::Occupied(held) => Err(*held.get()),
             Entry::Vacant(slot) => {
                 slot.insert(now_ms);
@@ -92,13 +119,13 @@ impl Latches {
 
     /// Releases the latch on `key`. The caller must hold it.
     pub(crate) fn release(&self, key: &[u8]) {
-        let removed = self.shard(key).lock().remove(key);
+        let removed = lock(self.shard(key)).remove(key);
         assert!(removed.is_some(), "released a latch that was not held");
     }
 
     /// How many keys are latched right now.
     pub(crate) fn held(&self) -> usize {
-        self.shards.iter().map(|shard| shard.lock().len()).sum()
+        self.shards.iter().map(|shard| lock(shard).len()).sum()
     }
 }
 
@@ -114,7 +141,67 @@ impl Drop for LatchGuard<'_> {
     }
 }
 
-#[cfg(test)]
+/// Exhaustive interleavings (loom, within its bounds) of the claim arbitration: of three
+/// threads racing for one key exactly one wins, and the key never has two holders while threads
+/// acquire and release it. The `loom/` crate compiles this file under loom:
+/// `cd loom && RUSTFLAGS="--cfg loom" cargo test --release`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn loom_exactly_one_of_three_wins() {
+        loom::model(|| {
+            let latches = Arc::new(Latches::new());
+            let wins = Arc::new(AtomicUsize::new(0));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let (latches, wins) = (latches.clone(), wins.clone());
+                    loom::thread::spawn(move || {
+                        if latches.try_acquire(b"key", 0).is_ok() {
+                            wins.fetch_add(1, Ordering::SeqCst);
+                        }
+                    })
+                })
+                .collect();
+            if latches.try_acquire(b"key", 0).is_ok() {
+                wins.fetch_add(1, Ordering::SeqCst);
+            }
+            for thread in threads {
+                thread.join().unwrap();
+            }
+            assert_eq!(wins.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    #[test]
+    fn loom_never_two_holders_across_release() {
+        loom::model(|| {
+            let latches = Arc::new(Latches::new());
+            let holders = Arc::new(AtomicUsize::new(0));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let (latches, holders) = (latches.clone(), holders.clone());
+                    loom::thread::spawn(move || {
+                        if latches.try_acquire(b"key", 0).is_ok() {
+                            assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                            holders.fetch_sub(1, Ordering::SeqCst);
+                            latches.release(b"key");
+                        }
+                    })
+                })
+                .collect();
+            for thread in threads {
+                thread.join().unwrap();
+            }
+            assert_eq!(latches.held(), 0);
+        });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::Arc;
