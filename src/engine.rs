@@ -12,6 +12,7 @@ use rocksdb::{
 use crate::claim::{Expiry, Outcome, Request, begin};
 use crate::clock::Clock;
 use crate::error::{Error, Result};
+use crate::fault::{Fault, FaultInjector, IoPoint};
 use crate::fingerprint::Fingerprint;
 use crate::key::{check_message_key, consumer_prefix, decode_key, encode_with_prefix};
 use crate::latch::Latches;
@@ -69,6 +70,8 @@ pub(crate) struct Inner {
     write_options: WriteOptions,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
+    /// Test seam: decides injected faults for the engine's I/O calls.
+    fault_injector: Option<Arc<dyn FaultInjector>>,
     /// Lease tokens: a per-open random seed hashed with a counter, so tokens never repeat.
     token_seed: u64,
     token_counter: AtomicU64,
@@ -169,6 +172,7 @@ impl Engine {
             admission_floor: builder.admission_floor,
             write_options,
             poisoned: AtomicBool::new(false),
+            fault_injector: builder.fault_injector.clone(),
             token_seed: token_seed(),
             token_counter: AtomicU64::new(0),
             markers,
@@ -279,8 +283,8 @@ impl Engine {
     /// [`Error::Poisoned`] if an earlier write failed; a failure here poisons the engine too.
     pub fn flush_wal(&self) -> Result<()> {
         self.inner.check_not_poisoned()?;
-        let flushed = self.inner.db.flush_wal(true);
-        self.inner.poison_on_failure(flushed)
+        self.inner
+            .io(IoPoint::SyncWal, || self.inner.db.flush_wal(true))
     }
 
     /// Compacts every marker table fully, so the compaction filter removes all records expired
@@ -294,10 +298,14 @@ impl Engine {
         options.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
         for marker in &self.inner.markers {
             let cf = self.inner.cf(&marker.name);
-            self.inner.db.flush_cf(cf)?;
             self.inner
-                .db
-                .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
+                .io(IoPoint::Flush, || self.inner.db.flush_cf(cf))?;
+            self.inner.io(IoPoint::Compaction, || {
+                self.inner
+                    .db
+                    .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
+                Ok(())
+            })?;
         }
         Ok(())
     }
@@ -459,10 +467,35 @@ impl Inner {
     /// The one write path: writes `batch` atomically with the engine's durability.
     pub(crate) fn write(&self, batch: WriteBatch) -> Result<()> {
         self.check_not_poisoned()?;
-        let written = self.db.write_opt(batch, &self.write_options);
-        self.poison_on_failure(written)?;
+        self.io(IoPoint::Write, || {
+            self.db.write_opt(batch, &self.write_options)
+        })?;
         self.write_batches.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Runs one I/O call at `point`, applying an injected fault if one is installed, and
+    /// poisons the engine on any failure that is not known to have written nothing.
+    fn io(
+        &self,
+        point: IoPoint,
+        call: impl FnOnce() -> std::result::Result<(), rocksdb::Error>,
+    ) -> Result<()> {
+        let fault = self
+            .fault_injector
+            .as_ref()
+            .map_or(Fault::None, |injector| injector.fault(point));
+        match fault {
+            Fault::None => self.poison_on_failure(call()),
+            Fault::FailBefore | Fault::FailAfter => {
+                if fault == Fault::FailAfter {
+                    // Its own outcome is hidden from the caller, as a failed fsync would be.
+                    let _ = call();
+                }
+                self.poisoned.store(true, Ordering::Release);
+                Err(crate::fault::injected(point))
+            }
+        }
     }
 
     fn check_or_write_meta(&self, builder: &EngineBuilder, new_store: bool) -> Result<()> {

@@ -86,6 +86,8 @@ mod clock;
 #[cfg(feature = "engine")]
 mod engine;
 mod error;
+#[cfg(feature = "engine")]
+mod fault;
 mod fingerprint;
 mod key;
 #[cfg(feature = "engine")]
@@ -114,6 +116,8 @@ pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
 #[cfg(feature = "engine")]
 pub use engine::{BusinessTable, Consumer, Engine, EntityTable, RecordCounts};
 pub use error::{Error, Limit, Result, StorageErrorKind};
+#[cfg(feature = "engine")]
+pub use fault::{Fault, FaultInjector, IoPoint};
 pub use fingerprint::Fingerprint;
 pub use key::{
     CONSUMER_ID_BYTES_MAX, CONSUMER_ID_BYTES_MIN, MESSAGE_KEY_BYTES_MAX, MESSAGE_KEY_BYTES_MIN,

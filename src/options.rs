@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::clock::{Clock, SystemClock};
 use crate::engine::Engine;
 use crate::error::{Error, Limit, Result, check_limit};
+use crate::fault::FaultInjector;
 
 /// The shortest default retention, in milliseconds. Zero would expire records as they are written.
 pub const RETENTION_MS_MIN: u64 = 1;
@@ -155,6 +156,7 @@ pub struct EngineBuilder {
     pub(crate) periodic_compaction_s: u64,
     pub(crate) block_cache_bytes: usize,
     pub(crate) write_buffer_bytes: usize,
+    pub(crate) fault_injector: Option<Arc<dyn FaultInjector>>,
 }
 
 impl EngineBuilder {
@@ -170,6 +172,7 @@ impl EngineBuilder {
             periodic_compaction_s: PERIODIC_COMPACTION_S_DEFAULT,
             block_cache_bytes: BLOCK_CACHE_BYTES_DEFAULT,
             write_buffer_bytes: WRITE_BUFFER_BYTES_DEFAULT,
+            fault_injector: None,
         }
     }
 
@@ -239,6 +242,14 @@ impl EngineBuilder {
     /// ([`WRITE_BUFFER_BYTES_DEFAULT`]); bounds [`WRITE_BUFFER_BYTES_MIN`]..=[`WRITE_BUFFER_BYTES_MAX`].
     pub fn write_buffer_bytes(mut self, bytes: usize) -> EngineBuilder {
         self.write_buffer_bytes = bytes;
+        self
+    }
+
+    /// Installs a fault injector: before each of its I/O calls the engine asks it whether to
+    /// fail the call (see [`crate::FaultInjector`]). For testing failure handling, ours and
+    /// yours. Default: none.
+    pub fn fault_injector(mut self, injector: impl FaultInjector) -> EngineBuilder {
+        self.fault_injector = Some(Arc::new(injector));
         self
     }
 

@@ -6,6 +6,7 @@ mod claim;
 mod corrupt;
 mod durability;
 mod entity;
+mod fault;
 mod guard;
 mod lease;
 mod limits;
