@@ -11,6 +11,7 @@ mod guard;
 mod lease;
 mod limits;
 mod model;
+mod model_core;
 mod observe;
 mod open;
 mod race;

@@ -1,0 +1,545 @@
+//! The engine-versus-model checker shared by the proptest in `model.rs` and the stateful
+//! fuzz target (`fuzz/fuzz_targets/engine_model.rs`, which includes this file): runs a sequence
+//! of operations against the engine and a plain in-memory model and compares them after every
+//! step. It depends only on idemdb, tempfile and std.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use idemdb::{
+    BatchOutcome, Claim, Clock, Durability, Engine, Error, ExternalClaim, FailurePolicy,
+    Fingerprint, LeaseTicket, Message, MockClock, Outcome, RecordState, TableOptions, merge_ops,
+};
+
+/// Fails the run with a message unless `cond` holds.
+macro_rules! ensure {
+    ($cond:expr, $($message:tt)+) => {
+        if !$cond {
+            return Err(format!($($message)+));
+        }
+    };
+}
+
+/// Fails the run unless both sides are equal.
+macro_rules! ensure_eq {
+    ($left:expr, $right:expr) => {{
+        let (left, right) = (&$left, &$right);
+        if left != right {
+            return Err(format!(
+                "{} = {:?}, expected {:?} ({}:{})",
+                stringify!($left),
+                left,
+                right,
+                file!(),
+                line!()
+            ));
+        }
+    }};
+}
+
+pub const KEYS: u8 = 4;
+pub const RETENTION_MS: u64 = 1_000;
+const LEASE_MS: u64 = 500;
+
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// Deliver key with one of two contents.
+    Begin {
+        key: u8,
+        content: u8,
+    },
+    /// Commit the open claim at this index (modulo the number of open claims).
+    Commit {
+        claim: usize,
+        result: u8,
+    },
+    /// Abort the open claim at this index.
+    Abort {
+        claim: usize,
+    },
+    /// Take key under a lease.
+    BeginExternal {
+        key: u8,
+        content: u8,
+    },
+    /// Renew the external claim at this index.
+    Renew {
+        claim: usize,
+    },
+    /// Complete the external claim at this index.
+    Complete {
+        claim: usize,
+        result: u8,
+    },
+    /// Fail the external claim at this index: record the failure, or release.
+    Fail {
+        claim: usize,
+        record: bool,
+    },
+    /// Claim a batch of (key, content) and commit every fresh claim.
+    Batch {
+        messages: Vec<(u8, u8)>,
+        result: u8,
+    },
+    AdvanceClock {
+        ms: u64,
+    },
+    Compact,
+    Reopen,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum ModelRecord {
+    Completed {
+        content: u8,
+        result: u8,
+        committed_at_ms: u64,
+        expires_at_ms: u64,
+        succeeded: bool,
+    },
+    InProgress {
+        content: u8,
+        holder: u32,
+        lease_until_ms: u64,
+    },
+    Released,
+}
+
+/// What `begin` must report for a key, as the model sees it.
+#[derive(Debug, PartialEq)]
+enum Expected {
+    Fresh { takeover: bool },
+    Duplicate { result: u8, succeeded: bool },
+    Conflict,
+    InProgress,
+}
+
+#[derive(Default)]
+struct Model {
+    records: HashMap<u8, ModelRecord>,
+    commits: u64,
+    next_holder: u32,
+}
+
+impl Model {
+    fn expect(&self, key: u8, content: u8, latched: bool, now_ms: u64) -> Expected {
+        if latched {
+            return Expected::InProgress;
+        }
+        match self.records.get(&key) {
+            Some(ModelRecord::InProgress { lease_until_ms, .. }) if *lease_until_ms > now_ms => {
+                Expected::InProgress
+            }
+            Some(ModelRecord::InProgress { .. }) => Expected::Fresh { takeover: true },
+            Some(ModelRecord::Completed {
+                content: stored,
+                result,
+                expires_at_ms,
+                succeeded,
+                ..
+            }) if *expires_at_ms > now_ms => {
+                if *stored == content {
+                    Expected::Duplicate {
+                        result: *result,
+                        succeeded: *succeeded,
+                    }
+                } else {
+                    Expected::Conflict
+                }
+            }
+            _ => Expected::Fresh { takeover: false },
+        }
+    }
+
+    fn holds(&self, key: u8, holder: u32) -> bool {
+        matches!(self.records.get(&key), Some(ModelRecord::InProgress { holder: h, .. }) if *h == holder)
+    }
+
+    fn complete(&mut self, key: u8, content: u8, result: u8, succeeded: bool, now_ms: u64) {
+        self.records.insert(
+            key,
+            ModelRecord::Completed {
+                content,
+                result,
+                committed_at_ms: now_ms,
+                expires_at_ms: now_ms + RETENTION_MS,
+                succeeded,
+            },
+        );
+    }
+}
+
+fn observed<C: std::fmt::Debug>(outcome: &Outcome<C>) -> (Expected, Option<bool>) {
+    match outcome {
+        Outcome::Fresh(_) => (Expected::Fresh { takeover: false }, None),
+        Outcome::Duplicate {
+            result, succeeded, ..
+        } => (
+            Expected::Duplicate {
+                result: result.first().copied().unwrap_or(0),
+                succeeded: *succeeded,
+            },
+            None,
+        ),
+        Outcome::Conflict { .. } => (Expected::Conflict, None),
+        Outcome::InProgress { .. } => (Expected::InProgress, None),
+        other => panic!("the model never produces {other:?}"),
+    }
+}
+
+/// Compares an outcome with the model's expectation; `takeover` is what the claim reports.
+fn check_outcome<C: std::fmt::Debug>(
+    what: &str,
+    outcome: &Outcome<C>,
+    expected: &Expected,
+    takeover: Option<bool>,
+) -> Result<(), String> {
+    let (got, _) = observed(outcome);
+    let matches = match (&got, expected) {
+        (Expected::Fresh { .. }, Expected::Fresh { takeover: t }) => takeover == Some(*t),
+        (got, expected) => got == expected,
+    };
+    if !matches {
+        return Err(format!(
+            "{what}: got {outcome:?} (takeover {takeover:?}), model expected {expected:?}"
+        ));
+    }
+    Ok(())
+}
+
+fn message_key(key: u8) -> String {
+    format!("key-{key}")
+}
+
+fn fingerprint(content: u8) -> Fingerprint {
+    Fingerprint::of([content])
+}
+
+/// A temporary store on a mock clock, with the tables the model writes.
+pub struct Store {
+    pub dir: tempfile::TempDir,
+    pub clock: MockClock,
+}
+
+impl Store {
+    pub fn new() -> Store {
+        Store {
+            dir: tempfile::tempdir().expect("temp dir"),
+            // 2026-01-01T00:00:00Z
+            clock: MockClock::new(1_767_225_600_000),
+        }
+    }
+}
+
+fn counter(engine: &Engine, name: &str) -> u64 {
+    let counters = engine.business_table("counters").unwrap();
+    counters.get(name).unwrap().map_or(0, |value| {
+        merge_ops::read_u64(&value).expect("8-byte counter")
+    })
+}
+
+fn open(store: &Store) -> Engine {
+    Engine::builder(store.dir.path())
+        .clock(store.clock.clone())
+        .durability(Durability::Buffered)
+        .write_buffer_bytes(4 << 20)
+        .retention(Duration::from_millis(RETENTION_MS))
+        .business_table(
+            TableOptions::new("counters").associative_merge_operator("add_u64", merge_ops::add_u64),
+        )
+        .open()
+        .unwrap()
+}
+
+struct External {
+    key: u8,
+    content: u8,
+    holder: u32,
+    claim: ExternalClaim,
+}
+
+pub fn run(ops: Vec<Op>) -> Result<(), String> {
+    let store = Store::new();
+    let mut engine = open(&store);
+    let mut model = Model::default();
+    // Open transactional claims, with the key and content each holds.
+    let mut claims: Vec<(u8, u8, Claim)> = Vec::new();
+    let mut externals: Vec<External> = Vec::new();
+    let lease = Duration::from_millis(LEASE_MS);
+
+    for op in ops {
+        let now_ms = store.clock.now_ms();
+        let consumer = engine.consumer("model").unwrap();
+        let counters = engine.business_table("counters").unwrap();
+        match op {
+            Op::Begin { key, content } => {
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let expected = model.expect(key, content, latched, now_ms);
+                let outcome = consumer
+                    .begin(message_key(key), fingerprint(content))
+                    .unwrap();
+                let takeover = match &outcome {
+                    Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
+                    _ => None,
+                };
+                check_outcome("begin", &outcome, &expected, takeover)?;
+                if let Outcome::Fresh(claim) = outcome {
+                    claims.push((key, content, claim));
+                }
+            }
+            Op::Commit { claim, result } => {
+                if claims.is_empty() {
+                    continue;
+                }
+                let (key, content, mut claim) = claims.remove(claim % claims.len());
+                claim
+                    .merge(&counters, message_key(key), 1u64.to_be_bytes())
+                    .unwrap();
+                let committed = claim.commit([result]).unwrap();
+                ensure_eq!(committed.expires_at_ms, now_ms + RETENTION_MS);
+                model.commits += 1;
+                model.complete(key, content, result, true, now_ms);
+            }
+            Op::Abort { claim } => {
+                if !claims.is_empty() {
+                    claims.remove(claim % claims.len()).2.abort();
+                }
+            }
+            Op::BeginExternal { key, content } => {
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let expected = model.expect(key, content, latched, now_ms);
+                let outcome = consumer
+                    .begin_external(message_key(key), fingerprint(content), lease, "model")
+                    .unwrap();
+                let takeover = match &outcome {
+                    Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
+                    _ => None,
+                };
+                check_outcome("begin_external", &outcome, &expected, takeover)?;
+                if let Outcome::Fresh(claim) = outcome {
+                    model.next_holder += 1;
+                    let holder = model.next_holder;
+                    model.records.insert(
+                        key,
+                        ModelRecord::InProgress {
+                            content,
+                            holder,
+                            lease_until_ms: now_ms + LEASE_MS,
+                        },
+                    );
+                    externals.push(External {
+                        key,
+                        content,
+                        holder,
+                        claim,
+                    });
+                }
+            }
+            Op::Renew { claim } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let index = claim % externals.len();
+                let External { key, holder, .. } = externals[index];
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let result = externals[index].claim.renew(lease);
+                if latched {
+                    ensure!(matches!(result, Err(Error::KeyBusy)), "{result:?}");
+                } else if model.holds(key, holder) {
+                    ensure_eq!(result.unwrap(), now_ms + LEASE_MS);
+                    if let Some(ModelRecord::InProgress { lease_until_ms, .. }) =
+                        model.records.get_mut(&key)
+                    {
+                        *lease_until_ms = now_ms + LEASE_MS;
+                    }
+                } else {
+                    ensure!(matches!(result, Err(Error::LeaseLost { .. })), "{result:?}");
+                }
+            }
+            Op::Complete { claim, result } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let External {
+                    key,
+                    content,
+                    holder,
+                    mut claim,
+                } = externals.remove(claim % externals.len());
+                claim
+                    .merge(&counters, message_key(key), 1u64.to_be_bytes())
+                    .unwrap();
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let completed = claim.complete([result]);
+                if latched {
+                    ensure!(matches!(completed, Err(Error::KeyBusy)), "{completed:?}");
+                } else if model.holds(key, holder) {
+                    completed.unwrap();
+                    model.commits += 1;
+                    model.complete(key, content, result, true, now_ms);
+                } else {
+                    ensure!(
+                        matches!(completed, Err(Error::LeaseLost { .. })),
+                        "{completed:?}"
+                    );
+                }
+            }
+            Op::Fail { claim, record } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let External {
+                    key,
+                    content,
+                    holder,
+                    claim,
+                } = externals.remove(claim % externals.len());
+                let policy = if record {
+                    FailurePolicy::RecordFailure(vec![0xee].into())
+                } else {
+                    FailurePolicy::Release
+                };
+                let latched = claims.iter().any(|(held, _, _)| *held == key);
+                let failed = claim.fail(policy);
+                if latched {
+                    ensure!(matches!(failed, Err(Error::KeyBusy)), "{failed:?}");
+                } else if model.holds(key, holder) {
+                    failed.unwrap();
+                    if record {
+                        model.complete(key, content, 0xee, false, now_ms);
+                    } else {
+                        model.records.insert(key, ModelRecord::Released);
+                    }
+                } else {
+                    ensure!(matches!(failed, Err(Error::LeaseLost { .. })), "{failed:?}");
+                }
+            }
+            Op::Batch { messages, result } => {
+                let keys: Vec<String> = messages.iter().map(|(key, _)| message_key(*key)).collect();
+                let batch_messages: Vec<Message> = messages
+                    .iter()
+                    .zip(&keys)
+                    .map(|((_, content), key)| Message::new(key, fingerprint(*content)))
+                    .collect();
+                let mut batch = consumer.begin_batch(&batch_messages).unwrap();
+                let mut first_seen: HashMap<u8, usize> = HashMap::new();
+                for (index, &(key, content)) in messages.iter().enumerate() {
+                    let outcome = &batch.outcomes()[index];
+                    if let Some(&first) = first_seen.get(&key) {
+                        ensure!(
+                            matches!(outcome, BatchOutcome::DuplicateInBatch { first: f } if *f == first),
+                            "{outcome:?}"
+                        );
+                        continue;
+                    }
+                    first_seen.insert(key, index);
+                    let latched = claims.iter().any(|(held, _, _)| *held == key);
+                    let expected = model.expect(key, content, latched, now_ms);
+                    match outcome {
+                        BatchOutcome::Fresh => {
+                            let claim = batch.claim_mut(index).unwrap();
+                            let takeover = claim.previous_attempt().is_some();
+                            ensure_eq!(&expected, &Expected::Fresh { takeover });
+                            claim
+                                .merge(&counters, message_key(key), 1u64.to_be_bytes())
+                                .unwrap();
+                        }
+                        BatchOutcome::Settled(settled) => {
+                            check_outcome("batch", settled, &expected, None)?;
+                        }
+                        BatchOutcome::DuplicateInBatch { .. } => {
+                            return Err("repeat of a key seen once".to_owned());
+                        }
+                    }
+                }
+                let committed = batch.commit(|_| [result]).unwrap();
+                for (index, committed) in committed.iter().enumerate() {
+                    if committed.is_some() {
+                        let (key, content) = messages[index];
+                        model.commits += 1;
+                        model.complete(key, content, result, true, now_ms);
+                    }
+                }
+            }
+            Op::AdvanceClock { ms } => store.clock.advance(Duration::from_millis(ms)),
+            Op::Compact => engine.compact().unwrap(),
+            Op::Reopen => {
+                // A restart drops every in-process claim; external holders keep their tickets.
+                claims.clear();
+                let tickets: Vec<(u8, u8, u32, LeaseTicket)> = externals
+                    .drain(..)
+                    .map(|e| (e.key, e.content, e.holder, e.claim.ticket().clone()))
+                    .collect();
+                drop(consumer);
+                drop(counters);
+                drop(engine);
+                engine = open(&store);
+                let consumer = engine.consumer("model").unwrap();
+                for (key, content, holder, ticket) in tickets {
+                    externals.push(External {
+                        key,
+                        content,
+                        holder,
+                        claim: consumer.resume(&ticket).unwrap(),
+                    });
+                }
+            }
+        }
+        check(&engine, &model, store.clock.now_ms(), claims.len())?;
+    }
+    Ok(())
+}
+
+/// After every step: each key reads exactly as the model says, and the business counters
+/// staged with commits add up to the number of commits.
+fn check(engine: &Engine, model: &Model, now_ms: u64, open_claims: usize) -> Result<(), String> {
+    let consumer = engine.consumer("model").unwrap();
+    let mut applied = 0;
+    for key in 0..KEYS {
+        let stored = consumer.get(message_key(key)).unwrap();
+        let expected = match model.records.get(&key) {
+            Some(ModelRecord::Completed { expires_at_ms, .. }) if *expires_at_ms <= now_ms => None,
+            Some(ModelRecord::Released) | None => None,
+            Some(record) => Some(record),
+        };
+        match (stored.as_ref().map(|r| &r.state), expected) {
+            (None, None) => {}
+            (
+                Some(RecordState::Completed {
+                    result,
+                    expires_at_ms,
+                    succeeded,
+                    ..
+                }),
+                Some(ModelRecord::Completed {
+                    content,
+                    result: expected_result,
+                    expires_at_ms: expected_expiry,
+                    succeeded: expected_succeeded,
+                    ..
+                }),
+            ) => {
+                ensure_eq!(&result[..], &[*expected_result][..]);
+                ensure_eq!(stored.as_ref().unwrap().fingerprint, fingerprint(*content));
+                ensure_eq!(expires_at_ms, expected_expiry);
+                ensure_eq!(succeeded, expected_succeeded);
+            }
+            (
+                Some(RecordState::InProgress { lease_until_ms, .. }),
+                Some(ModelRecord::InProgress {
+                    lease_until_ms: expected_lease,
+                    ..
+                }),
+            ) => {
+                ensure_eq!(lease_until_ms, expected_lease);
+            }
+            (stored, expected) => {
+                return Err(format!("key {key}: stored {stored:?}, model {expected:?}"));
+            }
+        }
+        applied += counter(engine, &message_key(key));
+    }
+    ensure_eq!(applied, model.commits);
+    ensure_eq!(engine.open_claims(), open_claims);
+    Ok(())
+}
