@@ -25,15 +25,21 @@ if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | 
     # New inputs go to a scratch directory; the committed seed corpus is only read.
     scratch="$(mktemp -d)"
     trap 'rm -rf "$scratch"' EXIT
-    for target in key_codec record_decoder; do
+    # The format targets (fuzz/) build without RocksDB; the stateful target (fuzz/engine/)
+    # compiles it once per machine into its own cache.
+    for spec in "fuzz key_codec" "fuzz record_decoder" "fuzz compaction_filter" \
+        "fuzz/engine engine_model"; do
+        read -r dir target <<<"$spec"
         echo "== fuzz smoke: $target (${seconds}s)"
         mkdir -p "$scratch/$target"
         log="$scratch/$target.log"
-        if ! (cd fuzz && cargo +nightly fuzz run --target-dir "$CARGO_TARGET_DIR/../fuzz-target" \
-            "$target" "$scratch/$target" "corpus/$target" \
-            -- -max_total_time="$seconds" -print_final_stats=1 >"$log" 2>&1); then
+        cache="$CARGO_TARGET_DIR/../fuzz-target"
+        if [ "$dir" = fuzz/engine ]; then cache="$CARGO_TARGET_DIR/../fuzz-engine-target"; fi
+        if ! cargo +nightly fuzz run --fuzz-dir "$dir" --target-dir "$cache" \
+            "$target" "$scratch/$target" "$dir/corpus/$target" \
+            -- -max_total_time="$seconds" -print_final_stats=1 >"$log" 2>&1; then
             cat "$log"
-            echo "fuzz target $target failed; the crashing input is under fuzz/artifacts/$target" >&2
+            echo "fuzz target $target failed; the crashing input is under $dir/artifacts/$target" >&2
             exit 1
         fi
         grep -E "^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)" "$log" || true
