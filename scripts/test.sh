@@ -14,11 +14,10 @@ echo "== format-only build (no RocksDB)"
 cargo clippy --release --lib --no-default-features -- -D warnings
 echo "== docs (broken links are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps
-echo "== tests"
-cargo test --release
+
 echo "== loom: every interleaving of the claim latch (2-3 threads)"
 (cd loom && RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/../loom-target" \
-    cargo test --release --quiet)
+    cargo test --release --quiet --lib)
 
 if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | grep -q nightly; then
     seconds="${IDEMDB_FUZZ_SECONDS:-20}"
@@ -47,3 +46,7 @@ if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | 
 else
     echo "== fuzz smoke skipped (needs: cargo install cargo-fuzz, and a nightly toolchain)"
 fi
+
+# Last, so that the run ends with the test runners' own summary lines.
+echo "== tests"
+cargo test --release
