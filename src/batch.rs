@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use rocksdb::WriteBatch;
 
-use crate::claim::{Claim, Committed, Outcome, Request, decide, inspect_record};
+use crate::claim::{Claim, Committed, Outcome, Pending, Request, decide, inspect_record};
 use crate::engine::Inner;
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::record::Record;
@@ -37,9 +37,6 @@ pub struct ClaimBatch {
     claims: Vec<Option<Claim>>,
     outcomes: Vec<BatchOutcome>,
 }
-
-/// What deciding a latched message needs besides its claim: production time and version.
-type Pending = (Option<u64>, Option<(Vec<u8>, u64)>);
 
 /// Claims a batch: latches every distinct key, reads all latched keys with one multi-get, then
 /// decides each message as `begin` would.
@@ -72,23 +69,10 @@ pub(crate) fn begin_batch(
                 outcomes.push(BatchOutcome::Settled(Outcome::in_process(since_ms)));
             }
             Ok(()) => {
-                let Request {
-                    stored_key,
-                    fingerprint,
-                    produced_at_ms,
-                    version,
-                    expiry,
-                } = request;
                 // The claim owns the latch from here.
-                claims.push(Some(Claim::latched(
-                    inner,
-                    marker,
-                    stored_key,
-                    fingerprint,
-                    expiry,
-                    now_ms,
-                )));
-                rest.push(Some((produced_at_ms, version)));
+                let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
+                claims.push(Some(claim));
+                rest.push(Some(pending));
                 outcomes.push(BatchOutcome::Fresh);
             }
         }
@@ -122,9 +106,9 @@ pub(crate) fn begin_batch(
 
     for (&index, record) in latched.iter().zip(records) {
         let claim = claims[index].take().expect("latched");
-        let (produced_at_ms, version) = rest[index].take().expect("latched");
+        let pending = rest[index].take().expect("latched");
         let found = inspect_record(record, claim.fingerprint(), now_ms);
-        match decide(claim, found, produced_at_ms, version, now_ms)? {
+        match decide(claim, found, pending, now_ms)? {
             Outcome::Fresh(claim) => claims[index] = Some(claim),
             settled => {
                 outcomes[index] =

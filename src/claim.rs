@@ -365,17 +365,40 @@ pub(crate) fn begin(inner: &Arc<Inner>, marker: usize, request: Request) -> Resu
     if let Err(since_ms) = latches.try_acquire(&request.stored_key, now_ms) {
         return Ok(Outcome::in_process(since_ms));
     }
-    let Request {
-        stored_key,
-        fingerprint,
-        produced_at_ms,
-        version,
-        expiry,
-    } = request;
     // The claim owns the latch from here: its drop releases it on every path below.
-    let claim = Claim::latched(inner, marker, stored_key, fingerprint, expiry, now_ms);
-    let found = inspect(inner, marker, &claim.stored_key, fingerprint, now_ms)?;
-    decide(claim, found, produced_at_ms, version, now_ms)
+    let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
+    let found = inspect(inner, marker, &claim.stored_key, claim.fingerprint, now_ms)?;
+    decide(claim, found, pending, now_ms)
+}
+
+/// What deciding a latched claim needs besides the claim: production time and version.
+pub(crate) struct Pending {
+    produced_at_ms: Option<u64>,
+    version: Option<(Vec<u8>, u64)>,
+}
+
+impl Request {
+    /// Turns the request into the claim on its key, whose latch the caller has just taken.
+    pub(crate) fn into_latched_claim(
+        self,
+        inner: &Arc<Inner>,
+        marker: usize,
+        now_ms: u64,
+    ) -> (Claim, Pending) {
+        let claim = Claim::latched(
+            inner,
+            marker,
+            self.stored_key,
+            self.fingerprint,
+            self.expiry,
+            now_ms,
+        );
+        let pending = Pending {
+            produced_at_ms: self.produced_at_ms,
+            version: self.version,
+        };
+        (claim, pending)
+    }
 }
 
 /// Turns what the latch holder found into the outcome: the claim itself if the key is
@@ -384,10 +407,13 @@ pub(crate) fn begin(inner: &Arc<Inner>, marker: usize, request: Request) -> Resu
 pub(crate) fn decide(
     mut claim: Claim,
     found: Found,
-    produced_at_ms: Option<u64>,
-    version: Option<(Vec<u8>, u64)>,
+    pending: Pending,
     now_ms: u64,
 ) -> Result<Outcome> {
+    let Pending {
+        produced_at_ms,
+        version,
+    } = pending;
     match admit(&claim.inner, found, produced_at_ms, now_ms) {
         Found::Claimable {
             replaces_epoch,
