@@ -38,6 +38,17 @@ pub struct ClaimBatch {
     outcomes: Vec<BatchOutcome>,
 }
 
+/// For each request, the index of the first request with the same key (itself if none before).
+fn first_occurrences(requests: &[Request]) -> Vec<usize> {
+    let mut first_index: HashMap<&[u8], usize, xxhash_rust::xxh3::Xxh3DefaultBuilder> =
+        HashMap::with_capacity_and_hasher(requests.len(), Default::default());
+    requests
+        .iter()
+        .enumerate()
+        .map(|(index, request)| *first_index.entry(&request.stored_key).or_insert(index))
+        .collect()
+}
+
 /// Claims a batch: latches every distinct key, reads all latched keys with one multi-get, then
 /// decides each message as `begin` would.
 pub(crate) fn begin_batch(
@@ -53,15 +64,16 @@ pub(crate) fn begin_batch(
     let mut outcomes: Vec<BatchOutcome> = Vec::with_capacity(requests.len());
     // Per latched message: what `decide` needs besides the claim.
     let mut rest: Vec<Option<Pending>> = Vec::with_capacity(requests.len());
-    let mut first_index: HashMap<Vec<u8>, usize> = HashMap::with_capacity(requests.len());
+    let first_of = first_occurrences(&requests);
     for (index, request) in requests.into_iter().enumerate() {
-        if let Some(&first) = first_index.get(&request.stored_key) {
+        if first_of[index] != index {
             claims.push(None);
             rest.push(None);
-            outcomes.push(BatchOutcome::DuplicateInBatch { first });
+            outcomes.push(BatchOutcome::DuplicateInBatch {
+                first: first_of[index],
+            });
             continue;
         }
-        first_index.insert(request.stored_key.clone(), index);
         match latches.try_acquire(&request.stored_key, now_ms) {
             Err(since_ms) => {
                 claims.push(None);

@@ -6,7 +6,10 @@
 //! out of the store. Together they leave no unguarded window between the read and the write.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::collections::hash_map::{Entry, RandomState};
+use std::hash::BuildHasher;
+
+use xxhash_rust::xxh3::Xxh3Builder;
 
 #[cfg(not(loom))]
 use crossbeam::utils::CachePadded;
@@ -33,8 +36,10 @@ fn lock<T>(mutex: &Mutex<T>) -> impl std::ops::DerefMut<Target = T> + '_ {
 const SHARDS: usize = 64;
 
 /// One shard: latched keys with the time each claim was taken. Padded to a cache line so that
-/// threads locking neighbouring shards do not contend on one line.
-type Shard = CachePadded<Mutex<HashMap<Box<[u8]>, u64>>>;
+/// threads locking neighbouring shards do not contend on one line. Hashed with seeded xxh3, not
+/// std's SipHash: a latch is taken and released on every claim, and the seed (random per table)
+/// keeps message keys chosen by a producer from piling into one bucket.
+type Shard = CachePadded<Mutex<HashMap<Box<[u8]>, u64, Xxh3Builder>>>;
 
 #[cfg(not(loom))]
 fn pad<T>(value: T) -> CachePadded<T> {
@@ -49,21 +54,28 @@ fn pad<T>(value: T) -> T {
 /// The latched keys of one marker table.
 pub(crate) struct Latches {
     shards: Box<[Shard]>,
+    seed: u64,
 }
 
 impl Latches {
     pub(crate) fn new() -> Latches {
+        let seed = RandomState::new().hash_one(0x1de3_u64);
         Latches {
             shards: (0..SHARDS)
-                .map(|_| pad(Mutex::new(HashMap::new())))
+                .map(|_| {
+                    let hasher = Xxh3Builder::new().with_seed(seed);
+                    pad(Mutex::new(HashMap::with_hasher(hasher)))
+                })
                 .collect(),
+            seed,
         }
     }
 
     fn shard(&self, key: &[u8]) -> &Shard {
-        let hash = xxhash_rust::xxh3::xxh3_64(key);
-        // SHARDS is a power of two, so the mask keeps the index in range.
-        &self.shards[(hash as usize) & (SHARDS - 1)]
+        let hash = xxhash_rust::xxh3::xxh3_64_with_seed(key, self.seed);
+        // The top bits pick the shard: the map inside hashes the same way and places entries by
+        // the low bits, which would otherwise be equal for every key of a shard.
+        &self.shards[(hash >> (64 - SHARDS.trailing_zeros())) as usize]
     }
 
     /// Takes the latch on `key`, or returns when the current holder took it.

@@ -55,3 +55,44 @@ fn committed_records_and_business_writes_survive_reopen() {
         assert_eq!(counter(&engine, "orders"), 90, "{durability:?}");
     }
 }
+
+#[test]
+fn flush_writes_every_table_to_table_files_and_keeps_the_data() {
+    let store = TestStore::new();
+    let table_files = |dir: &std::path::Path| {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|entry| {
+                let name = entry.as_ref().unwrap().file_name();
+                name.to_string_lossy().ends_with(".sst")
+            })
+            .count()
+    };
+    {
+        let engine = store.builder().open().unwrap();
+        let consumer = engine.consumer("billing").unwrap();
+        let orders = engine.business_table("orders").unwrap();
+        let Outcome::Fresh(mut claim) = consumer.begin("order-1", Fingerprint::of("a")).unwrap()
+        else {
+            panic!("fresh expected");
+        };
+        claim.put(&orders, "order-1", "paid").unwrap();
+        claim.commit("ok").unwrap();
+        assert_eq!(table_files(store.dir.path()), 0, "all still in memtables");
+        engine.flush().unwrap();
+        // One file each for the record, the business write and the store's metadata.
+        assert_eq!(table_files(store.dir.path()), 3);
+    }
+    let engine = store.builder().open().unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    assert_eq!(
+        orders.get("order-1").unwrap().as_deref(),
+        Some(&b"paid"[..])
+    );
+    let outcome = engine
+        .consumer("billing")
+        .unwrap()
+        .begin("order-1", Fingerprint::of("a"))
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Duplicate { .. }), "{outcome:?}");
+}

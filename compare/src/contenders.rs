@@ -1,0 +1,348 @@
+//! The list of contenders and how to set each up fresh for one timed run.
+
+use std::path::Path;
+
+use anyhow::Result;
+use idemdb::Durability;
+
+use crate::embedded::{Idemdb, Raw, RawMode, Transactional};
+use crate::peers::{PostgresSession, RedisSession, SqliteSession, SqliteSync};
+use crate::workload::{Session, Shape, WARM_UP_THREAD};
+
+/// What runs: a store and its settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Kind {
+    Idemdb(Durability),
+    /// idemdb, re-delivering keys stored before the timed run (the duplicate path).
+    IdemdbDuplicates,
+    Raw(Durability, RawMode),
+    Transaction(Durability),
+    Redis {
+        fsync_always: bool,
+    },
+    Sqlite(SqliteSync),
+    Postgres {
+        synchronous_commit: bool,
+    },
+    /// 4 KiB write + fdatasync of a preallocated file: the disk's own durable-write latency.
+    Fdatasync,
+}
+
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub name: String,
+    pub kind: Kind,
+    pub shape: Shape,
+}
+
+impl Spec {
+    fn new(name: &str, kind: Kind, threads: usize, batch: usize, pipeline: usize) -> Spec {
+        Spec {
+            name: name.to_owned(),
+            kind,
+            shape: Shape {
+                threads,
+                batch,
+                pipeline,
+            },
+        }
+    }
+
+    pub fn needs_redis(&self) -> bool {
+        matches!(self.kind, Kind::Redis { .. })
+    }
+
+    pub fn needs_postgres(&self) -> bool {
+        matches!(self.kind, Kind::Postgres { .. })
+    }
+}
+
+/// Durable thread counts swept for the "durable throughput vs producers" chart.
+pub const SWEEP_THREADS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+
+/// Every contender of a full run. Names are unique; the targets refer to them.
+pub fn all() -> Vec<Spec> {
+    use Durability::{Buffered, Sync};
+    let mut specs = vec![
+        // No fsync: the engine's own cost.
+        Spec::new("idemdb buffered, 1 thread", Kind::Idemdb(Buffered), 1, 1, 1),
+        Spec::new(
+            "idemdb buffered, 2 threads",
+            Kind::Idemdb(Buffered),
+            2,
+            1,
+            1,
+        ),
+        Spec::new(
+            "idemdb buffered, batch 64",
+            Kind::Idemdb(Buffered),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb duplicates, 1 thread",
+            Kind::IdemdbDuplicates,
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "rocksdb blind put, batch 64",
+            Kind::Raw(Buffered, RawMode::BlindPut),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "rocksdb get+write under lock, 1 thread",
+            Kind::Raw(Buffered, RawMode::GetThenWrite),
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "rocksdb TransactionDB, 2 threads",
+            Kind::Transaction(Buffered),
+            2,
+            1,
+            1,
+        ),
+        Spec::new(
+            "redis no persistence, 50 clients",
+            Kind::Redis {
+                fsync_always: false,
+            },
+            50,
+            1,
+            1,
+        ),
+        Spec::new(
+            "redis no persistence, 50 clients -P 16",
+            Kind::Redis {
+                fsync_always: false,
+            },
+            50,
+            1,
+            16,
+        ),
+        Spec::new(
+            "sqlite NORMAL, 1 row/txn",
+            Kind::Sqlite(SqliteSync::Normal),
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "postgres sync off, 8 clients",
+            Kind::Postgres {
+                synchronous_commit: false,
+            },
+            8,
+            1,
+            1,
+        ),
+        // Durable: every acknowledged message survives a power loss.
+        Spec::new("fdatasync 4 KiB", Kind::Fdatasync, 1, 1, 1),
+        Spec::new("idemdb sync, batch 64", Kind::Idemdb(Sync), 1, 64, 1),
+        Spec::new(
+            "rocksdb blind put sync, batch 64",
+            Kind::Raw(Sync, RawMode::BlindPut),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "redis fsync always, 50 clients -P 16",
+            Kind::Redis { fsync_always: true },
+            50,
+            1,
+            16,
+        ),
+        Spec::new(
+            "sqlite FULL, 1 row/txn",
+            Kind::Sqlite(SqliteSync::Full),
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "sqlite FULL, 64 rows/txn",
+            Kind::Sqlite(SqliteSync::Full),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "postgres sync on, 8 clients, 64 rows/txn",
+            Kind::Postgres {
+                synchronous_commit: true,
+            },
+            8,
+            64,
+            1,
+        ),
+    ];
+    for threads in SWEEP_THREADS {
+        specs.push(sweep("idemdb sync", Kind::Idemdb(Sync), threads));
+        specs.push(sweep(
+            "postgres sync on",
+            Kind::Postgres {
+                synchronous_commit: true,
+            },
+            threads,
+        ));
+        specs.push(sweep(
+            "redis fsync always",
+            Kind::Redis { fsync_always: true },
+            threads,
+        ));
+    }
+    specs.push(sweep(
+        "redis fsync always",
+        Kind::Redis { fsync_always: true },
+        50,
+    ));
+    specs
+}
+
+/// A point of the durable sweep: `"{label}, {threads} threads"`.
+pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
+    let unit = if matches!(kind, Kind::Redis { .. } | Kind::Postgres { .. }) {
+        "clients"
+    } else {
+        "threads"
+    };
+    let unit = if threads == 1 {
+        &unit[..unit.len() - 1]
+    } else {
+        unit
+    };
+    Spec::new(&format!("{label}, {threads} {unit}"), kind, threads, 1, 1)
+}
+
+/// Ports of the servers the harness starts.
+#[derive(Clone, Copy, Debug)]
+pub struct Ports {
+    pub redis: u16,
+    pub redis_fsync: u16,
+    pub postgres: u16,
+}
+
+/// A contender set up fresh for one run: its sessions, and what must live until they finish.
+pub struct Prepared {
+    pub sessions: Vec<Box<dyn Session>>,
+    /// The store (idemdb, RocksDB) the sessions share; dropped after the run.
+    pub _keep: Option<Box<dyn std::any::Any>>,
+}
+
+/// Messages written before each of the two memtable flushes that bring a durable embedded store
+/// to its steady state (its first WAL files obsolete and recycled), as after any real uptime.
+const WARM_UP_MESSAGES: u64 = 50_000;
+
+/// Keys stored before a duplicate-path run, re-delivered during it.
+pub const DUPLICATE_RUN_KEYS: u64 = 200_000;
+
+pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
+    let threads = spec.shape.threads;
+    let keep = |store: Box<dyn std::any::Any>| Some(store);
+    Ok(match spec.kind {
+        Kind::Idemdb(durability) => {
+            let store = Idemdb::open(dir, durability)?;
+            if durability == Durability::Sync {
+                for _ in 0..2 {
+                    crate::workload::fill(
+                        &mut *store.session()?,
+                        WARM_UP_THREAD,
+                        WARM_UP_MESSAGES,
+                    )?;
+                    store.flush()?;
+                }
+            }
+            let sessions = (0..threads)
+                .map(|_| store.session())
+                .collect::<Result<_>>()?;
+            Prepared {
+                sessions,
+                _keep: keep(Box::new(store)),
+            }
+        }
+        Kind::IdemdbDuplicates => {
+            let store = Idemdb::open(dir, Durability::Buffered)?;
+            crate::workload::fill(&mut *store.session()?, 0, DUPLICATE_RUN_KEYS)?;
+            let sessions = (0..threads)
+                .map(|_| store.session())
+                .collect::<Result<_>>()?;
+            Prepared {
+                sessions,
+                _keep: keep(Box::new(store)),
+            }
+        }
+        Kind::Raw(durability, mode) => {
+            let store = Raw::open(dir, durability, mode)?;
+            if durability == Durability::Sync {
+                for _ in 0..2 {
+                    crate::workload::fill(&mut *store.session(), WARM_UP_THREAD, WARM_UP_MESSAGES)?;
+                    store.flush()?;
+                }
+            }
+            let sessions = (0..threads).map(|_| store.session()).collect();
+            Prepared {
+                sessions,
+                _keep: keep(Box::new(store)),
+            }
+        }
+        Kind::Transaction(durability) => {
+            let store = Transactional::open(dir, durability)?;
+            let sessions = (0..threads).map(|_| store.session()).collect();
+            Prepared {
+                sessions,
+                _keep: keep(Box::new(store)),
+            }
+        }
+        Kind::Redis { fsync_always } => {
+            let port = if fsync_always {
+                ports.redis_fsync
+            } else {
+                ports.redis
+            };
+            RedisSession::flush_all(port)?;
+            let sessions = (0..threads)
+                .map(|_| Ok(Box::new(RedisSession::connect(port)?) as Box<dyn Session>))
+                .collect::<Result<_>>()?;
+            Prepared {
+                sessions,
+                _keep: None,
+            }
+        }
+        Kind::Sqlite(sync) => {
+            let path = dir.join("inbox.sqlite");
+            let sessions = (0..threads)
+                .map(|_| Ok(Box::new(SqliteSession::open(&path, sync)?) as Box<dyn Session>))
+                .collect::<Result<_>>()?;
+            Prepared {
+                sessions,
+                _keep: None,
+            }
+        }
+        Kind::Postgres { synchronous_commit } => {
+            PostgresSession::reset(ports.postgres)?;
+            let sessions = (0..threads)
+                .map(|_| {
+                    Ok(Box::new(PostgresSession::connect(
+                        ports.postgres,
+                        synchronous_commit,
+                    )?) as Box<dyn Session>)
+                })
+                .collect::<Result<_>>()?;
+            Prepared {
+                sessions,
+                _keep: None,
+            }
+        }
+        Kind::Fdatasync => Prepared {
+            sessions: vec![Box::new(crate::embedded::Fdatasync::create(dir)?)],
+            _keep: None,
+        },
+    })
+}

@@ -1,0 +1,322 @@
+//! The embedded contenders: idemdb itself, and what a user would otherwise write on RocksDB
+//! (no dedup at all, a get-then-write under a lock, a pessimistic transaction).
+//!
+//! Every RocksDB contender writes the same bytes per new message: a 22-byte marker key with a
+//! 46-byte marker value (the size of an idemdb record without a result) and the 16-byte business
+//! key with its 64-byte value, in one write batch. The RocksDB options are idemdb's own, so only
+//! the dedup logic differs.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result, bail};
+use idemdb::{BatchOutcome, Durability, Engine, Fingerprint, Message, Outcome, TableOptions};
+use rocksdb::{
+    BlockBasedOptions, ColumnFamilyDescriptor, DB, DBCompressionType, TransactionDB,
+    TransactionDBOptions, TransactionOptions, WriteBatch, WriteOptions,
+};
+
+use crate::workload::{Delivery, Session};
+
+/// Bytes of an idemdb record with an empty result: the marker value the raw contenders write.
+const MARKER_VALUE: [u8; 46] = [1; 46];
+
+pub struct Idemdb {
+    engine: Engine,
+}
+
+impl Idemdb {
+    pub fn open(dir: &Path, durability: Durability) -> Result<Idemdb> {
+        let engine = Engine::builder(dir)
+            .durability(durability)
+            .business_table(TableOptions::new("orders"))
+            .open()?;
+        Ok(Idemdb { engine })
+    }
+
+    /// Flushes the memtables: a warm-up step.
+    pub fn flush(&self) -> Result<()> {
+        Ok(self.engine.flush()?)
+    }
+
+    pub fn session(&self) -> Result<Box<dyn Session>> {
+        Ok(Box::new(IdemdbSession {
+            consumer: self.engine.consumer(crate::workload::CONSUMER)?,
+            orders: self.engine.business_table("orders")?,
+        }))
+    }
+}
+
+struct IdemdbSession {
+    consumer: idemdb::Consumer,
+    orders: idemdb::BusinessTable,
+}
+
+impl Session for IdemdbSession {
+    fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
+        if let [delivery] = deliveries {
+            let value = delivery.value();
+            match self.consumer.begin(delivery.key, Fingerprint::of(value))? {
+                Outcome::Fresh(mut claim) => {
+                    claim.put(&self.orders, delivery.key, value)?;
+                    claim.commit(b"")?;
+                }
+                Outcome::Duplicate { .. } => {}
+                other => bail!("unexpected outcome {other:?}"),
+            }
+            return Ok(());
+        }
+        let values: Vec<_> = deliveries.iter().map(Delivery::value).collect();
+        let messages: Vec<Message<'_>> = deliveries
+            .iter()
+            .zip(&values)
+            .map(|(delivery, value)| Message::new(&delivery.key, Fingerprint::of(value)))
+            .collect();
+        let mut batch = self.consumer.begin_batch(&messages)?;
+        for (index, delivery) in deliveries.iter().enumerate() {
+            match &batch.outcomes()[index] {
+                BatchOutcome::Fresh => {
+                    let claim = batch.claim_mut(index).context("fresh claim")?;
+                    claim.put(&self.orders, delivery.key, values[index])?;
+                }
+                BatchOutcome::DuplicateInBatch { .. }
+                | BatchOutcome::Settled(Outcome::Duplicate { .. }) => {}
+                other => bail!("unexpected batch outcome {other:?}"),
+            }
+        }
+        batch.commit(|_| b"")?;
+        Ok(())
+    }
+}
+
+/// How the raw RocksDB contenders decide whether a message is new.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawMode {
+    /// No check at all: every delivery's bytes are written (the ceiling).
+    BlindPut,
+    /// `get` the marker, then write marker + business value, under one global lock.
+    GetThenWrite,
+}
+
+/// RocksDB tuned as idemdb tunes it; see `rocksdb_options`.
+pub struct Raw {
+    db: Arc<DB>,
+    mode: RawMode,
+    write_options: Arc<WriteOptions>,
+    /// Guards nothing but the check-then-write sequence ([`RawMode::GetThenWrite`]).
+    lock: Arc<Mutex<()>>,
+}
+
+impl Raw {
+    pub fn open(dir: &Path, durability: Durability, mode: RawMode) -> Result<Raw> {
+        let db = DB::open_cf_descriptors(&db_options(), dir, column_families())?;
+        Ok(Raw {
+            db: Arc::new(db),
+            mode,
+            write_options: Arc::new(write_options(durability)),
+            lock: Arc::default(),
+        })
+    }
+
+    /// Flushes the memtables: a warm-up step.
+    pub fn flush(&self) -> Result<()> {
+        for table in ["markers", "orders"] {
+            self.db
+                .flush_cf(&self.db.cf_handle(table).context("table")?)?;
+        }
+        Ok(())
+    }
+
+    pub fn session(&self) -> Box<dyn Session> {
+        Box::new(RawSession {
+            db: self.db.clone(),
+            mode: self.mode,
+            write_options: self.write_options.clone(),
+            lock: self.lock.clone(),
+        })
+    }
+}
+
+struct RawSession {
+    db: Arc<DB>,
+    mode: RawMode,
+    write_options: Arc<WriteOptions>,
+    lock: Arc<Mutex<()>>,
+}
+
+impl Session for RawSession {
+    fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
+        let markers = self.db.cf_handle("markers").context("markers table")?;
+        let orders = self.db.cf_handle("orders").context("orders table")?;
+        let mut batch = WriteBatch::default();
+        let _guard = match self.mode {
+            RawMode::BlindPut => None,
+            RawMode::GetThenWrite => Some(self.lock.lock().expect("lock")),
+        };
+        for delivery in deliveries {
+            let marker = delivery.peer_key();
+            if self.mode == RawMode::GetThenWrite
+                && self.db.get_pinned_cf(&markers, marker)?.is_some()
+            {
+                continue;
+            }
+            batch.put_cf(&markers, marker, MARKER_VALUE);
+            batch.put_cf(&orders, delivery.key, delivery.value());
+        }
+        if !batch.is_empty() {
+            self.db.write_opt(batch, &self.write_options)?;
+        }
+        Ok(())
+    }
+}
+
+/// RocksDB's pessimistic `TransactionDB`: `get_for_update` locks the marker key, then the
+/// transaction writes marker + business value and commits.
+pub struct Transactional {
+    db: Arc<TransactionDB>,
+    write_options: Arc<WriteOptions>,
+}
+
+impl Transactional {
+    pub fn open(dir: &Path, durability: Durability) -> Result<Transactional> {
+        let db = TransactionDB::open_cf_descriptors(
+            &db_options(),
+            &TransactionDBOptions::default(),
+            dir,
+            column_families(),
+        )?;
+        Ok(Transactional {
+            db: Arc::new(db),
+            write_options: Arc::new(write_options(durability)),
+        })
+    }
+
+    pub fn session(&self) -> Box<dyn Session> {
+        Box::new(TransactionalSession {
+            db: self.db.clone(),
+            write_options: self.write_options.clone(),
+        })
+    }
+}
+
+struct TransactionalSession {
+    db: Arc<TransactionDB>,
+    write_options: Arc<WriteOptions>,
+}
+
+impl Session for TransactionalSession {
+    fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
+        let markers = self.db.cf_handle("markers").context("markers table")?;
+        let orders = self.db.cf_handle("orders").context("orders table")?;
+        let transaction = self
+            .db
+            .transaction_opt(&self.write_options, &TransactionOptions::default());
+        for delivery in deliveries {
+            let marker = delivery.peer_key();
+            if transaction
+                .get_for_update_cf(&markers, marker, true)?
+                .is_some()
+            {
+                continue;
+            }
+            transaction.put_cf(&markers, marker, MARKER_VALUE)?;
+            transaction.put_cf(&orders, delivery.key, delivery.value())?;
+        }
+        transaction.commit()?;
+        Ok(())
+    }
+}
+
+fn write_options(durability: Durability) -> WriteOptions {
+    let mut options = WriteOptions::default();
+    options.set_sync(durability == Durability::Sync);
+    options
+}
+
+/// The database options idemdb sets (see its `engine.rs`), so the raw contenders differ from it
+/// only in the dedup logic.
+pub fn db_options() -> rocksdb::Options {
+    let mut options = base_db_options();
+    options.set_allow_concurrent_memtable_write(false);
+    options.set_recycle_log_file_num(4);
+    options
+}
+
+/// idemdb's database options without its two write-path choices (left at RocksDB's defaults):
+/// what `wal-options` starts from.
+pub fn base_db_options() -> rocksdb::Options {
+    let mut options = rocksdb::Options::default();
+    options.create_if_missing(true);
+    options.create_missing_column_families(true);
+    options.set_paranoid_checks(true);
+    options.set_wal_recovery_mode(rocksdb::DBRecoveryMode::PointInTime);
+    options.set_max_background_jobs(2);
+    options.set_max_open_files(-1);
+    options
+}
+
+fn table_options() -> rocksdb::Options {
+    let mut block = BlockBasedOptions::default();
+    block.set_block_cache(&rocksdb::Cache::new_lru_cache(64 << 20));
+    block.set_bloom_filter(10.0, false);
+    block.set_whole_key_filtering(true);
+    block.set_cache_index_and_filter_blocks(true);
+    block.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
+    block.set_data_block_hash_ratio(0.75);
+    let mut options = rocksdb::Options::default();
+    options.set_block_based_table_factory(&block);
+    options.set_memtable_prefix_bloom_ratio(0.02);
+    options.set_memtable_whole_key_filtering(true);
+    options.set_compression_type(DBCompressionType::Lz4);
+    options.set_write_buffer_size(64 << 20);
+    options.set_level_compaction_dynamic_level_bytes(true);
+    options
+}
+
+fn column_families() -> Vec<ColumnFamilyDescriptor> {
+    ["markers", "orders"]
+        .into_iter()
+        .map(|name| ColumnFamilyDescriptor::new(name, table_options()))
+        .collect()
+}
+
+/// The disk's durable-write latency: 4 KiB written in place into a preallocated file, then
+/// `fdatasync`. A durable commit cannot be faster than one of these.
+pub struct Fdatasync {
+    file: std::fs::File,
+    offset: u64,
+}
+
+/// Size of the preallocated file; writes wrap around inside it.
+const FDATASYNC_FILE_BYTES: u64 = 64 << 20;
+const FDATASYNC_WRITE_BYTES: usize = 4096;
+
+impl Fdatasync {
+    pub fn create(dir: &Path) -> Result<Fdatasync> {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(dir.join("fdatasync.bin"))?;
+        // Written, not only allocated: an in-place write then needs no metadata update.
+        let block = vec![0u8; 1 << 20];
+        for _ in 0..FDATASYNC_FILE_BYTES / (1 << 20) {
+            file.write_all(&block)?;
+        }
+        file.sync_all()?;
+        Ok(Fdatasync { file, offset: 0 })
+    }
+}
+
+impl Session for Fdatasync {
+    fn deliver(&mut self, _deliveries: &[Delivery]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let block = [0x5au8; FDATASYNC_WRITE_BYTES];
+        self.file.write_all_at(&block, self.offset)?;
+        self.file.sync_data()?;
+        self.offset = (self.offset + FDATASYNC_WRITE_BYTES as u64) % FDATASYNC_FILE_BYTES;
+        Ok(())
+    }
+}

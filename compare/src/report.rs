@@ -1,0 +1,395 @@
+//! Medians, ratios and targets, printed and written as markdown and CSV under the output folder.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Result;
+use idemdb::Durability;
+
+use crate::contenders::Kind;
+use crate::peers::SqliteSync;
+use crate::scale::{ScaleArgs, ScalePoint, TtlArgs, TtlPoint, WalArgs, WalRow};
+use crate::workload::median;
+use crate::{Measured, PeersRun};
+
+/// A contender's medians over the rounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Summary {
+    pub per_second: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+pub fn summarize(measured: &Measured) -> Summary {
+    let mut per_second: Vec<f64> = measured.rounds.iter().map(|s| s.per_second()).collect();
+    let mut p50: Vec<f64> = measured.rounds.iter().map(|s| s.latency_us(0.5)).collect();
+    let mut p99: Vec<f64> = measured.rounds.iter().map(|s| s.latency_us(0.99)).collect();
+    Summary {
+        per_second: median(&mut per_second),
+        p50_us: median(&mut p50),
+        p99_us: median(&mut p99),
+    }
+}
+
+/// Whether a contender's acknowledgement means the write survives a power loss.
+fn durable(kind: Kind) -> bool {
+    match kind {
+        Kind::Idemdb(durability) | Kind::Raw(durability, _) | Kind::Transaction(durability) => {
+            durability == Durability::Sync
+        }
+        Kind::IdemdbDuplicates => false,
+        Kind::Redis { fsync_always } => fsync_always,
+        Kind::Sqlite(sync) => sync == SqliteSync::Full,
+        Kind::Postgres { synchronous_commit } => synchronous_commit,
+        Kind::Fdatasync => true,
+    }
+}
+
+/// The idemdb row a peer row is compared with: same durability, same messages per call, the
+/// nearest producer count.
+fn baseline<'a>(run: &'a PeersRun, row: &Measured) -> Option<&'a Measured> {
+    let wanted_durable = durable(row.spec.kind);
+    run.measured
+        .iter()
+        .filter(|m| matches!(m.spec.kind, Kind::Idemdb(_)))
+        .filter(|m| {
+            durable(m.spec.kind) == wanted_durable && m.spec.shape.batch == row.spec.shape.batch
+        })
+        .min_by_key(|m| m.spec.shape.threads.abs_diff(row.spec.shape.threads))
+}
+
+fn find(run: &PeersRun, name: &str) -> Option<Summary> {
+    run.measured
+        .iter()
+        .find(|m| m.spec.name == name)
+        .map(summarize)
+}
+
+/// One target of the performance issue: a ratio measured in this run against its goal.
+pub struct Target {
+    pub id: &'static str,
+    pub what: String,
+    pub measured: f64,
+    /// `>= goal` when `at_least`, `<= goal` otherwise.
+    pub goal: f64,
+    pub at_least: bool,
+}
+
+impl Target {
+    pub fn holds(&self) -> bool {
+        if self.at_least {
+            self.measured >= self.goal
+        } else {
+            self.measured <= self.goal
+        }
+    }
+}
+
+pub fn targets(run: &PeersRun) -> Vec<Target> {
+    let mut out = Vec::new();
+    let mut ratio = |id, a: &str, b: &str, goal, what: &str, pick: fn(Summary) -> f64, at_least| {
+        if let (Some(x), Some(y)) = (find(run, a), find(run, b)) {
+            out.push(Target {
+                id,
+                what: format!("{what}: {a} / {b}"),
+                measured: pick(x) / pick(y),
+                goal,
+                at_least,
+            });
+        }
+    };
+    let rate = |s: Summary| s.per_second;
+    let p50 = |s: Summary| s.p50_us;
+    ratio(
+        "P1",
+        "idemdb buffered, batch 64",
+        "rocksdb blind put, batch 64",
+        0.8,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P2",
+        "idemdb buffered, 2 threads",
+        "redis no persistence, 50 clients",
+        1.5,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P2",
+        "idemdb buffered, 2 threads",
+        "redis no persistence, 50 clients -P 16",
+        1.0,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P3",
+        "idemdb sync, 1 thread",
+        "fdatasync 4 KiB",
+        1.2,
+        "p50 latency",
+        p50,
+        false,
+    );
+    ratio(
+        "P4",
+        "idemdb sync, 32 threads",
+        "redis fsync always, 50 clients",
+        1.0,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P4",
+        "idemdb sync, 32 threads",
+        "postgres sync on, 32 clients",
+        2.0,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P5",
+        "idemdb sync, batch 64",
+        "sqlite FULL, 64 rows/txn",
+        2.0,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P5",
+        "idemdb sync, batch 64",
+        "postgres sync on, 8 clients, 64 rows/txn",
+        1.0,
+        "throughput",
+        rate,
+        true,
+    );
+    ratio(
+        "P6",
+        "idemdb duplicates, 1 thread",
+        "idemdb buffered, 1 thread",
+        2.0,
+        "throughput",
+        rate,
+        true,
+    );
+    if let Some(single) = find(run, "idemdb buffered, 1 thread") {
+        out.push(Target {
+            id: "P6",
+            what: "claim+commit p99 (us), idemdb buffered, 1 thread".to_owned(),
+            measured: single.p99_us,
+            goal: 25.0,
+            at_least: false,
+        });
+    }
+    out
+}
+
+pub fn write_peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
+    std::fs::create_dir_all(out_dir)?;
+    let mut md = String::new();
+    writeln!(md, "# Comparison run\n")?;
+    writeln!(md, "```\n{}\n```\n", run.machine)?;
+    writeln!(
+        md,
+        "Command: `./scripts/compare.sh peers --seconds {} --rounds {}`. Every contender ran {} s \
+         per round, {} rounds, interleaved (each round runs every contender once, in the order \
+         below); figures are medians over the rounds. Workload: 16-byte message keys (22-byte \
+         stored keys), 64-byte values, {:.0}% of deliveries re-send an earlier message. Latency \
+         is per call (one message, one batch, or one pipelined round trip).\n",
+        run.seconds,
+        run.rounds,
+        run.seconds,
+        run.rounds,
+        run.duplicate_ratio * 100.0
+    )?;
+    writeln!(
+        md,
+        "| contender | durable | msg/s | p50 us/call | p99 us/call | idemdb / it | compared with |"
+    )?;
+    writeln!(md, "|---|---|---:|---:|---:|---:|---|")?;
+    let mut csv = String::from("contender,round,messages_per_second,p50_us,p99_us\n");
+    for row in &run.measured {
+        let summary = summarize(row);
+        let (ratio, against) = match baseline(run, row) {
+            Some(base) if !std::ptr::eq(base, row) => (
+                format!("{:.2}x", summarize(base).per_second / summary.per_second),
+                base.spec.name.clone(),
+            ),
+            _ => ("".to_owned(), "".to_owned()),
+        };
+        writeln!(
+            md,
+            "| {} | {} | {:.0} | {:.1} | {:.1} | {} | {} |",
+            row.spec.name,
+            if durable(row.spec.kind) { "yes" } else { "no" },
+            summary.per_second,
+            summary.p50_us,
+            summary.p99_us,
+            ratio,
+            against
+        )?;
+        for (round, sample) in row.rounds.iter().enumerate() {
+            writeln!(
+                csv,
+                "\"{}\",{},{:.0},{:.2},{:.2}",
+                row.spec.name,
+                round + 1,
+                sample.per_second(),
+                sample.latency_us(0.5),
+                sample.latency_us(0.99)
+            )?;
+        }
+    }
+    writeln!(md, "\n## Targets\n")?;
+    writeln!(md, "| target | ratio | goal | holds |")?;
+    writeln!(md, "|---|---:|---:|---|")?;
+    for target in targets(run) {
+        writeln!(
+            md,
+            "| {} {} | {:.2} | {} {} | {} |",
+            target.id,
+            target.what,
+            target.measured,
+            if target.at_least { ">=" } else { "<=" },
+            target.goal,
+            if target.holds() { "yes" } else { "**no**" }
+        )?;
+    }
+    std::fs::write(out_dir.join("peers.md"), &md)?;
+    std::fs::write(out_dir.join("peers.csv"), csv)?;
+    println!("{md}");
+    Ok(())
+}
+
+pub fn write_scale(out_dir: &Path, args: &ScaleArgs, points: &[ScalePoint]) -> Result<()> {
+    std::fs::create_dir_all(out_dir)?;
+    let mut md = String::new();
+    writeln!(md, "# Scale run\n")?;
+    writeln!(
+        md,
+        "```\n{}\n```\n",
+        crate::machine::Machine::describe(&std::env::temp_dir())
+    )?;
+    writeln!(
+        md,
+        "Command: `./scripts/compare.sh scale --records {} --window {} --threads {}`. idemdb, \
+         Buffered durability, {} threads of single-message claim + commit, 16-byte keys in a \
+         scattered (UUID-like) order, no result, no business write. Each row is one window of new \
+         records.\n",
+        args.records, args.window, args.threads, args.threads
+    )?;
+    writeln!(
+        md,
+        "| stored records | msg/s | p50 us | p99 us | disk bytes / record |"
+    )?;
+    writeln!(md, "|---:|---:|---:|---:|---:|")?;
+    for point in points {
+        writeln!(
+            md,
+            "| {} | {:.0} | {:.1} | {:.1} | {:.1} |",
+            point.records,
+            point.per_second,
+            point.p50_us,
+            point.p99_us,
+            point.disk_bytes_per_record
+        )?;
+    }
+    if let (Some(first), Some(last)) = (points.first(), points.last()) {
+        writeln!(
+            md,
+            "\nThroughput at {} records / at {} records: {:.2}. After a full compaction: {:.1} \
+             disk bytes per record ({} bytes of table files for {} records).",
+            last.records,
+            first.records,
+            last.per_second / first.per_second,
+            last.compacted_bytes_per_record,
+            last.compacted_bytes,
+            last.records
+        )?;
+    }
+    std::fs::write(out_dir.join("scale.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+pub fn write_ttl(out_dir: &Path, args: &TtlArgs, points: &[TtlPoint]) -> Result<()> {
+    std::fs::create_dir_all(out_dir)?;
+    let mut md = String::new();
+    writeln!(md, "# Expiry steady state\n")?;
+    writeln!(
+        md,
+        "Command: `./scripts/compare.sh ttl --periods {} --per-period {}`. A mock clock; \
+         retention = 1 period; {} new records (16-byte keys in scattered order, no result) per \
+         period, written in batches of 256 with the clock advanced evenly; 4 MiB memtables. \
+         The live set is the records of the last period; its size is the table files after a \
+         full compaction at the end.\n",
+        args.periods, args.per_period, args.per_period
+    )?;
+    writeln!(
+        md,
+        "| period | records written | table files (bytes) | / live set |"
+    )?;
+    writeln!(md, "|---:|---:|---:|---:|")?;
+    for point in points {
+        writeln!(
+            md,
+            "| {} | {} | {} | {:.2} |",
+            point.period, point.written, point.disk_bytes, point.over_live
+        )?;
+    }
+    std::fs::write(out_dir.join("ttl.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+pub fn write_wal_options(out_dir: &Path, args: &WalArgs, rows: &[WalRow]) -> Result<()> {
+    std::fs::create_dir_all(out_dir)?;
+    let mut md = String::new();
+    writeln!(md, "# Durable write path: RocksDB options\n")?;
+    writeln!(
+        md,
+        "```\n{}\n```\n",
+        crate::machine::Machine::describe(&std::env::temp_dir())
+    )?;
+    writeln!(
+        md,
+        "Command: `./scripts/compare.sh wal-options --seconds {} --rounds {}`. idemdb's durable \
+         write pattern on raw RocksDB: one write batch per message (a 22-byte marker with a \
+         46-byte value and a 16-byte key with a 64-byte value), `sync = true`, N threads. \
+         Medians over interleaved rounds.\n",
+        args.seconds, args.rounds
+    )?;
+    let threads: Vec<usize> = rows
+        .first()
+        .map(|r| r.by_threads.iter().map(|(t, _, _)| *t).collect())
+        .unwrap_or_default();
+    write!(md, "| options |")?;
+    for t in &threads {
+        write!(md, " {t} thr msg/s | p50 us |")?;
+    }
+    writeln!(md)?;
+    write!(md, "|---|")?;
+    for _ in &threads {
+        write!(md, "---:|---:|")?;
+    }
+    writeln!(md)?;
+    for row in rows {
+        write!(md, "| {} |", row.name)?;
+        for (_, per_second, p50) in &row.by_threads {
+            write!(md, " {per_second:.0} | {p50:.0} |")?;
+        }
+        writeln!(md)?;
+    }
+    std::fs::write(out_dir.join("wal-options.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
