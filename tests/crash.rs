@@ -18,6 +18,10 @@
 //! in-progress record is left and every id was applied exactly once. The child must only ever
 //! die by the kill.
 //!
+//! The child flushes its memtables every few deliveries, so that WAL files are retired and
+//! recycled (overwritten in place) during the run: recovery must also stop cleanly at the
+//! previous incarnation's leftovers in a recycled file.
+//!
 //! `IDEMDB_CRASH_CYCLES` sets the number of kill cycles (default 50, the CI profile; the long
 //! profile is 1000) and `IDEMDB_CRASH_SEED` the seed.
 
@@ -40,6 +44,8 @@ const NEW_PER_CYCLE: u64 = 150;
 const LEASE: Duration = Duration::from_millis(300);
 /// Length of a derived key: "idk1-" and 32 hex digits.
 const DERIVED_KEY_LEN: usize = 5 + 32;
+/// Deliveries between two memtable flushes in a child.
+const FLUSH_EVERY: usize = 25;
 /// Named kill points, used on every fifth cycle in turn.
 const POINTS: [&str; 2] = [
     "after-commit-before-ack",
@@ -162,8 +168,13 @@ fn child() {
     let holder = format!("pid-{}", std::process::id());
     say("READY");
 
-    for line in std::io::stdin().lock().lines() {
+    for (handled, line) in std::io::stdin().lock().lines().enumerate() {
         let line = line.expect("stdin");
+        // Flush the memtables every few deliveries: each flush retires a WAL file, so the WAL
+        // soon lives in recycled files (the engine keeps 4) and kills land in those too.
+        if handled % FLUSH_EVERY == FLUSH_EVERY - 1 {
+            engine.flush().expect("flush");
+        }
         let ids: Vec<u64> = line
             .split_whitespace()
             .skip(1)

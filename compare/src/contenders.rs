@@ -13,8 +13,9 @@ use crate::workload::{Session, Shape, WARM_UP_THREAD};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
     Idemdb(Durability),
-    /// idemdb, re-delivering keys stored before the timed run (the duplicate path).
-    IdemdbDuplicates,
+    /// idemdb, re-delivering keys stored before the timed run (the duplicate path): still in
+    /// the memtable, or flushed to table files first.
+    IdemdbDuplicates { flushed: bool },
     Raw(Durability, RawMode),
     Transaction(Durability),
     Redis {
@@ -82,7 +83,14 @@ pub fn all() -> Vec<Spec> {
         ),
         Spec::new(
             "idemdb duplicates, 1 thread",
-            Kind::IdemdbDuplicates,
+            Kind::IdemdbDuplicates { flushed: false },
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "idemdb duplicates from table files, 1 thread",
+            Kind::IdemdbDuplicates { flushed: true },
             1,
             1,
             1,
@@ -267,9 +275,12 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 _keep: keep(Box::new(store)),
             }
         }
-        Kind::IdemdbDuplicates => {
+        Kind::IdemdbDuplicates { flushed } => {
             let store = Idemdb::open(dir, Durability::Buffered)?;
             crate::workload::fill(&mut *store.session()?, 0, DUPLICATE_RUN_KEYS)?;
+            if flushed {
+                store.flush()?;
+            }
             let sessions = (0..threads)
                 .map(|_| store.session())
                 .collect::<Result<_>>()?;

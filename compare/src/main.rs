@@ -172,7 +172,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
                 .with_context(|| format!("setting up {}", spec.name))?;
             let seed = 0x1de3_d000 + round as u64;
             let duplicate_ratio = args.duplicate_ratio;
-            let replay = spec.kind == Kind::IdemdbDuplicates;
+            let replay = matches!(spec.kind, Kind::IdemdbDuplicates { .. });
             let sample = workload::drive(prepared.sessions, spec.shape, duration, |thread| {
                 let generator = Generator::new(thread, seed, duplicate_ratio);
                 if replay {

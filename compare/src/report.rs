@@ -37,7 +37,7 @@ fn durable(kind: Kind) -> bool {
         Kind::Idemdb(durability) | Kind::Raw(durability, _) | Kind::Transaction(durability) => {
             durability == Durability::Sync
         }
-        Kind::IdemdbDuplicates => false,
+        Kind::IdemdbDuplicates { .. } => false,
         Kind::Redis { fsync_always } => fsync_always,
         Kind::Sqlite(sync) => sync == SqliteSync::Full,
         Kind::Postgres { synchronous_commit } => synchronous_commit,
