@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rocksdb::{
-    BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily, ColumnFamilyDescriptor,
-    CompactOptions, DB, DBCompressionType, DBRecoveryMode, DataBlockIndexType, IteratorMode,
-    WriteBatch, WriteOptions,
+    BlockBasedIndexType, BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily,
+    ColumnFamilyDescriptor, CompactOptions, DB, DBCompressionType, DBRecoveryMode,
+    DataBlockIndexType, IteratorMode, WriteBatch, WriteOptions,
 };
 
 use crate::claim::{Expiry, Outcome, Request, begin};
@@ -666,6 +666,16 @@ fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     block.set_bloom_filter(10.0, false);
     block.set_whole_key_filtering(true);
     block.set_cache_index_and_filter_blocks(true);
+    // Partitioned filters and index: a table file's filter is about 1.25 bytes per key, so a
+    // 64 MiB file's whole filter (~1 MB) outgrows a shard of the block cache and was re-read
+    // and re-checksummed from the file on every lookup (measured: p50 of a claim 10 -> 215 us
+    // once the first files were flushed). 4 KiB partitions are cached like data blocks; the
+    // small top-level index of each file stays pinned.
+    block.set_index_type(BlockBasedIndexType::TwoLevelIndexSearch);
+    block.set_partition_filters(true);
+    block.set_metadata_block_size(4096);
+    block.set_pin_top_level_index_and_filter(true);
+    block.set_cache_index_and_filter_blocks_with_high_priority(true);
     // A hash index in each data block: a lookup that reaches a block (a duplicate, mostly) finds
     // its key without a binary search.
     block.set_data_block_index_type(DataBlockIndexType::BinaryAndHash);

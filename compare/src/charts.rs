@@ -90,6 +90,7 @@ fn latency_cdf(path: &Path, run: &PeersRun) -> Result<()> {
         .configure_mesh()
         .x_desc("latency (microseconds, log scale)")
         .y_desc("fraction of calls")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .draw()
         .map_err(plot_error)?;
     for (index, (name, points)) in series.into_iter().enumerate() {
@@ -187,6 +188,8 @@ fn durable_threads(path: &Path, run: &PeersRun) -> Result<()> {
         .configure_mesh()
         .x_desc("producers (threads or client connections, log scale)")
         .y_desc("messages per second")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .draw()
         .map_err(plot_error)?;
     for (index, (label, points)) in series.into_iter().enumerate() {
@@ -247,6 +250,7 @@ pub fn scale(out_dir: &Path, points: &[ScalePoint]) -> Result<()> {
         .configure_mesh()
         .x_desc("stored records (millions)")
         .y_desc("messages per second")
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .draw()
         .map_err(plot_error)?;
     chart

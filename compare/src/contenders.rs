@@ -15,7 +15,9 @@ pub enum Kind {
     Idemdb(Durability),
     /// idemdb, re-delivering keys stored before the timed run (the duplicate path): still in
     /// the memtable, or flushed to table files first.
-    IdemdbDuplicates { flushed: bool },
+    IdemdbDuplicates {
+        flushed: bool,
+    },
     Raw(Durability, RawMode),
     Transaction(Durability),
     Redis {
@@ -142,11 +144,29 @@ pub fn all() -> Vec<Spec> {
             1,
         ),
         Spec::new(
+            "postgres sync off, 1 client",
+            Kind::Postgres {
+                synchronous_commit: false,
+            },
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
             "postgres sync off, 8 clients",
             Kind::Postgres {
                 synchronous_commit: false,
             },
             8,
+            1,
+            1,
+        ),
+        Spec::new(
+            "postgres sync off, 32 clients",
+            Kind::Postgres {
+                synchronous_commit: false,
+            },
+            32,
             1,
             1,
         ),

@@ -261,6 +261,11 @@ fn table_options() -> rocksdb::Options {
     block.set_bloom_filter(10.0, false);
     block.set_whole_key_filtering(true);
     block.set_cache_index_and_filter_blocks(true);
+    block.set_index_type(rocksdb::BlockBasedIndexType::TwoLevelIndexSearch);
+    block.set_partition_filters(true);
+    block.set_metadata_block_size(4096);
+    block.set_pin_top_level_index_and_filter(true);
+    block.set_cache_index_and_filter_blocks_with_high_priority(true);
     block.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
     block.set_data_block_hash_ratio(0.75);
     let mut options = rocksdb::Options::default();

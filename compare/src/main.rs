@@ -13,6 +13,7 @@ mod peers;
 mod report;
 mod scale;
 mod servers;
+mod tuning;
 mod workload;
 
 use std::path::PathBuf;
@@ -40,8 +41,11 @@ enum Command {
     /// Disk usage over many retention periods with a mock clock.
     Ttl(scale::TtlArgs),
     /// RocksDB's write-path options for durable commits, evaluated on idemdb's write pattern.
-    WalOptions(scale::WalArgs),
-    /// peers, scale and ttl with their defaults, then the charts.
+    WalOptions(tuning::WalArgs),
+    /// RocksDB's read-path options on the lookups of new and duplicate keys.
+    ReadOptions(tuning::ReadArgs),
+    /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
+    /// wal-options and read-options with their defaults.
     All(PeersArgs),
 }
 
@@ -84,8 +88,12 @@ fn main() -> Result<()> {
             report::write_ttl(&args.out, &args, &points)?;
         }
         Command::WalOptions(args) => {
-            let rows = scale::wal_options(&args)?;
+            let rows = tuning::wal_options(&args)?;
             report::write_wal_options(&args.out, &args, &rows)?;
+        }
+        Command::ReadOptions(args) => {
+            let rows = tuning::read_options(&args)?;
+            report::write_read_options(&args.out, &args, &rows)?;
         }
         Command::All(args) => {
             let results = peers(&args)?;
@@ -98,6 +106,12 @@ fn main() -> Result<()> {
             let ttl_args = scale::TtlArgs::defaults(args.out.clone());
             let points = scale::ttl(&ttl_args)?;
             report::write_ttl(&args.out, &ttl_args, &points)?;
+            let wal_args = tuning::WalArgs::defaults(args.out.clone());
+            let rows = tuning::wal_options(&wal_args)?;
+            report::write_wal_options(&args.out, &wal_args, &rows)?;
+            let read_args = tuning::ReadArgs::defaults(args.out.clone());
+            let rows = tuning::read_options(&read_args)?;
+            report::write_read_options(&args.out, &read_args, &rows)?;
         }
     }
     Ok(())
@@ -166,6 +180,13 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
     for round in 0..args.rounds {
         for entry in &mut measured {
             let spec = &entry.spec;
+            // No contender pays for another's deferred writes: PostgreSQL writes its dirty
+            // buffers now, and every file system writes back its dirty pages.
+            if _postgres.is_some() {
+                peers::PostgresSession::checkpoint(ports.postgres)?;
+            }
+            // SAFETY: sync(2) takes no arguments and cannot fail.
+            unsafe { libc::sync() };
             let dir = run_dir.path().join(format!("store-{round}"));
             std::fs::create_dir_all(&dir)?;
             let prepared = contenders::prepare(spec, &dir, ports)

@@ -132,6 +132,13 @@ impl PostgresSession {
         Ok(())
     }
 
+    /// Writes every dirty buffer of the server (between runs).
+    pub fn checkpoint(port: u16) -> Result<()> {
+        let mut client = postgres::Client::connect(&postgres_url(port), postgres::NoTls)?;
+        client.batch_execute("CHECKPOINT")?;
+        Ok(())
+    }
+
     fn statement(&mut self, rows: usize) -> Result<postgres::Statement> {
         if let Some((_, statement)) = self.statements.iter().find(|(n, _)| *n == rows) {
             return Ok(statement.clone());

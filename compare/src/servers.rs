@@ -38,6 +38,20 @@ impl Drop for Server {
     }
 }
 
+/// Makes the server receive `signal` when the harness dies, however it dies (an interrupted run
+/// must not leave servers behind). Set in the child after its user change, so it survives exec.
+fn stop_with_parent(command: &mut Command, signal: i32) {
+    // SAFETY: prctl is async-signal-safe; the closure allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, signal) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Starts `redis-server` on 127.0.0.1:`port`: without persistence, or with an append-only file
 /// fsynced before every reply (`appendfsync always`).
 pub fn redis(dir: &Path, port: u16, fsync_always: bool) -> Result<Server> {
@@ -54,6 +68,7 @@ pub fn redis(dir: &Path, port: u16, fsync_always: bool) -> Result<Server> {
         command.args(["--appendonly", "no"]);
     }
     command.args(["--maxclients", "1000"]);
+    stop_with_parent(&mut command, libc::SIGTERM);
     let child = command
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -114,6 +129,7 @@ pub fn postgres(dir: &Path, port: u16) -> Result<Server> {
     command.args(["-c", "fsync=on", "-c", "max_connections=200"]);
     command.args(["-c", "shared_buffers=512MB", "-c", "max_wal_size=4GB"]);
     as_server_user(&mut command);
+    stop_with_parent(&mut command, libc::SIGINT);
     let log = std::fs::File::create(dir.join("postgres.log"))?;
     let child = command
         .stdout(Stdio::null())
