@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use rocksdb::{
     BlockBasedIndexType, BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily,
     ColumnFamilyDescriptor, CompactOptions, DB, DBCompressionType, DBRecoveryMode,
-    DataBlockIndexType, IteratorMode, WriteBatch, WriteOptions,
+    IteratorMode, WriteBatch, WriteOptions,
 };
 
 use crate::claim::{Expiry, Outcome, Request, begin};
@@ -676,10 +676,8 @@ fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     block.set_metadata_block_size(4096);
     block.set_pin_top_level_index_and_filter(true);
     block.set_cache_index_and_filter_blocks_with_high_priority(true);
-    // A hash index in each data block: a lookup that reaches a block (a duplicate, mostly) finds
-    // its key without a binary search.
-    block.set_data_block_index_type(DataBlockIndexType::BinaryAndHash);
-    block.set_data_block_hash_ratio(0.75);
+    // No data-block hash index: measured on these lookups it gained nothing (BENCHMARKS.md,
+    // read-options), and it makes every data block bigger.
     let mut options = rocksdb::Options::default();
     options.set_block_based_table_factory(&block);
     // A whole-key bloom filter over the memtable too: a new key's lookup skips the skiplist

@@ -172,6 +172,13 @@ pub fn all() -> Vec<Spec> {
         ),
         // Durable: every acknowledged message survives a power loss.
         Spec::new("fdatasync 4 KiB", Kind::Fdatasync, 1, 1, 1),
+        Spec::new(
+            "rocksdb get+write under lock sync, 1 thread",
+            Kind::Raw(Sync, RawMode::GetThenWrite),
+            1,
+            1,
+            1,
+        ),
         Spec::new("idemdb sync, batch 64", Kind::Idemdb(Sync), 1, 64, 1),
         Spec::new(
             "rocksdb blind put sync, batch 64",

@@ -266,8 +266,6 @@ fn table_options() -> rocksdb::Options {
     block.set_metadata_block_size(4096);
     block.set_pin_top_level_index_and_filter(true);
     block.set_cache_index_and_filter_blocks_with_high_priority(true);
-    block.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
-    block.set_data_block_hash_ratio(0.75);
     let mut options = rocksdb::Options::default();
     options.set_block_based_table_factory(&block);
     options.set_memtable_prefix_bloom_ratio(0.02);

@@ -299,10 +299,10 @@ enum ReadVariant {
     WholeFilters,
     /// Whole-key bloom filters in table files only (10 bits per key), partitioned.
     TableBloom,
+    /// What idemdb keeps: partitioned filters and a memtable bloom filter.
     MemtableBloom,
+    /// idemdb's choice plus a data-block hash index (evaluated, not kept).
     HashIndex,
-    /// What idemdb keeps: both of the above.
-    IdemdbChoice,
     /// idemdb's options with an 8 MiB block cache instead of 64 MiB.
     SmallCache,
     /// idemdb's options with a 512 MiB block cache.
@@ -310,12 +310,11 @@ enum ReadVariant {
 }
 
 impl ReadVariant {
-    const ALL: [ReadVariant; 7] = [
+    const ALL: [ReadVariant; 6] = [
         ReadVariant::WholeFilters,
         ReadVariant::TableBloom,
         ReadVariant::MemtableBloom,
         ReadVariant::HashIndex,
-        ReadVariant::IdemdbChoice,
         ReadVariant::SmallCache,
         ReadVariant::LargeCache,
     ];
@@ -324,18 +323,17 @@ impl ReadVariant {
         match self {
             ReadVariant::WholeFilters => "unpartitioned filters, no memtable bloom, no hash index",
             ReadVariant::TableBloom => "partitioned table-file filters only",
-            ReadVariant::MemtableBloom => "+ memtable bloom (2%, whole key)",
-            ReadVariant::HashIndex => "+ data-block hash index",
-            ReadVariant::IdemdbChoice => "idemdb: + both",
+            ReadVariant::MemtableBloom => "idemdb: + memtable bloom (2%, whole key)",
+            ReadVariant::HashIndex => "idemdb + data-block hash index",
             ReadVariant::SmallCache => "idemdb, 8 MiB block cache",
             ReadVariant::LargeCache => "idemdb, 512 MiB block cache",
         }
     }
 
     fn options(self) -> rocksdb::Options {
-        use ReadVariant::{HashIndex, MemtableBloom, TableBloom, WholeFilters};
-        let memtable_bloom = !matches!(self, TableBloom | HashIndex | WholeFilters);
-        let hash_index = !matches!(self, TableBloom | MemtableBloom | WholeFilters);
+        use ReadVariant::{TableBloom, WholeFilters};
+        let memtable_bloom = !matches!(self, TableBloom | WholeFilters);
+        let hash_index = self == ReadVariant::HashIndex;
         let partitioned = self != WholeFilters;
         let cache_bytes = match self {
             ReadVariant::SmallCache => 8 << 20,
