@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rocksdb::{
     BlockBasedIndexType, BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily,
-    ColumnFamilyDescriptor, CompactOptions, DB, DBCompressionType, DBRecoveryMode,
-    IteratorMode, WriteBatch, WriteOptions,
+    ColumnFamilyDescriptor, CompactOptions, DB, DBCompressionType, DBRecoveryMode, IteratorMode,
+    WriteBatch, WriteOptions,
 };
 
 use crate::claim::{Expiry, Outcome, Request, begin};
