@@ -275,6 +275,18 @@ pub struct Prepared {
 /// to its steady state (its first WAL files obsolete and recycled), as after any real uptime.
 const WARM_UP_MESSAGES: u64 = 50_000;
 
+/// Brings a durable store to its steady state: two rounds of writes, each followed by a flush.
+fn warm_up(
+    session: impl Fn() -> Result<Box<dyn Session>>,
+    flush: impl Fn() -> Result<()>,
+) -> Result<()> {
+    for _ in 0..2 {
+        crate::workload::fill(&mut *session()?, WARM_UP_THREAD, WARM_UP_MESSAGES)?;
+        flush()?;
+    }
+    Ok(())
+}
+
 /// Keys stored before a duplicate-path run, re-delivered during it.
 pub const DUPLICATE_RUN_KEYS: u64 = 200_000;
 
@@ -285,14 +297,7 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
         Kind::Idemdb(durability) => {
             let store = Idemdb::open(dir, durability)?;
             if durability == Durability::Sync {
-                for _ in 0..2 {
-                    crate::workload::fill(
-                        &mut *store.session()?,
-                        WARM_UP_THREAD,
-                        WARM_UP_MESSAGES,
-                    )?;
-                    store.flush()?;
-                }
+                warm_up(|| store.session(), || store.flush())?;
             }
             let sessions = (0..threads)
                 .map(|_| store.session())
@@ -319,10 +324,7 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
         Kind::Raw(durability, mode) => {
             let store = Raw::open(dir, durability, mode)?;
             if durability == Durability::Sync {
-                for _ in 0..2 {
-                    crate::workload::fill(&mut *store.session(), WARM_UP_THREAD, WARM_UP_MESSAGES)?;
-                    store.flush()?;
-                }
+                warm_up(|| Ok(store.session()), || store.flush())?;
             }
             let sessions = (0..threads).map(|_| store.session()).collect();
             Prepared {

@@ -197,11 +197,29 @@ pub fn targets(run: &PeersRun) -> Vec<Target> {
     out
 }
 
-pub fn write_peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
+/// A results document: its title and, where given, the machine it was measured on.
+fn document(title: &str, machine: Option<&crate::machine::Machine>) -> Result<String> {
+    let mut md = format!("# {title}\n\n");
+    if let Some(machine) = machine {
+        writeln!(md, "```\n{machine}\n```\n")?;
+    }
+    Ok(md)
+}
+
+fn machine_here() -> crate::machine::Machine {
+    crate::machine::Machine::describe(&std::env::temp_dir())
+}
+
+/// Writes `md` to `out_dir/file` and prints it.
+fn publish(out_dir: &Path, file: &str, md: &str) -> Result<()> {
     std::fs::create_dir_all(out_dir)?;
-    let mut md = String::new();
-    writeln!(md, "# Comparison run\n")?;
-    writeln!(md, "```\n{}\n```\n", run.machine)?;
+    std::fs::write(out_dir.join(file), md)?;
+    println!("{md}");
+    Ok(())
+}
+
+pub fn write_peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
+    let mut md = document("Comparison run", Some(&run.machine))?;
     writeln!(
         md,
         "Command: `./scripts/compare.sh peers --seconds {} --rounds {}`. Every contender ran {} s \
@@ -268,21 +286,13 @@ pub fn write_peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
             if target.holds() { "yes" } else { "**no**" }
         )?;
     }
-    std::fs::write(out_dir.join("peers.md"), &md)?;
+    publish(out_dir, "peers.md", &md)?;
     std::fs::write(out_dir.join("peers.csv"), csv)?;
-    println!("{md}");
     Ok(())
 }
 
 pub fn write_scale(out_dir: &Path, args: &ScaleArgs, points: &[ScalePoint]) -> Result<()> {
-    std::fs::create_dir_all(out_dir)?;
-    let mut md = String::new();
-    writeln!(md, "# Scale run\n")?;
-    writeln!(
-        md,
-        "```\n{}\n```\n",
-        crate::machine::Machine::describe(&std::env::temp_dir())
-    )?;
+    let mut md = document("Scale run", Some(&machine_here()))?;
     writeln!(
         md,
         "Command: `./scripts/compare.sh scale --records {} --window {} --threads {}`. idemdb, \
@@ -320,15 +330,11 @@ pub fn write_scale(out_dir: &Path, args: &ScaleArgs, points: &[ScalePoint]) -> R
             last.records
         )?;
     }
-    std::fs::write(out_dir.join("scale.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    publish(out_dir, "scale.md", &md)
 }
 
 pub fn write_ttl(out_dir: &Path, args: &TtlArgs, points: &[TtlPoint]) -> Result<()> {
-    std::fs::create_dir_all(out_dir)?;
-    let mut md = String::new();
-    writeln!(md, "# Expiry steady state\n")?;
+    let mut md = document("Expiry steady state", None)?;
     writeln!(
         md,
         "Command: `./scripts/compare.sh ttl --periods {} --per-period {}`. A mock clock; \
@@ -350,20 +356,11 @@ pub fn write_ttl(out_dir: &Path, args: &TtlArgs, points: &[TtlPoint]) -> Result<
             point.period, point.written, point.disk_bytes, point.over_live
         )?;
     }
-    std::fs::write(out_dir.join("ttl.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    publish(out_dir, "ttl.md", &md)
 }
 
 pub fn write_wal_options(out_dir: &Path, args: &WalArgs, rows: &[WalRow]) -> Result<()> {
-    std::fs::create_dir_all(out_dir)?;
-    let mut md = String::new();
-    writeln!(md, "# Durable write path: RocksDB options\n")?;
-    writeln!(
-        md,
-        "```\n{}\n```\n",
-        crate::machine::Machine::describe(&std::env::temp_dir())
-    )?;
+    let mut md = document("Durable write path: RocksDB options", Some(&machine_here()))?;
     writeln!(
         md,
         "Command: `./scripts/compare.sh wal-options --seconds {} --rounds {}`. idemdb's durable \
@@ -393,20 +390,11 @@ pub fn write_wal_options(out_dir: &Path, args: &WalArgs, rows: &[WalRow]) -> Res
         }
         writeln!(md)?;
     }
-    std::fs::write(out_dir.join("wal-options.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    publish(out_dir, "wal-options.md", &md)
 }
 
 pub fn write_read_options(out_dir: &Path, args: &ReadArgs, rows: &[ReadRow]) -> Result<()> {
-    std::fs::create_dir_all(out_dir)?;
-    let mut md = String::new();
-    writeln!(md, "# Lookups: RocksDB read-path options\n")?;
-    writeln!(
-        md,
-        "```\n{}\n```\n",
-        crate::machine::Machine::describe(&std::env::temp_dir())
-    )?;
+    let mut md = document("Lookups: RocksDB read-path options", Some(&machine_here()))?;
     writeln!(
         md,
         "Command: `./scripts/compare.sh read-options --seconds {} --rounds {} --keys {}`. Raw \
@@ -429,7 +417,5 @@ pub fn write_read_options(out_dir: &Path, args: &ReadArgs, rows: &[ReadRow]) -> 
             .collect();
         writeln!(md, "| {} | {} |", row.name, cells.join(" | "))?;
     }
-    std::fs::write(out_dir.join("read-options.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    publish(out_dir, "read-options.md", &md)
 }
