@@ -116,13 +116,11 @@ fn latency_cdf(path: &Path, run: &PeersRun) -> Result<()> {
 
 /// (latency us, fraction) at 200 quantiles of the middle round.
 fn cdf_points(measured: &Measured) -> Vec<(f64, f64)> {
-    let sample = &measured.rounds[measured.rounds.len() / 2];
-    let mut sorted = sample.latencies_ns.clone();
-    sorted.sort_unstable();
+    let sorted = &measured.rounds[measured.rounds.len() / 2].latencies_ns;
     (1..=200)
         .map(|i| {
             let q = f64::from(i) / 200.0;
-            ((crate::workload::quantile(&sorted, q) / 1000.0).max(1.0), q)
+            ((crate::workload::quantile(sorted, q) / 1000.0).max(1.0), q)
         })
         .collect()
 }

@@ -268,7 +268,36 @@ pub struct Ports {
 pub struct Prepared {
     pub sessions: Vec<Box<dyn Session>>,
     /// The store (idemdb, RocksDB) the sessions share; dropped after the run.
-    pub _keep: Option<Box<dyn std::any::Any>>,
+    pub store: Option<Box<dyn std::any::Any>>,
+}
+
+impl Prepared {
+    /// `threads` sessions on one embedded store, which lives as long as the result.
+    fn sharing<S: 'static>(
+        store: S,
+        threads: usize,
+        session: impl Fn(&S) -> Result<Box<dyn Session>>,
+    ) -> Result<Prepared> {
+        let sessions = (0..threads)
+            .map(|_| session(&store))
+            .collect::<Result<_>>()?;
+        Ok(Prepared {
+            sessions,
+            store: Some(Box::new(store)),
+        })
+    }
+
+    /// Sessions on a server, which outlives the run.
+    fn connected(
+        threads: usize,
+        connect: impl Fn() -> Result<Box<dyn Session>>,
+    ) -> Result<Prepared> {
+        let sessions = (0..threads).map(|_| connect()).collect::<Result<_>>()?;
+        Ok(Prepared {
+            sessions,
+            store: None,
+        })
+    }
 }
 
 /// Messages written before each of the two memtable flushes that bring a durable embedded store
@@ -292,20 +321,13 @@ pub const DUPLICATE_RUN_KEYS: u64 = 200_000;
 
 pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
     let threads = spec.shape.threads;
-    let keep = |store: Box<dyn std::any::Any>| Some(store);
-    Ok(match spec.kind {
+    match spec.kind {
         Kind::Idemdb(durability) => {
             let store = Idemdb::open(dir, durability)?;
             if durability == Durability::Sync {
                 warm_up(|| store.session(), || store.flush())?;
             }
-            let sessions = (0..threads)
-                .map(|_| store.session())
-                .collect::<Result<_>>()?;
-            Prepared {
-                sessions,
-                _keep: keep(Box::new(store)),
-            }
+            Prepared::sharing(store, threads, Idemdb::session)
         }
         Kind::IdemdbDuplicates { flushed } => {
             let store = Idemdb::open(dir, Durability::Buffered)?;
@@ -313,32 +335,18 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
             if flushed {
                 store.flush()?;
             }
-            let sessions = (0..threads)
-                .map(|_| store.session())
-                .collect::<Result<_>>()?;
-            Prepared {
-                sessions,
-                _keep: keep(Box::new(store)),
-            }
+            Prepared::sharing(store, threads, Idemdb::session)
         }
         Kind::Raw(durability, mode) => {
             let store = Raw::open(dir, durability, mode)?;
             if durability == Durability::Sync {
                 warm_up(|| Ok(store.session()), || store.flush())?;
             }
-            let sessions = (0..threads).map(|_| store.session()).collect();
-            Prepared {
-                sessions,
-                _keep: keep(Box::new(store)),
-            }
+            Prepared::sharing(store, threads, |store| Ok(store.session()))
         }
         Kind::Transaction(durability) => {
             let store = Transactional::open(dir, durability)?;
-            let sessions = (0..threads).map(|_| store.session()).collect();
-            Prepared {
-                sessions,
-                _keep: keep(Box::new(store)),
-            }
+            Prepared::sharing(store, threads, |store| Ok(store.session()))
         }
         Kind::Redis { fsync_always } => {
             let port = if fsync_always {
@@ -347,42 +355,24 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 ports.redis
             };
             RedisSession::flush_all(port)?;
-            let sessions = (0..threads)
-                .map(|_| Ok(Box::new(RedisSession::connect(port)?) as Box<dyn Session>))
-                .collect::<Result<_>>()?;
-            Prepared {
-                sessions,
-                _keep: None,
-            }
+            Prepared::connected(threads, || Ok(Box::new(RedisSession::connect(port)?)))
         }
         Kind::Sqlite(sync) => {
             let path = dir.join("inbox.sqlite");
-            let sessions = (0..threads)
-                .map(|_| Ok(Box::new(SqliteSession::open(&path, sync)?) as Box<dyn Session>))
-                .collect::<Result<_>>()?;
-            Prepared {
-                sessions,
-                _keep: None,
-            }
+            Prepared::connected(threads, || Ok(Box::new(SqliteSession::open(&path, sync)?)))
         }
         Kind::Postgres { synchronous_commit } => {
             PostgresSession::reset(ports.postgres)?;
-            let sessions = (0..threads)
-                .map(|_| {
-                    Ok(Box::new(PostgresSession::connect(
-                        ports.postgres,
-                        synchronous_commit,
-                    )?) as Box<dyn Session>)
-                })
-                .collect::<Result<_>>()?;
-            Prepared {
-                sessions,
-                _keep: None,
-            }
+            Prepared::connected(threads, || {
+                Ok(Box::new(PostgresSession::connect(
+                    ports.postgres,
+                    synchronous_commit,
+                )?))
+            })
         }
-        Kind::Fdatasync => Prepared {
+        Kind::Fdatasync => Ok(Prepared {
             sessions: vec![Box::new(crate::embedded::Fdatasync::create(dir)?)],
-            _keep: None,
-        },
-    })
+            store: None,
+        }),
+    }
 }

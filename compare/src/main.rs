@@ -150,7 +150,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
     let machine = machine::Machine::describe(run_dir.path());
     eprintln!("{machine}");
     // Started once, stopped (by pid) when these drop at the end of the run or on an error.
-    let _redis = if specs.iter().any(|s| s.needs_redis()) {
+    let _redis_servers = if specs.iter().any(|s| s.needs_redis()) {
         eprintln!(
             "starting redis-server on 127.0.0.1:{} and :{}",
             ports.redis, ports.redis_fsync
@@ -162,7 +162,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
     } else {
         None
     };
-    let _postgres = if specs.iter().any(|s| s.needs_postgres()) {
+    let postgres_server = if specs.iter().any(|s| s.needs_postgres()) {
         eprintln!("starting postgres on 127.0.0.1:{}", ports.postgres);
         Some(servers::postgres(run_dir.path(), ports.postgres)?)
     } else {
@@ -182,7 +182,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
             let spec = &entry.spec;
             // No contender pays for another's deferred writes: PostgreSQL writes its dirty
             // buffers now, and every file system writes back its dirty pages.
-            if _postgres.is_some() {
+            if postgres_server.is_some() {
                 peers::PostgresSession::checkpoint(ports.postgres)?;
             }
             // SAFETY: sync(2) takes no arguments and cannot fail.
@@ -203,7 +203,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
                 }
             })
             .with_context(|| format!("running {}", spec.name))?;
-            drop(prepared._keep);
+            drop(prepared.store);
             std::fs::remove_dir_all(&dir)?;
             eprintln!(
                 "round {}/{}  {:<45} {:>10.0} msg/s  p50 {:>8.1} us  p99 {:>8.1} us",

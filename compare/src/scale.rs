@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use idemdb::{BatchOutcome, Durability, Engine, Fingerprint, Message, MockClock, Outcome};
 
-use crate::workload::quantile;
+use crate::workload::{elapsed_ns, quantile};
 
 #[derive(Args, Clone)]
 pub struct ScaleArgs {
@@ -131,7 +131,7 @@ pub fn scale(args: &ScaleArgs) -> Result<Vec<ScalePoint>> {
                                 bail!("scattered keys are unique, yet one was not fresh");
                             };
                             claim.commit(b"")?;
-                            latencies.push(call.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+                            latencies.push(elapsed_ns(call));
                         }
                         Ok(latencies)
                     })

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use rocksdb::{DB, WriteBatch, WriteOptions};
 
-use crate::workload::{Delivery, SplitMix64, median, quantile};
+use crate::workload::{Delivery, SplitMix64, elapsed_ns, median, quantile};
 
 #[derive(Args, Clone)]
 pub struct WalArgs {
@@ -245,7 +245,7 @@ fn wal_run(
                         let ticket = group.written();
                         group.wait_durable(&db, ticket)?;
                     }
-                    latencies.push(call.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+                    latencies.push(elapsed_ns(call));
                     count += 1;
                 }
                 Ok((count, latencies))
@@ -476,7 +476,7 @@ pub fn read_options(args: &ReadArgs) -> Result<Vec<ReadRow>> {
                             anyhow::ensure!(db.get_pinned(read_key(n))?.is_none(), "absent key");
                         }
                     }
-                    latencies.push(call.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+                    latencies.push(elapsed_ns(call));
                     count += 1;
                 }
                 let elapsed = started.elapsed();
