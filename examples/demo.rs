@@ -11,7 +11,11 @@
 //!
 //! ```text
 //! cargo run --release --example demo -- [--messages N] [--workers N] [--durability sync|buffered] [--dir PATH]
+//!     [--metrics 127.0.0.1:19090|off]
 //! ```
+//!
+//! While it runs, the demo serves its Prometheus metrics on `--metrics` (loopback only; default
+//! 127.0.0.1:19090), and at the end it scrapes that endpoint itself and prints idemdb's lines.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,6 +38,7 @@ struct Args {
     workers: usize,
     durability: Durability,
     dir: Option<PathBuf>,
+    metrics: Option<std::net::SocketAddr>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -42,6 +47,7 @@ fn parse_args() -> Result<Args, String> {
         workers: 4,
         durability: Durability::Buffered,
         dir: None,
+        metrics: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 19090))),
     };
     let mut words = std::env::args().skip(1);
     while let Some(flag) = words.next() {
@@ -61,6 +67,19 @@ fn parse_args() -> Result<Args, String> {
                 }
             }
             "--dir" => args.dir = Some(PathBuf::from(value()?)),
+            "--metrics" => {
+                args.metrics = match value()?.as_str() {
+                    "off" => None,
+                    addr => {
+                        let addr: std::net::SocketAddr =
+                            addr.parse().map_err(|e| format!("--metrics: {e}"))?;
+                        if !addr.ip().is_loopback() {
+                            return Err("--metrics serves on loopback addresses only".into());
+                        }
+                        Some(addr)
+                    }
+                }
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -314,6 +333,16 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         args.workers,
         args.durability
     );
+    // Installed before the first consumer handle: idemdb registers its metrics then.
+    let metrics = args.metrics.filter(|addr| {
+        let installed = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(*addr)
+            .install();
+        if let Err(error) = &installed {
+            eprintln!("metrics endpoint on {addr} not started: {error}");
+        }
+        installed.is_ok()
+    });
     let started = Instant::now();
     let engine = open(args, &dir)?;
     run_workers(
@@ -384,6 +413,9 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     }
     let total = read("total")?;
     let committed = load(&counts.committed);
+    if let Some(addr) = metrics {
+        print_scrape(addr);
+    }
     let ok = wrong == 0 && total == distinct && committed == distinct;
     println!(
         "check: {distinct} distinct orders, effects applied {total}, commits {committed}, \
@@ -391,4 +423,32 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         if ok { "EXACTLY ONCE" } else { "FAILED" }
     );
     Ok(ok)
+}
+
+/// Scrapes the demo's own Prometheus endpoint, as a monitoring system would, and prints
+/// idemdb's counters (histograms are summarised by their count and sum lines).
+fn print_scrape(addr: std::net::SocketAddr) {
+    use std::io::{Read, Write};
+    let scrape = || -> std::io::Result<String> {
+        let mut stream = std::net::TcpStream::connect(addr)?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response)
+    };
+    match scrape() {
+        Ok(response) => {
+            println!("metrics scraped from http://{addr}/metrics (idemdb lines):");
+            let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+            for line in body.lines().filter(|line| {
+                line.starts_with("idemdb_")
+                    && !line.contains("quantile=")
+                    && !line.contains("_bucket")
+            }) {
+                println!("  {line}");
+            }
+        }
+        Err(error) => eprintln!("scraping {addr} failed: {error}"),
+    }
 }

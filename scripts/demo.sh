@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-cargo run --release --example demo -- "$@"
+cargo run --release --all-features --example demo -- "$@"

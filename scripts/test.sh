@@ -5,15 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 
-# One profile (release) for tests, benches and the demo: RocksDB's C++ is compiled once.
+# One profile (release) for tests, benches and the demo: RocksDB's C++ is compiled once. One
+# feature set (all of them: the engine, `tokio`, the `cli` binary) for the same reason.
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== clippy"
-cargo clippy --release --all-targets -- -D warnings
+cargo clippy --release --all-features --all-targets -- -D warnings
+echo "== default features (no tokio, no cli)"
+cargo clippy --release --lib -- -D warnings
 echo "== format-only build (no RocksDB)"
 cargo clippy --release --lib --no-default-features -- -D warnings
 echo "== docs (broken links are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --release --all-features --no-deps
 
 echo "== loom: every interleaving of the claim latch (2-3 threads)"
 (cd loom && RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/../loom-target" \
@@ -47,6 +50,9 @@ else
     echo "== fuzz smoke skipped (needs: cargo install cargo-fuzz, and a nightly toolchain)"
 fi
 
+echo "== RabbitMQ end to end: consumers SIGKILLed against a real server"
+bash scripts/rabbitmq-e2e.sh
+
 # Last, so that the run ends with the test runners' own summary lines.
 echo "== tests"
-cargo test --release
+cargo test --release --all-features

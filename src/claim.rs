@@ -679,6 +679,12 @@ impl Claim {
         }
     }
 
+    /// The engine this claim belongs to.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
     /// Reports this claim's commit to a consumer's metrics and logs.
     pub(crate) fn observe(&mut self, metrics: Arc<ConsumerMetrics>, correlation_id: Option<&str>) {
         self.observer = Some(Observer::new(metrics, correlation_id));
@@ -749,8 +755,10 @@ impl Claim {
     /// # Errors
     /// [`Error::LimitExceeded`] if `result` is larger than [`crate::RESULT_BYTES_MAX`] (nothing is
     /// written; the claim is released). [`Error::Poisoned`] or [`Error::Storage`] if the write
-    /// fails; the batch then did not become visible, and unless the error is retryable the
-    /// engine refuses further writes until reopened.
+    /// fails. A retryable error wrote nothing. Any other leaves the batch's durability unknown
+    /// (a failed fsync, say: the batch may be visible in this process and still be lost by a
+    /// crash), so the engine refuses further writes until it is reopened, and the reopened
+    /// store holds the whole batch or none of it.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
         let started = Instant::now();
         let mut batch = WriteBatch::default();

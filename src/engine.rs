@@ -32,11 +32,11 @@ pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
 /// The column family holding the ordering guard's highest applied version per entity.
 pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
 /// Meta key (default column family) holding the store format marker.
-const META_FORMAT_KEY: &[u8] = b"idemdb.format";
+pub(crate) const META_FORMAT_KEY: &[u8] = b"idemdb.format";
 /// Store format marker: magic and format version 1.
-const STORE_FORMAT_V1: &[u8] = b"idemdb store format 1";
+pub(crate) const STORE_FORMAT_V1: &[u8] = b"idemdb store format 1";
 /// Meta key prefix recording each table's kind, so a table cannot change kind between opens.
-const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
+pub(crate) const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
 
 /// The embedded dedup store. Cheap to clone (an `Arc`); every handle keeps the store open, and it
 /// closes when the last clone and handle are dropped.
@@ -69,6 +69,12 @@ pub(crate) struct Inner {
     pub(crate) retention_ms: u64,
     pub(crate) admission_floor: bool,
     write_options: WriteOptions,
+    /// Whether every write fsyncs the WAL ([`Durability::Sync`]).
+    #[cfg(feature = "tokio")]
+    sync_writes: bool,
+    /// The async commits' committer thread, started by the first one.
+    #[cfg(feature = "tokio")]
+    committer: crate::committer::CommitterSlot,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
     /// Test seam: decides injected faults for the engine's I/O calls.
@@ -99,11 +105,17 @@ impl Engine {
         EngineBuilder::new(path)
     }
 
+    /// Opens the store; with [`OpenMode::Admin`] (`builder.open_mode`) this is the operator
+    /// tools' open of an existing store (`crate::admin`), every table it holds declared.
     pub(crate) fn open(builder: EngineBuilder) -> Result<Engine> {
+        let mode = builder.open_mode;
         let path = builder.path.clone();
         let existing_tables = existing_tables(&path)?;
         if let Some(tables) = &existing_tables {
             check_existing_tables(&builder, &path, tables)?;
+            if mode == OpenMode::Application {
+                check_merge_operators(&builder, &path)?;
+            }
         }
 
         let cache = Cache::new_lru_cache(builder.block_cache_bytes);
@@ -136,6 +148,12 @@ impl Engine {
                     },
                 );
             }
+            if mode == OpenMode::Admin {
+                // An operator tool has no business table's merge operator: a compaction that
+                // reached a merge operand would fail, and RocksDB would then refuse every write.
+                options.set_disable_auto_compactions(true);
+                set_opaque_merge_operator(&mut options);
+            }
             descriptors.push(ColumnFamilyDescriptor::new(table.name.as_str(), options));
         }
         for name in &builder.entity_tables {
@@ -145,7 +163,11 @@ impl Engine {
             ));
         }
 
-        let db = DB::open_cf_descriptors(&db_options(), &path, descriptors).map_err(|error| {
+        let db_options = match mode {
+            OpenMode::Application => db_options(),
+            OpenMode::Admin => admin_db_options()?,
+        };
+        let db = DB::open_cf_descriptors(&db_options, &path, descriptors).map_err(|error| {
             // RocksDB reports a held LOCK file as an I/O error naming the file.
             if error.kind() == rocksdb::ErrorKind::IOError && error.as_ref().contains("LOCK") {
                 Error::AlreadyOpen { path: path.clone() }
@@ -172,6 +194,10 @@ impl Engine {
             retention_ms: builder.retention_ms,
             admission_floor: builder.admission_floor,
             write_options,
+            #[cfg(feature = "tokio")]
+            sync_writes: builder.durability == Durability::Sync,
+            #[cfg(feature = "tokio")]
+            committer: crate::committer::CommitterSlot::default(),
             poisoned: AtomicBool::new(false),
             fault_injector: builder.fault_injector.clone(),
             token_seed: token_seed(),
@@ -317,22 +343,36 @@ impl Engine {
     /// is for tests and operators who want the space back now.
     ///
     /// # Errors
-    /// [`Error::Storage`] if RocksDB fails the flush or compaction.
+    /// [`Error::Storage`] if the flush fails (which poisons the engine). RocksDB reports no error from a manual compaction (rust-rocksdb's `compact_range`
+    /// returns nothing), so a failed compaction shows only in RocksDB's LOG and leaves expired
+    /// records in place, where they still read as absent.
     pub fn compact(&self) -> Result<()> {
-        let mut options = CompactOptions::default();
-        options.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
-        for marker in &self.inner.markers {
-            let cf = self.inner.cf(&marker.name);
-            self.inner
-                .io(IoPoint::Flush, || self.inner.db.flush_cf(cf))?;
-            self.inner.io(IoPoint::Compaction, || {
-                self.inner
-                    .db
-                    .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
-                Ok(())
-            })?;
+        for marker in 0..self.inner.markers.len() {
+            self.compact_marker(marker)?;
         }
         Ok(())
+    }
+
+    /// Flushes and fully compacts one marker table (index into `Inner::markers`), so the
+    /// compaction filter sees every record in it. [`Engine::compact`] does every marker table;
+    /// the operator tools do them one by one to report progress.
+    pub(crate) fn compact_marker(&self, marker: usize) -> Result<()> {
+        let mut options = CompactOptions::default();
+        options.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
+        let cf = self.inner.cf(&self.inner.markers[marker].name);
+        self.inner
+            .io(IoPoint::Flush, || self.inner.db.flush_cf(cf))?;
+        self.inner.io(IoPoint::Compaction, || {
+            self.inner
+                .db
+                .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
+            Ok(())
+        })
+    }
+
+    /// The shared state, for the operator tools (`crate::admin`).
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
     }
 
     /// Counts the records physically present in the consumers' table, by what a read at this
@@ -468,6 +508,18 @@ impl Inner {
         self.db
             .cf_handle(name)
             .expect("table declared at open is present")
+    }
+
+    /// Whether each write fsyncs the WAL before it returns ([`Durability::Sync`]).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn syncs_each_write(&self) -> bool {
+        self.sync_writes
+    }
+
+    /// The committer of async commits, started on first use.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn committer(&self) -> Result<&crate::committer::Committer> {
+        self.committer.get_or_start()
     }
 
     pub(crate) fn check_not_poisoned(&self) -> Result<()> {
@@ -620,8 +672,135 @@ fn check_existing_tables(builder: &EngineBuilder, path: &Path, tables: &[String]
     Ok(())
 }
 
+/// Refuses to open a business table with another merge operator than the one its data was
+/// written with. This must be decided before RocksDB opens the store: replaying the WAL into a
+/// table without its merge operator stops recovery at the first merge operand (silently, under
+/// point-in-time recovery), dropping every later write of every table.
+///
+/// The operators are read from the newest `OPTIONS-<n>` file, which RocksDB writes at every
+/// open with each table's `merge_operator=<name>` (`nullptr` for none). A store without one, a
+/// table that had no operator, or one whose last opener was the operator tools (their stand-in
+/// operator) is not checked.
+fn check_merge_operators(builder: &EngineBuilder, path: &Path) -> Result<()> {
+    let Some(stored) = stored_merge_operators(path) else {
+        return Ok(());
+    };
+    for table in &builder.business_tables {
+        let Some(stored) = stored.get(table.name.as_str()) else {
+            continue;
+        };
+        let declared = table
+            .merge_operator
+            .as_ref()
+            .map_or("nullptr", |operator| operator.name.as_str());
+        // Adding an operator to a table that had none is safe: no operand can be waiting.
+        let unchecked = ["nullptr", OPAQUE_MERGE_OPERATOR_NAME];
+        if stored != declared && !unchecked.contains(&stored.as_str()) {
+            let describe = |name: &str| {
+                if name == "nullptr" {
+                    "no merge operator".to_owned()
+                } else {
+                    format!("merge operator {name:?}")
+                }
+            };
+            return Err(Error::IncompatibleStore {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "table {:?} was last opened with {}, and is declared with {}; declare it \
+                     as before (its data may hold merge operands only that operator can fold)",
+                    table.name,
+                    describe(stored),
+                    describe(declared)
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Each table's merge operator name in the store's newest OPTIONS file, or `None` if there is
+/// no readable one.
+fn stored_merge_operators(path: &Path) -> Option<std::collections::HashMap<String, String>> {
+    let newest = std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().into_string().ok()?;
+            let number: u64 = name.strip_prefix("OPTIONS-")?.parse().ok()?;
+            Some((number, name))
+        })
+        .max()?;
+    let text = std::fs::read_to_string(path.join(newest.1)).ok()?;
+    let mut operators = std::collections::HashMap::new();
+    let mut table: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(section) = line.strip_prefix('[') {
+            table = section
+                .strip_prefix("CFOptions \"")
+                .and_then(|rest| rest.strip_suffix("\"]"))
+                .map(str::to_owned);
+        } else if let (Some(table), Some(name)) = (&table, line.strip_prefix("merge_operator=")) {
+            operators.insert(table.clone(), name.to_owned());
+        }
+    }
+    Some(operators)
+}
+
+/// How a store is opened (`EngineBuilder::open_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpenMode {
+    /// An application's open: creates the store and any missing table.
+    Application,
+    /// An operator tool's exclusive open of an existing store, with every table it holds
+    /// declared and business tables given a stand-in for their (unknown) merge operators
+    /// ([`set_opaque_merge_operator`]). Nothing is created, business tables are never
+    /// compacted, and recovery does not flush ([`admin_db_options`]). Memtables are
+    /// [`ADMIN_WRITE_BUFFER_BYTES`], so replaying the WAL does not fill one either, and have no
+    /// bloom filter, which would be allocated up front at that size.
+    Admin,
+}
+
+/// The memtable size of every table in [`OpenMode::Admin`]: the largest an application may
+/// configure ([`crate::WRITE_BUFFER_BYTES_MAX`]). A memtable that fills while the WAL is
+/// replayed is flushed even with `avoid_flush_during_recovery`, so it must hold whatever the
+/// application left unflushed; memory is taken only as data is replayed.
+pub(crate) const ADMIN_WRITE_BUFFER_BYTES: usize = crate::WRITE_BUFFER_BYTES_MAX;
+
+/// Gives a table whose merge operator is unknown (an operator tool opening a business table) a
+/// stand-in. Without one, replaying the WAL stops silently at the table's first merge operand
+/// (RocksDB refuses to insert it, and point-in-time recovery ends there): the tool would miss
+/// every later write, and after a write of its own the store would not open again (sequence
+/// numbers going backwards). Inserting operands into a memtable never calls the operator; the
+/// tools never read, flush or compact these tables, and if RocksDB ever asked for a fold the
+/// stand-in fails it rather than invent a value.
+pub(crate) fn set_opaque_merge_operator(options: &mut rocksdb::Options) {
+    fn decline(_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands) -> Option<Vec<u8>> {
+        None
+    }
+    options.set_merge_operator(OPAQUE_MERGE_OPERATOR_NAME, decline, decline);
+}
+
+/// The stand-in merge operator's name, which RocksDB writes to the OPTIONS file; the
+/// application's next open writes its own.
+const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
+
+/// Database-wide options of [`OpenMode::Admin`]: those of [`db_options`], except that nothing
+/// is created and the WAL is replayed into the memtables without flushing them. A recovery
+/// flush of a business table holding merge operands would need the application's merge
+/// operator, which an operator tool does not have, and would fail the open. The data stays in
+/// the WAL, which RocksDB keeps until the application's next open flushes it.
+fn admin_db_options() -> Result<rocksdb::Options> {
+    let mut options = db_options();
+    options.create_if_missing(false);
+    options.create_missing_column_families(false);
+    // rust-rocksdb has no setters for these; RocksDB's option-string parser sets them on a copy
+    // of the options above. Without fallocate, the new WAL does not reserve 1.1 times an
+    // ADMIN_WRITE_BUFFER_BYTES memtable of disk up front.
+    const SETTINGS: &str = "avoid_flush_during_recovery=true;allow_fallocate=false";
+    Ok(options.get_options_from_string(SETTINGS)?)
+}
+
 /// Database-wide options. Each is set explicitly because the engine's guarantees depend on it.
-fn db_options() -> rocksdb::Options {
+pub(crate) fn db_options() -> rocksdb::Options {
     let mut options = rocksdb::Options::default();
     options.create_if_missing(true);
     options.create_missing_column_families(true);
@@ -657,7 +836,7 @@ fn db_options() -> rocksdb::Options {
 }
 
 /// Options common to every table.
-fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
+pub(crate) fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     let mut block = BlockBasedOptions::default();
     block.set_block_cache(cache);
     // Most lookups are for keys never seen before: a whole-key bloom filter answers them without
@@ -685,6 +864,10 @@ fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     options.set_memtable_whole_key_filtering(true);
     options.set_compression_type(DBCompressionType::Lz4);
     options.set_write_buffer_size(builder.write_buffer_bytes);
+    if builder.open_mode == OpenMode::Admin {
+        options.set_memtable_prefix_bloom_ratio(0.0);
+        options.set_write_buffer_size(ADMIN_WRITE_BUFFER_BYTES);
+    }
     options.set_level_compaction_dynamic_level_bytes(true);
     options.set_optimize_filters_for_hits(false);
     options
@@ -692,7 +875,7 @@ fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
 
 /// Options of a marker table: the record merge operator, the TTL compaction filter, and periodic
 /// compaction so cold files are filtered too.
-fn marker_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
+pub(crate) fn marker_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     let mut options = table_options(builder, cache);
     options.set_merge_operator(
         MERGE_OPERATOR_NAME,
@@ -729,7 +912,8 @@ impl Consumer {
     ///
     /// # Errors
     /// [`Error::LimitExceeded`] for a bad key, [`Error::Corrupt`] if the stored record does not
-    /// decode, [`Error::Storage`] if the read fails.
+    /// decode, [`Error::Storage`] if the read fails, [`Error::Poisoned`] after a failed write
+    /// (nothing can be committed until the store is reopened).
     pub fn begin(
         &self,
         message_key: impl AsRef<[u8]>,

@@ -63,7 +63,7 @@ pub enum StorageErrorKind {
 
 /// Every failure idemdb reports. Duplicates, conflicts and in-progress keys are *not* errors:
 /// they are [`crate::Outcome`]s.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An input was outside a documented limit.

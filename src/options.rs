@@ -157,6 +157,8 @@ pub struct EngineBuilder {
     pub(crate) block_cache_bytes: usize,
     pub(crate) write_buffer_bytes: usize,
     pub(crate) fault_injector: Option<Arc<dyn FaultInjector>>,
+    /// [`crate::engine::OpenMode::Admin`] only for the operator tools' open (`crate::admin`).
+    pub(crate) open_mode: crate::engine::OpenMode,
 }
 
 impl EngineBuilder {
@@ -173,6 +175,7 @@ impl EngineBuilder {
             block_cache_bytes: BLOCK_CACHE_BYTES_DEFAULT,
             write_buffer_bytes: WRITE_BUFFER_BYTES_DEFAULT,
             fault_injector: None,
+            open_mode: crate::engine::OpenMode::Application,
         }
     }
 

@@ -2,7 +2,7 @@
 //! SIGKILL.
 //!
 //! The test binary re-runs itself as a child process that consumes a seeded stream of message
-//! ids through the public API with `Durability::Sync`, in three modes: a transactional claim
+//! ids through the public API, in three modes: a transactional claim
 //! with staged business writes, a batch claim, and an external two-phase claim whose "side
 //! effect" is a line appended (and fsynced) to a ledger file before `complete`. After each
 //! commit returns the child prints `ACK <id>` on its stdout pipe. The parent SIGKILLs the child
@@ -17,6 +17,10 @@
 //! batch's record row exists exactly when all its members' writes do). At the end, no
 //! in-progress record is left and every id was applied exactly once. The child must only ever
 //! die by the kill.
+//!
+//! Children alternate between `Durability::Sync` and `Durability::Buffered` (odd cycles): a
+//! buffered commit is not fsynced, but it is in the OS's page cache when `commit` returns, so a
+//! process kill must not lose it either (a power loss could; this harness does not cut power).
 //!
 //! The child flushes its memtables every few deliveries, so that WAL files are retired and
 //! recycled (overwritten in place) during the run: recovery must also stop cleanly at the
@@ -84,9 +88,9 @@ impl Rng {
     }
 }
 
-fn open(store: &Path) -> Engine {
+fn open(store: &Path, durability: Durability) -> Engine {
     Engine::builder(store)
-        .durability(Durability::Sync)
+        .durability(durability)
         .business_table(TableOptions::new("rows"))
         .business_table(
             TableOptions::new("counters").associative_merge_operator("add_u64", merge_ops::add_u64),
@@ -147,7 +151,11 @@ fn child() {
     let store = PathBuf::from(std::env::var("IDEMDB_CRASH_STORE").expect("store path"));
     let ledger_path = PathBuf::from(std::env::var("IDEMDB_CRASH_LEDGER").expect("ledger path"));
     let point = std::env::var("IDEMDB_CRASH_POINT").ok();
-    let engine = open(&store);
+    let durability = match std::env::var("IDEMDB_CRASH_DURABILITY").as_deref() {
+        Ok("buffered") => Durability::Buffered,
+        _ => Durability::Sync,
+    };
+    let engine = open(&store, durability);
     let consumer = engine.consumer("crash").expect("consumer");
     let rows = engine.business_table("rows").expect("rows");
     let counters = engine.business_table("counters").expect("counters");
@@ -296,6 +304,8 @@ fn child() {
 #[derive(Default)]
 struct Report {
     cycles: u64,
+    /// Cycles whose child committed with `Durability::Buffered`.
+    buffered_cycles: u64,
     point_kills: u64,
     attempted: HashSet<u64>,
     acknowledged: HashSet<u64>,
@@ -324,8 +334,8 @@ impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "crash harness: {} kill cycles ({} at named points), {} deliveries, {} takeovers",
-            self.cycles, self.point_kills, self.deliveries, self.takeovers
+            "crash harness: {} kill cycles ({} at named points, {} buffered), {} deliveries, {} takeovers",
+            self.cycles, self.point_kills, self.buffered_cycles, self.deliveries, self.takeovers
         )?;
         writeln!(
             f,
@@ -398,6 +408,7 @@ fn run_child(
     lines: &[String],
     kill_after: Option<Duration>,
     point: Option<&str>,
+    durability: Durability,
     report: &mut Report,
 ) -> bool {
     let mut command = Command::new(std::env::current_exe().expect("own path"));
@@ -405,6 +416,13 @@ fn run_child(
         .env(CHILD_ENV, "1")
         .env("IDEMDB_CRASH_STORE", store)
         .env("IDEMDB_CRASH_LEDGER", ledger)
+        .env(
+            "IDEMDB_CRASH_DURABILITY",
+            match durability {
+                Durability::Buffered => "buffered",
+                _ => "sync",
+            },
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped());
     if let Some(point) = point {
@@ -507,7 +525,7 @@ fn read_ledger(ledger: &Path) -> HashMap<u64, Vec<(u64, String)>> {
 
 /// Checks the store against everything acknowledged so far.
 fn check(store: &Path, ledger: &Path, window: u64, report: &mut Report, last: bool) {
-    let engine = open(store);
+    let engine = open(store, Durability::Sync);
     let consumer = engine.consumer("crash").expect("consumer");
     let rows = engine.business_table("rows").expect("rows");
     let counters = engine.business_table("counters").expect("counters");
@@ -587,12 +605,19 @@ fn parent(cycles: u64, seed: u64) -> Report {
         }
         let point = (cycle % 5 == 4).then(|| POINTS[((cycle / 5) % 2) as usize]);
         let kill_after = Duration::from_millis(20 + rng.below(180));
+        let durability = if cycle % 2 == 1 {
+            report.buffered_cycles += 1;
+            Durability::Buffered
+        } else {
+            Durability::Sync
+        };
         run_child(
             &store,
             &ledger,
             &lines,
             Some(kill_after),
             point,
+            durability,
             &mut report,
         );
         report.cycles += 1;
@@ -608,7 +633,15 @@ fn parent(cycles: u64, seed: u64) -> Report {
             report.attempted.insert(id.parse().expect("id"));
         }
     }
-    run_child(&store, &ledger, &lines, None, None, &mut report);
+    run_child(
+        &store,
+        &ledger,
+        &lines,
+        None,
+        None,
+        Durability::Sync,
+        &mut report,
+    );
     check(&store, &ledger, window(cycles - 1), &mut report, true);
     report
 }

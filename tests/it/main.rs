@@ -1,5 +1,7 @@
 //! Integration tests of the public API, in one binary (one link of RocksDB).
 
+mod admin;
+mod async_commit;
 mod bad_input;
 mod batch;
 mod claim;

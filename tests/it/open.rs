@@ -1,5 +1,6 @@
 //! Guards opening a store: a store held by another process or engine is a typed error, and a
-//! store opened with tables that do not match is refused with a reason.
+//! store opened with tables (or business-table merge operators) that do not match is refused
+//! with a reason, before RocksDB recovers anything.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -86,7 +87,9 @@ fn mismatched_tables_are_refused_with_a_reason() {
     // `customers` was created as an entity table; declaring it as a business table is refused.
     let result = Engine::builder(store.dir.path())
         .business_table(TableOptions::new("orders"))
-        .business_table(TableOptions::new("counters"))
+        .business_table(
+            TableOptions::new("counters").merge_operator("add_u64", idemdb::merge_ops::add_u64),
+        )
         .business_table(TableOptions::new("customers"))
         .open();
     assert!(
@@ -144,5 +147,55 @@ fn a_store_without_format_marker_opens_only_while_it_holds_no_record() {
     assert!(
         matches!(&result, Err(Error::IncompatibleStore { reason, .. }) if reason.contains("format marker")),
         "{result:?}"
+    );
+}
+
+#[test]
+fn a_business_table_reopened_with_another_merge_operator_is_refused_before_recovery() {
+    let store = TestStore::new();
+    {
+        let engine = store.open();
+        let billing = engine.consumer("billing").unwrap();
+        let counters = engine.business_table("counters").unwrap();
+        let idemdb::Outcome::Fresh(mut claim) = billing
+            .begin(b"m1", idemdb::Fingerprint::of(b"m1"))
+            .unwrap()
+        else {
+            panic!("fresh");
+        };
+        // Left unflushed: the merge operand is only in the WAL, which the next open replays.
+        claim.merge(&counters, "n", 5u64.to_be_bytes()).unwrap();
+        claim.commit(b"").unwrap();
+    }
+    let with_counters = |options: TableOptions| {
+        Engine::builder(store.dir.path())
+            .clock(store.clock.clone())
+            .business_table(TableOptions::new("orders"))
+            .business_table(options)
+            .entity_table("customers")
+            .open()
+    };
+    for declared in [
+        TableOptions::new("counters"),
+        TableOptions::new("counters").merge_operator("renamed", idemdb::merge_ops::add_u64),
+    ] {
+        match with_counters(declared) {
+            Err(Error::IncompatibleStore { reason, .. }) => {
+                assert!(reason.contains("\"counters\""), "{reason}");
+                assert!(reason.contains("\"add_u64\""), "{reason}");
+            }
+            other => panic!("expected IncompatibleStore, got {other:?}"),
+        }
+    }
+    // Refused before RocksDB replayed anything: the right declaration finds every write.
+    let engine = store.open();
+    assert_eq!(crate::util::counter(&engine, "n"), 5);
+    assert!(
+        engine
+            .consumer("billing")
+            .unwrap()
+            .get(b"m1")
+            .unwrap()
+            .is_some()
     );
 }

@@ -1,0 +1,54 @@
+//! What the RabbitMQ consumer (`rabbitmq_orders`) and its end-to-end checker (`rabbitmq_e2e`)
+//! agree on: the store's layout, the message format, the queue names and the dead-letter
+//! headers.
+
+// Each of the two examples uses its own part of this module.
+#![allow(dead_code)]
+
+use idemdb::{Durability, Engine, TableOptions, merge_ops};
+
+/// The exchange orders are published to; queue `orders.<shard>` is bound with key `<shard>`.
+pub const EXCHANGE: &str = "orders";
+/// Where conflicts (a reused order id with other content) and unusable messages go.
+pub const DEAD_LETTER_QUEUE: &str = "orders.dead";
+/// The dead-letter headers: the order id and both fingerprints of a conflict.
+pub const HEADER_ORDER_ID: &str = "x-idemdb-order-id";
+pub const HEADER_STORED_FINGERPRINT: &str = "x-idemdb-stored-fingerprint";
+pub const HEADER_RECEIVED_FINGERPRINT: &str = "x-idemdb-received-fingerprint";
+/// The `effects` table key holding the sum of the amounts of every order applied.
+pub const TOTAL_AMOUNT_KEY: &str = "total-amount";
+
+/// The queue of shard `shard`.
+pub fn queue_name(shard: usize) -> String {
+    format!("{EXCHANGE}.{shard}")
+}
+
+/// The shard an order id belongs to: each shard is one queue, one consumer process, one store.
+pub fn shard_of(order_id: &str, shards: usize) -> usize {
+    let hash = xxhash_rust::xxh3::xxh3_64(order_id.as_bytes());
+    usize::try_from(hash % shards as u64).expect("a shard index fits in usize")
+}
+
+/// Opens a shard's store. The layout is part of the application, so the checker opens it the
+/// same way: an `orders` table (order id -> body) and an `effects` table of counters (order id
+/// -> times applied, and the total amount).
+pub fn open_store(dir: &std::path::Path) -> idemdb::Result<Engine> {
+    Engine::builder(dir)
+        .durability(Durability::Sync)
+        .business_table(TableOptions::new("orders"))
+        .business_table(
+            TableOptions::new("effects").associative_merge_operator("add_u64", merge_ops::add_u64),
+        )
+        .open()
+}
+
+/// An order's body: `<order id>:<amount>:<variant>`.
+pub fn order_body(order_id: &str, amount: u64, variant: u32) -> String {
+    format!("{order_id}:{amount}:{variant}")
+}
+
+/// The amount in an order's body.
+pub fn parse_amount(body: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(body).ok()?;
+    text.split(':').nth(1)?.parse().ok()
+}

@@ -1,0 +1,814 @@
+//! End-to-end check of `rabbitmq_orders` against a real RabbitMQ server, with SIGKILLs.
+//!
+//! Publishes orders (with producer-side resends of the same order, and some order ids reused
+//! with other content), runs one consumer process per shard (queue `orders.<shard>`, store
+//! `<work>/store-<shard>`), SIGKILLs consumers at random moments and restarts them, until every
+//! queue is drained. Then it checks, from the stores and the dead-letter queue, and prints:
+//! published, distinct orders, effects applied, duplicates suppressed, conflicts dead-lettered,
+//! lost (must be 0) and applied twice (must be 0). Exits non-zero if any check fails.
+//!
+//! `scripts/rabbitmq-e2e.sh` starts a private server on 127.0.0.1 and runs this; the server's
+//! address is `--amqp`. Options: `--orders N`, `--shards N`, `--resend-percent P`,
+//! `--reused N`, `--rate MSGS_PER_S`, `--min-kills N`, `--transient-failure-percent P`,
+//! `--kill-after-commit-per-mille N` (consumers SIGKILL themselves between a commit and its
+//! ack), `--metrics-port-base PORT`, `--work DIR`, `--seed N`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idemdb::{Fingerprint, merge_ops};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+#[path = "common/orders.rs"]
+mod orders;
+use orders::{
+    DEAD_LETTER_QUEUE, EXCHANGE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT,
+    HEADER_STORED_FINGERPRINT, TOTAL_AMOUNT_KEY, open_store, order_body, parse_amount, queue_name,
+    shard_of,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+struct Options {
+    amqp: String,
+    orders: usize,
+    shards: usize,
+    resend_percent: u64,
+    reused: usize,
+    rate: u64,
+    min_kills: usize,
+    transient_failure_percent: u64,
+    kill_after_commit_per_mille: u64,
+    metrics_port_base: u16,
+    work: PathBuf,
+    seed: u64,
+}
+
+fn parse_options() -> Result<Options, BoxError> {
+    let mut options = Options {
+        amqp: "amqp://guest:guest@127.0.0.1:15673/%2f".into(),
+        orders: 2000,
+        shards: 3,
+        resend_percent: 20,
+        reused: 20,
+        rate: 400,
+        min_kills: 10,
+        transient_failure_percent: 3,
+        kill_after_commit_per_mille: 5,
+        metrics_port_base: 19100,
+        work: std::env::temp_dir().join("idemdb-rabbitmq-e2e"),
+        seed: 1,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--amqp" => options.amqp = value()?,
+            "--orders" => options.orders = value()?.parse()?,
+            "--shards" => options.shards = value()?.parse()?,
+            "--resend-percent" => options.resend_percent = value()?.parse()?,
+            "--reused" => options.reused = value()?.parse()?,
+            "--rate" => options.rate = value()?.parse()?,
+            "--min-kills" => options.min_kills = value()?.parse()?,
+            "--transient-failure-percent" => {
+                options.transient_failure_percent = value()?.parse()?
+            }
+            "--kill-after-commit-per-mille" => {
+                options.kill_after_commit_per_mille = value()?.parse()?;
+            }
+            "--metrics-port-base" => options.metrics_port_base = value()?.parse()?,
+            "--work" => options.work = value()?.into(),
+            "--seed" => options.seed = value()?.parse()?,
+            other => return Err(format!("unknown option {other}").into()),
+        }
+    }
+    if options.orders == 0 || options.shards == 0 || options.rate == 0 {
+        return Err("--orders, --shards and --rate must be at least 1".into());
+    }
+    if options.reused > options.orders {
+        return Err("--reused cannot exceed --orders".into());
+    }
+    if options.resend_percent > 100 || options.transient_failure_percent > 100 {
+        return Err("percentages are 0..=100".into());
+    }
+    if options.kill_after_commit_per_mille > 1000 {
+        return Err("--kill-after-commit-per-mille is 0..=1000".into());
+    }
+    Ok(options)
+}
+
+/// A small deterministic generator (splitmix64): the run is reproducible from `--seed`.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, bound: u64) -> u64 {
+        self.next() % bound.max(1)
+    }
+}
+
+/// One message the producer publishes.
+#[derive(Clone)]
+struct Publish {
+    order_id: String,
+    body: String,
+}
+
+/// What the producer meant to publish, per order id: the contents (variant 0 first).
+struct Plan {
+    messages: Vec<Publish>,
+    contents: BTreeMap<String, Vec<String>>,
+}
+
+fn plan(options: &Options, rng: &mut Rng) -> Plan {
+    let mut messages = Vec::new();
+    let mut contents = BTreeMap::new();
+    for n in 0..options.orders {
+        let order_id = format!("order-{n:07}");
+        let amount = 1 + rng.below(1000);
+        let body = order_body(&order_id, amount, 0);
+        let mut variants = vec![body.clone()];
+        messages.push(Publish {
+            order_id: order_id.clone(),
+            body: body.clone(),
+        });
+        if rng.below(100) < options.resend_percent {
+            // A producer-side resend: same order, same content (a retried publish).
+            messages.push(Publish {
+                order_id: order_id.clone(),
+                body,
+            });
+        }
+        if n < options.reused {
+            // The same order id reused for other content: a conflict for whichever comes second.
+            let other = order_body(&order_id, amount + 1, 1);
+            variants.push(other.clone());
+            messages.push(Publish {
+                order_id: order_id.clone(),
+                body: other,
+            });
+        }
+        contents.insert(order_id, variants);
+    }
+    // Fisher-Yates: resends and reuses land anywhere in the stream, before or after the first.
+    for i in (1..messages.len()).rev() {
+        let j = usize::try_from(rng.below(i as u64 + 1)).expect("index fits");
+        messages.swap(i, j);
+    }
+    Plan { messages, contents }
+}
+
+/// The consumer processes, one per shard. Every child is SIGKILLed when this is dropped, so a
+/// failing run leaves nothing behind.
+struct Fleet {
+    binary: PathBuf,
+    options_amqp: String,
+    work: PathBuf,
+    metrics_port_base: u16,
+    transient_failure_percent: u64,
+    kill_after_commit_per_mille: u64,
+    children: Vec<Option<Child>>,
+    starts: usize,
+    /// Consumers that SIGKILLed themselves between a commit and its ack.
+    self_kills: usize,
+    unexpected_exits: usize,
+}
+
+impl Fleet {
+    fn start(&mut self, shard: usize) -> Result<(), BoxError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.work.join(format!("consumer-{shard}.log")))?;
+        let port = self.metrics_port_base + u16::try_from(shard)?;
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--amqp")
+            .arg(&self.options_amqp)
+            .arg("--queue")
+            .arg(queue_name(shard))
+            .arg("--dir")
+            .arg(self.work.join(format!("store-{shard}")))
+            .arg("--events")
+            .arg(self.work.join(format!("events-{shard}.log")))
+            .arg("--metrics")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--transient-failure-percent")
+            .arg(self.transient_failure_percent.to_string())
+            .arg("--kill-after-commit-per-mille")
+            .arg(self.kill_after_commit_per_mille.to_string())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        die_with_parent(&mut command);
+        self.children[shard] = Some(command.spawn()?);
+        self.starts += 1;
+        Ok(())
+    }
+
+    fn kill(&mut self, shard: usize) -> Result<(), BoxError> {
+        if let Some(mut child) = self.children[shard].take() {
+            child.kill()?; // SIGKILL
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Restarts every consumer that is not running: one that killed itself between a commit
+    /// and its ack, or one that exited for another reason (it should not; reported).
+    fn restart_exited(&mut self) -> Result<(), BoxError> {
+        use std::os::unix::process::ExitStatusExt;
+        for shard in 0..self.children.len() {
+            let status = match &mut self.children[shard] {
+                Some(child) => match child.try_wait()? {
+                    Some(status) => Some(status),
+                    None => continue,
+                },
+                None => None,
+            };
+            match status {
+                Some(status) if status.signal() == Some(libc::SIGKILL) => self.self_kills += 1,
+                Some(status) => {
+                    self.unexpected_exits += 1;
+                    eprintln!("rabbitmq_e2e: consumer {shard} exited with {status}; restarting");
+                }
+                None => {}
+            }
+            self.children[shard] = None;
+            self.start(shard)?;
+        }
+        Ok(())
+    }
+
+    /// SIGTERM to every consumer, then waits: they finish what is in flight and exit.
+    fn stop_gracefully(&mut self) -> Result<(), BoxError> {
+        for child in self.children.iter().flatten() {
+            let pid = libc::pid_t::try_from(child.id())?;
+            // SAFETY: signalling a child of ours by its pid; it has not been waited for yet.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        for child in &mut self.children {
+            if let Some(mut child) = child.take() {
+                let status = child.wait()?;
+                if std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
+                    self.self_kills += 1;
+                } else if !status.success() {
+                    eprintln!("rabbitmq_e2e: a consumer stopped with {status}");
+                    self.unexpected_exits += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for child in self.children.iter_mut().flatten() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Children get SIGKILL if this process dies, so no consumer outlives its run.
+fn die_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches only the child's own state.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+async fn connect(amqp: &str) -> Result<Connection, BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match Connection::connect(amqp, ConnectionProperties::default()).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("rabbitmq_e2e: waiting for the broker ({error})");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// Declares the exchange, the shard queues and the dead-letter queue, and empties them.
+async fn topology(channel: &Channel, shards: usize) -> Result<(), BoxError> {
+    channel
+        .exchange_declare(
+            EXCHANGE.into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    for shard in 0..shards {
+        let queue = queue_name(shard);
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                EXCHANGE.into(),
+                shard.to_string().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+    }
+    channel
+        .queue_declare(
+            DEAD_LETTER_QUEUE.into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_purge(DEAD_LETTER_QUEUE.into(), QueuePurgeOptions::default())
+        .await?;
+    Ok(())
+}
+
+/// Messages ready in each shard queue (not counting those delivered and not yet acked).
+async fn ready_messages(channel: &Channel, shards: usize) -> Result<u64, BoxError> {
+    let mut ready = 0;
+    for shard in 0..shards {
+        let queue = channel
+            .queue_declare(
+                queue_name(shard).as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        ready += u64::from(queue.message_count());
+    }
+    Ok(ready)
+}
+
+/// Total bytes of the consumers' event logs: still growing means still processing.
+fn events_bytes(work: &Path, shards: usize) -> u64 {
+    (0..shards)
+        .filter_map(|shard| std::fs::metadata(work.join(format!("events-{shard}.log"))).ok())
+        .map(|metadata| metadata.len())
+        .sum()
+}
+
+/// Waits until no message is ready and the consumers have gone quiet for a second.
+async fn wait_quiet(
+    channel: &Channel,
+    fleet: &mut Fleet,
+    work: &Path,
+    shards: usize,
+) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut last = (u64::MAX, Instant::now());
+    loop {
+        fleet.restart_exited()?;
+        let ready = ready_messages(channel, shards).await?;
+        let bytes = events_bytes(work, shards);
+        if ready > 0 || bytes != last.0 {
+            last = (bytes, Instant::now());
+        } else if last.1.elapsed() >= Duration::from_secs(1) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the queues did not drain ({ready} messages ready)").into());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One dead-lettered message as found in the DLQ.
+struct DeadLetter {
+    order_id: String,
+    received: String,
+    stored: Option<String>,
+}
+
+fn header(headers: &FieldTable, name: &str) -> Option<String> {
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into()),
+        AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+async fn drain_dead_letters(channel: &Channel) -> Result<Vec<DeadLetter>, BoxError> {
+    let mut found = Vec::new();
+    while let Some(message) = channel
+        .basic_get(DEAD_LETTER_QUEUE.into(), BasicGetOptions::default())
+        .await?
+    {
+        let delivery = message.delivery;
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        found.push(DeadLetter {
+            order_id: header(&headers, HEADER_ORDER_ID).unwrap_or_default(),
+            received: header(&headers, HEADER_RECEIVED_FINGERPRINT).unwrap_or_default(),
+            stored: header(&headers, HEADER_STORED_FINGERPRINT),
+        });
+        delivery.ack(BasicAckOptions::default()).await?;
+    }
+    Ok(found)
+}
+
+/// Reads one consumer's Prometheus endpoint (plain HTTP/1.0 over loopback).
+fn scrape(port: u16) -> Result<String, BoxError> {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response
+        .split_once("\r\n\r\n")
+        .map_or(response.clone(), |(_, body)| body.to_owned()))
+}
+
+/// The run's accounting, checked and printed at the end.
+#[derive(Default)]
+struct Accounting {
+    published: u64,
+    distinct_orders: u64,
+    effects_applied: u64,
+    duplicates_suppressed: u64,
+    conflicts_dead_lettered: u64,
+    redelivered: u64,
+    transient_nacks: u64,
+    in_progress_nacks: u64,
+    kills: u64,
+    self_kills: u64,
+    starts: u64,
+    unexpected_exits: u64,
+    lost: u64,
+    applied_twice: u64,
+    wrong_content: u64,
+    missing_conflicts: u64,
+    false_conflicts: u64,
+    total_mismatches: u64,
+}
+
+impl Accounting {
+    fn passed(&self) -> bool {
+        self.lost == 0
+            && self.applied_twice == 0
+            && self.wrong_content == 0
+            && self.missing_conflicts == 0
+            && self.false_conflicts == 0
+            && self.total_mismatches == 0
+    }
+
+    fn print(&self) {
+        let rows = [
+            ("published (confirmed by the broker)", self.published),
+            ("distinct orders", self.distinct_orders),
+            ("effects applied", self.effects_applied),
+            ("duplicates suppressed", self.duplicates_suppressed),
+            ("conflicts dead-lettered", self.conflicts_dead_lettered),
+            ("deliveries marked redelivered", self.redelivered),
+            ("transient failures nacked", self.transient_nacks),
+            ("in-progress nacked", self.in_progress_nacks),
+            ("consumers SIGKILLed at random moments", self.kills),
+            (
+                "consumers SIGKILLed between commit and ack",
+                self.self_kills,
+            ),
+            ("consumer starts", self.starts),
+            ("consumer exits not caused by us", self.unexpected_exits),
+            ("lost", self.lost),
+            ("applied twice", self.applied_twice),
+            ("applied with content never published", self.wrong_content),
+            (
+                "conflicting content not dead-lettered",
+                self.missing_conflicts,
+            ),
+            ("dead-lettered without a conflict", self.false_conflicts),
+            ("shards whose total amount disagrees", self.total_mismatches),
+        ];
+        for (label, value) in rows {
+            println!("  {label:<44} {value:>9}");
+        }
+    }
+}
+
+/// Counts the consumers' logged outcomes by kind.
+fn count_events(work: &Path, shards: usize) -> Result<HashMap<String, u64>, BoxError> {
+    let mut counts = HashMap::new();
+    for shard in 0..shards {
+        let path = work.join(format!("events-{shard}.log"));
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        for line in text.lines() {
+            let kind = line.split(' ').next().unwrap_or_default();
+            *counts.entry(kind.to_owned()).or_insert(0) += 1;
+        }
+    }
+    Ok(counts)
+}
+
+/// Checks every order against the stores and the dead-letter queue.
+fn verify(
+    options: &Options,
+    plan: &Plan,
+    dead_letters: &[DeadLetter],
+    accounting: &mut Accounting,
+) -> Result<(), BoxError> {
+    let dead: HashSet<(&str, &str)> = dead_letters
+        .iter()
+        .map(|letter| (letter.order_id.as_str(), letter.received.as_str()))
+        .collect();
+    let mut applied_fingerprint: HashMap<&str, String> = HashMap::new();
+    let mut expected_totals = vec![0u64; options.shards];
+    let mut stores = Vec::new();
+    for shard in 0..options.shards {
+        stores.push(open_store(&options.work.join(format!("store-{shard}")))?);
+    }
+    for (order_id, variants) in &plan.contents {
+        let shard = shard_of(order_id, options.shards);
+        let engine = &stores[shard];
+        let effects = engine.business_table("effects")?;
+        let orders = engine.business_table("orders")?;
+        let applied = effects
+            .get(order_id)?
+            .and_then(|value| merge_ops::read_u64(&value))
+            .unwrap_or(0);
+        accounting.effects_applied += applied;
+        match applied {
+            0 => {
+                accounting.lost += 1;
+                eprintln!("LOST: {order_id}");
+                continue;
+            }
+            1 => {}
+            _ => {
+                accounting.applied_twice += 1;
+                eprintln!("APPLIED {applied} TIMES: {order_id}");
+            }
+        }
+        let body = orders.get(order_id)?.unwrap_or_default();
+        let body = String::from_utf8_lossy(&body).into_owned();
+        if !variants.contains(&body) {
+            accounting.wrong_content += 1;
+            eprintln!("WRONG CONTENT: {order_id}: {body:?}");
+            continue;
+        }
+        expected_totals[shard] += parse_amount(body.as_bytes()).unwrap_or(0);
+        let winner = Fingerprint::of(&body).to_string();
+        // Every other content published under this id must have been dead-lettered.
+        for other in variants.iter().filter(|variant| **variant != body) {
+            let fingerprint = Fingerprint::of(other).to_string();
+            if !dead.contains(&(order_id.as_str(), fingerprint.as_str())) {
+                accounting.missing_conflicts += 1;
+                eprintln!("CONFLICT NOT DEAD-LETTERED: {order_id}: {other:?}");
+            }
+        }
+        applied_fingerprint.insert(order_id, winner);
+    }
+    let mut distinct_conflicts = HashSet::new();
+    for letter in dead_letters {
+        let winner = applied_fingerprint.get(letter.order_id.as_str());
+        let genuine = winner.is_some_and(|winner| {
+            *winner != letter.received && letter.stored.as_deref() == Some(winner.as_str())
+        });
+        if genuine {
+            distinct_conflicts.insert((letter.order_id.as_str(), letter.received.as_str()));
+        } else {
+            accounting.false_conflicts += 1;
+            eprintln!(
+                "DEAD-LETTERED WITHOUT A CONFLICT: {} received {} stored {:?}",
+                letter.order_id, letter.received, letter.stored
+            );
+        }
+    }
+    accounting.conflicts_dead_lettered = distinct_conflicts.len() as u64;
+    for (shard, engine) in stores.iter().enumerate() {
+        let total = engine
+            .business_table("effects")?
+            .get(TOTAL_AMOUNT_KEY)?
+            .and_then(|value| merge_ops::read_u64(&value))
+            .unwrap_or(0);
+        if total != expected_totals[shard] {
+            accounting.total_mismatches += 1;
+            eprintln!(
+                "TOTAL MISMATCH in shard {shard}: stored {total}, orders applied sum to {}",
+                expected_totals[shard]
+            );
+        }
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() {
+    match run().await {
+        Ok(true) => {}
+        Ok(false) => std::process::exit(1),
+        Err(error) => {
+            eprintln!("rabbitmq_e2e: {error}");
+            std::process::exit(2);
+        }
+    }
+}
+
+async fn run() -> Result<bool, BoxError> {
+    let options = parse_options()?;
+    let started = Instant::now();
+    let mut rng = Rng(options.seed);
+    let plan = plan(&options, &mut rng);
+    if options.work.exists() {
+        std::fs::remove_dir_all(&options.work)?;
+    }
+    std::fs::create_dir_all(&options.work)?;
+
+    let connection = connect(&options.amqp).await?;
+    let channel = connection.create_channel().await?;
+    topology(&channel, options.shards).await?;
+    let publisher = connection.create_channel().await?;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+
+    let binary = std::env::current_exe()?.with_file_name("rabbitmq_orders");
+    if !binary.exists() {
+        return Err(format!(
+            "{} not found: build it with `cargo build --release --features tokio --examples`",
+            binary.display()
+        )
+        .into());
+    }
+    let mut fleet = Fleet {
+        binary,
+        options_amqp: options.amqp.clone(),
+        work: options.work.clone(),
+        metrics_port_base: options.metrics_port_base,
+        transient_failure_percent: options.transient_failure_percent,
+        kill_after_commit_per_mille: options.kill_after_commit_per_mille,
+        children: (0..options.shards).map(|_| None).collect(),
+        starts: 0,
+        self_kills: 0,
+        unexpected_exits: 0,
+    };
+    for shard in 0..options.shards {
+        fleet.start(shard)?;
+    }
+    println!(
+        "rabbitmq_e2e: {} orders, {} messages to publish at {}/s, {} shards, work dir {}",
+        options.orders,
+        plan.messages.len(),
+        options.rate,
+        options.shards,
+        options.work.display()
+    );
+
+    // The producer publishes at a steady rate (each publish confirmed), while this task kills
+    // consumers at random moments and restarts them.
+    let producer = {
+        let messages = plan.messages.clone();
+        let shards = options.shards;
+        let interval = Duration::from_micros(1_000_000 / options.rate);
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            let mut confirmed = 0u64;
+            for message in messages {
+                ticker.tick().await;
+                let properties = BasicProperties::default()
+                    .with_message_id(ShortString::from(message.order_id.as_str()))
+                    .with_delivery_mode(2);
+                let routing_key = shard_of(&message.order_id, shards).to_string();
+                let confirm = publisher
+                    .basic_publish(
+                        EXCHANGE.into(),
+                        routing_key.into(),
+                        BasicPublishOptions::default(),
+                        message.body.as_bytes(),
+                        properties,
+                    )
+                    .await?
+                    .await?;
+                if !confirm.is_ack() {
+                    return Err::<u64, BoxError>("the broker refused a publish".into());
+                }
+                confirmed += 1;
+            }
+            Ok(confirmed)
+        })
+    };
+    let mut kills = 0u64;
+    loop {
+        let pause = 100 + rng.below(700);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        if producer.is_finished() && kills >= options.min_kills as u64 {
+            break;
+        }
+        let shard = usize::try_from(rng.below(options.shards as u64))?;
+        fleet.kill(shard)?;
+        kills += 1;
+        fleet.start(shard)?;
+        fleet.restart_exited()?;
+    }
+    let published = producer.await??;
+    println!("rabbitmq_e2e: all published; {kills} kills done; draining");
+
+    // Drain: wait for quiet, stop the consumers gracefully, and check nothing is left (a
+    // message delivered to a stopping consumer goes back to its queue: start again then).
+    let mut metrics_sample = None;
+    for round in 0.. {
+        wait_quiet(&channel, &mut fleet, &options.work, options.shards).await?;
+        if metrics_sample.is_none() {
+            metrics_sample = scrape(options.metrics_port_base).ok();
+        }
+        fleet.stop_gracefully()?;
+        if ready_messages(&channel, options.shards).await? == 0 {
+            break;
+        }
+        if round == 10 {
+            return Err("messages keep coming back after ten drain rounds".into());
+        }
+        for shard in 0..options.shards {
+            fleet.start(shard)?;
+        }
+    }
+    if let Some(sample) = &metrics_sample {
+        std::fs::write(options.work.join("metrics-shard-0.txt"), sample)?;
+    }
+    let dead_letters = drain_dead_letters(&channel).await?;
+    connection.close(200, "done".into()).await?;
+
+    let events = count_events(&options.work, options.shards)?;
+    let event = |kind: &str| events.get(kind).copied().unwrap_or(0);
+    let mut accounting = Accounting {
+        published,
+        distinct_orders: plan.contents.len() as u64,
+        duplicates_suppressed: event("duplicate"),
+        redelivered: event("redelivered"),
+        transient_nacks: event("transient"),
+        in_progress_nacks: event("in_progress"),
+        kills,
+        self_kills: fleet.self_kills as u64,
+        starts: fleet.starts as u64,
+        unexpected_exits: fleet.unexpected_exits as u64,
+        ..Accounting::default()
+    };
+    verify(&options, &plan, &dead_letters, &mut accounting)?;
+    println!(
+        "rabbitmq_e2e: accounting ({:.0} s from first publish to last check)",
+        started.elapsed().as_secs_f64()
+    );
+    accounting.print();
+    if let Some(sample) = metrics_sample {
+        let shown: Vec<&str> = sample
+            .lines()
+            .filter(|line| line.starts_with("idemdb_outcomes_total") || line.contains("_count"))
+            .take(8)
+            .collect();
+        println!("rabbitmq_e2e: metrics of consumer 0 (full scrape in the work dir):");
+        for line in shown {
+            println!("  {line}");
+        }
+    }
+    let passed = accounting.passed();
+    println!(
+        "rabbitmq_e2e: {}",
+        if passed {
+            "PASSED: lost = 0, applied twice = 0"
+        } else {
+            "FAILED"
+        }
+    );
+    Ok(passed)
+}

@@ -1,0 +1,96 @@
+# Sourced: starts and stops a private RabbitMQ server for idemdb's end-to-end test.
+#
+# The server listens on 127.0.0.1 only, on non-default ports (AMQP 15673, Erlang distribution
+# 15675, its own epmd on 14369), keeps its data, logs and Erlang cookie under one folder, and is
+# stopped by pid. Debian's /usr/sbin/rabbitmq-server switches user; the script under
+# /usr/lib/rabbitmq/bin runs the node directly.
+
+RABBITMQ_AMQP_PORT=15673
+RABBITMQ_E2E_DIST_PORT=15675
+RABBITMQ_E2E_EPMD_PORT=14369
+RABBITMQ_URL="amqp://guest:guest@127.0.0.1:${RABBITMQ_AMQP_PORT}/%2f"
+
+rabbitmq_install() {
+    if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+        return
+    fi
+    echo "idemdb: installing rabbitmq-server (for the RabbitMQ end-to-end test)" >&2
+    local sudo=""
+    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+    # Keep the package from starting a system-wide server on the default ports.
+    local policy=/usr/sbin/policy-rc.d added_policy=""
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+        $sudo chmod +x "$policy"
+        added_policy=1
+    fi
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq rabbitmq-server >/dev/null
+    if [ -n "$added_policy" ]; then $sudo rm -f "$policy"; fi
+}
+
+# rabbitmq_start DIR: starts epmd and the node; returns once the AMQP port accepts connections.
+rabbitmq_start() {
+    local dir="$1"
+    rm -rf "$dir"
+    mkdir -p "$dir/home" "$dir/mnesia" "$dir/log"
+    : >"$dir/rabbitmq-env.conf"
+    echo '[].' >"$dir/enabled_plugins"
+    cat >"$dir/rabbitmq.conf" <<CONF
+listeners.tcp.default = 127.0.0.1:${RABBITMQ_AMQP_PORT}
+loopback_users.guest = true
+disk_free_limit.absolute = 50MB
+log.console = false
+CONF
+    export HOME="$dir/home" \
+        RABBITMQ_NODENAME="idemdb-e2e@localhost" \
+        RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+        RABBITMQ_NODE_PORT="$RABBITMQ_AMQP_PORT" \
+        RABBITMQ_DIST_PORT="$RABBITMQ_E2E_DIST_PORT" \
+        ERL_EPMD_PORT="$RABBITMQ_E2E_EPMD_PORT" \
+        ERL_EPMD_ADDRESS=127.0.0.1 \
+        RABBITMQ_MNESIA_BASE="$dir/mnesia" \
+        RABBITMQ_LOG_BASE="$dir/log" \
+        RABBITMQ_CONFIG_FILE="$dir/rabbitmq.conf" \
+        RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" \
+        RABBITMQ_CONF_ENV_FILE="$dir/rabbitmq-env.conf" \
+        RABBITMQ_PID_FILE="$dir/rabbitmq.pid" \
+        RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+    epmd -address 127.0.0.1 -port "$RABBITMQ_E2E_EPMD_PORT" >"$dir/log/epmd.out" 2>&1 &
+    RABBITMQ_EPMD_PID=$!
+    /usr/lib/rabbitmq/bin/rabbitmq-server >"$dir/log/server.out" 2>&1 &
+    RABBITMQ_SERVER_PID=$!
+    local waited=0
+    until (exec 3<>"/dev/tcp/127.0.0.1/$RABBITMQ_AMQP_PORT") 2>/dev/null; do
+        if ! kill -0 "$RABBITMQ_SERVER_PID" 2>/dev/null; then
+            echo "idemdb: rabbitmq-server exited; its output:" >&2
+            tail -n 40 "$dir/log/server.out" >&2
+            rabbitmq_stop
+            return 1
+        fi
+        if ((waited >= 120)); then
+            echo "idemdb: rabbitmq-server did not listen within 60 s" >&2
+            rabbitmq_stop
+            return 1
+        fi
+        sleep 0.5
+        waited=$((waited + 1))
+    done
+    echo "idemdb: rabbitmq-server (pid $RABBITMQ_SERVER_PID) on 127.0.0.1:$RABBITMQ_AMQP_PORT after $((waited / 2)) s" >&2
+}
+
+# Stops what rabbitmq_start started, by pid: SIGTERM, then SIGKILL after 30 s.
+rabbitmq_stop() {
+    local pid
+    for pid in ${RABBITMQ_SERVER_PID:-} ${RABBITMQ_EPMD_PID:-}; do
+        kill -TERM "$pid" 2>/dev/null || continue
+        for _ in $(seq 60); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.5
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    RABBITMQ_SERVER_PID=""
+    RABBITMQ_EPMD_PID=""
+}

@@ -1,0 +1,553 @@
+//! Guards the `idemdb` operator binary: every command against a store built with the library,
+//! its exit codes, read commands on a live store, write commands refused on one, and the repairs
+//! (resolve, release, invalidate, purge, export/import round trip) checked through the library.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use idemdb::{
+    Durability, Engine, EngineBuilder, Fingerprint, MockClock, Outcome, TableOptions, format,
+    merge_ops,
+};
+use serde_json::Value;
+
+const MINUTE_MS: u64 = 60 * 1000;
+const DAY_MS: u64 = 24 * 60 * MINUTE_MS;
+
+/// Runs `idemdb` with `args`; `stdin` is written to its standard input.
+fn idemdb_with_input(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemdb"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run idemdb");
+    let input = child.stdin.take().unwrap();
+    if let Some(bytes) = stdin {
+        use std::io::Write;
+        let mut input = input;
+        input.write_all(bytes).unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn idemdb(args: &[&str]) -> Output {
+    idemdb_with_input(args, None)
+}
+
+#[track_caller]
+fn expect_code(output: &Output, code: i32) {
+    assert_eq!(
+        output.status.code(),
+        Some(code),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).unwrap()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).unwrap()
+}
+
+#[track_caller]
+fn json(output: &Output) -> Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
+        panic!(
+            "not JSON ({error}):\n{}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
+fn real_now_ms() -> u64 {
+    let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    u64::try_from(since.as_millis()).unwrap()
+}
+
+/// A store the tests work on, with a mock clock so records can be made in the past; the
+/// binary reads them with the real clock.
+struct Fixture {
+    dir: tempfile::TempDir,
+    clock: MockClock,
+}
+
+impl Fixture {
+    fn path(&self) -> &str {
+        self.dir.path().to_str().unwrap()
+    }
+
+    fn open(&self) -> Engine {
+        builder(self.dir.path(), &self.clock).open().unwrap()
+    }
+}
+
+fn builder(path: &Path, clock: &MockClock) -> EngineBuilder {
+    Engine::builder(path)
+        .clock(clock.clone())
+        .durability(Durability::Buffered)
+        .business_table(TableOptions::new("orders"))
+        .business_table(TableOptions::new("counters").merge_operator("add_u64", merge_ops::add_u64))
+        .entity_table("customers")
+}
+
+fn commit(engine: &Engine, consumer: &str, key: &[u8], result: &str) {
+    let consumer = engine.consumer(consumer).unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    let counters = engine.business_table("counters").unwrap();
+    match consumer.begin(key, Fingerprint::of(key)).unwrap() {
+        Outcome::Fresh(mut claim) => {
+            claim.put(&orders, key, result).unwrap();
+            claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
+            claim.commit(result).unwrap();
+        }
+        other => panic!("expected fresh, got {other:?}"),
+    }
+}
+
+/// The store: consumer `billing` with `old-order` (expired), `order-1`, `order-2`, a binary
+/// key `00 ff 'bin'` (live) and `broken` (an undecodable value); consumer `payments` with
+/// `charge-stuck` (in progress for an hour, lease run out) and `charge-fresh` (in progress,
+/// lease live); entity `customers/cust-1`. Business `counters` holds unflushed merge operands.
+/// Returns the engine still open: the store is live.
+fn fixture() -> (Fixture, Engine) {
+    let now_ms = real_now_ms();
+    let fixture = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: MockClock::new(now_ms - 10 * DAY_MS),
+    };
+    // The corrupt value is written with plain RocksDB before any merge operand exists, which
+    // plain RocksDB (without the business table's merge operator) could not flush.
+    drop(fixture.open());
+    {
+        let names = rocksdb::DB::list_cf(&rocksdb::Options::default(), fixture.path()).unwrap();
+        let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), fixture.path(), names).unwrap();
+        let records = db.cf_handle("idemdb.records").unwrap();
+        let key = format::encode_key(b"billing", b"broken").unwrap();
+        db.put_cf(records, key, b"\x01garbage").unwrap();
+    }
+    let engine = fixture.open();
+    commit(&engine, "billing", b"old-order", "accepted old-order");
+    fixture.clock.set(now_ms - 60 * MINUTE_MS);
+    let payments = engine.consumer("payments").unwrap();
+    let lease = Duration::from_secs(30);
+    let Outcome::Fresh(_) = payments
+        .begin_external("charge-stuck", Fingerprint::of("c1"), lease, "worker-1")
+        .unwrap()
+    else {
+        panic!("charge-stuck: expected fresh");
+    };
+    fixture.clock.set(now_ms);
+    let Outcome::Fresh(_) = payments
+        .begin_external(
+            "charge-fresh",
+            Fingerprint::of("c2"),
+            Duration::from_secs(3600),
+            "worker-2",
+        )
+        .unwrap()
+    else {
+        panic!("charge-fresh: expected fresh");
+    };
+    commit(&engine, "billing", b"order-1", "accepted order-1");
+    commit(&engine, "billing", b"order-2", "accepted order-2");
+    commit(&engine, "billing", b"\x00\xffbin", "bin");
+    let customers = engine.entity_table("customers").unwrap();
+    let Outcome::Fresh(claim) = customers.begin("cust-1", Fingerprint::of("Ada")).unwrap() else {
+        panic!("cust-1: expected fresh");
+    };
+    claim.commit("Ada").unwrap();
+    (fixture, engine)
+}
+
+fn group<'a>(stats: &'a Value, consumer: &str) -> &'a Value {
+    stats["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|group| group["consumer"] == consumer)
+        .unwrap_or_else(|| panic!("no group for {consumer} in {stats}"))
+}
+
+#[test]
+fn read_commands_work_on_a_live_store() {
+    let (fixture, engine) = fixture();
+    let store = fixture.path();
+
+    let output = idemdb(&["stats", store, "--json"]);
+    expect_code(&output, 0);
+    let stats = json(&output);
+    let billing = group(&stats, "billing");
+    assert_eq!(billing["live"], 3);
+    assert_eq!(billing["expired"], 1);
+    assert_eq!(billing["corrupt"], 1);
+    assert_eq!(group(&stats, "payments")["in_progress"], 2);
+    assert_eq!(stats["totals"]["total"], 8);
+    assert!(stats["disk_bytes"].as_u64().unwrap() > 0);
+    let output = idemdb(&["stats", store]);
+    expect_code(&output, 0);
+    let text = stdout(&output);
+    assert!(text.contains("CONSUMER"), "{text}");
+    assert!(text.contains("payments"), "{text}");
+    assert!(
+        text.contains("8: 4 live, 1 expired, 2 in progress, 0 released, 1 corrupt"),
+        "{text}"
+    );
+
+    let output = idemdb(&["get", store, "billing", "order-1", "--json"]);
+    expect_code(&output, 0);
+    let record = json(&output);
+    assert_eq!(record["status"], "live");
+    assert_eq!(record["result"], "accepted order-1");
+    assert_eq!(record["epoch"], 1);
+    let output = idemdb(&["get", store, "billing", "order-1"]);
+    expect_code(&output, 0);
+    assert!(stdout(&output).contains("accepted order-1"));
+    expect_code(&idemdb(&["get", store, "billing", "no-such-order"]), 1);
+    let output = idemdb(&["get", store, "billing", "hex:00ff62696e", "--json"]);
+    expect_code(&output, 0);
+    assert_eq!(
+        json(&output)["key"],
+        "0x00ff62696e",
+        "binary keys print as hex"
+    );
+    let output = idemdb(&["get", store, "--entity", "customers", "cust-1", "--json"]);
+    expect_code(&output, 0);
+    assert_eq!(json(&output)["result"], "Ada");
+
+    let output = idemdb(&["list", store, "--state", "expired", "--json"]);
+    expect_code(&output, 0);
+    let listed = json(&output);
+    let keys: Vec<&str> = listed["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["old-order"]);
+
+    let output = idemdb(&["in-progress", store, "--older-than", "5m", "--json"]);
+    expect_code(&output, 0);
+    let stuck = json(&output);
+    assert_eq!(stuck["entries"].as_array().unwrap().len(), 1);
+    assert_eq!(stuck["entries"][0]["key"], "charge-stuck");
+    assert_eq!(stuck["entries"][0]["holder"], "worker-1");
+    let output = idemdb(&["in-progress", store, "--older-than", "5m"]);
+    expect_code(&output, 0);
+    let text = stdout(&output);
+    assert!(
+        text.contains("charge-stuck") && !text.contains("charge-fresh"),
+        "{text}"
+    );
+
+    let output = idemdb(&["verify", store]);
+    expect_code(&output, 1);
+    assert!(stdout(&output).contains("broken"), "{}", stdout(&output));
+    let output = idemdb(&["verify", store, "--json"]);
+    expect_code(&output, 1);
+    let report = json(&output);
+    assert_eq!(report["problems_total"], 1);
+    assert_eq!(report["problems"][0]["key"], "broken");
+
+    let output = idemdb(&["export", store]);
+    expect_code(&output, 1);
+    assert!(stderr(&output).contains("broken"));
+    let lines: Vec<Value> = stdout(&output)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 7, "every decodable record");
+    drop(engine);
+}
+
+#[test]
+fn pages_are_joined_by_cursors() {
+    let (fixture, _engine) = fixture();
+    let store = fixture.path();
+    let mut keys = Vec::new();
+    let mut after: Option<String> = None;
+    for _ in 0..10 {
+        let mut args = vec!["list", store, "--limit", "3", "--json"];
+        if let Some(cursor) = &after {
+            args.extend(["--after", cursor.as_str()]);
+        }
+        let output = idemdb(&args);
+        expect_code(&output, 0);
+        let page = json(&output);
+        keys.extend(
+            page["entries"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|entry| entry["key_hex"].as_str().unwrap().to_owned()),
+        );
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(
+        keys.len(),
+        8,
+        "every entry, corrupt included, once: {keys:?}"
+    );
+    keys.dedup();
+    assert_eq!(keys.len(), 8, "no entry twice: {keys:?}");
+    let output = idemdb(&["list", store, "--limit", "3"]);
+    expect_code(&output, 0);
+    assert!(stdout(&output).contains("more: --after idemdb.records:"));
+}
+
+#[test]
+fn write_commands_refuse_a_live_store_with_the_busy_code() {
+    let (fixture, engine) = fixture();
+    let store = fixture.path();
+    for args in [
+        vec![
+            "resolve",
+            store,
+            "payments",
+            "charge-stuck",
+            "--result",
+            "done",
+        ],
+        vec!["release", store, "payments", "charge-stuck"],
+        vec!["invalidate", store, "billing", "order-1"],
+        vec!["purge-expired", store],
+    ] {
+        let output = idemdb(&args);
+        expect_code(&output, 3);
+        assert!(stderr(&output).contains("busy"), "{}", stderr(&output));
+    }
+    let output = idemdb_with_input(&["import", store], Some(b""));
+    expect_code(&output, 3);
+    let started = Instant::now();
+    expect_code(
+        &idemdb(&[
+            "release",
+            store,
+            "payments",
+            "charge-stuck",
+            "--wait",
+            "300ms",
+        ]),
+        3,
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "--wait retries"
+    );
+    // Nothing changed.
+    let payments = engine.consumer("payments").unwrap();
+    assert!(matches!(
+        payments.get("charge-stuck").unwrap().unwrap().state,
+        idemdb::RecordState::InProgress { .. }
+    ));
+}
+
+#[test]
+fn resolve_and_release_in_progress_keys_of_a_stopped_store() {
+    let (fixture, engine) = fixture();
+    let store = fixture.path();
+    drop(engine);
+    let output = idemdb(&[
+        "resolve",
+        store,
+        "payments",
+        "charge-stuck",
+        "--result",
+        "settled",
+    ]);
+    expect_code(&output, 0);
+    assert!(stdout(&output).contains("completed"));
+    expect_code(&idemdb(&["release", store, "payments", "charge-fresh"]), 0);
+    let output = idemdb(&[
+        "resolve",
+        store,
+        "payments",
+        "charge-stuck",
+        "--result",
+        "again",
+    ]);
+    expect_code(&output, 1);
+    assert!(stderr(&output).contains("not in progress"));
+
+    let engine = fixture.open();
+    let payments = engine.consumer("payments").unwrap();
+    match payments
+        .begin("charge-stuck", Fingerprint::of("c1"))
+        .unwrap()
+    {
+        Outcome::Duplicate { result, .. } => assert_eq!(result, "settled"),
+        other => panic!("expected the resolved result, got {other:?}"),
+    }
+    match payments
+        .begin_external(
+            "charge-fresh",
+            Fingerprint::of("c2"),
+            Duration::from_secs(30),
+            "w",
+        )
+        .unwrap()
+    {
+        Outcome::Fresh(claim) => assert_eq!(claim.epoch(), 2),
+        other => panic!("expected the released key to be free, got {other:?}"),
+    }
+}
+
+#[test]
+fn invalidate_makes_the_next_delivery_fresh_at_the_next_epoch() {
+    let (fixture, engine) = fixture();
+    let store = fixture.path();
+    drop(engine);
+    expect_code(&idemdb(&["invalidate", store, "billing", "order-1"]), 0);
+    let output = idemdb(&["invalidate", store, "billing", "order-1"]);
+    expect_code(&output, 1);
+    assert!(stderr(&output).contains("released"), "{}", stderr(&output));
+    let output = idemdb(&["get", store, "billing", "order-1", "--json"]);
+    expect_code(&output, 0);
+    assert_eq!(json(&output)["status"], "released");
+
+    let engine = fixture.open();
+    let billing = engine.consumer("billing").unwrap();
+    match billing
+        .begin("order-1", Fingerprint::of("order-1"))
+        .unwrap()
+    {
+        Outcome::Fresh(claim) => assert_eq!(claim.commit("again").unwrap().epoch, 2),
+        other => panic!("expected fresh after invalidate, got {other:?}"),
+    }
+    assert_eq!(billing.get("order-2").unwrap().unwrap().epoch, 1);
+    // The business data written with the records survived the operator's open.
+    let counters = engine.business_table("counters").unwrap();
+    let n = counters
+        .get("n")
+        .unwrap()
+        .and_then(|v| merge_ops::read_u64(&v));
+    assert_eq!(n, Some(4));
+}
+
+#[test]
+fn export_import_round_trips_exactly() {
+    let (fixture, engine) = fixture();
+    let exported_a = fixture.dir.path().join("a.jsonl");
+    let exported_a = exported_a.to_str().unwrap();
+    drop(engine);
+    // The corrupt entry is reported and left out.
+    expect_code(&idemdb(&["export", fixture.path(), "-o", exported_a]), 1);
+
+    let target = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: MockClock::new(real_now_ms()),
+    };
+    drop(target.open());
+    let output = idemdb(&["import", target.path(), exported_a, "--json"]);
+    expect_code(&output, 0);
+    assert_eq!(json(&output)["imported"], 7);
+    let output = idemdb(&["export", target.path()]);
+    expect_code(&output, 0);
+    let a = std::fs::read(exported_a).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&a),
+        "export | import | export is the identity"
+    );
+
+    // Again: everything exists already, so it is skipped (exit 1); --overwrite replaces.
+    let output = idemdb_with_input(&["import", target.path(), "--json"], Some(&a));
+    expect_code(&output, 1);
+    assert_eq!(json(&output)["skipped"], 7);
+    let output = idemdb_with_input(
+        &["import", target.path(), "-", "--overwrite", "--json"],
+        Some(&a),
+    );
+    expect_code(&output, 0);
+    assert_eq!(json(&output)["overwritten"], 7);
+    expect_code(&idemdb(&["export", target.path(), "-o", exported_a]), 0);
+    assert_eq!(std::fs::read(exported_a).unwrap(), a);
+
+    // The imported in-progress record is the same claim: its holder's lease and epoch hold.
+    let engine = target.open();
+    let payments = engine.consumer("payments").unwrap();
+    assert!(matches!(
+        payments
+            .begin("charge-fresh", Fingerprint::of("c2"))
+            .unwrap(),
+        Outcome::InProgress { epoch: Some(1), .. }
+    ));
+}
+
+#[test]
+fn purge_expired_removes_expired_records_and_keeps_the_rest() {
+    let (fixture, engine) = fixture();
+    let store = fixture.path();
+    drop(engine);
+    let output = idemdb(&["purge-expired", store, "--json"]);
+    expect_code(&output, 0);
+    let report = json(&output);
+    assert_eq!(report["before"]["expired"], 1);
+    assert_eq!(report["after"]["expired"], 0);
+    assert_eq!(report["after"]["in_progress"], 2);
+    assert_eq!(report["after"]["live"], 4);
+    assert_eq!(
+        report["after"]["corrupt"], 1,
+        "undecodable values are kept as evidence"
+    );
+    let output = idemdb(&["purge-expired", store]);
+    expect_code(&output, 0);
+    assert!(
+        stdout(&output).contains("after   7: 4 live, 0 expired"),
+        "{}",
+        stdout(&output)
+    );
+}
+
+#[test]
+fn bad_input_gets_the_documented_codes() {
+    let (fixture, engine) = fixture();
+    let store = fixture.path();
+    let empty = tempfile::tempdir().unwrap();
+    let missing = empty.path().join("missing");
+    expect_code(&idemdb(&["stats", empty.path().to_str().unwrap()]), 4);
+    expect_code(&idemdb(&["stats", missing.to_str().unwrap()]), 4);
+    expect_code(
+        &idemdb(&["release", missing.to_str().unwrap(), "c", "k"]),
+        4,
+    );
+    assert!(!missing.exists(), "no command creates a store");
+    for args in [
+        vec!["get", store, "billing", "hex:0"],
+        vec!["get", store, "billing", "hex:zz"],
+        vec!["get", store, "billing", "a", "b"],
+        vec!["get", store, "--entity", "customers", "a", "b"],
+        vec!["get", store, "--entity", "orders", "a"],
+        vec!["list", store, "--after", "nonsense"],
+        vec!["list", store, "--older-than", "soon"],
+        vec!["list", store, "--state", "sleeping"],
+        vec!["list", store, "--table", "orders"],
+        vec!["no-such-command", store],
+    ] {
+        expect_code(&idemdb(&args), 2);
+    }
+    drop(engine);
+    // Malformed import input is refused before anything is written.
+    let input = b"{\"table\":\"idemdb.records\"}\n";
+    let output = idemdb_with_input(&["import", store], Some(input));
+    expect_code(&output, 2);
+    assert!(stderr(&output).contains("line 1"), "{}", stderr(&output));
+}
+
+#[test]
+fn help_documents_the_exit_codes_and_the_live_store_rule() {
+    let output = idemdb(&["--help"]);
+    expect_code(&output, 0);
+    let help = stdout(&output);
+    assert!(help.contains("3  store busy"), "{help}");
+    assert!(help.contains("Consumer::resolve"), "{help}");
+}
