@@ -10,6 +10,7 @@ use rocksdb::WriteBatch;
 use crate::claim::{Claim, Committed, Outcome, Pending, Request, decide, inspect_record};
 use crate::engine::Inner;
 use crate::error::{Error, Limit, Result, check_limit};
+use crate::latch::KeyHashBuilder;
 use crate::record::Record;
 
 /// The most messages one batch claims.
@@ -39,9 +40,9 @@ pub struct ClaimBatch {
 }
 
 /// For each request, the index of the first request with the same key (itself if none before).
-fn first_occurrences(requests: &[Request]) -> Vec<usize> {
-    let mut first_index: HashMap<&[u8], usize, xxhash_rust::xxh3::Xxh3DefaultBuilder> =
-        HashMap::with_capacity_and_hasher(requests.len(), Default::default());
+fn first_occurrences(requests: &[Request], hasher: KeyHashBuilder) -> Vec<usize> {
+    let mut first_index: HashMap<&[u8], usize, KeyHashBuilder> =
+        HashMap::with_capacity_and_hasher(requests.len(), hasher);
     requests
         .iter()
         .enumerate()
@@ -64,7 +65,7 @@ pub(crate) fn begin_batch(
     let mut outcomes: Vec<BatchOutcome> = Vec::with_capacity(requests.len());
     // Per latched message: what `decide` needs besides the claim.
     let mut rest: Vec<Option<Pending>> = Vec::with_capacity(requests.len());
-    let first_of = first_occurrences(&requests);
+    let first_of = first_occurrences(&requests, latches.hash_builder());
     for (index, request) in requests.into_iter().enumerate() {
         if first_of[index] != index {
             claims.push(None);

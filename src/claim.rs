@@ -485,22 +485,35 @@ fn guard_order(
 }
 
 /// One staged business write, kept as data until a commit builds the write batch (so that a
-/// batch commit can put many claims' writes into one `WriteBatch`).
-enum StagedOp {
-    Put {
-        table: usize,
-        key: Box<[u8]>,
-        value: Box<[u8]>,
-    },
-    Delete {
-        table: usize,
-        key: Box<[u8]>,
-    },
-    Merge {
-        table: usize,
-        key: Box<[u8]>,
-        operand: Box<[u8]>,
-    },
+/// batch commit can put many claims' writes into one `WriteBatch`). The key and the value (or
+/// merge operand) share one allocation: staging is on every message's path.
+struct StagedOp {
+    kind: StagedKind,
+    table: usize,
+    key_len: usize,
+    /// The key, then the value or operand (nothing for a delete).
+    bytes: Box<[u8]>,
+}
+
+#[derive(Clone, Copy)]
+enum StagedKind {
+    Put,
+    Delete,
+    Merge,
+}
+
+impl StagedOp {
+    fn new(kind: StagedKind, table: usize, key: &[u8], value: &[u8]) -> StagedOp {
+        let mut bytes = Vec::with_capacity(key.len() + value.len());
+        bytes.extend_from_slice(key);
+        bytes.extend_from_slice(value);
+        StagedOp {
+            kind,
+            table,
+            key_len: key.len(),
+            bytes: bytes.into_boxed_slice(),
+        }
+    }
 }
 
 /// Business writes staged on a claim, and their size against the limits.
@@ -523,11 +536,8 @@ impl Staged {
         value: &[u8],
     ) -> Result<()> {
         self.check_write(inner, table, key, value.len())?;
-        self.ops.push(StagedOp::Put {
-            table: table.index,
-            key: key.into(),
-            value: value.into(),
-        });
+        self.ops
+            .push(StagedOp::new(StagedKind::Put, table.index, key, value));
         Ok(())
     }
 
@@ -538,10 +548,8 @@ impl Staged {
         key: &[u8],
     ) -> Result<()> {
         self.check_write(inner, table, key, 0)?;
-        self.ops.push(StagedOp::Delete {
-            table: table.index,
-            key: key.into(),
-        });
+        self.ops
+            .push(StagedOp::new(StagedKind::Delete, table.index, key, &[]));
         Ok(())
     }
 
@@ -558,27 +566,20 @@ impl Staged {
             });
         }
         self.check_write(inner, table, key, operand.len())?;
-        self.ops.push(StagedOp::Merge {
-            table: table.index,
-            key: key.into(),
-            operand: operand.into(),
-        });
+        self.ops
+            .push(StagedOp::new(StagedKind::Merge, table.index, key, operand));
         Ok(())
     }
 
     /// Appends every staged write to `batch`, leaving nothing staged.
     pub(crate) fn drain_into(&mut self, inner: &Inner, batch: &mut WriteBatch) {
         for op in self.ops.drain(..) {
-            match op {
-                StagedOp::Put { table, key, value } => {
-                    batch.put_cf(inner.business_cf(table), key, value);
-                }
-                StagedOp::Delete { table, key } => batch.delete_cf(inner.business_cf(table), key),
-                StagedOp::Merge {
-                    table,
-                    key,
-                    operand,
-                } => batch.merge_cf(inner.business_cf(table), key, operand),
+            let cf = inner.business_cf(op.table);
+            let (key, value) = op.bytes.split_at(op.key_len);
+            match op.kind {
+                StagedKind::Put => batch.put_cf(cf, key, value),
+                StagedKind::Delete => batch.delete_cf(cf, key),
+                StagedKind::Merge => batch.merge_cf(cf, key, value),
             }
         }
         self.bytes = 0;

@@ -10,6 +10,7 @@ mod contenders;
 mod embedded;
 mod machine;
 mod peers;
+mod profile;
 mod report;
 mod scale;
 mod servers;
@@ -44,6 +45,8 @@ enum Command {
     WalOptions(tuning::WalArgs),
     /// RocksDB's read-path options on the lookups of new and duplicate keys.
     ReadOptions(tuning::ReadArgs),
+    /// One embedded contender's deliveries on this thread, for callgrind (scripts/profile.sh).
+    Profile(profile::ProfileArgs),
     /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
     /// wal-options and read-options with their defaults.
     All(PeersArgs),
@@ -95,6 +98,7 @@ fn main() -> Result<()> {
             let rows = tuning::read_options(&args)?;
             report::write_read_options(&args.out, &args, &rows)?;
         }
+        Command::Profile(args) => profile::run(&args)?,
         Command::All(args) => {
             let results = peers(&args)?;
             report::write_peers(&args.out, &results)?;
