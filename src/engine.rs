@@ -819,13 +819,14 @@ pub(crate) fn db_options() -> rocksdb::Options {
     // writes the WAL and fsyncs it for all waiting writers; the next group queues meanwhile).
     // Measured on this write pattern (BENCHMARKS.md, `compare.sh wal-options`): the leader
     // inserting the whole group into the memtables is faster than waking every writer to insert
-    // its own at 32 producers (+24% and +37% in two runs on 2 cores; at 8 producers the runs
-    // disagreed); pipelined writes, larger write groups and a group commit of our own over
+    // its own at 32 producers (+24%, +37% and +39% in three runs on 2 cores; at 8 producers the
+    // runs disagreed); pipelined writes, larger write groups and a group commit of our own over
     // `manual_wal_flush` gained nothing.
     options.set_allow_concurrent_memtable_write(false);
     options.set_enable_pipelined_write(false);
     // Reuse obsolete WAL files instead of appending to new ones: an fdatasync then has no file
-    // size to journal (p50 of a 1-producer durable write 188 -> 130 us). Records carry their
+    // size to journal (p50 of a 1-producer durable write 188 -> 130 us, and 207 -> 135 us in a
+    // later run). Records carry their
     // log number, so recovery stops at the previous incarnation's leftovers; RocksDB supports
     // this with point-in-time recovery since its fix for it (facebook/rocksdb#12403, #13819).
     options.set_recycle_log_file_num(4);
