@@ -484,7 +484,9 @@ struct Accounting {
 
 impl Accounting {
     fn passed(&self) -> bool {
-        self.lost == 0
+        // A consumer that dies on its own is a bug even when nothing was lost.
+        self.unexpected_exits == 0
+            && self.lost == 0
             && self.applied_twice == 0
             && self.wrong_content == 0
             && self.missing_conflicts == 0

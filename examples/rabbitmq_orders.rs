@@ -8,8 +8,10 @@
 //! - `Duplicate`: ack without effect (the broker redelivered, or the producer resent).
 //! - `Conflict` (same order id, other content): publish to the dead-letter queue with both
 //!   fingerprints in headers, wait for the broker's confirm, then ack.
-//! - `InProgress` (the same order is being processed by another delivery right now), or a
-//!   transient failure: nack with requeue, so the broker delivers it again later.
+//! - `InProgress` (the same order is being processed by another delivery right now), a
+//!   transient failure, or a retryable idemdb error: nack with requeue, so the broker delivers
+//!   it again later. Any other idemdb error (a poisoned engine) stops the process; the broker
+//!   requeues what it held.
 //!
 //! A crash anywhere (SIGKILL) is safe: before the commit nothing was written and the broker
 //! redelivers; between commit and ack the redelivery is a duplicate. An embedded store belongs
@@ -162,6 +164,14 @@ impl Handler {
                 delivery.ack(BasicAckOptions::default()).await?;
                 return Ok(());
             }
+            Err(error) if error.is_retryable() => {
+                // The store is busy for a moment: let the broker redeliver.
+                self.event("retry", &order_id);
+                delivery.nack(requeue()).await?;
+                return Ok(());
+            }
+            // Anything else (a poisoned engine, corruption) needs a restart: stop, and the
+            // broker hands what this process held to the next one.
             Err(error) => return Err(error.into()),
         };
         match outcome {
@@ -178,7 +188,16 @@ impl Handler {
                 claim.merge(&self.effects, &order_id, 1u64.to_be_bytes())?;
                 claim.merge(&self.effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
                 // Durable (fsynced, grouped with concurrent commits) before the ack.
-                claim.commit_async(b"accepted").await?;
+                match claim.commit_async(b"accepted").await {
+                    Ok(_) => {}
+                    Err(error) if error.is_retryable() => {
+                        // Nothing was written: the redelivery is claimed afresh.
+                        self.event("retry", &order_id);
+                        delivery.nack(requeue()).await?;
+                        return Ok(());
+                    }
+                    Err(error) => return Err(error.into()),
+                }
                 self.event("fresh", &order_id);
                 if self.draw(1000) < self.kill_after_commit_per_mille {
                     // SAFETY: raising a signal on our own process.

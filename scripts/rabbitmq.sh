@@ -24,15 +24,29 @@ rabbitmq_install() {
         $sudo chmod +x "$policy"
         added_policy=1
     fi
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq rabbitmq-server >/dev/null
+    local status=0
+    { $sudo apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq rabbitmq-server >/dev/null; } ||
+        status=$?
+    # Removed whatever happened: left in place it would keep every later package's service from
+    # starting.
     if [ -n "$added_policy" ]; then $sudo rm -f "$policy"; fi
+    return "$status"
 }
 
 # rabbitmq_start DIR: starts epmd and the node; returns once the AMQP port accepts connections.
 rabbitmq_start() {
     local dir="$1"
+    local port
+    for port in "$RABBITMQ_AMQP_PORT" "$RABBITMQ_E2E_DIST_PORT" "$RABBITMQ_E2E_EPMD_PORT"; do
+        # Another server there would answer our checks, and the test would purge its queues.
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            echo "idemdb: 127.0.0.1:$port is already in use; stop what listens there first" >&2
+            return 1
+        fi
+    done
     rm -rf "$dir"
+    RABBITMQ_E2E_NODE_PID_FILE="$dir/rabbitmq.pid"
     mkdir -p "$dir/home" "$dir/mnesia" "$dir/log"
     : >"$dir/rabbitmq-env.conf"
     echo '[].' >"$dir/enabled_plugins"
@@ -79,10 +93,15 @@ CONF
     echo "idemdb: rabbitmq-server (pid $RABBITMQ_SERVER_PID) on 127.0.0.1:$RABBITMQ_AMQP_PORT after $((waited / 2)) s" >&2
 }
 
-# Stops what rabbitmq_start started, by pid: SIGTERM, then SIGKILL after 30 s.
+# Stops what rabbitmq_start started, by pid: SIGTERM, then SIGKILL after 30 s. The node's own
+# pid (the Erlang VM, which the start script may not have exec'd into) comes from the pid file
+# the node writes.
 rabbitmq_stop() {
-    local pid
-    for pid in ${RABBITMQ_SERVER_PID:-} ${RABBITMQ_EPMD_PID:-}; do
+    local pid node_pid=""
+    if [ -n "${RABBITMQ_E2E_NODE_PID_FILE:-}" ] && [ -s "$RABBITMQ_E2E_NODE_PID_FILE" ]; then
+        node_pid="$(tr -dc 0-9 <"$RABBITMQ_E2E_NODE_PID_FILE")"
+    fi
+    for pid in ${RABBITMQ_SERVER_PID:-} $node_pid ${RABBITMQ_EPMD_PID:-}; do
         kill -TERM "$pid" 2>/dev/null || continue
         for _ in $(seq 60); do
             kill -0 "$pid" 2>/dev/null || break

@@ -659,7 +659,7 @@ impl StoreBuilder {
                     marker_table_options(&builder, &cache)
                 } else {
                     let mut options = table_options(&builder, &cache);
-                    set_opaque_merge_operator(&mut options);
+                    set_opaque_merge_operator(&mut options, None);
                     options
                 };
                 ColumnFamilyDescriptor::new(table.name.as_str(), table_options)
@@ -1368,7 +1368,12 @@ fn directory_size(path: &Path) -> Result<(u64, u64)> {
     let mut bytes = 0;
     let mut files = 0;
     for entry in std::fs::read_dir(path).map_err(io)? {
-        let metadata = entry.map_err(io)?.metadata().map_err(io)?;
+        // On a live store, a compaction may delete a file between the listing and this look.
+        let metadata = match entry.map_err(io)?.metadata() {
+            Ok(metadata) => metadata,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(io(error)),
+        };
         if metadata.is_file() {
             bytes += metadata.len();
             files += 1;

@@ -177,17 +177,10 @@ impl ClaimBatch {
     /// As for [`crate::Claim::commit`]; on any error nothing of the batch is written.
     pub fn commit<R: AsRef<[u8]>>(
         mut self,
-        mut result_of: impl FnMut(usize) -> R,
+        result_of: impl FnMut(usize) -> R,
     ) -> Result<Vec<Option<Committed>>> {
         let started = std::time::Instant::now();
-        let mut batch = WriteBatch::default();
-        let mut committed = Vec::with_capacity(self.claims.len());
-        for (index, claim) in self.claims.iter_mut().enumerate() {
-            committed.push(match claim {
-                Some(claim) => Some(claim.append_commit(&mut batch, result_of(index).as_ref())?),
-                None => None,
-            });
-        }
+        let (batch, committed) = self.prepare(result_of)?;
         if !batch.is_empty() {
             // Every latch is still held until `self` drops, after the batch is visible.
             self.inner.write(batch)?;
@@ -198,6 +191,35 @@ impl ClaimBatch {
             }
         }
         Ok(committed)
+    }
+
+    /// Builds the batch of every claim still held (staged writes, versions, markers) and what
+    /// each will have committed, by index. On error nothing is kept of the batch.
+    pub(crate) fn prepare<R: AsRef<[u8]>>(
+        &mut self,
+        mut result_of: impl FnMut(usize) -> R,
+    ) -> Result<(WriteBatch, Vec<Option<Committed>>)> {
+        let mut batch = WriteBatch::default();
+        let mut committed = Vec::with_capacity(self.claims.len());
+        for (index, claim) in self.claims.iter_mut().enumerate() {
+            committed.push(match claim {
+                Some(claim) => Some(claim.append_commit(&mut batch, result_of(index).as_ref())?),
+                None => None,
+            });
+        }
+        Ok((batch, committed))
+    }
+
+    /// The engine this batch belongs to.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    /// Moves the claims out (to the committer, which releases them after the write).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn take_claims(&mut self) -> Vec<Option<Claim>> {
+        std::mem::take(&mut self.claims)
     }
 }
 

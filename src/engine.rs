@@ -118,6 +118,10 @@ impl Engine {
             }
         }
 
+        let stored_operators = match mode {
+            OpenMode::Admin => stored_merge_operators(&path),
+            OpenMode::Application => None,
+        };
         let cache = Cache::new_lru_cache(builder.block_cache_bytes);
         let mut descriptors = vec![
             ColumnFamilyDescriptor::new(
@@ -152,7 +156,13 @@ impl Engine {
                 // An operator tool has no business table's merge operator: a compaction that
                 // reached a merge operand would fail, and RocksDB would then refuse every write.
                 options.set_disable_auto_compactions(true);
-                set_opaque_merge_operator(&mut options);
+                // The stand-in takes the application's operator name, so the OPTIONS file this
+                // open writes still names it and the application's next open is still checked.
+                let stored = stored_operators
+                    .as_ref()
+                    .and_then(|stored| stored.get(table.name.as_str()))
+                    .map(String::as_str);
+                set_opaque_merge_operator(&mut options, stored);
             }
             descriptors.push(ColumnFamilyDescriptor::new(table.name.as_str(), options));
         }
@@ -169,7 +179,7 @@ impl Engine {
         };
         let db = DB::open_cf_descriptors(&db_options, &path, descriptors).map_err(|error| {
             // RocksDB reports a held LOCK file as an I/O error naming the file.
-            if error.kind() == rocksdb::ErrorKind::IOError && error.as_ref().contains("LOCK") {
+            if is_lock_held(&error) {
                 Error::AlreadyOpen { path: path.clone() }
             } else {
                 Error::from(error)
@@ -672,6 +682,16 @@ fn check_existing_tables(builder: &EngineBuilder, path: &Path, tables: &[String]
     Ok(())
 }
 
+/// Whether an open failed because another opener holds the store's LOCK file: RocksDB reports
+/// a lock held by another process as "While lock file: <dir>/LOCK: Resource temporarily
+/// unavailable" and one held in this process as "lock hold by current process". Other I/O
+/// errors on the LOCK file (permissions, say) are not a busy store.
+fn is_lock_held(error: &rocksdb::Error) -> bool {
+    let message = error.as_ref();
+    error.kind() == rocksdb::ErrorKind::IOError
+        && (message.contains("While lock file") || message.contains("lock hold by current process"))
+}
+
 /// Refuses to open a business table with another merge operator than the one its data was
 /// written with. This must be decided before RocksDB opens the store: replaying the WAL into a
 /// table without its merge operator stops recovery at the first merge operand (silently, under
@@ -772,11 +792,19 @@ pub(crate) const ADMIN_WRITE_BUFFER_BYTES: usize = crate::WRITE_BUFFER_BYTES_MAX
 /// numbers going backwards). Inserting operands into a memtable never calls the operator; the
 /// tools never read, flush or compact these tables, and if RocksDB ever asked for a fold the
 /// stand-in fails it rather than invent a value.
-pub(crate) fn set_opaque_merge_operator(options: &mut rocksdb::Options) {
+///
+/// `stored_name` is the operator the store's OPTIONS file names for the table: the stand-in
+/// takes it (RocksDB only writes the name down), so that a later application open is checked
+/// against the application's operator, not the stand-in ([`check_merge_operators`]).
+pub(crate) fn set_opaque_merge_operator(options: &mut rocksdb::Options, stored_name: Option<&str>) {
     fn decline(_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands) -> Option<Vec<u8>> {
         None
     }
-    options.set_merge_operator(OPAQUE_MERGE_OPERATOR_NAME, decline, decline);
+    let name = match stored_name {
+        Some(name) if name != "nullptr" => name,
+        _ => OPAQUE_MERGE_OPERATOR_NAME,
+    };
+    options.set_merge_operator(name, decline, decline);
 }
 
 /// The stand-in merge operator's name, which RocksDB writes to the OPTIONS file; the

@@ -359,7 +359,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `engine` | on | The RocksDB engine: [`Engine`] and everything built on it, including the operator API [`admin`]. Without it the crate holds only the on-disk format ([`format`](mod@format)) and what it needs ([`Fingerprint`], [`Record`], [`cloudevents_key`], [`merge_ops`], the clocks, [`Error`]), and RocksDB is not compiled; the fuzz targets build it that way. |
-//! | `tokio` | off | [`Claim::commit_async`], which returns a [`CommitFuture`] instead of blocking on the WAL's fsync. With [`Durability::Sync`] the claim goes to the engine's committer thread (started by the first async commit), which writes every claim waiting for it as one write batch (one WAL write, one fsync) and completes their futures; each claim stays atomic, and if the group's write fails every claim in it gets the error. With [`Durability::Buffered`] the commit is made at once and the future is ready. Dropping the future does not cancel the commit. The application brings its own runtime. |
+//! | `tokio` | off | [`Claim::commit_async`] and [`ClaimBatch::commit_async`], which return a [`CommitFuture`] / [`BatchCommitFuture`] instead of blocking on the WAL's fsync. With [`Durability::Sync`] the commit's batch goes to the engine's committer thread (started by the first async commit), which writes every commit waiting for it as one write batch (one WAL write, one fsync) and completes their futures; each commit stays atomic, and if the group's write fails every commit in it gets the error. With [`Durability::Buffered`] the commit is made at once and the future is ready. Dropping the future does not cancel the commit. The application brings its own runtime. |
 //! | `cli` | off | The `idemdb` operator binary over [`admin`]: `stats`, `get`, `list`, `in-progress`, `resolve`, `release`, `invalidate`, `purge-expired`, `export`, `import`, `verify`, on a live store (read-only) or a stopped one. |
 //!
 //! # Observability
@@ -428,7 +428,7 @@ pub use claim::{
 };
 pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
 #[cfg(feature = "tokio")]
-pub use committer::CommitFuture;
+pub use committer::{BatchCommitFuture, CommitFuture};
 #[cfg(feature = "engine")]
 pub use engine::{BusinessTable, Consumer, Engine, EntityTable, RecordCounts};
 pub use error::{Error, Limit, Result, StorageErrorKind};

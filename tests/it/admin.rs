@@ -319,6 +319,31 @@ fn exclusive_open_keeps_unflushed_business_merges() {
 }
 
 #[test]
+fn after_an_exclusive_open_a_changed_merge_operator_is_still_refused() {
+    // The tools' stand-in operator takes the application's name, so the OPTIONS file they
+    // write still names `add_u64` and the next application open is checked against it.
+    let store = TestStore::new();
+    drop(populated(&store));
+    let admin_store = admin(&store).open_exclusive().unwrap();
+    admin_store
+        .invalidate(&Target::Consumer(b"c".to_vec()), b"live-2")
+        .unwrap();
+    drop(admin_store);
+    let without_operator = idemdb::Engine::builder(store.dir.path())
+        .clock(store.clock.clone())
+        .business_table(idemdb::TableOptions::new("orders"))
+        .business_table(idemdb::TableOptions::new("counters"))
+        .entity_table("customers")
+        .open();
+    assert!(
+        matches!(&without_operator, Err(idemdb::Error::IncompatibleStore { reason, .. }) if reason.contains("add_u64")),
+        "{without_operator:?}"
+    );
+    let engine = store.open();
+    assert_eq!(counter(&engine, "n"), 3);
+}
+
+#[test]
 fn purge_expired_removes_expired_records_only() {
     let store = TestStore::new();
     drop(populated(&store));

@@ -1,6 +1,7 @@
-//! Guards `Claim::commit_async` (feature `tokio`): durable commits grouped by the committer
-//! thread without blocking the runtime, per-claim errors, whole-group failures, and commits that
-//! stand when their future is dropped.
+//! Guards `Claim::commit_async` and `ClaimBatch::commit_async` (feature `tokio`): durable
+//! commits grouped by the committer thread without blocking the runtime (batches and single
+//! claims joined into one atomic write), per-claim errors, whole-group failures, and commits
+//! that stand when their future is dropped.
 #![cfg(feature = "tokio")]
 
 use std::future::Future;
@@ -285,6 +286,95 @@ fn buffered_commits_are_ready_at_once_and_reopen_after_drop() {
             .consumer("billing")
             .unwrap()
             .get(b"j")
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[test]
+fn batches_and_single_claims_commit_together_and_each_stays_whole() {
+    let store = TestStore::new();
+    let gate = Arc::new(Gate::default());
+    let engine = open_sync(&store, &gate);
+    let billing = engine.consumer("billing").unwrap();
+    let counters = engine.business_table("counters").unwrap();
+    gate.armed.store(true, Ordering::SeqCst);
+    let writes_before = gate.writes.load(Ordering::SeqCst);
+
+    runtime().block_on(async {
+        let mut batches = Vec::new();
+        for b in 0..3 {
+            let keys: Vec<String> = (0..8).map(|i| format!("b{b}-{i}")).collect();
+            // A repeat inside the batch, and one winner released by its handler.
+            let mut with_repeat = keys.clone();
+            with_repeat.push(keys[0].clone());
+            let messages: Vec<idemdb::Message> = with_repeat
+                .iter()
+                .map(|key| idemdb::Message::new(key, Fingerprint::of(key)))
+                .collect();
+            let mut batch = billing.begin_batch(&messages).unwrap();
+            for index in 0..keys.len() {
+                batch
+                    .claim_mut(index)
+                    .unwrap()
+                    .merge(&counters, "orders", 1u64.to_be_bytes())
+                    .unwrap();
+            }
+            batch.release(7);
+            batches.push(batch.commit_async(|index| format!("r{index}")));
+        }
+        let Outcome::Fresh(single) = billing
+            .begin(b"single", Fingerprint::of(b"single"))
+            .unwrap()
+        else {
+            panic!("fresh");
+        };
+        let single = single.commit_async(b"s");
+        assert!(
+            gate.wait_for_held_write(),
+            "the first group never reached the WAL"
+        );
+        gate.open();
+        for future in batches {
+            let committed = future.await.unwrap();
+            assert_eq!(committed.len(), 9);
+            assert!(committed[..7].iter().all(Option::is_some));
+            assert!(committed[7].is_none(), "released");
+            assert!(committed[8].is_none(), "repeat inside the batch");
+        }
+        assert_eq!(single.await.unwrap().epoch, 1);
+    });
+
+    let writes = gate.writes.load(Ordering::SeqCst) - writes_before;
+    assert!((1..=2).contains(&writes), "{writes} writes for 4 commits");
+    assert_eq!(counter(&engine, "orders"), 3 * 7);
+    assert_eq!(engine.open_claims(), 0);
+    for b in 0..3 {
+        match billing
+            .begin(format!("b{b}-3"), Fingerprint::of(format!("b{b}-3")))
+            .unwrap()
+        {
+            Outcome::Duplicate { result, .. } => assert_eq!(result, "r3"),
+            other => panic!("expected a duplicate, got {other:?}"),
+        }
+        let released = format!("b{b}-7");
+        assert!(matches!(
+            billing
+                .begin(&released, Fingerprint::of(&released))
+                .unwrap(),
+            Outcome::Fresh(_)
+        ));
+    }
+    // Reopened from the WAL: the joined group was one valid batch.
+    drop((billing, counters));
+    drop(engine);
+    let engine = store.open();
+    assert_eq!(counter(&engine, "orders"), 3 * 7);
+    assert!(
+        engine
+            .consumer("billing")
+            .unwrap()
+            .get("single")
             .unwrap()
             .is_some()
     );
