@@ -193,8 +193,10 @@ fn join<'a>(batches: impl Iterator<Item = &'a WriteBatch> + Clone) -> WriteBatch
     let mut rep = Vec::with_capacity(WRITE_BATCH_HEADER_BYTES + bytes);
     // The sequence number is assigned by the write.
     rep.extend_from_slice(&0u64.to_le_bytes());
-    let count =
-        u32::try_from(records).expect("a group holds at most GROUP_CLAIMS_MAX claims' writes");
+    // A group stops taking jobs at GROUP_CLAIMS_MAX claims, and one job (a batch) holds at most
+    // BATCH_MESSAGES_MAX claims of at most STAGED_WRITES_MAX + 2 records each: about 335
+    // million records, well inside a u32.
+    let count = u32::try_from(records).expect("a group's record count fits RocksDB's u32");
     rep.extend_from_slice(&count.to_le_bytes());
     for batch in batches {
         rep.extend_from_slice(&batch.data()[WRITE_BATCH_HEADER_BYTES..]);
