@@ -17,6 +17,9 @@
 //! While it runs, the demo serves its Prometheus metrics on `--metrics` (loopback only; default
 //! 127.0.0.1:19090), and at the end it scrapes that endpoint itself and prints idemdb's lines.
 
+#[path = "common/prometheus.rs"]
+mod prometheus;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -428,19 +431,9 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
 /// Scrapes the demo's own Prometheus endpoint, as a monitoring system would, and prints
 /// idemdb's counters (histograms are summarised by their count and sum lines).
 fn print_scrape(addr: std::net::SocketAddr) {
-    use std::io::{Read, Write};
-    let scrape = || -> std::io::Result<String> {
-        let mut stream = std::net::TcpStream::connect(addr)?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response)
-    };
-    match scrape() {
-        Ok(response) => {
+    match prometheus::scrape(addr) {
+        Ok(body) => {
             println!("metrics scraped from http://{addr}/metrics (idemdb lines):");
-            let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
             for line in body.lines().filter(|line| {
                 line.starts_with("idemdb_")
                     && !line.contains("quantile=")

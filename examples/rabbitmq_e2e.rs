@@ -14,7 +14,6 @@
 //! ack), `--metrics-port-base PORT`, `--work DIR`, `--seed N`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,6 +28,8 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Exchange
 
 #[path = "common/orders.rs"]
 mod orders;
+#[path = "common/prometheus.rs"]
+mod prometheus;
 use orders::{
     DEAD_LETTER_QUEUE, EXCHANGE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT,
     HEADER_STORED_FINGERPRINT, TOTAL_AMOUNT_KEY, open_store, order_body, parse_amount, queue_name,
@@ -447,18 +448,6 @@ async fn drain_dead_letters(channel: &Channel) -> Result<Vec<DeadLetter>, BoxErr
     Ok(found)
 }
 
-/// Reads one consumer's Prometheus endpoint (plain HTTP/1.0 over loopback).
-fn scrape(port: u16) -> Result<String, BoxError> {
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    Ok(response
-        .split_once("\r\n\r\n")
-        .map_or(response.clone(), |(_, body)| body.to_owned()))
-}
-
 /// The run's accounting, checked and printed at the end.
 #[derive(Default)]
 struct Accounting {
@@ -752,7 +741,9 @@ async fn run() -> Result<bool, BoxError> {
     for round in 0.. {
         wait_quiet(&channel, &mut fleet, &options.work, options.shards).await?;
         if metrics_sample.is_none() {
-            metrics_sample = scrape(options.metrics_port_base).ok();
+            let consumer_0 =
+                std::net::SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
+            metrics_sample = prometheus::scrape(consumer_0).ok();
         }
         fleet.stop_gracefully()?;
         if ready_messages(&channel, options.shards).await? == 0 {

@@ -194,16 +194,36 @@ struct PageArgs {
     after: Option<Cursor>,
 }
 
+/// Which records `list` and `export` cover.
 #[derive(Args)]
-struct ListArgs {
-    #[command(flatten)]
-    store: StoreArg,
+struct ScopeArgs {
     /// Only this consumer's records.
     #[arg(long, value_parser = parse_bytes)]
     consumer: Option<Arg>,
     /// Only this marker table (idemdb.records or an entity table).
     #[arg(long)]
     table: Option<String>,
+}
+
+impl ScopeArgs {
+    fn filter(self) -> Filter {
+        let mut filter = Filter::new();
+        if let Some(consumer) = self.consumer {
+            filter = filter.consumer(consumer.0);
+        }
+        if let Some(table) = self.table {
+            filter = filter.table(table);
+        }
+        filter
+    }
+}
+
+#[derive(Args)]
+struct ListArgs {
+    #[command(flatten)]
+    store: StoreArg,
+    #[command(flatten)]
+    scope: ScopeArgs,
     /// Only records in this state.
     #[arg(long, value_enum)]
     state: Option<StateArg>,
@@ -285,12 +305,8 @@ struct PurgeArgs {
 struct ExportArgs {
     #[command(flatten)]
     store: StoreArg,
-    /// Only this consumer's records.
-    #[arg(long, value_parser = parse_bytes)]
-    consumer: Option<Arg>,
-    /// Only this marker table.
-    #[arg(long)]
-    table: Option<String>,
+    #[command(flatten)]
+    scope: ScopeArgs,
     /// Write to this file instead of standard output.
     #[arg(long, short)]
     output: Option<PathBuf>,
@@ -407,13 +423,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<u8, Failure> {
         Command::Stats(args) => stats(&args, json, out),
         Command::Get(args) => get(&args.store.store, args.key, json, out),
         Command::List(args) => {
-            let mut filter = Filter::new();
-            if let Some(consumer) = args.consumer {
-                filter = filter.consumer(consumer.0);
-            }
-            if let Some(table) = args.table {
-                filter = filter.table(table);
-            }
+            let mut filter = args.scope.filter();
             if let Some(state) = args.state {
                 filter = filter.state(state.into());
             }
@@ -890,13 +900,7 @@ fn purge_expired(
 
 fn export(args: ExportArgs, out: &mut impl Write) -> Result<u8, Failure> {
     let store = open_read(&args.store.store)?;
-    let mut filter = Filter::new();
-    if let Some(consumer) = args.consumer {
-        filter = filter.consumer(consumer.0);
-    }
-    if let Some(table) = args.table {
-        filter = filter.table(table);
-    }
+    let filter = args.scope.filter();
     let mut file = match &args.output {
         Some(path) => Some(BufWriter::new(File::create(path)?)),
         None => None,
