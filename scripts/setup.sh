@@ -6,7 +6,7 @@
 # CARGO_TARGET_DIR makes later builds, in any clone, reuse it.
 
 if ! command -v cargo >/dev/null 2>&1; then
-    echo "idemdb: cargo not found; install a Rust toolchain (1.88 or newer) first" >&2
+    echo "idemdb: cargo not found; install a Rust toolchain (1.89 or newer) first" >&2
     exit 1
 fi
 

@@ -61,8 +61,7 @@ use rocksdb::{
 use crate::claim::Expiry;
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{
-    Engine, META_FORMAT_KEY, META_TABLE_KIND_PREFIX, OpenMode, RECORDS_TABLE, STORE_FORMAT_V1,
-    VERSIONS_TABLE, db_options, marker_table_options, set_opaque_merge_operator, table_options,
+    Engine, OpenMode, db_options, marker_table_options, set_opaque_merge_operator, table_options,
 };
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
@@ -74,6 +73,8 @@ use crate::options::{
 use crate::record::{
     DecodeError, HOLDER_BYTES_MAX, Operand, RESULT_BYTES_MAX, Record, RecordState, is_expired,
 };
+use crate::store_lock::StoreLock;
+use crate::store_meta::{DeclaredKind, FormatMarker, RECORDS_TABLE, StoredMeta, VERSIONS_TABLE};
 
 /// The block cache of a store opened by a tool, in bytes: tools scan once, so a small cache
 /// does as well as a large one.
@@ -710,6 +711,10 @@ impl StoreBuilder {
                 max: RETENTION_MS_MAX,
             });
         }
+        check_store_exists(&self.path)?;
+        // The lock before anything is read: a store held by the application is `AlreadyOpen`,
+        // whatever else its tables would say.
+        let lock = StoreLock::acquire(&self.path)?;
         let tables = discover(&self.path)?;
         if let Some(unknown) = tables.iter().find(|table| table.kind == TableKind::Unknown) {
             return Err(Error::IncompatibleStore {
@@ -735,13 +740,30 @@ impl StoreBuilder {
                 _ => {}
             }
         }
-        let engine = Engine::open(builder)?;
+        let engine = Engine::open_locked(builder, lock)?;
         Ok(Store {
             path: self.path,
             clock: self.clock,
             tables,
             access: Access::Exclusive(engine),
         })
+    }
+}
+
+/// Refuses a directory without a RocksDB store, which RocksDB would report as an I/O error about
+/// a file.
+fn check_store_exists(path: &Path) -> Result<()> {
+    if path.join("CURRENT").is_file() {
+        Ok(())
+    } else {
+        Err(no_store(path))
+    }
+}
+
+fn no_store(path: &Path) -> Error {
+    Error::IncompatibleStore {
+        path: path.to_path_buf(),
+        reason: "no RocksDB store here (no CURRENT file)".to_owned(),
     }
 }
 
@@ -753,57 +775,33 @@ fn discover(path: &Path) -> Result<Vec<TableInfo>> {
         path: path.to_path_buf(),
         reason,
     };
-    // RocksDB would report a missing store as an I/O error about a file; say what it means.
-    if !path.join("CURRENT").is_file() {
+    check_store_exists(path)?;
+    let meta = StoredMeta::read(path)?.ok_or_else(|| no_store(path))?;
+    meta.check_format(path)?;
+    if meta.format != FormatMarker::Current {
+        // An application's first open that crashed before writing the marker: the tools do
+        // not finish it for the application.
         return Err(incompatible(
-            "no RocksDB store here (no CURRENT file)".to_owned(),
+            "not an idemdb store (no format marker)".to_owned(),
         ));
     }
-    let names = DB::list_cf(&rocksdb::Options::default(), path)?;
-    if !names.iter().any(|name| name == RECORDS_TABLE) {
-        return Err(incompatible(format!(
-            "not an idemdb store (no {RECORDS_TABLE:?} table)"
-        )));
-    }
-    let meta = DB::open_cf_for_read_only(
-        &rocksdb::Options::default(),
-        path,
-        [rocksdb::DEFAULT_COLUMN_FAMILY_NAME],
-        false,
-    )?;
-    let default = meta
-        .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
-        .ok_or_else(|| incompatible("no default column family".to_owned()))?;
-    match meta.get_cf(default, META_FORMAT_KEY)? {
-        Some(format) if format == STORE_FORMAT_V1 => {}
-        Some(_) => {
-            return Err(incompatible(
-                "written by an unknown idemdb store format".to_owned(),
-            ));
-        }
-        None => {
-            return Err(incompatible(
-                "not an idemdb store (no format marker)".to_owned(),
-            ));
-        }
-    }
-    let mut tables = Vec::with_capacity(names.len());
-    for name in names {
+    let mut tables = Vec::with_capacity(meta.tables.len());
+    for name in &meta.tables {
         let kind = if name == rocksdb::DEFAULT_COLUMN_FAMILY_NAME || name == VERSIONS_TABLE {
             TableKind::Internal
         } else if name == RECORDS_TABLE {
             TableKind::Consumers
         } else {
-            match meta
-                .get_cf(default, format!("{META_TABLE_KIND_PREFIX}{name}"))?
-                .as_deref()
-            {
-                Some(b"business") => TableKind::Business,
-                Some(b"entity") => TableKind::Entity,
+            match meta.kind(name) {
+                Some(Some(DeclaredKind::Business)) => TableKind::Business,
+                Some(Some(DeclaredKind::Entity)) => TableKind::Entity,
                 _ => TableKind::Unknown,
             }
         };
-        tables.push(TableInfo { name, kind });
+        tables.push(TableInfo {
+            name: name.clone(),
+            kind,
+        });
     }
     // Listing order: the consumers' table, then entity tables by name; the rest after.
     tables.sort_by(|a, b| (a.kind, &a.name).cmp(&(b.kind, &b.name)));
@@ -1361,10 +1359,7 @@ fn marker_index(engine: &Engine, table: &str) -> Result<usize> {
 /// The total size and number of the regular files in `path` (RocksDB keeps a store's files in
 /// one directory).
 fn directory_size(path: &Path) -> Result<(u64, u64)> {
-    let io = |error: std::io::Error| Error::Storage {
-        kind: crate::StorageErrorKind::Io,
-        detail: format!("reading {}: {error}", path.display()),
-    };
+    let io = |error: std::io::Error| Error::io(&format!("reading {}", path.display()), &error);
     let mut bytes = 0;
     let mut files = 0;
     for entry in std::fs::read_dir(path).map_err(io)? {

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use rocksdb::WriteBatch;
 
-use crate::claim::{Claim, Committed, Outcome, Pending, Request, decide, inspect_record};
+use crate::claim::{Claim, Committed, Outcome, Pending, Request, begin, decide, inspect_record};
 use crate::engine::Inner;
 use crate::error::{Error, Limit, Result, check_limit};
+use crate::fingerprint::Fingerprint;
 use crate::latch::KeyHashBuilder;
 use crate::record::Record;
 
@@ -22,11 +23,27 @@ pub enum BatchOutcome {
     /// Claimed: stage its writes with [`ClaimBatch::claim_mut`]; [`ClaimBatch::commit`] commits
     /// it unless it was [released](ClaimBatch::release).
     Fresh,
-    /// The same key appears earlier in this batch, at index `first`: this copy is a duplicate
-    /// of that message. Acknowledge it with the batch.
+    /// The same key, with the same fingerprint, appears earlier in this batch at index
+    /// `first`: this copy is a duplicate of that message. Acknowledge it with the batch.
     DuplicateInBatch {
         /// The index of the first copy.
         first: usize,
+    },
+    /// The same key appears earlier in this batch, at index `first`, with another fingerprint,
+    /// and that first copy is [`BatchOutcome::Fresh`]: it will be committed with the batch, so
+    /// this copy's content conflicts with it. Route it like an [`Outcome::Conflict`]:
+    /// dead-letter and alert (or, if the first copy is [released](ClaimBatch::release), let
+    /// the broker redeliver it). A repeat with another fingerprint whose first copy is not
+    /// fresh is decided on its own, after the first copy, exactly as
+    /// [`crate::Consumer::begin`] would decide it: against the stored record (a duplicate of
+    /// it, or a conflict with it), `InProgress` while the key is held, or fresh.
+    ConflictInBatch {
+        /// The index of the first copy.
+        first: usize,
+        /// The first copy's fingerprint.
+        first_fingerprint: Fingerprint,
+        /// This copy's fingerprint.
+        new_fingerprint: Fingerprint,
     },
     /// Anything but fresh, exactly as [`crate::Consumer::begin`] would report it.
     Settled(Outcome<Infallible>),
@@ -51,7 +68,9 @@ fn first_occurrences(requests: &[Request], hasher: KeyHashBuilder) -> Vec<usize>
 }
 
 /// Claims a batch: latches every distinct key, reads all latched keys with one multi-get, then
-/// decides each message as `begin` would.
+/// decides each message as `begin` would; a repeated key with the first copy's fingerprint is a
+/// duplicate of it, one with another fingerprint a conflict with a fresh first copy, or else
+/// decided by `begin` after the first copy.
 pub(crate) fn begin_batch(
     inner: &Arc<Inner>,
     marker: usize,
@@ -66,13 +85,18 @@ pub(crate) fn begin_batch(
     // Per latched message: what `decide` needs besides the claim.
     let mut rest: Vec<Option<Pending>> = Vec::with_capacity(requests.len());
     let first_of = first_occurrences(&requests, latches.hash_builder());
+    let fingerprints: Vec<Fingerprint> = requests.iter().map(|r| r.fingerprint).collect();
+    // Repeats with other content than their first copy, decided once it is (below).
+    let mut other_content: Vec<(usize, Request)> = Vec::new();
     for (index, request) in requests.into_iter().enumerate() {
-        if first_of[index] != index {
+        let first = first_of[index];
+        if first != index {
             claims.push(None);
             rest.push(None);
-            outcomes.push(BatchOutcome::DuplicateInBatch {
-                first: first_of[index],
-            });
+            outcomes.push(BatchOutcome::DuplicateInBatch { first });
+            if fingerprints[index] != fingerprints[first] {
+                other_content.push((index, request));
+            }
             continue;
         }
         match latches.try_acquire(&request.stored_key, now_ms) {
@@ -128,6 +152,31 @@ pub(crate) fn begin_batch(
                     BatchOutcome::Settled(settled.map_fresh(|_| unreachable!("matched above")));
             }
         }
+    }
+
+    for (index, request) in other_content {
+        let first = first_of[index];
+        outcomes[index] = if matches!(outcomes[first], BatchOutcome::Fresh) {
+            // The first copy is committed with this batch: this content conflicts with it.
+            BatchOutcome::ConflictInBatch {
+                first,
+                first_fingerprint: fingerprints[first],
+                new_fingerprint: fingerprints[index],
+            }
+        } else {
+            // The first copy holds nothing: this copy is a message of its own, decided as
+            // `begin` decides it now (against the stored record, the latch, its own production
+            // time and version).
+            match begin(inner, marker, request)? {
+                Outcome::Fresh(claim) => {
+                    claims[index] = Some(claim);
+                    BatchOutcome::Fresh
+                }
+                settled => {
+                    BatchOutcome::Settled(settled.map_fresh(|_| unreachable!("matched above")))
+                }
+            }
+        };
     }
     Ok(ClaimBatch {
         inner: inner.clone(),

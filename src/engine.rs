@@ -23,20 +23,17 @@ use crate::message::Message;
 use crate::observe::{ConsumerMetrics, Kind, Stats};
 use crate::options::{Durability, EngineBuilder, TableOptions};
 use crate::record::{Record, RecordState};
+use crate::store_lock::StoreLock;
+use crate::store_meta::{
+    DeclaredKind, META_FORMAT_KEY, META_MERGE_OPERATOR_PREFIX, META_TABLE_KIND_PREFIX, MetaToWrite,
+    OPAQUE_MERGE_OPERATOR_NAME, STORE_FORMAT_V1, StoredMeta, encode_merge_operator, new_store_meta,
+    stored_merge_operators,
+};
 use crate::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
 use bytes::Bytes;
 use std::time::Instant;
 
-/// The column family holding every consumer's dedup records.
-pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
-/// The column family holding the ordering guard's highest applied version per entity.
-pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
-/// Meta key (default column family) holding the store format marker.
-pub(crate) const META_FORMAT_KEY: &[u8] = b"idemdb.format";
-/// Store format marker: magic and format version 1.
-pub(crate) const STORE_FORMAT_V1: &[u8] = b"idemdb store format 1";
-/// Meta key prefix recording each table's kind, so a table cannot change kind between opens.
-pub(crate) const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
+pub(crate) use crate::store_meta::{RECORDS_TABLE, VERSIONS_TABLE};
 
 /// The embedded dedup store. Cheap to clone (an `Arc`); every handle keeps the store open, and it
 /// closes when the last clone and handle are dropped.
@@ -91,6 +88,8 @@ pub(crate) struct Inner {
     /// Write batches written (each one `DB::write`, one WAL record).
     write_batches: AtomicU64,
     business: Vec<TableOptions>,
+    /// The directory lock, last so that it is released after RocksDB has closed the store.
+    _store_lock: StoreLock,
 }
 
 /// A column family whose values are idemdb records (the consumers' table or an entity table).
@@ -105,18 +104,51 @@ impl Engine {
         EngineBuilder::new(path)
     }
 
-    /// Opens the store; with [`OpenMode::Admin`] (`builder.open_mode`) this is the operator
-    /// tools' open of an existing store (`crate::admin`), every table it holds declared.
+    /// Opens the store (an application's open; the operator tools' open of an existing store,
+    /// [`OpenMode::Admin`], goes through [`Engine::open_locked`]).
+    ///
+    /// The order is the contract: the directory lock first (so a held store is
+    /// [`Error::AlreadyOpen`] whatever else is wrong), then every check that can refuse, on a
+    /// read-only view ([`StoredMeta`]), and only then RocksDB's open for writing, which replays
+    /// and may flush the WAL. A refused open changes nothing.
     pub(crate) fn open(builder: EngineBuilder) -> Result<Engine> {
+        if builder.open_mode == OpenMode::Application {
+            std::fs::create_dir_all(&builder.path)
+                .map_err(|error| Error::io("creating the store directory", &error))?;
+        }
+        let lock = StoreLock::acquire(&builder.path)?;
+        Engine::open_locked(builder, lock)
+    }
+
+    /// [`Engine::open`] under a directory lock the caller already holds (the operator tools take
+    /// it before they read the store's tables). With [`OpenMode::Admin`] (`builder.open_mode`)
+    /// this is the operator tools' open of an existing store (`crate::admin`), every table it
+    /// holds declared.
+    pub(crate) fn open_locked(builder: EngineBuilder, lock: StoreLock) -> Result<Engine> {
         let mode = builder.open_mode;
         let path = builder.path.clone();
-        let existing_tables = existing_tables(&path)?;
-        if let Some(tables) = &existing_tables {
-            check_existing_tables(&builder, &path, tables)?;
-            if mode == OpenMode::Application {
-                check_merge_operators(&builder, &path)?;
+        let declared = declared_kinds(&builder);
+        let operators = builder.business_tables.iter().map(|table| {
+            let operator = table.merge_operator.as_ref();
+            (table.name.as_str(), operator.map(|op| op.name.as_str()))
+        });
+        let meta_to_write = match StoredMeta::read(&path)? {
+            None => new_store_meta(
+                &declared,
+                operators
+                    .map(|(table, op)| (table.to_owned(), op.map(str::to_owned)))
+                    .collect(),
+            ),
+            Some(stored) => {
+                let mut to_write = stored.check_declaration(&path, &declared)?;
+                // The operator tools do not know the application's operators: they neither
+                // check nor record them.
+                if mode == OpenMode::Application {
+                    to_write.operators = stored.check_merge_operators(&path, operators)?;
+                }
+                to_write
             }
-        }
+        };
 
         let stored_operators = match mode {
             OpenMode::Admin => stored_merge_operators(&path),
@@ -160,8 +192,7 @@ impl Engine {
                 // open writes still names it and the application's next open is still checked.
                 let stored = stored_operators
                     .as_ref()
-                    .and_then(|stored| stored.get(table.name.as_str()))
-                    .map(String::as_str);
+                    .map(|stored| stored.get(table.name.as_str()).map(String::as_str));
                 set_opaque_merge_operator(&mut options, stored);
             }
             descriptors.push(ColumnFamilyDescriptor::new(table.name.as_str(), options));
@@ -217,8 +248,9 @@ impl Engine {
             consumer_metrics: parking_lot::Mutex::new(Vec::new()),
             write_batches: AtomicU64::new(0),
             business: builder.business_tables.clone(),
+            _store_lock: lock,
         };
-        inner.check_or_write_meta(&builder, existing_tables.is_none())?;
+        inner.write_meta(meta_to_write)?;
         Ok(Engine {
             inner: Arc::new(inner),
         })
@@ -226,6 +258,10 @@ impl Engine {
 
     /// A handle on one consumer's dedup records. Consumers sharing a store never see each
     /// other's keys.
+    ///
+    /// A consumer id is text (UTF-8): it labels the consumer's metrics and log events. The
+    /// on-disk key format would hold any bytes (the operator tools read such ids, as
+    /// [`crate::admin::Filter::consumer`] takes bytes), but the API creates only text ids.
     ///
     /// # Errors
     /// [`Error::LimitExceeded`] unless `consumer_id` has
@@ -348,14 +384,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Compacts every marker table fully, so the compaction filter removes all records expired
-    /// by now. RocksDB also does this on its own (size-triggered and periodic compactions); this
-    /// is for tests and operators who want the space back now.
+    /// Compacts every marker table fully, so that no record expired by now is stored any more
+    /// (in-progress records are kept, whatever their lease; released records are removed). It
+    /// writes every marker table's memtable to a table file first. RocksDB also removes expired
+    /// records on its own (size-triggered and periodic compactions); this is for tests and
+    /// operators who want the space back now. Records expiring after the call are not touched.
     ///
     /// # Errors
-    /// [`Error::Storage`] if the flush fails (which poisons the engine). RocksDB reports no error from a manual compaction (rust-rocksdb's `compact_range`
-    /// returns nothing), so a failed compaction shows only in RocksDB's LOG and leaves expired
-    /// records in place, where they still read as absent.
+    /// [`Error::Storage`] if the flush fails (which poisons the engine). RocksDB reports no error
+    /// from a manual compaction (rust-rocksdb's `compact_range` returns nothing), so a failed
+    /// compaction shows only in RocksDB's LOG and leaves expired records in place, where they
+    /// still read as absent.
     pub fn compact(&self) -> Result<()> {
         for marker in 0..self.inner.markers.len() {
             self.compact_marker(marker)?;
@@ -363,9 +402,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Flushes and fully compacts one marker table (index into `Inner::markers`), so the
+    /// Flushes and fully compacts one marker table (index into `Inner::markers`) twice, so the
     /// compaction filter sees every record in it. [`Engine::compact`] does every marker table;
     /// the operator tools do them one by one to report progress.
+    ///
+    /// Why twice: a record written since the table's last full compaction is a merge operand
+    /// (an install or replace), not a value. RocksDB offers a compaction filter the values it
+    /// reads and, through a hook rust-rocksdb does not expose, the operands; the value a
+    /// compaction folds from operands is written out without being filtered. The first pass
+    /// folds every operand into a value, the second filters those values.
     pub(crate) fn compact_marker(&self, marker: usize) -> Result<()> {
         let mut options = CompactOptions::default();
         options.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
@@ -373,9 +418,11 @@ impl Engine {
         self.inner
             .io(IoPoint::Flush, || self.inner.db.flush_cf(cf))?;
         self.inner.io(IoPoint::Compaction, || {
-            self.inner
-                .db
-                .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
+            for _pass in 0..2 {
+                self.inner
+                    .db
+                    .compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &options);
+            }
             Ok(())
         })
     }
@@ -585,101 +632,45 @@ impl Inner {
         }
     }
 
-    fn check_or_write_meta(&self, builder: &EngineBuilder, new_store: bool) -> Result<()> {
+    /// Writes the metadata an accepted open found missing (a new store's format marker, the
+    /// kinds of newly declared tables), fsynced whatever the durability mode: the marker must be
+    /// durable before any record is.
+    fn write_meta(&self, to_write: MetaToWrite) -> Result<()> {
         let meta = self.cf(rocksdb::DEFAULT_COLUMN_FAMILY_NAME);
         let mut batch = WriteBatch::default();
-        match self.db.get_cf(meta, META_FORMAT_KEY)? {
-            Some(format) if format == STORE_FORMAT_V1 => {}
-            Some(_) => return Err(self.incompatible("written by an unknown idemdb store format")),
-            // A crash during the very first open can leave the tables created but the marker
-            // unwritten; a store with no record yet is still new.
-            None if new_store || self.records_empty()? => {
-                batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V1);
-            }
-            None => return Err(self.incompatible("not an idemdb store (no format marker)")),
+        if to_write.format {
+            batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V1);
         }
-        let kinds = builder
-            .business_tables
-            .iter()
-            .map(|table| (table.name.as_str(), &b"business"[..]))
-            .chain(
-                builder
-                    .entity_tables
-                    .iter()
-                    .map(|name| (name.as_str(), &b"entity"[..])),
-            );
-        for (name, kind) in kinds {
+        for (name, kind) in to_write.kinds {
             let key = format!("{META_TABLE_KIND_PREFIX}{name}");
-            match self.db.get_cf(meta, &key)? {
-                Some(stored) if stored == kind => {}
-                Some(_) => {
-                    return Err(self.incompatible(&format!(
-                        "table {name:?} was created as another kind of table"
-                    )));
-                }
-                None => batch.put_cf(meta, key, kind),
-            }
+            batch.put_cf(meta, key, kind.stored());
+        }
+        for (name, operator) in to_write.operators {
+            let key = format!("{META_MERGE_OPERATOR_PREFIX}{name}");
+            batch.put_cf(meta, key, encode_merge_operator(operator.as_deref()));
         }
         if !batch.is_empty() {
-            // The marker must be durable before any record is, whatever the durability mode.
             let mut sync = WriteOptions::default();
             sync.set_sync(true);
             self.db.write_opt(batch, &sync)?;
         }
         Ok(())
     }
-
-    fn records_empty(&self) -> Result<bool> {
-        let mut entries = self
-            .db
-            .iterator_cf(self.cf(RECORDS_TABLE), IteratorMode::Start);
-        Ok(entries.next().transpose()?.is_none())
-    }
-
-    fn incompatible(&self, reason: &str) -> Error {
-        Error::IncompatibleStore {
-            path: self.path.clone(),
-            reason: reason.to_owned(),
-        }
-    }
 }
 
-/// The tables of the store at `path`, or `None` if there is no store there yet.
-fn existing_tables(path: &Path) -> Result<Option<Vec<String>>> {
-    if !path.join("CURRENT").exists() {
-        return Ok(None);
-    }
-    Ok(Some(DB::list_cf(&rocksdb::Options::default(), path)?))
-}
-
-/// RocksDB refuses to open a store without all of its column families, with a message that does
-/// not say which to declare; this says it, and catches a directory that is not ours.
-fn check_existing_tables(builder: &EngineBuilder, path: &Path, tables: &[String]) -> Result<()> {
-    let incompatible = |reason: String| Error::IncompatibleStore {
-        path: path.to_path_buf(),
-        reason,
-    };
-    if !tables.iter().any(|table| table == RECORDS_TABLE) {
-        return Err(incompatible(format!(
-            "not an idemdb store (no {RECORDS_TABLE:?} table)"
-        )));
-    }
-    let declared: Vec<&str> = builder.table_names().collect();
-    for table in tables {
-        let ours = [
-            rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
-            RECORDS_TABLE,
-            VERSIONS_TABLE,
-        ]
-        .contains(&table.as_str());
-        if !ours && !declared.contains(&table.as_str()) {
-            return Err(incompatible(format!(
-                "the store has table {table:?}, which was not declared; declare it with \
-                 business_table or entity_table"
-            )));
-        }
-    }
-    Ok(())
+/// Every user table the builder declares, with its kind.
+fn declared_kinds(builder: &EngineBuilder) -> Vec<(&str, DeclaredKind)> {
+    builder
+        .business_tables
+        .iter()
+        .map(|table| (table.name.as_str(), DeclaredKind::Business))
+        .chain(
+            builder
+                .entity_tables
+                .iter()
+                .map(|name| (name.as_str(), DeclaredKind::Entity)),
+        )
+        .collect()
 }
 
 /// Whether an open failed because another opener holds the store's LOCK file: RocksDB reports
@@ -690,79 +681,6 @@ fn is_lock_held(error: &rocksdb::Error) -> bool {
     let message = error.as_ref();
     error.kind() == rocksdb::ErrorKind::IOError
         && (message.contains("While lock file") || message.contains("lock hold by current process"))
-}
-
-/// Refuses to open a business table with another merge operator than the one its data was
-/// written with. This must be decided before RocksDB opens the store: replaying the WAL into a
-/// table without its merge operator stops recovery at the first merge operand (silently, under
-/// point-in-time recovery), dropping every later write of every table.
-///
-/// The operators are read from the newest `OPTIONS-<n>` file, which RocksDB writes at every
-/// open with each table's `merge_operator=<name>` (`nullptr` for none). A store without one, a
-/// table that had no operator, or one whose last opener was the operator tools (their stand-in
-/// operator) is not checked.
-fn check_merge_operators(builder: &EngineBuilder, path: &Path) -> Result<()> {
-    let Some(stored) = stored_merge_operators(path) else {
-        return Ok(());
-    };
-    for table in &builder.business_tables {
-        let Some(stored) = stored.get(table.name.as_str()) else {
-            continue;
-        };
-        let declared = table
-            .merge_operator
-            .as_ref()
-            .map_or("nullptr", |operator| operator.name.as_str());
-        // Adding an operator to a table that had none is safe: no operand can be waiting.
-        let unchecked = ["nullptr", OPAQUE_MERGE_OPERATOR_NAME];
-        if stored != declared && !unchecked.contains(&stored.as_str()) {
-            let describe = |name: &str| {
-                if name == "nullptr" {
-                    "no merge operator".to_owned()
-                } else {
-                    format!("merge operator {name:?}")
-                }
-            };
-            return Err(Error::IncompatibleStore {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "table {:?} was last opened with {}, and is declared with {}; declare it \
-                     as before (its data may hold merge operands only that operator can fold)",
-                    table.name,
-                    describe(stored),
-                    describe(declared)
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Each table's merge operator name in the store's newest OPTIONS file, or `None` if there is
-/// no readable one.
-fn stored_merge_operators(path: &Path) -> Option<std::collections::HashMap<String, String>> {
-    let newest = std::fs::read_dir(path)
-        .ok()?
-        .filter_map(|entry| {
-            let name = entry.ok()?.file_name().into_string().ok()?;
-            let number: u64 = name.strip_prefix("OPTIONS-")?.parse().ok()?;
-            Some((number, name))
-        })
-        .max()?;
-    let text = std::fs::read_to_string(path.join(newest.1)).ok()?;
-    let mut operators = std::collections::HashMap::new();
-    let mut table: Option<String> = None;
-    for line in text.lines().map(str::trim) {
-        if let Some(section) = line.strip_prefix('[') {
-            table = section
-                .strip_prefix("CFOptions \"")
-                .and_then(|rest| rest.strip_suffix("\"]"))
-                .map(str::to_owned);
-        } else if let (Some(table), Some(name)) = (&table, line.strip_prefix("merge_operator=")) {
-            operators.insert(table.clone(), name.to_owned());
-        }
-    }
-    Some(operators)
 }
 
 /// How a store is opened (`EngineBuilder::open_mode`).
@@ -793,23 +711,27 @@ pub(crate) const ADMIN_WRITE_BUFFER_BYTES: usize = crate::WRITE_BUFFER_BYTES_MAX
 /// tools never read, flush or compact these tables, and if RocksDB ever asked for a fold the
 /// stand-in fails it rather than invent a value.
 ///
-/// `stored_name` is the operator the store's OPTIONS file names for the table: the stand-in
-/// takes it (RocksDB only writes the name down), so that a later application open is checked
-/// against the application's operator, not the stand-in ([`check_merge_operators`]).
-pub(crate) fn set_opaque_merge_operator(options: &mut rocksdb::Options, stored_name: Option<&str>) {
+/// `stored` is what the store's OPTIONS file names for the table (`None`: no readable OPTIONS
+/// file; `Some(None)`: the table is not in it). The stand-in takes the application's operator
+/// name (RocksDB only writes the name down), so that a later application open is checked
+/// against the application's operator, not the stand-in (`store_meta::check_merge_operators`).
+/// A table the file records without an operator gets none: its operator is fixed when it is
+/// created, so it holds no merge operand, and the application's next open still finds it
+/// recorded without one.
+pub(crate) fn set_opaque_merge_operator(
+    options: &mut rocksdb::Options,
+    stored: Option<Option<&str>>,
+) {
     fn decline(_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands) -> Option<Vec<u8>> {
         None
     }
-    let name = match stored_name {
-        Some(name) if name != "nullptr" => name,
+    let name = match stored {
+        Some(Some("nullptr")) => return,
+        Some(Some(name)) => name,
         _ => OPAQUE_MERGE_OPERATOR_NAME,
     };
     options.set_merge_operator(name, decline, decline);
 }
-
-/// The stand-in merge operator's name, which RocksDB writes to the OPTIONS file; the
-/// application's next open writes its own.
-const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
 
 /// Database-wide options of [`OpenMode::Admin`]: those of [`db_options`], except that nothing
 /// is created and the WAL is replayed into the memtables without flushing them. A recovery
@@ -982,7 +904,8 @@ impl Consumer {
     }
 
     /// Claims a whole broker batch: one RocksDB multi-get for every key, an outcome per message
-    /// (a repeated key is a [`crate::BatchOutcome::DuplicateInBatch`] of its first copy), and
+    /// (a repeated key is a [`crate::BatchOutcome::DuplicateInBatch`] of its first copy, or,
+    /// with another fingerprint, a conflict: [`crate::BatchOutcome::ConflictInBatch`]), and
     /// [`crate::ClaimBatch::commit`] writes every claim still held in one write batch.
     ///
     /// # Errors
@@ -1005,6 +928,7 @@ impl Consumer {
             let kind = match &batch.outcomes()[index] {
                 crate::BatchOutcome::Fresh => Kind::Fresh,
                 crate::BatchOutcome::DuplicateInBatch { .. } => Kind::DuplicateInBatch,
+                crate::BatchOutcome::ConflictInBatch { .. } => Kind::Conflict,
                 crate::BatchOutcome::Settled(outcome) => {
                     self.metrics.outcome(outcome, share, now_ms);
                     continue;

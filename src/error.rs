@@ -215,6 +215,16 @@ impl Error {
         }
     }
 
+    /// A file-system failure outside RocksDB (the store directory, its lock), as a storage
+    /// error of kind [`StorageErrorKind::Io`].
+    #[cfg(feature = "engine")]
+    pub(crate) fn io(doing: &str, error: &std::io::Error) -> Error {
+        Error::Storage {
+            kind: StorageErrorKind::Io,
+            detail: format!("{doing}: {error}"),
+        }
+    }
+
     #[cfg(feature = "engine")]
     pub(crate) fn invalid_option(reason: impl Into<String>) -> Error {
         Error::InvalidOption {

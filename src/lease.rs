@@ -452,6 +452,42 @@ impl ExternalClaim {
 
     /// Completes: replaces the in-progress record by the completed one (with `result`) and
     /// applies the staged writes, in one write batch, if this holder still holds the key.
+    /// Returns the completed record's epoch: this holder's fencing epoch
+    /// ([`ExternalClaim::epoch`]), which the record keeps.
+    ///
+    /// # Retrying
+    /// `complete` consumes the claim, staged writes included. A retryable error
+    /// ([`Error::is_retryable`]: [`Error::KeyBusy`] when another caller in this process held the
+    /// key's latch for longer than the lease steps wait, or a transient storage error) wrote
+    /// nothing and left the lease as it was: resume the claim from its ticket, stage again and
+    /// complete again. Any other error is final for this holder.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idemdb::{Engine, Fingerprint, Outcome, TableOptions};
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = Engine::builder(dir.path()).business_table(TableOptions::new("sent")).open()?;
+    /// let mailer = engine.consumer("mailer")?;
+    /// let sent = engine.business_table("sent")?;
+    /// let lease = Duration::from_secs(30);
+    /// let Outcome::Fresh(mut claim) = mailer.begin_external("order-7", Fingerprint::of(b"m"), lease, "host-a")?
+    /// else {
+    ///     unreachable!("a new store has seen nothing")
+    /// };
+    /// let ticket = claim.ticket().clone();
+    /// // ... send the e-mail, with claim.derive_key("mail") as its idempotency key ...
+    /// let epoch = loop {
+    ///     claim.put(&sent, "order-7", b"yes")?;
+    ///     match claim.complete(b"sent") {
+    ///         Ok(epoch) => break epoch,
+    ///         Err(error) if error.is_retryable() => claim = mailer.resume(&ticket)?,
+    ///         Err(error) => return Err(error.into()),
+    ///     }
+    /// };
+    /// assert_eq!(epoch, ticket.epoch());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     /// [`Error::LeaseLost`] (nothing written, staged writes included) if the key was taken over;

@@ -41,8 +41,9 @@
 //!   Consumers on several hosts each need their own store, and the broker must route every
 //!   delivery of a key to the same one (partition by key); otherwise each host may process it.
 //! - **Not a cross-process lock.** Claims are arbitrated by a latch in the engine's memory.
-//!   RocksDB's `LOCK` file gives the store to one `Engine` in one process; a second open, here or
-//!   in another process, is [`Error::AlreadyOpen`]. The operator tools'
+//!   A lock on the store directory gives the store to one `Engine` in one process; a second open,
+//!   here or in another process and through any path to the directory, is
+//!   [`Error::AlreadyOpen`]. The operator tools'
 //!   [`admin::StoreBuilder::open_read_only`] is the exception: it reads beside the owner, without
 //!   the lock, and never writes.
 //! - **Not exactly-once delivery.** Messages still arrive more than once. What happens once is the
@@ -233,8 +234,9 @@
 //! ## Batch: one read and one write for a broker batch
 //!
 //! [`Consumer::begin_batch`] claims up to [`BATCH_MESSAGES_MAX`] messages with one RocksDB
-//! multi-get and gives each a [`BatchOutcome`]; a key repeated inside the batch is a duplicate of
-//! its first copy. [`ClaimBatch::commit`] writes every claim still held in one write batch: one
+//! multi-get and gives each a [`BatchOutcome`]; a key repeated inside the batch with the same
+//! fingerprint is a duplicate of its first copy, and with another one is never a duplicate
+//! ([`BatchOutcome::ConflictInBatch`] when the first copy was claimed). [`ClaimBatch::commit`] writes every claim still held in one write batch: one
 //! WAL write and, with [`Durability::Sync`], one fsync.
 //!
 //! ```
@@ -255,7 +257,8 @@
 //! let mut batch = billing.begin_batch(&messages)?;
 //! assert!(matches!(batch.outcomes()[2], BatchOutcome::DuplicateInBatch { first: 0 }));
 //! for (index, (key, body)) in deliveries.iter().enumerate() {
-//!     // DuplicateInBatch and Settled outcomes: ack or nack as for `begin`.
+//!     // DuplicateInBatch: ack; ConflictInBatch (same key, other content): dead-letter;
+//!     // Settled outcomes: as for `begin`.
 //!     if !matches!(batch.outcomes()[index], BatchOutcome::Fresh) {
 //!         continue;
 //!     }
@@ -417,6 +420,10 @@ mod observe;
 #[cfg(feature = "engine")]
 mod options;
 mod record;
+#[cfg(feature = "engine")]
+mod store_lock;
+#[cfg(feature = "engine")]
+mod store_meta;
 mod ttl;
 
 #[cfg(feature = "engine")]

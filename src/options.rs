@@ -92,9 +92,11 @@ impl TableOptions {
         }
     }
 
-    /// Gives the table a merge operator, so claims can stage `merge` writes into it. The name is
-    /// persisted by RocksDB; reopen with the same name. Default: none (staging a merge into the
-    /// table is then an [`Error::NoMergeOperator`]).
+    /// Gives the table a merge operator, so claims can stage `merge` writes into it. The name
+    /// (not empty) is recorded when the table is created, and fixed: every later open must
+    /// declare the same name, and a table created without an operator cannot gain one (declare
+    /// a new table). Default: none (staging a merge into the table is then an
+    /// [`Error::NoMergeOperator`]).
     ///
     /// RocksDB calls `merge` only with the base value known (full merges), so operands of one key
     /// accumulate until a read or compaction reaches the base. For an associative operation use
@@ -256,13 +258,20 @@ impl EngineBuilder {
         self
     }
 
-    /// Validates the options and opens (or creates) the store.
+    /// Validates the options and opens (or creates) the store, creating its directory (and
+    /// missing parents) if needed.
+    ///
+    /// An open that is refused changes nothing in the store: every check below runs before
+    /// RocksDB opens it for writing. A business table's merge operator is fixed when the table
+    /// is created; declare it as before on every open.
     ///
     /// # Errors
-    /// [`Error::LimitExceeded`] or [`Error::InvalidOption`] for bad options,
-    /// [`Error::AlreadyOpen`] when another process (or another `Engine` here) holds the store,
-    /// [`Error::IncompatibleStore`] when the directory is not a matching idemdb store,
-    /// [`Error::Storage`] for RocksDB failures.
+    /// In the order they are checked: [`Error::LimitExceeded`] or [`Error::InvalidOption`] for
+    /// bad options; [`Error::AlreadyOpen`] when another process, or another `Engine` or
+    /// exclusive operator tool here, holds the store, through whatever path;
+    /// [`Error::IncompatibleStore`] when the directory is not a matching idemdb store (a table
+    /// of the store undeclared or declared as another kind, a merge operator changed, added or
+    /// removed, a foreign format); [`Error::Storage`] for RocksDB and file-system failures.
     pub fn open(self) -> Result<Engine> {
         self.validate()?;
         Engine::open(self)
@@ -298,6 +307,16 @@ impl EngineBuilder {
         )?;
         let names: Vec<&str> = self.table_names().collect();
         check_limit(Limit::Tables, names.len(), 0, TABLES_MAX)?;
+        for table in &self.business_tables {
+            if let Some(operator) = &table.merge_operator
+                && operator.name.is_empty()
+            {
+                return Err(Error::invalid_option(format!(
+                    "the merge operator of table {:?} has an empty name",
+                    table.name
+                )));
+            }
+        }
         for (index, name) in names.iter().enumerate() {
             check_table_name(name)?;
             if names[..index].contains(name) {

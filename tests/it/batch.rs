@@ -106,3 +106,63 @@ fn a_batch_releases_every_key_when_dropped() {
     assert_eq!(engine.open_claims(), 0);
     assert!(consumer.get("x").unwrap().is_none());
 }
+
+#[test]
+fn a_repeat_with_other_content_in_a_batch_is_never_a_duplicate() {
+    let store = TestStore::new();
+    let engine = store.open();
+    let consumer = engine.consumer("batch").unwrap();
+    let (a, b, c) = (
+        Fingerprint::of("a"),
+        Fingerprint::of("b"),
+        Fingerprint::of("c"),
+    );
+
+    // A new key: the first copy is claimed, a copy with other content conflicts with it, and an
+    // identical copy is a duplicate of it.
+    let messages = [
+        Message::new("k", a),
+        Message::new("k", b),
+        Message::new("k", a),
+    ];
+    let batch = consumer.begin_batch(&messages).unwrap();
+    assert!(matches!(batch.outcomes()[0], BatchOutcome::Fresh));
+    match &batch.outcomes()[1] {
+        BatchOutcome::ConflictInBatch {
+            first: 0,
+            first_fingerprint,
+            new_fingerprint,
+        } => {
+            assert_eq!(*first_fingerprint, a);
+            assert_eq!(*new_fingerprint, b);
+        }
+        other => panic!("expected ConflictInBatch, got {other:?}"),
+    }
+    assert!(matches!(
+        batch.outcomes()[2],
+        BatchOutcome::DuplicateInBatch { first: 0 }
+    ));
+    batch.commit(|_| b"first").unwrap();
+    assert_eq!(engine.stats().consumers[0].conflict, 1);
+
+    // Against the stored record, each copy gets what `begin` gives it, whatever the first copy got.
+    let messages = [
+        Message::new("k", b),
+        Message::new("k", a),
+        Message::new("k", c),
+    ];
+    let batch = consumer.begin_batch(&messages).unwrap();
+    let conflict_with = |outcome: &BatchOutcome, received: Fingerprint| {
+        matches!(
+            outcome,
+            BatchOutcome::Settled(Outcome::Conflict { stored_fingerprint, new_fingerprint, .. })
+                if *stored_fingerprint == a && *new_fingerprint == received
+        )
+    };
+    assert!(conflict_with(&batch.outcomes()[0], b), "{batch:?}");
+    assert!(
+        matches!(&batch.outcomes()[1], BatchOutcome::Settled(Outcome::Duplicate { result, .. }) if result.as_ref() == b"first"),
+        "{batch:?}"
+    );
+    assert!(conflict_with(&batch.outcomes()[2], c), "{batch:?}");
+}

@@ -423,13 +423,49 @@ pub fn run(ops: Vec<Op>) -> Result<(), String> {
                     .collect();
                 let mut batch = consumer.begin_batch(&batch_messages).unwrap();
                 let mut first_seen: HashMap<u8, usize> = HashMap::new();
+                // Keys a repeat with other content claimed for itself in this batch.
+                let mut claimed_by_repeat: Vec<u8> = Vec::new();
                 for (index, &(key, content)) in messages.iter().enumerate() {
                     let outcome = &batch.outcomes()[index];
                     if let Some(&first) = first_seen.get(&key) {
-                        ensure!(
-                            matches!(outcome, BatchOutcome::DuplicateInBatch { first: f } if *f == first),
-                            "{outcome:?}"
-                        );
+                        let first_content = messages[first].1;
+                        if content == first_content {
+                            ensure!(
+                                matches!(outcome, BatchOutcome::DuplicateInBatch { first: f } if *f == first),
+                                "{outcome:?}"
+                            );
+                        } else if matches!(batch.outcomes()[first], BatchOutcome::Fresh) {
+                            ensure!(
+                                matches!(
+                                    outcome,
+                                    BatchOutcome::ConflictInBatch { first: f, first_fingerprint, new_fingerprint }
+                                        if *f == first
+                                            && *first_fingerprint == fingerprint(first_content)
+                                            && *new_fingerprint == fingerprint(content)
+                                ),
+                                "{outcome:?}"
+                            );
+                        } else {
+                            // Decided as `begin` would, after the first copy.
+                            let latched = claims.iter().any(|(held, _, _)| *held == key)
+                                || claimed_by_repeat.contains(&key);
+                            let expected = model.expect(key, content, latched, now_ms);
+                            match outcome {
+                                BatchOutcome::Fresh => {
+                                    let claim = batch.claim_mut(index).unwrap();
+                                    let takeover = claim.previous_attempt().is_some();
+                                    ensure_eq!(&expected, &Expected::Fresh { takeover });
+                                    claim
+                                        .merge(&counters, message_key(key), 1u64.to_be_bytes())
+                                        .unwrap();
+                                    claimed_by_repeat.push(key);
+                                }
+                                BatchOutcome::Settled(settled) => {
+                                    check_outcome("batch repeat", settled, &expected, None)?;
+                                }
+                                other => return Err(format!("repeat: {other:?}")),
+                            }
+                        }
                         continue;
                     }
                     first_seen.insert(key, index);
@@ -447,7 +483,8 @@ pub fn run(ops: Vec<Op>) -> Result<(), String> {
                         BatchOutcome::Settled(settled) => {
                             check_outcome("batch", settled, &expected, None)?;
                         }
-                        BatchOutcome::DuplicateInBatch { .. } => {
+                        BatchOutcome::DuplicateInBatch { .. }
+                        | BatchOutcome::ConflictInBatch { .. } => {
                             return Err("repeat of a key seen once".to_owned());
                         }
                     }

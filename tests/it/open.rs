@@ -1,12 +1,16 @@
-//! Guards opening a store: a store held by another process or engine is a typed error, and a
-//! store opened with tables (or business-table merge operators) that do not match is refused
-//! with a reason, before RocksDB recovers anything.
+//! Guards opening a store: a store held by another process or engine is a typed error, whatever
+//! spelling of its path the second opener uses, and a store opened with tables (or
+//! business-table merge operators) that do not match is refused with a reason, before RocksDB
+//! recovers anything: a refused open leaves every file as it was.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use crate::util::TestStore;
-use idemdb::{Engine, Error, TableOptions};
+use idemdb::{Engine, EngineBuilder, Error, Fingerprint, Outcome, TableOptions, merge_ops};
 
 /// Environment variable telling the child test which store to hold open.
 const HOLD_ENV: &str = "IDEMDB_TEST_HOLD_STORE";
@@ -198,4 +202,357 @@ fn a_business_table_reopened_with_another_merge_operator_is_refused_before_recov
             .unwrap()
             .is_some()
     );
+}
+
+/// The path of `target` relative to the current directory, without changing it (the test
+/// binary's threads share the current directory).
+fn relative_path(target: &Path) -> PathBuf {
+    let cwd = std::env::current_dir().unwrap();
+    let mut relative = PathBuf::new();
+    for _ in cwd.components().skip(1) {
+        relative.push("..");
+    }
+    relative.push(target.strip_prefix("/").unwrap());
+    relative
+}
+
+/// Asserts that opening the store through `spelling`, as an application and as an operator
+/// tool, is refused as `AlreadyOpen`.
+fn assert_already_open(spelling: &Path) {
+    let result = Engine::builder(spelling).open();
+    assert!(
+        matches!(result, Err(Error::AlreadyOpen { .. })),
+        "{spelling:?}: {result:?}"
+    );
+    let result = idemdb::admin::Store::builder(spelling).open_exclusive();
+    assert!(
+        matches!(result, Err(Error::AlreadyOpen { .. })),
+        "admin, {spelling:?}: {result:?}"
+    );
+}
+
+/// Claims `key` through `engine` and commits it.
+fn commit_key(engine: &Engine, key: &str) {
+    let consumer = engine.consumer("c").unwrap();
+    let Outcome::Fresh(claim) = consumer.begin(key, Fingerprint::of(key)).unwrap() else {
+        panic!("{key} should be fresh");
+    };
+    claim.commit(b"done").unwrap();
+}
+
+#[test]
+fn every_spelling_of_an_open_stores_path_is_already_open() {
+    let root = tempfile::tempdir().unwrap();
+    let store = root.path().join("s");
+    std::fs::create_dir(root.path().join("sub")).unwrap();
+    let link = root.path().join("link");
+    std::os::unix::fs::symlink(&store, &link).unwrap();
+    let engine = Engine::builder(&store).open().unwrap();
+    // A claim held by the first engine: a second engine would have had latches of its own.
+    let consumer = engine.consumer("c").unwrap();
+    let Outcome::Fresh(held) = consumer.begin("k", Fingerprint::of("k")).unwrap() else {
+        panic!("fresh");
+    };
+
+    let spellings = [
+        PathBuf::from(format!("{}/", store.display())),
+        store.join("."),
+        root.path().join("sub").join("..").join("s"),
+        link.clone(),
+        PathBuf::from(format!("{}/", link.display())),
+        relative_path(&store),
+        relative_path(&link),
+    ];
+    for spelling in &spellings {
+        assert_already_open(spelling);
+    }
+    // The store as given is refused too, as an application and as a tool.
+    assert_already_open(&store);
+
+    held.commit(b"done").unwrap();
+    commit_key(&engine, "after");
+    drop(consumer);
+    drop(engine);
+    // Every acknowledged commit is there, through any spelling, and the store opens again.
+    let reopened = Engine::builder(&spellings[3]).open().unwrap();
+    let consumer = reopened.consumer("c").unwrap();
+    assert!(consumer.get("k").unwrap().is_some());
+    assert!(consumer.get("after").unwrap().is_some());
+}
+
+/// Unmounts a bind mount when dropped, whatever happened meanwhile.
+struct BindMount(PathBuf);
+
+impl BindMount {
+    fn new(source: &Path, target: &Path) -> Option<BindMount> {
+        std::fs::create_dir_all(target).ok()?;
+        let status = Command::new("mount")
+            .arg("--bind")
+            .arg(source)
+            .arg(target)
+            .stderr(Stdio::null())
+            .status()
+            .ok()?;
+        status.success().then(|| BindMount(target.to_path_buf()))
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_bind_mount_of_an_open_store_is_already_open() {
+    let root = tempfile::tempdir().unwrap();
+    let store = root.path().join("s");
+    let engine = Engine::builder(&store).open().unwrap();
+    let Some(mount) = BindMount::new(&store, &root.path().join("mnt")) else {
+        eprintln!("skipped: bind mounts are refused here (mount --bind needs root)");
+        return;
+    };
+    assert_already_open(&mount.0);
+    commit_key(&engine, "k");
+    drop(engine);
+    // Once the engine is closed, the store opens through the mount and has the commit.
+    let through_mount = Engine::builder(&mount.0).open().unwrap();
+    assert!(
+        through_mount
+            .consumer("c")
+            .unwrap()
+            .get("k")
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[test]
+fn already_open_wins_over_a_mismatched_declaration() {
+    let store = TestStore::new();
+    let _engine = store.open();
+    // `orders` and `counters` are left undeclared, and `customers` is declared as a business
+    // table: both would be refused as incompatible, but the cause to act on is the holder.
+    let result = Engine::builder(store.dir.path())
+        .business_table(TableOptions::new("customers"))
+        .open();
+    assert!(
+        matches!(result, Err(Error::AlreadyOpen { .. })),
+        "{result:?}"
+    );
+}
+
+/// Every file of the store at `path` and its bytes, but RocksDB's info logs (`LOG`,
+/// `LOG.old.<time>`), which any open, read-only ones included, starts anew.
+fn store_files(path: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(path)
+        .unwrap()
+        .map(|entry| entry.unwrap())
+        .filter(|entry| entry.file_type().unwrap().is_file())
+        .map(|entry| entry.file_name().into_string().unwrap())
+        .filter(|name| name != "LOG" && !name.starts_with("LOG.old."))
+        .map(|name| {
+            let bytes = std::fs::read(path.join(&name)).unwrap();
+            (name, bytes)
+        })
+        .collect()
+}
+
+/// Asserts that `open` is refused with the error `expected` accepts and leaves every file of
+/// the store at `path` as it was.
+fn assert_refused_without_change(
+    path: &Path,
+    what: &str,
+    expected: impl Fn(&Error) -> bool,
+    open: impl FnOnce() -> idemdb::Result<Engine>,
+) {
+    let before = store_files(path);
+    match open() {
+        Err(error) if expected(&error) => {}
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    }
+    let after = store_files(path);
+    let changed: Vec<&String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|name| before.get(*name) != after.get(*name))
+        .collect();
+    assert!(
+        changed.is_empty(),
+        "{what}: the refused open changed {changed:?}"
+    );
+}
+
+fn incompatible(error: &Error) -> bool {
+    matches!(error, Error::IncompatibleStore { .. })
+}
+
+#[test]
+fn a_refused_open_changes_nothing_and_loses_no_unflushed_commit() {
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("store");
+    let sums = || TableOptions::new("sums").merge_operator("add_u64", merge_ops::add_u64);
+    let declared = |sums: Option<TableOptions>, plain: TableOptions, things: Option<bool>| {
+        let mut builder = Engine::builder(&path).business_table(plain);
+        if let Some(sums) = sums {
+            builder = builder.business_table(sums);
+        }
+        match things {
+            Some(true) => builder.entity_table("things"),
+            Some(false) => builder.business_table(TableOptions::new("things")),
+            None => builder,
+        }
+    };
+    let right = || declared(Some(sums()), TableOptions::new("plain"), Some(true));
+    {
+        // A put of 5 and three merges of +2, all left in the WAL (no flush): 11.
+        let engine = right().open().unwrap();
+        let consumer = engine.consumer("c").unwrap();
+        let table = engine.business_table("sums").unwrap();
+        let plain = engine.business_table("plain").unwrap();
+        for (index, operand) in [5u64, 2, 2, 2].into_iter().enumerate() {
+            let key = format!("m{index}");
+            let Outcome::Fresh(mut claim) = consumer.begin(&key, Fingerprint::of(&key)).unwrap()
+            else {
+                panic!("fresh");
+            };
+            if index == 0 {
+                claim.put(&table, "s", operand.to_be_bytes()).unwrap();
+                claim.put(&plain, "p", b"kept").unwrap();
+            } else {
+                claim.merge(&table, "s", operand.to_be_bytes()).unwrap();
+            }
+            claim.commit(b"").unwrap();
+        }
+        let things = engine.entity_table("things").unwrap();
+        let Outcome::Fresh(claim) = things.begin("t", Fingerprint::of("t")).unwrap() else {
+            panic!("fresh");
+        };
+        claim.commit(b"thing").unwrap();
+    }
+
+    let renamed = TableOptions::new("sums").merge_operator("renamed", merge_ops::add_u64);
+    let gained = TableOptions::new("plain").merge_operator("add_u64", merge_ops::add_u64);
+    let refusals: Vec<(&str, EngineBuilder)> = vec![
+        (
+            "sums declared as an entity table",
+            declared(None, TableOptions::new("plain"), Some(true)).entity_table("sums"),
+        ),
+        (
+            "sums without its merge operator",
+            declared(
+                Some(TableOptions::new("sums")),
+                TableOptions::new("plain"),
+                Some(true),
+            ),
+        ),
+        (
+            "sums with another merge operator",
+            declared(Some(renamed), TableOptions::new("plain"), Some(true)),
+        ),
+        (
+            "plain with a merge operator it was not created with",
+            declared(Some(sums()), gained, Some(true)),
+        ),
+        (
+            "things undeclared",
+            declared(Some(sums()), TableOptions::new("plain"), None),
+        ),
+        (
+            "things declared as a business table",
+            declared(Some(sums()), TableOptions::new("plain"), Some(false)),
+        ),
+        (
+            "sums undeclared",
+            declared(None, TableOptions::new("plain"), Some(true)),
+        ),
+    ];
+    for (what, builder) in refusals {
+        assert_refused_without_change(&path, what, incompatible, || builder.open());
+    }
+    assert_refused_without_change(
+        &path,
+        "a retention out of bounds",
+        |error| matches!(error, Error::LimitExceeded { .. }),
+        || right().retention(Duration::ZERO).open(),
+    );
+
+    // The right declaration finds every acknowledged effect.
+    let engine = right().open().unwrap();
+    let total = engine.business_table("sums").unwrap().get("s").unwrap();
+    assert_eq!(total.as_deref().and_then(merge_ops::read_u64), Some(11));
+    let plain = engine.business_table("plain").unwrap().get("p").unwrap();
+    assert_eq!(plain.as_deref(), Some(&b"kept"[..]));
+    let things = engine.entity_table("things").unwrap();
+    assert!(things.get("t").unwrap().is_some());
+    let consumer = engine.consumer("c").unwrap();
+    for index in 0..4 {
+        assert!(consumer.get(format!("m{index}")).unwrap().is_some());
+    }
+}
+
+#[test]
+fn a_refused_open_of_a_foreign_database_changes_nothing() {
+    for (what, marker) in [
+        ("another format marker", Some(&b"some other format"[..])),
+        ("records but no format marker", None),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            // Left unflushed: only the WAL holds these.
+            let mut options = rocksdb::Options::default();
+            options.create_if_missing(true);
+            options.create_missing_column_families(true);
+            let db =
+                rocksdb::DB::open_cf(&options, dir.path(), ["default", "idemdb.records"]).unwrap();
+            if let Some(marker) = marker {
+                db.put(b"idemdb.format", marker).unwrap();
+            }
+            db.put_cf(db.cf_handle("idemdb.records").unwrap(), b"\x01ck", b"value")
+                .unwrap();
+        }
+        assert_refused_without_change(dir.path(), what, incompatible, || {
+            Engine::builder(dir.path()).open()
+        });
+        assert_refused_without_change(dir.path(), what, incompatible, || {
+            idemdb::admin::Store::builder(dir.path())
+                .open_exclusive()
+                .map(|_| unreachable!("refused"))
+        });
+    }
+}
+
+#[test]
+fn a_business_table_keeps_the_merge_operator_it_was_created_with() {
+    let store = TestStore::new();
+    drop(store.open());
+    // `orders` was created without a merge operator: gaining one is refused, so that no
+    // accepted open can lock the original declaration out.
+    let gained = || {
+        Engine::builder(store.dir.path())
+            .clock(store.clock.clone())
+            .business_table(
+                TableOptions::new("orders").merge_operator("add_u64", merge_ops::add_u64),
+            )
+            .business_table(
+                TableOptions::new("counters").merge_operator("add_u64", merge_ops::add_u64),
+            )
+            .entity_table("customers")
+            .open()
+    };
+    match gained() {
+        Err(Error::IncompatibleStore { reason, .. }) => {
+            assert!(reason.contains("\"orders\""), "{reason}");
+            assert!(reason.contains("no merge operator"), "{reason}");
+        }
+        other => panic!("expected IncompatibleStore, got {other:?}"),
+    }
+    // An operator tool's open in between changes neither answer.
+    drop(
+        idemdb::admin::Store::builder(store.dir.path())
+            .open_exclusive()
+            .unwrap(),
+    );
+    assert!(matches!(gained(), Err(Error::IncompatibleStore { .. })));
+    drop(store.open());
 }

@@ -1,0 +1,403 @@
+//! What a store says about itself, read before RocksDB opens it for writing: its tables, the
+//! format marker and each table's kind (the `default` column family), and each business table's
+//! merge operator (RocksDB's OPTIONS file).
+//!
+//! Every reason an open can be refused is checked here, on a read-only view, because RocksDB's
+//! open for writing changes the store before the engine could look: it replays the WAL and, by
+//! default, flushes what it replayed, under whatever merge operators the declaration gave, and
+//! it rewrites the OPTIONS file. A refused open must leave the store as it found it, so that the
+//! next open with the right declaration sees every acknowledged commit.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rocksdb::{DB, IteratorMode};
+
+use crate::error::{Error, Result};
+use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
+
+/// The column family holding every consumer's dedup records.
+pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
+/// The column family holding the ordering guard's highest applied version per entity.
+pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
+/// Meta key (default column family) holding the store format marker.
+pub(crate) const META_FORMAT_KEY: &[u8] = b"idemdb.format";
+/// Store format marker: magic and format version 1.
+pub(crate) const STORE_FORMAT_V1: &[u8] = b"idemdb store format 1";
+/// Meta key prefix recording each table's kind, so a table cannot change kind between opens.
+pub(crate) const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
+/// Meta key prefix recording each business table's merge operator, fixed when it is created:
+/// `merge:<name>`, or `none`.
+pub(crate) const META_MERGE_OPERATOR_PREFIX: &str = "idemdb.merge-operator/";
+/// What RocksDB's OPTIONS file says of a table without a merge operator.
+const NO_MERGE_OPERATOR: &str = "nullptr";
+/// The stand-in merge operator's name, written to the OPTIONS file by operator tools for a table
+/// whose operator they cannot find (`engine::set_opaque_merge_operator`).
+pub(crate) const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
+
+/// The kind of a user-declared table, recorded in the metadata when it is first declared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DeclaredKind {
+    /// The caller's own data, written through claims.
+    Business,
+    /// A marker table whose records are the entities.
+    Entity,
+}
+
+impl DeclaredKind {
+    /// The metadata value recording this kind.
+    pub(crate) fn stored(self) -> &'static [u8] {
+        match self {
+            DeclaredKind::Business => b"business",
+            DeclaredKind::Entity => b"entity",
+        }
+    }
+
+    fn parse(stored: &[u8]) -> Option<DeclaredKind> {
+        match stored {
+            b"business" => Some(DeclaredKind::Business),
+            b"entity" => Some(DeclaredKind::Entity),
+            _ => None,
+        }
+    }
+
+    /// The kind in words, with its article ("a business").
+    fn in_words(self) -> &'static str {
+        match self {
+            DeclaredKind::Business => "a business",
+            DeclaredKind::Entity => "an entity",
+        }
+    }
+}
+
+/// The store's format marker, as found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum FormatMarker {
+    /// The marker of the format this build reads and writes.
+    Current,
+    /// Another value: another format, or not idemdb's.
+    Unknown,
+    /// No marker, and the records table holds no record: a store whose very first open
+    /// crashed between creating its tables and writing the marker. It is still new.
+    MissingOnEmptyStore,
+    /// No marker, and records are present: not an idemdb store.
+    Missing,
+}
+
+/// The metadata of an existing store.
+#[derive(Clone, Debug)]
+pub(crate) struct StoredMeta {
+    /// Every column family, `default` included, in RocksDB's order.
+    pub(crate) tables: Vec<String>,
+    /// The format marker.
+    pub(crate) format: FormatMarker,
+    /// The recorded kind (or an unreadable value) of each table that has one.
+    kinds: HashMap<String, Vec<u8>>,
+    /// The recorded merge operator of each business table that has one recorded.
+    operators: HashMap<String, Vec<u8>>,
+}
+
+/// Metadata an accepted open must still write, with an fsync, before any record.
+#[derive(Debug, Default)]
+pub(crate) struct MetaToWrite {
+    /// The format marker (a new store).
+    pub(crate) format: bool,
+    /// Kinds of tables declared for the first time.
+    pub(crate) kinds: Vec<(String, DeclaredKind)>,
+    /// Merge operators of business tables not recorded yet (new tables, and tables created
+    /// before operators were recorded).
+    pub(crate) operators: Vec<(String, Option<String>)>,
+}
+
+/// The metadata value recording a business table's merge operator (`None`: none).
+pub(crate) fn encode_merge_operator(operator: Option<&str>) -> Vec<u8> {
+    match operator {
+        Some(name) => [b"merge:", name.as_bytes()].concat(),
+        None => b"none".to_vec(),
+    }
+}
+
+impl StoredMeta {
+    /// Reads the metadata of the store at `path`, or `None` if there is no store there yet.
+    /// Opens the store read-only: no lock is taken, nothing is written (RocksDB starts a new
+    /// info `LOG` file, the one file it touches), and the WAL is replayed into memory only.
+    ///
+    /// # Errors
+    /// [`Error::IncompatibleStore`] for a RocksDB database that has no records table;
+    /// [`Error::Storage`] if RocksDB cannot read it.
+    pub(crate) fn read(path: &Path) -> Result<Option<StoredMeta>> {
+        if !path.join("CURRENT").exists() {
+            return Ok(None);
+        }
+        let tables = DB::list_cf(&rocksdb::Options::default(), path)?;
+        if !tables.iter().any(|table| table == RECORDS_TABLE) {
+            return Err(incompatible(
+                path,
+                format!("not an idemdb store (no {RECORDS_TABLE:?} table)"),
+            ));
+        }
+        let meta = DB::open_cf_for_read_only(
+            &rocksdb::Options::default(),
+            path,
+            [rocksdb::DEFAULT_COLUMN_FAMILY_NAME],
+            false,
+        )?;
+        let default = meta
+            .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
+            .ok_or_else(|| incompatible(path, "no default column family".to_owned()))?;
+        let format = match meta.get_cf(default, META_FORMAT_KEY)? {
+            Some(format) if format == STORE_FORMAT_V1 => FormatMarker::Current,
+            Some(_) => FormatMarker::Unknown,
+            None if records_table_is_empty(path)? => FormatMarker::MissingOnEmptyStore,
+            None => FormatMarker::Missing,
+        };
+        let mut kinds = HashMap::new();
+        let mut operators = HashMap::new();
+        for table in &tables {
+            if let Some(kind) = meta.get_cf(default, format!("{META_TABLE_KIND_PREFIX}{table}"))? {
+                kinds.insert(table.clone(), kind);
+            }
+            let key = format!("{META_MERGE_OPERATOR_PREFIX}{table}");
+            if let Some(operator) = meta.get_cf(default, key)? {
+                operators.insert(table.clone(), operator);
+            }
+        }
+        Ok(Some(StoredMeta {
+            tables,
+            format,
+            kinds,
+            operators,
+        }))
+    }
+
+    /// The kind recorded for `table`: `None` if none is, `Some(None)` for a value this build
+    /// does not know.
+    pub(crate) fn kind(&self, table: &str) -> Option<Option<DeclaredKind>> {
+        self.kinds.get(table).map(|kind| DeclaredKind::parse(kind))
+    }
+
+    /// Checks that the format marker is one this build may open.
+    ///
+    /// # Errors
+    /// [`Error::IncompatibleStore`] for another marker, or none on a store holding records.
+    pub(crate) fn check_format(&self, path: &Path) -> Result<()> {
+        match self.format {
+            FormatMarker::Current | FormatMarker::MissingOnEmptyStore => Ok(()),
+            FormatMarker::Unknown => Err(incompatible(
+                path,
+                "written by an unknown idemdb store format".to_owned(),
+            )),
+            FormatMarker::Missing => Err(incompatible(
+                path,
+                "not an idemdb store (no format marker)".to_owned(),
+            )),
+        }
+    }
+
+    /// Checks a declaration of tables against the store, returning the metadata the open must
+    /// write. `declared` is every user table with its kind.
+    ///
+    /// # Errors
+    /// [`Error::IncompatibleStore`] for a bad format marker, a table of the store that is not
+    /// declared, or a table declared as another kind than the one it was created as.
+    pub(crate) fn check_declaration(
+        &self,
+        path: &Path,
+        declared: &[(&str, DeclaredKind)],
+    ) -> Result<MetaToWrite> {
+        self.check_format(path)?;
+        for table in &self.tables {
+            let ours = [
+                rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
+                RECORDS_TABLE,
+                VERSIONS_TABLE,
+            ]
+            .contains(&table.as_str());
+            if !ours && !declared.iter().any(|(name, _)| name == table) {
+                return Err(incompatible(
+                    path,
+                    format!(
+                        "the store has table {table:?}, which was not declared; declare it \
+                         with business_table or entity_table"
+                    ),
+                ));
+            }
+        }
+        let mut to_write = MetaToWrite {
+            format: self.format != FormatMarker::Current,
+            ..MetaToWrite::default()
+        };
+        for &(name, kind) in declared {
+            match self.kind(name) {
+                Some(Some(stored)) if stored == kind => {}
+                Some(stored) => {
+                    let was = stored.map_or("an unknown kind of", DeclaredKind::in_words);
+                    return Err(incompatible(
+                        path,
+                        format!(
+                            "table {name:?} was created as {was} table and is declared as {} \
+                             table; declare it as before",
+                            kind.in_words()
+                        ),
+                    ));
+                }
+                None => to_write.kinds.push((name.to_owned(), kind)),
+            }
+        }
+        Ok(to_write)
+    }
+
+    /// Refuses to open a business table with another merge operator than the one it was
+    /// created with, with one where it had none, or with none where it had one; returns the
+    /// operators to record (tables not recorded yet).
+    ///
+    /// This must be decided before RocksDB opens the store: replaying the WAL into a table
+    /// without its merge operator stops recovery at the first merge operand (silently, under
+    /// point-in-time recovery), dropping every later write of every table. Adding an operator
+    /// later is refused too: accepted, it would leave a store that the previous declaration can
+    /// no longer open (operands may be waiting), so a rolled-back deployment would be locked
+    /// out. A new table takes a new operator.
+    ///
+    /// The operator is recorded in the metadata when the table is created. RocksDB's OPTIONS
+    /// file also names it, but any plain RocksDB open (a debugging tool) rewrites that file, so
+    /// it is read only for a table created before operators were recorded, with the rule of
+    /// that time (a table that had none, or a stand-in, may gain one), once: that open records
+    /// the declared operator.
+    ///
+    /// # Errors
+    /// [`Error::IncompatibleStore`] naming the table and both operators.
+    pub(crate) fn check_merge_operators<'a>(
+        &self,
+        path: &Path,
+        declared: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+    ) -> Result<Vec<(String, Option<String>)>> {
+        let mut options_file: Option<Option<HashMap<String, String>>> = None;
+        let mut to_record = Vec::new();
+        for (table, operator) in declared {
+            let declared = encode_merge_operator(operator);
+            match self.operators.get(table) {
+                Some(recorded) if *recorded == declared => {}
+                Some(recorded) => {
+                    let recorded = String::from_utf8_lossy(recorded);
+                    let recorded = match recorded.strip_prefix("merge:") {
+                        Some(name) => format!("merge operator {name:?}"),
+                        None => "no merge operator".to_owned(),
+                    };
+                    return Err(operator_mismatch(path, table, &recorded, operator));
+                }
+                None => {
+                    if self.tables.iter().any(|name| name == table) {
+                        let stored = options_file
+                            .get_or_insert_with(|| stored_merge_operators(path))
+                            .as_ref()
+                            .and_then(|stored| stored.get(table));
+                        let unchecked = [NO_MERGE_OPERATOR, OPAQUE_MERGE_OPERATOR_NAME];
+                        if let Some(stored) = stored
+                            && Some(stored.as_str()) != operator
+                            && !unchecked.contains(&stored.as_str())
+                        {
+                            let stored = format!("merge operator {stored:?}");
+                            return Err(operator_mismatch(path, table, &stored, operator));
+                        }
+                    }
+                    to_record.push((table.to_owned(), operator.map(str::to_owned)));
+                }
+            }
+        }
+        Ok(to_record)
+    }
+}
+
+fn operator_mismatch(path: &Path, table: &str, recorded: &str, declared: Option<&str>) -> Error {
+    let declared = match declared {
+        Some(name) => format!("merge operator {name:?}"),
+        None => "no merge operator".to_owned(),
+    };
+    incompatible(
+        path,
+        format!(
+            "table {table:?} was created with {recorded}, and is declared with {declared}; \
+             declare it as before (a table's merge operator is fixed when it is created: its \
+             data may hold merge operands only that operator can fold)"
+        ),
+    )
+}
+
+/// Metadata of a store that does not exist yet: the marker, every declared table's kind, and
+/// every business table's merge operator.
+pub(crate) fn new_store_meta(
+    declared: &[(&str, DeclaredKind)],
+    operators: Vec<(String, Option<String>)>,
+) -> MetaToWrite {
+    MetaToWrite {
+        format: true,
+        kinds: declared
+            .iter()
+            .map(|&(name, kind)| (name.to_owned(), kind))
+            .collect(),
+        operators,
+    }
+}
+
+/// Whether the records table holds nothing, read through a second read-only open (only needed
+/// for a store without a format marker, so it is not paid on every open).
+fn records_table_is_empty(path: &Path) -> Result<bool> {
+    let mut records = rocksdb::Options::default();
+    // Records are merge operands until compacted: an iterator needs the operator to fold them.
+    records.set_merge_operator(
+        MERGE_OPERATOR_NAME,
+        rocksdb_full_merge,
+        rocksdb_partial_merge,
+    );
+    let db = DB::open_cf_descriptors_read_only(
+        &rocksdb::Options::default(),
+        path,
+        [
+            rocksdb::ColumnFamilyDescriptor::new(
+                rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
+                rocksdb::Options::default(),
+            ),
+            rocksdb::ColumnFamilyDescriptor::new(RECORDS_TABLE, records),
+        ],
+        false,
+    )?;
+    let table = db
+        .cf_handle(RECORDS_TABLE)
+        .ok_or_else(|| incompatible(path, format!("no {RECORDS_TABLE:?} table")))?;
+    let mut entries = db.iterator_cf(table, IteratorMode::Start);
+    Ok(entries.next().transpose()?.is_none())
+}
+
+/// Each table's merge operator name in the store's newest OPTIONS file, or `None` if there is
+/// no readable one.
+pub(crate) fn stored_merge_operators(path: &Path) -> Option<HashMap<String, String>> {
+    let newest = std::fs::read_dir(path)
+        .ok()?
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().into_string().ok()?;
+            let number: u64 = name.strip_prefix("OPTIONS-")?.parse().ok()?;
+            Some((number, name))
+        })
+        .max()?;
+    let text = std::fs::read_to_string(path.join(newest.1)).ok()?;
+    let mut operators = HashMap::new();
+    let mut table: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(section) = line.strip_prefix('[') {
+            table = section
+                .strip_prefix("CFOptions \"")
+                .and_then(|rest| rest.strip_suffix("\"]"))
+                .map(str::to_owned);
+        } else if let (Some(table), Some(name)) = (&table, line.strip_prefix("merge_operator=")) {
+            operators.insert(table.clone(), name.to_owned());
+        }
+    }
+    Some(operators)
+}
+
+fn incompatible(path: &Path, reason: String) -> Error {
+    Error::IncompatibleStore {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
