@@ -384,9 +384,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Compacts every marker table fully, so that no record expired by now is stored any more
-    /// (in-progress records are kept, whatever their lease; released records are removed). It
-    /// writes every marker table's memtable to a table file first. RocksDB also removes expired
+    /// Compacts every marker table fully, so that no record expired by now is stored any more.
+    /// In-progress records are kept, whatever their lease; released records are kept until the
+    /// compaction filter's removal time for them has passed. It writes every marker table's
+    /// memtable to a table file first. RocksDB also removes expired
     /// records on its own (size-triggered and periodic compactions); this is for tests and
     /// operators who want the space back now. Records expiring after the call are not touched.
     ///

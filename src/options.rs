@@ -266,12 +266,13 @@ impl EngineBuilder {
     /// is created; declare it as before on every open.
     ///
     /// # Errors
-    /// In the order they are checked: [`Error::LimitExceeded`] or [`Error::InvalidOption`] for
-    /// bad options; [`Error::AlreadyOpen`] when another process, or another `Engine` or
+    /// The refusals come in this order: [`Error::LimitExceeded`] or [`Error::InvalidOption`]
+    /// for bad options; [`Error::AlreadyOpen`] when another process, or another `Engine` or
     /// exclusive operator tool here, holds the store, through whatever path;
     /// [`Error::IncompatibleStore`] when the directory is not a matching idemdb store (a table
     /// of the store undeclared or declared as another kind, a merge operator changed, added or
-    /// removed, a foreign format); [`Error::Storage`] for RocksDB and file-system failures.
+    /// removed, a foreign format). [`Error::Storage`] for RocksDB and file-system failures, at
+    /// any step (the directory cannot be created or opened, say).
     pub fn open(self) -> Result<Engine> {
         self.validate()?;
         Engine::open(self)

@@ -13,8 +13,15 @@
 //! every second opener with [`Error::AlreadyOpen`], before any metadata check or recovery runs.
 //! The kernel releases it when the file is closed, including when the process dies.
 //!
-//! Limit: on NFS, Linux emulates `flock` with a POSIX record lock, which is per process again;
-//! a store on NFS is not protected against a second open in the same process.
+//! Limits:
+//! - On NFS, Linux emulates `flock` with a POSIX record lock, which is per process again; a
+//!   store on NFS is not protected against a second open in the same process.
+//! - A process that opens the store without this lock (an idemdb from before it, a RocksDB
+//!   tool) is refused by RocksDB's own `LOCK` when the engine opens for writing, so only after
+//!   the declaration was checked: a mismatch is then `IncompatibleStore`, not `AlreadyOpen`.
+//! - The lock belongs to the open directory, which a `fork` without `exec` shares: such a child
+//!   keeps the store locked until it exits, even after the parent dropped its engine. (Rust
+//!   opens files close-on-exec, so a spawned `Command` does not inherit it.)
 
 use std::fs::{File, TryLockError};
 use std::path::Path;

@@ -119,8 +119,10 @@ pub(crate) fn encode_merge_operator(operator: Option<&str>) -> Vec<u8> {
 
 impl StoredMeta {
     /// Reads the metadata of the store at `path`, or `None` if there is no store there yet.
-    /// Opens the store read-only: no lock is taken, nothing is written (RocksDB starts a new
-    /// info `LOG` file, the one file it touches), and the WAL is replayed into memory only.
+    /// Opens the store read-only: no lock is taken, no data file is written, and the WAL is
+    /// replayed into memory only. RocksDB starts a new info `LOG` file (renaming the previous
+    /// one `LOG.old.<time>`), the one change. The replay is a cost every open now pays once
+    /// more, in proportion to the unflushed WAL.
     ///
     /// # Errors
     /// [`Error::IncompatibleStore`] for a RocksDB database that has no records table;

@@ -268,6 +268,10 @@ fn every_spelling_of_an_open_stores_path_is_already_open() {
     }
     // The store as given is refused too, as an application and as a tool.
     assert_already_open(&store);
+    // A read-only operator open takes no lock and still works beside the owner.
+    idemdb::admin::Store::builder(&link)
+        .open_read_only()
+        .unwrap();
 
     held.commit(b"done").unwrap();
     commit_key(&engine, "after");
@@ -325,6 +329,20 @@ fn a_bind_mount_of_an_open_store_is_already_open() {
             .unwrap()
             .is_some()
     );
+}
+
+#[test]
+fn an_operator_tools_exclusive_open_holds_the_store_against_every_spelling() {
+    let root = tempfile::tempdir().unwrap();
+    let store = root.path().join("s");
+    drop(Engine::builder(&store).open().unwrap());
+    let tool = idemdb::admin::Store::builder(&store)
+        .open_exclusive()
+        .unwrap();
+    assert_already_open(&store.join("."));
+    assert_already_open(&relative_path(&store));
+    drop(tool);
+    Engine::builder(store.join(".")).open().unwrap();
 }
 
 #[test]
@@ -555,4 +573,26 @@ fn a_business_table_keeps_the_merge_operator_it_was_created_with() {
     );
     assert!(matches!(gained(), Err(Error::IncompatibleStore { .. })));
     drop(store.open());
+}
+
+#[test]
+fn a_plain_rocksdb_open_between_two_opens_locks_nobody_out() {
+    // A debugging tool (ldb, say) opens the store with RocksDB's defaults: no merge operators,
+    // and a new OPTIONS file that records none.
+    let store = TestStore::new();
+    drop(store.open());
+    let families = rocksdb::DB::list_cf(&rocksdb::Options::default(), store.dir.path()).unwrap();
+    drop(rocksdb::DB::open_cf(&rocksdb::Options::default(), store.dir.path(), &families).unwrap());
+    // The operators recorded at creation still decide: the application's declaration opens,
+    // and one without `counters`' operator is still refused.
+    drop(store.open());
+    let result = Engine::builder(store.dir.path())
+        .business_table(TableOptions::new("orders"))
+        .business_table(TableOptions::new("counters"))
+        .entity_table("customers")
+        .open();
+    assert!(
+        matches!(&result, Err(Error::IncompatibleStore { reason, .. }) if reason.contains("\"add_u64\"")),
+        "{result:?}"
+    );
 }
