@@ -60,19 +60,18 @@ use rocksdb::{
 
 use crate::claim::Expiry;
 use crate::clock::{Clock, SystemClock};
-use crate::engine::{
-    Engine, OpenMode, db_options, marker_table_options, set_opaque_merge_operator, table_options,
-};
+use crate::engine::Engine;
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::key::{check_message_key, consumer_prefix, decode_key, encode_with_prefix};
 use crate::lease::Resolution;
 use crate::options::{
-    EngineBuilder, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
+    EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
 };
 use crate::record::{
     DecodeError, HOLDER_BYTES_MAX, Operand, RESULT_BYTES_MAX, Record, RecordState, is_expired,
 };
+use crate::storage::{db_options, marker_table_options, set_opaque_merge_operator, table_options};
 use crate::store_lock::StoreLock;
 use crate::store_meta::{DeclaredKind, FormatMarker, RECORDS_TABLE, StoredMeta, VERSIONS_TABLE};
 
@@ -740,7 +739,7 @@ impl StoreBuilder {
                 _ => {}
             }
         }
-        let engine = Engine::open_locked(builder, lock)?;
+        let engine = Engine::open_locked(&builder, lock)?;
         Ok(Store {
             path: self.path,
             clock: self.clock,
@@ -869,7 +868,7 @@ impl Store {
     fn db(&self) -> &DB {
         match &self.access {
             Access::ReadOnly(db) => db,
-            Access::Exclusive(engine) => &engine.inner().db,
+            Access::Exclusive(engine) => &engine.storage().db,
         }
     }
 
@@ -1170,9 +1169,9 @@ impl Store {
     pub fn resolve(&self, consumer: &[u8], key: &[u8], resolution: Resolution) -> Result<()> {
         let engine = self.engine()?;
         let stored_key = encode_with_prefix(&consumer_prefix(consumer)?, key)?;
-        let retention = Duration::from_millis(engine.inner().retention_ms);
+        let retention = Duration::from_millis(engine.storage().retention_ms);
         crate::lease::resolve(
-            engine.inner(),
+            engine.storage(),
             0,
             &stored_key,
             resolution,
@@ -1195,7 +1194,7 @@ impl Store {
     /// [`Error::Corrupt`] if the record does not decode; [`Error::Storage`] if the write fails.
     pub fn invalidate(&self, target: &Target, key: &[u8]) -> Result<Invalidation> {
         let engine = self.engine()?;
-        let inner = engine.inner();
+        let inner = engine.storage();
         let (table, stored_key) = self.locate(target, key)?;
         let marker = marker_index(engine, &table)?;
         let now_ms = inner.write_clock_ms()?;
@@ -1257,10 +1256,10 @@ impl Store {
     ) -> Result<PurgeReport> {
         let engine = self.engine()?;
         let before = self.marker_counts()?;
-        let markers = &engine.inner().markers;
+        let markers = &engine.storage().markers;
         for (index, marker) in markers.iter().enumerate() {
             progress(&marker.name, index, markers.len());
-            engine.compact_marker(index)?;
+            engine.storage().compact_marker(index)?;
         }
         let after = self.marker_counts()?;
         Ok(PurgeReport { before, after })
@@ -1279,7 +1278,7 @@ impl Store {
     /// read-only store; [`Error::Storage`] if a read or write fails.
     pub fn import(&self, records: &[ImportRecord], overwrite: bool) -> Result<ImportCounts> {
         let engine = self.engine()?;
-        let inner = engine.inner();
+        let inner = engine.storage();
         let mut seen = HashSet::with_capacity(records.len());
         for record in records {
             let kind = self.kind(&record.table).filter(|kind| kind.is_marker());
@@ -1346,7 +1345,7 @@ impl Store {
 /// The index of a marker table among the engine's.
 fn marker_index(engine: &Engine, table: &str) -> Result<usize> {
     engine
-        .inner()
+        .storage()
         .markers
         .iter()
         .position(|marker| marker.name == table)

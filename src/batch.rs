@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use rocksdb::WriteBatch;
 
-use crate::claim::{Claim, Committed, Outcome, Pending, Request, begin, decide, inspect_record};
-use crate::engine::Inner;
+use crate::claim::{Claim, Outcome, Pending, Request, begin, decide, inspect_record};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::latch::KeyHashBuilder;
-use crate::record::Record;
+use crate::record::{Committed, Record};
+use crate::storage::Storage;
 
 /// The most messages one batch claims.
 pub const BATCH_MESSAGES_MAX: usize = 4096;
@@ -51,7 +51,7 @@ pub enum BatchOutcome {
 
 /// The claims of one batch of messages, in the order given.
 pub struct ClaimBatch {
-    inner: Arc<Inner>,
+    inner: Arc<Storage>,
     claims: Vec<Option<Claim>>,
     outcomes: Vec<BatchOutcome>,
 }
@@ -72,7 +72,7 @@ fn first_occurrences(requests: &[Request], hasher: KeyHashBuilder) -> Vec<usize>
 /// duplicate of it, one with another fingerprint a conflict with a fresh first copy, or else
 /// decided by `begin` after the first copy.
 pub(crate) fn begin_batch(
-    inner: &Arc<Inner>,
+    inner: &Arc<Storage>,
     marker: usize,
     requests: Vec<Request>,
 ) -> Result<ClaimBatch> {
@@ -236,7 +236,7 @@ impl ClaimBatch {
         }
         for (claim, committed) in self.claims.iter().zip(&committed) {
             if let (Some(claim), Some(committed)) = (claim, committed) {
-                claim.committed(committed, started);
+                claim.report_commit(committed, started);
             }
         }
         Ok(committed)
@@ -258,18 +258,6 @@ impl ClaimBatch {
         }
         Ok((batch, committed))
     }
-
-    /// The engine this batch belongs to.
-    #[cfg(feature = "tokio")]
-    pub(crate) fn inner(&self) -> &Arc<Inner> {
-        &self.inner
-    }
-
-    /// Moves the claims out (to the committer, which releases them after the write).
-    #[cfg(feature = "tokio")]
-    pub(crate) fn take_claims(&mut self) -> Vec<Option<Claim>> {
-        std::mem::take(&mut self.claims)
-    }
 }
 
 impl std::fmt::Debug for ClaimBatch {
@@ -277,5 +265,62 @@ impl std::fmt::Debug for ClaimBatch {
         f.debug_struct("ClaimBatch")
             .field("outcomes", &self.outcomes)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl ClaimBatch {
+    /// Commits like [`ClaimBatch::commit`] (one write batch for every claim still held),
+    /// without blocking the calling thread on the WAL's fsync: with
+    /// [`crate::Durability::Sync`] the batch goes to the engine's committer thread, which may
+    /// write it together with other waiting commits (still one atomic batch). With
+    /// [`crate::Durability::Buffered`] the commit is made here and the future is ready at once.
+    /// Dropping the future does not cancel the commit.
+    ///
+    /// # Errors
+    /// The future resolves to the errors of [`ClaimBatch::commit`].
+    pub fn commit_async<R: AsRef<[u8]>>(
+        mut self,
+        result_of: impl FnMut(usize) -> R,
+    ) -> crate::BatchCommitFuture {
+        use crate::committer::{BatchCommitFuture, Job};
+        let storage = self.inner.clone();
+        if !storage.syncs_each_write() {
+            return BatchCommitFuture::ready(self.commit(result_of));
+        }
+        let started = std::time::Instant::now();
+        let prepared = storage
+            .committer()
+            .and_then(|committer| Ok((committer, self.prepare(result_of)?)));
+        let (committer, (batch, committed)) = match prepared {
+            Ok(prepared) => prepared,
+            Err(error) => return BatchCommitFuture::ready(Err(error)),
+        };
+        if batch.is_empty() {
+            // No claim left to commit: nothing to write or wait for.
+            return BatchCommitFuture::ready(Ok(committed));
+        }
+        let (reply, receiver) = tokio::sync::oneshot::channel();
+        let claims = std::mem::take(&mut self.claims);
+        let writer = storage.clone();
+        committer.submit(Job {
+            batch,
+            claims: claims.iter().flatten().count(),
+            write: Box::new(move |batch| writer.write(batch)),
+            finish: Box::new(move |written| {
+                if written.is_ok() {
+                    for (claim, committed) in claims.iter().zip(&committed) {
+                        if let (Some(claim), Some(committed)) = (claim, committed) {
+                            claim.report_commit(committed, started);
+                        }
+                    }
+                }
+                // The keys are released before the caller hears of it.
+                drop(claims);
+                // The caller may have dropped the future; the commit stands either way.
+                let _ = reply.send(written.map(|()| committed));
+            }),
+        });
+        BatchCommitFuture::waiting(receiver)
     }
 }

@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rocksdb::WriteBatch;
 
-use crate::engine::{BusinessTable, Inner, VERSIONS_TABLE};
+use crate::business_table::BusinessTable;
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
-use crate::observe::ConsumerMetrics;
+use crate::observe::{ConsumerMetrics, Kind};
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
-use crate::record::{EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record, RecordState};
+use crate::record::{Committed, EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record, RecordState};
+use crate::storage::{Storage, VERSIONS_TABLE};
 
 /// The shortest key of a staged business write, in bytes.
 pub const TABLE_KEY_BYTES_MIN: usize = 1;
@@ -124,6 +125,29 @@ pub(crate) enum Found {
 }
 
 impl<C> Outcome<C> {
+    /// The kind of outcome, as the metrics count it.
+    pub(crate) fn kind(&self) -> Kind {
+        match self {
+            Outcome::Fresh(_) => Kind::Fresh,
+            Outcome::Duplicate { .. } => Kind::Duplicate,
+            Outcome::InProgress { .. } => Kind::InProgress,
+            Outcome::Conflict { .. } => Kind::Conflict,
+            Outcome::TooLate { .. } => Kind::TooLate,
+            Outcome::Stale { .. } => Kind::Stale,
+        }
+    }
+
+    /// For a duplicate, how long before `now_ms` its first commit was.
+    pub(crate) fn duplicate_age_ms(&self, now_ms: u64) -> Option<u64> {
+        match self {
+            Outcome::Duplicate {
+                first_committed_at_ms,
+                ..
+            } => Some(now_ms.saturating_sub(*first_committed_at_ms)),
+            _ => None,
+        }
+    }
+
     pub(crate) fn settled(outcome: Outcome<std::convert::Infallible>) -> Outcome<C> {
         outcome.map_fresh(|never| match never {})
     }
@@ -188,7 +212,7 @@ impl<C> Outcome<C> {
 
 /// Reads `stored_key` (the caller holds its latch) and decides what a claimant gets.
 pub(crate) fn inspect(
-    inner: &Inner,
+    inner: &Storage,
     marker: usize,
     stored_key: &[u8],
     fingerprint: Fingerprint,
@@ -279,23 +303,11 @@ pub enum Expiry {
     Never,
 }
 
-/// What a successful commit wrote.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Committed {
-    /// The new record's epoch.
-    pub epoch: u64,
-    /// The commit's timestamp (engine clock).
-    pub committed_at_ms: u64,
-    /// When the record expires ([`EXPIRES_NEVER_MS`] for never).
-    pub expires_at_ms: u64,
-}
-
 /// Exclusive ownership of one key, from a `Fresh` outcome until [`Claim::commit`],
 /// [`Claim::abort`] or drop. Business writes staged on it land in the same RocksDB write batch
 /// as the marker, or not at all.
 pub struct Claim {
-    inner: Arc<Inner>,
+    inner: Arc<Storage>,
     marker: usize,
     stored_key: Vec<u8>,
     /// Epoch of the expired record found at `begin`, or 0 if the key was absent: the merge
@@ -357,7 +369,7 @@ pub(crate) struct Request {
 }
 
 /// Takes the latch on the request's key, then reads its record while holding it.
-pub(crate) fn begin(inner: &Arc<Inner>, marker: usize, request: Request) -> Result<Outcome> {
+pub(crate) fn begin(inner: &Arc<Storage>, marker: usize, request: Request) -> Result<Outcome> {
     // A poisoned engine cannot commit: say so now rather than hand out a claim that must fail.
     inner.check_not_poisoned()?;
     let now_ms = inner.clock.now_ms();
@@ -381,7 +393,7 @@ impl Request {
     /// Turns the request into the claim on its key, whose latch the caller has just taken.
     pub(crate) fn into_latched_claim(
         self,
-        inner: &Arc<Inner>,
+        inner: &Arc<Storage>,
         marker: usize,
         now_ms: u64,
     ) -> (Claim, Pending) {
@@ -436,7 +448,7 @@ pub(crate) fn decide(
 /// The admission floor (B6): with it on, a claimable message produced longer ago than the
 /// retention is too late (its record may have expired already), not new.
 pub(crate) fn admit(
-    inner: &Inner,
+    inner: &Storage,
     found: Found,
     produced_at_ms: Option<u64>,
     now_ms: u64,
@@ -459,7 +471,7 @@ pub(crate) fn admit(
 /// outcome to report instead of a claim (stale, or the entity busy), or `None` with the version
 /// latch held by the caller's claim.
 fn guard_order(
-    inner: &Inner,
+    inner: &Storage,
     version_key: &[u8],
     version: u64,
     now_ms: u64,
@@ -530,7 +542,7 @@ impl Staged {
 
     pub(crate) fn put(
         &mut self,
-        inner: &Arc<Inner>,
+        inner: &Arc<Storage>,
         table: &BusinessTable,
         key: &[u8],
         value: &[u8],
@@ -543,7 +555,7 @@ impl Staged {
 
     pub(crate) fn delete(
         &mut self,
-        inner: &Arc<Inner>,
+        inner: &Arc<Storage>,
         table: &BusinessTable,
         key: &[u8],
     ) -> Result<()> {
@@ -555,7 +567,7 @@ impl Staged {
 
     pub(crate) fn merge(
         &mut self,
-        inner: &Arc<Inner>,
+        inner: &Arc<Storage>,
         table: &BusinessTable,
         key: &[u8],
         operand: &[u8],
@@ -572,7 +584,7 @@ impl Staged {
     }
 
     /// Appends every staged write to `batch`, leaving nothing staged.
-    pub(crate) fn drain_into(&mut self, inner: &Inner, batch: &mut WriteBatch) {
+    pub(crate) fn drain_into(&mut self, inner: &Storage, batch: &mut WriteBatch) {
         for op in self.ops.drain(..) {
             let cf = inner.business_cf(op.table);
             let (key, value) = op.bytes.split_at(op.key_len);
@@ -598,7 +610,7 @@ impl Staged {
 
     fn check_write(
         &mut self,
-        inner: &Arc<Inner>,
+        inner: &Arc<Storage>,
         table: &BusinessTable,
         key: &[u8],
         value_len: usize,
@@ -658,7 +670,7 @@ pub(crate) fn check_expiry(expiry: Expiry) -> Result<()> {
 impl Claim {
     /// A claim on `stored_key`, whose latch the caller has just taken.
     pub(crate) fn latched(
-        inner: &Arc<Inner>,
+        inner: &Arc<Storage>,
         marker: usize,
         stored_key: Vec<u8>,
         fingerprint: Fingerprint,
@@ -682,7 +694,7 @@ impl Claim {
 
     /// The engine this claim belongs to.
     #[cfg(feature = "tokio")]
-    pub(crate) fn inner(&self) -> &Arc<Inner> {
+    pub(crate) fn inner(&self) -> &Arc<Storage> {
         &self.inner
     }
 
@@ -692,7 +704,7 @@ impl Claim {
     }
 
     /// Counts and logs a commit that was written.
-    pub(crate) fn committed(&self, committed: &Committed, started: Instant) {
+    pub(crate) fn report_commit(&self, committed: &Committed, started: Instant) {
         if let Some(observer) = &self.observer {
             observer.committed("commit", &self.stored_key, committed.epoch, started);
         }
@@ -766,7 +778,7 @@ impl Claim {
         let committed = self.append_commit(&mut batch, result.as_ref())?;
         // The latch is still held: no other claim can read this key until the batch is visible.
         self.inner.write(batch)?;
-        self.committed(&committed, started);
+        self.report_commit(&committed, started);
         Ok(committed)
     }
 
@@ -885,5 +897,72 @@ impl std::fmt::Debug for Claim {
             .field("epoch", &self.epoch())
             .field("staged_writes", &self.staged.writes())
             .finish_non_exhaustive()
+    }
+}
+#[cfg(feature = "tokio")]
+impl Claim {
+    /// Commits like [`Claim::commit`], without blocking the calling thread on the WAL's fsync.
+    ///
+    /// With [`crate::Durability::Sync`] the claim goes to the engine's committer thread, which
+    /// writes every claim waiting for it as one batch (one WAL write, one fsync) and completes
+    /// their futures; a runtime's worker thread is never blocked. With
+    /// [`crate::Durability::Buffered`] nothing waits for a disk, so the commit is made here and
+    /// the future is ready at once.
+    ///
+    /// The key stays claimed until the commit is visible, as with [`Claim::commit`]. Dropping
+    /// the future does not cancel the commit.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idemdb::{Engine, Fingerprint, Outcome};
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = Engine::builder(dir.path()).open()?; // Durability::Sync
+    /// let billing = engine.consumer("billing")?;
+    /// if let Outcome::Fresh(claim) = billing.begin(b"order-42", Fingerprint::of(b"payload"))? {
+    ///     let committed = claim.commit_async(b"charged").await?; // durable here
+    ///     assert_eq!(committed.epoch, 1);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// The future resolves to the errors of [`Claim::commit`]. In a group whose write fails,
+    /// every claim gets the same error.
+    pub fn commit_async(mut self, result: impl AsRef<[u8]>) -> crate::CommitFuture {
+        use crate::committer::{CommitFuture, Job};
+        let storage = self.inner().clone();
+        if !storage.syncs_each_write() {
+            return CommitFuture::ready(self.commit(result));
+        }
+        let started = Instant::now();
+        let committer = match storage.committer() {
+            Ok(committer) => committer,
+            Err(error) => return CommitFuture::ready(Err(error)),
+        };
+        let mut batch = WriteBatch::default();
+        // Nothing is appended on error, and the claim is released as `commit` would.
+        let committed = match self.append_commit(&mut batch, result.as_ref()) {
+            Ok(committed) => committed,
+            Err(error) => return CommitFuture::ready(Err(error)),
+        };
+        let (reply, receiver) = tokio::sync::oneshot::channel();
+        let writer = storage.clone();
+        committer.submit(Job {
+            batch,
+            claims: 1,
+            write: Box::new(move |batch| writer.write(batch)),
+            finish: Box::new(move |written| {
+                if written.is_ok() {
+                    self.report_commit(&committed, started);
+                }
+                // The key is released before the caller hears of it.
+                drop(self);
+                // The caller may have dropped the future; the commit stands either way.
+                let _ = reply.send(written.map(|()| committed));
+            }),
+        });
+        CommitFuture::waiting(receiver)
     }
 }

@@ -1,4 +1,4 @@
-//! Async commits (feature `tokio`): [`Claim::commit_async`] and [`ClaimBatch::commit_async`]
+//! Async commits (feature `tokio`): [`crate::Claim::commit_async`] and [`crate::ClaimBatch::commit_async`]
 //! hand their prepared write batch to the engine's committer thread and return a future that
 //! thread completes.
 //!
@@ -17,15 +17,13 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use crossbeam::channel::{Receiver, Sender, TryRecvError};
 use rocksdb::WriteBatch;
 use tokio::sync::oneshot;
 
-use crate::batch::ClaimBatch;
-use crate::claim::{Claim, Committed};
 use crate::error::{Error, Result};
+use crate::record::Committed;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
@@ -36,63 +34,25 @@ pub(crate) const GROUP_BYTES_MAX: usize = 16 << 20;
 /// number, a 4-byte little-endian record count, then the records.
 const WRITE_BATCH_HEADER_BYTES: usize = 12;
 
-/// One commit waiting for the committer: a claim's, or a claim batch's.
-struct Job {
+/// The engine's write path, as a job carries it.
+pub(crate) type WriteFn = Box<dyn FnOnce(WriteBatch) -> Result<()> + Send>;
+/// What a job does once its group is written (or failed): report, release its claims' keys,
+/// then answer its caller, in that order, so a caller that awaited every commit and then drops
+/// the engine finds no claim of ours still keeping it open.
+pub(crate) type FinishFn = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// One commit waiting for the committer: a claim's, or a claim batch's. The committer knows
+/// neither: it joins batches, writes them through the first job's write path (every job of one
+/// committer belongs to one engine) and tells each job the outcome.
+pub(crate) struct Job {
     /// Every write of the commit, prepared by the caller.
-    batch: WriteBatch,
-    /// The claims it commits, by message index (`None`: nothing to commit at that index). They
-    /// keep their keys latched until the batch is visible.
-    claims: Vec<Option<Claim>>,
-    committed: Vec<Option<Committed>>,
-    started: Instant,
-    reply: Reply,
-}
-
-/// Where a job's answer goes.
-enum Reply {
-    Claim(oneshot::Sender<Result<Committed>>),
-    Batch(oneshot::Sender<Result<Vec<Option<Committed>>>>),
-}
-
-impl Job {
-    fn claims(&self) -> usize {
-        self.claims.iter().flatten().count()
-    }
-
-    /// Reports each commit to its consumer's metrics and logs.
-    fn observe(&self) {
-        for (claim, committed) in self.claims.iter().zip(&self.committed) {
-            if let (Some(claim), Some(committed)) = (claim, committed) {
-                claim.committed(committed, self.started);
-            }
-        }
-    }
-
-    /// Releases the claims' keys, then answers the future. In this order, a caller that awaited
-    /// every commit and then drops the engine finds no claim of ours still keeping it open.
-    fn finish(self, written: Result<()>) {
-        let Job {
-            claims,
-            committed,
-            reply,
-            ..
-        } = self;
-        drop(claims);
-        // The caller may have dropped the future; the commit stands either way.
-        match reply {
-            Reply::Claim(sender) => {
-                let answer = written.and_then(|()| {
-                    committed.into_iter().flatten().next().ok_or_else(|| {
-                        committer_error("a claim's commit was sent without its record")
-                    })
-                });
-                let _ = sender.send(answer);
-            }
-            Reply::Batch(sender) => {
-                let _ = sender.send(written.map(|()| committed));
-            }
-        }
-    }
+    pub(crate) batch: WriteBatch,
+    /// How many claims it commits: a group's size is bounded in claims.
+    pub(crate) claims: usize,
+    /// The engine's one write path.
+    pub(crate) write: WriteFn,
+    /// Told the group's outcome.
+    pub(crate) finish: FinishFn,
 }
 
 fn committer_error(detail: &str) -> Error {
@@ -122,14 +82,12 @@ impl Committer {
         Ok(Committer { queue })
     }
 
-    /// Queues a prepared job; a future of its answer.
-    fn submit(&self, job: Job) {
+    /// Queues a prepared job; its `finish` is told the outcome.
+    pub(crate) fn submit(&self, job: Job) {
         if let Err(unsent) = self.queue.send(job) {
             // The thread holds the receiving end for as long as the engine lives; this is
             // unreachable while the job's claims hold the engine, but answer rather than panic.
-            unsent
-                .into_inner()
-                .finish(Err(committer_error("the committer thread is gone")));
+            (unsent.into_inner().finish)(Err(committer_error("the committer thread is gone")));
         }
     }
 }
@@ -137,13 +95,13 @@ impl Committer {
 /// The committer thread: one group per loop, until the engine is dropped.
 fn run(jobs: &Receiver<Job>) {
     while let Ok(first) = jobs.recv() {
-        let mut claims = first.claims();
+        let mut claims = first.claims;
         let mut bytes = first.batch.size_in_bytes();
         let mut group = vec![first];
         while claims < GROUP_CLAIMS_MAX && bytes < GROUP_BYTES_MAX {
             match jobs.try_recv() {
                 Ok(job) => {
-                    claims += job.claims();
+                    claims += job.claims;
                     bytes += job.batch.size_in_bytes();
                     group.push(job);
                 }
@@ -155,30 +113,30 @@ fn run(jobs: &Receiver<Job>) {
 }
 
 /// Writes one group as one batch and answers each of its jobs. Holds no engine reference of its
-/// own: the claims' are the last, so once the last caller is answered nothing here keeps the
-/// store open.
-fn write_group(mut group: Vec<Job>) {
-    let Some(inner) = group
-        .iter()
-        .flat_map(|job| job.claims.iter().flatten())
-        .next()
-        .map(|claim| claim.inner().clone())
-    else {
-        return;
-    };
-    let batch = if group.len() == 1 {
-        std::mem::take(&mut group[0].batch)
-    } else {
-        join(group.iter().map(|job| &job.batch))
-    };
-    let written = inner.write(batch);
-    drop(inner);
-    if written.is_ok() {
-        group.iter().for_each(Job::observe);
-    }
-    // A group is one batch: on failure every job in it gets the same answer.
+/// own once written: the claims' are the last, so once the last caller is answered nothing here
+/// keeps the store open.
+fn write_group(group: Vec<Job>) {
+    let mut batches = Vec::with_capacity(group.len());
+    let mut writes = Vec::with_capacity(group.len());
+    let mut finishes = Vec::with_capacity(group.len());
     for job in group {
-        job.finish(written.clone());
+        batches.push(job.batch);
+        writes.push(job.write);
+        finishes.push(job.finish);
+    }
+    let batch = if batches.len() == 1 {
+        batches.pop().unwrap_or_default()
+    } else {
+        join(batches.iter())
+    };
+    let written = match writes.drain(..1).next() {
+        Some(write) => write(batch),
+        None => return,
+    };
+    drop(writes);
+    // A group is one batch: on failure every job in it gets the same answer.
+    for finish in finishes {
+        finish(written.clone());
     }
 }
 
@@ -204,7 +162,7 @@ fn join<'a>(batches: impl Iterator<Item = &'a WriteBatch> + Clone) -> WriteBatch
     WriteBatch::from_data(&rep)
 }
 
-/// The future of [`Claim::commit_async`]: resolves to what [`Claim::commit`] would have
+/// The future of [`crate::Claim::commit_async`]: resolves to what [`crate::Claim::commit`] would have
 /// returned.
 ///
 /// Dropping it does not cancel the commit: the claim was handed over and is written with its
@@ -215,7 +173,7 @@ pub struct CommitFuture {
     state: State<Committed>,
 }
 
-/// The future of [`ClaimBatch::commit_async`]: resolves to what [`ClaimBatch::commit`] would
+/// The future of [`crate::ClaimBatch::commit_async`]: resolves to what [`crate::ClaimBatch::commit`] would
 /// have returned. Dropping it does not cancel the commit.
 #[must_use = "the commit's outcome is only known by awaiting the future"]
 #[derive(Debug)]
@@ -270,122 +228,34 @@ impl Future for BatchCommitFuture {
     }
 }
 
-impl Claim {
-    /// Commits like [`Claim::commit`], without blocking the calling thread on the WAL's fsync.
-    ///
-    /// With [`crate::Durability::Sync`] the claim goes to the engine's committer thread, which
-    /// writes every claim waiting for it as one batch (one WAL write, one fsync) and completes
-    /// their futures; a runtime's worker thread is never blocked. With
-    /// [`crate::Durability::Buffered`] nothing waits for a disk, so the commit is made here and
-    /// the future is ready at once.
-    ///
-    /// The key stays claimed until the commit is visible, as with [`Claim::commit`]. Dropping
-    /// the future does not cancel the commit.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use idemdb::{Engine, Fingerprint, Outcome};
-    /// let dir = tempfile::tempdir()?;
-    /// let engine = Engine::builder(dir.path()).open()?; // Durability::Sync
-    /// let billing = engine.consumer("billing")?;
-    /// if let Outcome::Fresh(claim) = billing.begin(b"order-42", Fingerprint::of(b"payload"))? {
-    ///     let committed = claim.commit_async(b"charged").await?; // durable here
-    ///     assert_eq!(committed.epoch, 1);
-    /// }
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    /// The future resolves to the errors of [`Claim::commit`]. In a group whose write fails,
-    /// every claim gets the same error.
-    pub fn commit_async(mut self, result: impl AsRef<[u8]>) -> CommitFuture {
-        let inner = self.inner().clone();
-        if !inner.syncs_each_write() {
-            return CommitFuture {
-                state: State::Ready(Some(self.commit(result))),
-            };
+impl CommitFuture {
+    /// A future already settled, without the committer.
+    pub(crate) fn ready(answer: Result<Committed>) -> CommitFuture {
+        CommitFuture {
+            state: State::Ready(Some(answer)),
         }
-        let started = Instant::now();
-        let committer = match inner.committer() {
-            Ok(committer) => committer,
-            Err(error) => {
-                return CommitFuture {
-                    state: State::Ready(Some(Err(error))),
-                };
-            }
-        };
-        let mut batch = WriteBatch::default();
-        // Nothing is appended on error, and the claim is released as `commit` would.
-        let committed = match self.append_commit(&mut batch, result.as_ref()) {
-            Ok(committed) => committed,
-            Err(error) => {
-                return CommitFuture {
-                    state: State::Ready(Some(Err(error))),
-                };
-            }
-        };
-        let (reply, receiver) = oneshot::channel();
-        committer.submit(Job {
-            batch,
-            claims: vec![Some(self)],
-            committed: vec![Some(committed)],
-            started,
-            reply: Reply::Claim(reply),
-        });
+    }
+
+    /// A future the committer will settle through `receiver`'s sender.
+    pub(crate) fn waiting(receiver: oneshot::Receiver<Result<Committed>>) -> CommitFuture {
         CommitFuture {
             state: State::Waiting(receiver),
         }
     }
 }
 
-impl ClaimBatch {
-    /// Commits like [`ClaimBatch::commit`] (one write batch for every claim still held),
-    /// without blocking the calling thread on the WAL's fsync: with
-    /// [`crate::Durability::Sync`] the batch goes to the engine's committer thread, which may
-    /// write it together with other waiting commits (still one atomic batch). With
-    /// [`crate::Durability::Buffered`] the commit is made here and the future is ready at once.
-    /// Dropping the future does not cancel the commit.
-    ///
-    /// # Errors
-    /// The future resolves to the errors of [`ClaimBatch::commit`].
-    pub fn commit_async<R: AsRef<[u8]>>(
-        mut self,
-        result_of: impl FnMut(usize) -> R,
+impl BatchCommitFuture {
+    /// A future already settled, without the committer.
+    pub(crate) fn ready(answer: Result<Vec<Option<Committed>>>) -> BatchCommitFuture {
+        BatchCommitFuture {
+            state: State::Ready(Some(answer)),
+        }
+    }
+
+    /// A future the committer will settle through `receiver`'s sender.
+    pub(crate) fn waiting(
+        receiver: oneshot::Receiver<Result<Vec<Option<Committed>>>>,
     ) -> BatchCommitFuture {
-        let inner = self.inner().clone();
-        if !inner.syncs_each_write() {
-            return BatchCommitFuture {
-                state: State::Ready(Some(self.commit(result_of))),
-            };
-        }
-        let started = Instant::now();
-        let prepared = inner
-            .committer()
-            .and_then(|committer| Ok((committer, self.prepare(result_of)?)));
-        let (committer, (batch, committed)) = match prepared {
-            Ok(prepared) => prepared,
-            Err(error) => {
-                return BatchCommitFuture {
-                    state: State::Ready(Some(Err(error))),
-                };
-            }
-        };
-        if batch.is_empty() {
-            // No claim left to commit: nothing to write or wait for.
-            return BatchCommitFuture {
-                state: State::Ready(Some(Ok(committed))),
-            };
-        }
-        let (reply, receiver) = oneshot::channel();
-        committer.submit(Job {
-            batch,
-            claims: self.take_claims(),
-            committed,
-            started,
-            reply: Reply::Batch(reply),
-        });
         BatchCommitFuture {
             state: State::Waiting(receiver),
         }

@@ -13,15 +13,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rocksdb::WriteBatch;
 
+use crate::business_table::BusinessTable;
 use crate::claim::{
     Expiry, Found, Observer, Outcome, PreviousAttempt, Staged, admit, check_expiry, expires_at_ms,
     inspect,
 };
-use crate::engine::{BusinessTable, Inner};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::observe::ConsumerMetrics;
 use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState};
+use crate::storage::Storage;
 
 /// The shortest lease, in milliseconds.
 pub const LEASE_MS_MIN: u64 = 1;
@@ -94,7 +95,7 @@ impl LeaseTicket {
 /// store does, until the lease runs out. Dropping it abandons the attempt; the key is taken over
 /// after the lease. Business writes staged on it land only with [`ExternalClaim::complete`].
 pub struct ExternalClaim {
-    inner: Arc<Inner>,
+    inner: Arc<Storage>,
     marker: usize,
     ticket: LeaseTicket,
     previous: Option<PreviousAttempt>,
@@ -121,7 +122,7 @@ fn lease_ms(lease: Duration) -> Result<u64> {
 /// before returning.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn begin_external(
-    inner: &Arc<Inner>,
+    inner: &Arc<Storage>,
     marker: usize,
     stored_key: Vec<u8>,
     fingerprint: Fingerprint,
@@ -211,7 +212,7 @@ impl LeaseTicket {
 /// `batch` (staged writes) in the same write batch, after checking under the key's latch that
 /// the record is still that one.
 fn fenced_replace(
-    inner: &Inner,
+    inner: &Storage,
     marker: usize,
     stored_key: &[u8],
     holder: Option<(u64, u64)>,
@@ -247,7 +248,7 @@ fn fenced_replace(
 
 /// The record a release leaves: absent to reads, kept for the engine's retention so that the
 /// key's epoch keeps increasing.
-fn released(inner: &Inner, now_ms: u64, current: &Record) -> Record {
+fn released(inner: &Storage, now_ms: u64, current: &Record) -> Record {
     Record {
         epoch: current.epoch,
         fingerprint: current.fingerprint,
@@ -282,7 +283,7 @@ fn completed(
 
 /// An operator's resolution of an in-progress key, whoever holds it.
 pub(crate) fn resolve(
-    inner: &Inner,
+    inner: &Storage,
     marker: usize,
     stored_key: &[u8],
     resolution: Resolution,
@@ -307,7 +308,7 @@ pub(crate) fn resolve(
 
 impl ExternalClaim {
     pub(crate) fn resumed(
-        inner: Arc<Inner>,
+        inner: Arc<Storage>,
         marker: usize,
         ticket: LeaseTicket,
         expiry: Expiry,

@@ -396,6 +396,8 @@ pub mod admin;
 #[cfg(feature = "engine")]
 mod batch;
 #[cfg(feature = "engine")]
+mod business_table;
+#[cfg(feature = "engine")]
 mod claim;
 mod clock;
 #[cfg(feature = "tokio")]
@@ -421,6 +423,8 @@ mod observe;
 mod options;
 mod record;
 #[cfg(feature = "engine")]
+mod storage;
+#[cfg(feature = "engine")]
 mod store_lock;
 #[cfg(feature = "engine")]
 mod store_meta;
@@ -429,15 +433,17 @@ mod ttl;
 #[cfg(feature = "engine")]
 pub use batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
 #[cfg(feature = "engine")]
+pub use business_table::BusinessTable;
+#[cfg(feature = "engine")]
 pub use claim::{
-    Claim, Committed, Expiry, Outcome, PreviousAttempt, STAGED_BYTES_MAX, STAGED_WRITES_MAX,
+    Claim, Expiry, Outcome, PreviousAttempt, STAGED_BYTES_MAX, STAGED_WRITES_MAX,
     TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
 };
 pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
 #[cfg(feature = "tokio")]
 pub use committer::{BatchCommitFuture, CommitFuture};
 #[cfg(feature = "engine")]
-pub use engine::{BusinessTable, Consumer, Engine, EntityTable, RecordCounts};
+pub use engine::{Consumer, Engine, EntityTable, RecordCounts};
 pub use error::{Error, Limit, Result, StorageErrorKind};
 #[cfg(feature = "engine")]
 pub use fault::{Fault, FaultInjector, IoPoint};
@@ -463,7 +469,9 @@ pub use options::{
     TABLE_NAME_BYTES_MAX, TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions,
     WRITE_BUFFER_BYTES_DEFAULT, WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };
-pub use record::{EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, RecordState};
+pub use record::{
+    Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, RecordState,
+};
 
 /// The on-disk format, for tools, fuzzers and tests: key and record codecs and the compaction
 /// filter's decision. Specified byte by byte in docs/design.md.

@@ -8,8 +8,6 @@ use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram};
 
-use crate::claim::Outcome;
-
 /// The kinds of outcome counted, in the order of [`OutcomeCounts`]' fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -33,17 +31,6 @@ const KINDS: [Kind; 7] = [
 ];
 
 impl Kind {
-    pub(crate) fn of<C>(outcome: &Outcome<C>) -> Kind {
-        match outcome {
-            Outcome::Fresh(_) => Kind::Fresh,
-            Outcome::Duplicate { .. } => Kind::Duplicate,
-            Outcome::InProgress { .. } => Kind::InProgress,
-            Outcome::Conflict { .. } => Kind::Conflict,
-            Outcome::TooLate { .. } => Kind::TooLate,
-            Outcome::Stale { .. } => Kind::Stale,
-        }
-    }
-
     /// The `outcome` label value.
     pub(crate) fn label(self) -> &'static str {
         match self {
@@ -99,16 +86,12 @@ impl ConsumerMetrics {
         }
     }
 
-    /// Records one `begin` outcome and the time it took.
-    pub(crate) fn outcome<C>(&self, outcome: &Outcome<C>, elapsed: Duration, now_ms: u64) {
-        self.count(Kind::of(outcome));
+    /// Records one `begin` outcome of `kind`, the time it took and, for a duplicate, how long
+    /// ago the first commit was.
+    pub(crate) fn outcome(&self, kind: Kind, elapsed: Duration, duplicate_age_ms: Option<u64>) {
+        self.count(kind);
         self.claim_seconds.record(elapsed.as_secs_f64());
-        if let Outcome::Duplicate {
-            first_committed_at_ms,
-            ..
-        } = outcome
-        {
-            let age_ms = now_ms.saturating_sub(*first_committed_at_ms);
+        if let Some(age_ms) = duplicate_age_ms {
             self.duplicate_age_seconds.record(age_ms as f64 / 1000.0);
         }
     }

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock};
-use crate::engine::Engine;
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fault::FaultInjector;
 
@@ -57,7 +56,7 @@ pub enum Durability {
     #[default]
     Sync,
     /// The WAL is written (to the OS page cache) before `commit` returns, not fsynced: a commit
-    /// survives a process crash but not a power failure until [`Engine::flush_wal`] returns.
+    /// survives a process crash but not a power failure until [`crate::Engine::flush_wal`] returns.
     Buffered,
 }
 
@@ -143,7 +142,7 @@ impl fmt::Debug for TableOptions {
     }
 }
 
-/// Builds an [`Engine`]. Every setter documents its default and bounds; all are checked by
+/// Builds an [`crate::Engine`]. Every setter documents its default and bounds; all are checked by
 /// [`EngineBuilder::open`].
 #[derive(Clone, Debug)]
 #[must_use]
@@ -159,8 +158,8 @@ pub struct EngineBuilder {
     pub(crate) block_cache_bytes: usize,
     pub(crate) write_buffer_bytes: usize,
     pub(crate) fault_injector: Option<Arc<dyn FaultInjector>>,
-    /// [`crate::engine::OpenMode::Admin`] only for the operator tools' open (`crate::admin`).
-    pub(crate) open_mode: crate::engine::OpenMode,
+    /// [`OpenMode::Admin`] only for the operator tools' open (`crate::admin`).
+    pub(crate) open_mode: OpenMode,
 }
 
 impl EngineBuilder {
@@ -177,7 +176,7 @@ impl EngineBuilder {
             block_cache_bytes: BLOCK_CACHE_BYTES_DEFAULT,
             write_buffer_bytes: WRITE_BUFFER_BYTES_DEFAULT,
             fault_injector: None,
-            open_mode: crate::engine::OpenMode::Application,
+            open_mode: OpenMode::Application,
         }
     }
 
@@ -258,27 +257,7 @@ impl EngineBuilder {
         self
     }
 
-    /// Validates the options and opens (or creates) the store, creating its directory (and
-    /// missing parents) if needed.
-    ///
-    /// An open that is refused changes nothing in the store: every check below runs before
-    /// RocksDB opens it for writing. A business table's merge operator is fixed when the table
-    /// is created; declare it as before on every open.
-    ///
-    /// # Errors
-    /// The refusals come in this order: [`Error::LimitExceeded`] or [`Error::InvalidOption`]
-    /// for bad options; [`Error::AlreadyOpen`] when another process, or another `Engine` or
-    /// exclusive operator tool here, holds the store, through whatever path;
-    /// [`Error::IncompatibleStore`] when the directory is not a matching idemdb store (a table
-    /// of the store undeclared or declared as another kind, a merge operator changed, added or
-    /// removed, a foreign format). [`Error::Storage`] for RocksDB and file-system failures, at
-    /// any step (the directory cannot be created or opened, say).
-    pub fn open(self) -> Result<Engine> {
-        self.validate()?;
-        Engine::open(self)
-    }
-
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.path.as_os_str().is_empty() {
             return Err(Error::invalid_option("the store path is empty"));
         }
@@ -371,4 +350,18 @@ fn check_table_name(name: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// How a store is opened (`EngineBuilder::open_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpenMode {
+    /// An application's open: creates the store and any missing table.
+    Application,
+    /// An operator tool's exclusive open of an existing store, with every table it holds
+    /// declared and business tables given a stand-in for their (unknown) merge operators
+    /// (`storage::set_opaque_merge_operator`). Nothing is created, business tables are never
+    /// compacted, and recovery does not flush (`storage::admin_db_options`). Memtables are
+    /// `storage::ADMIN_WRITE_BUFFER_BYTES`, so replaying the WAL does not fill one either, and have no
+    /// bloom filter, which would be allocated up front at that size.
+    Admin,
 }

@@ -87,6 +87,18 @@ pub enum DecodeError {
     },
 }
 
+/// What a successful commit wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Committed {
+    /// The new record's epoch.
+    pub epoch: u64,
+    /// The commit's timestamp (engine clock).
+    pub committed_at_ms: u64,
+    /// When the record expires ([`EXPIRES_NEVER_MS`] for never).
+    pub expires_at_ms: u64,
+}
+
 /// What idemdb remembers about one key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
