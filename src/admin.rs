@@ -75,6 +75,10 @@ use crate::storage::{db_options, marker_table_options, set_opaque_merge_operator
 use crate::store_lock::StoreLock;
 use crate::store_meta::{DeclaredKind, FormatMarker, RECORDS_TABLE, StoredMeta, VERSIONS_TABLE};
 
+/// The name of the table holding every consumer's records (the other marker tables are the
+/// entity tables, named by the application).
+pub const CONSUMERS_TABLE: &str = RECORDS_TABLE;
+
 /// The block cache of a store opened by a tool, in bytes: tools scan once, so a small cache
 /// does as well as a large one.
 const TOOL_BLOCK_CACHE_BYTES: usize = 8 << 20;
@@ -349,36 +353,23 @@ impl Cursor {
     /// [`Error::InvalidOption`] for anything else.
     pub fn parse(text: &str) -> Result<Cursor> {
         let bad = || Error::invalid_option(format!("{text:?} is not a cursor (<table>:<hex>)"));
-        let (table, hex) = text.rsplit_once(':').ok_or_else(bad)?;
+        let (table, digits) = text.rsplit_once(':').ok_or_else(bad)?;
         if table.is_empty() {
             return Err(bad());
         }
         Ok(Cursor {
             table: table.to_owned(),
-            stored_key: decode_hex(hex).ok_or_else(bad)?,
+            stored_key: hex::decode(digits).map_err(|_| bad())?,
         })
     }
 }
 
 impl fmt::Display for Cursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:", self.table)?;
-        self.stored_key
-            .iter()
-            .try_for_each(|byte| write!(f, "{byte:02x}"))
+        write!(f, "{}:{}", self.table, hex::encode(&self.stored_key))
     }
 }
 
-fn decode_hex(hex: &str) -> Option<Vec<u8>> {
-    // from_str_radix alone would also take a sign ("+f").
-    if !hex.len().is_multiple_of(2) || !hex.bytes().all(|byte| byte.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..hex.len())
-        .step_by(2)
-        .map(|at| u8::from_str_radix(hex.get(at..at + 2)?, 16).ok())
-        .collect()
-}
 
 /// One page of [`Store::list`].
 #[derive(Clone, Debug, PartialEq, Eq)]
