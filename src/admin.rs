@@ -370,7 +370,6 @@ impl fmt::Display for Cursor {
     }
 }
 
-
 /// One page of [`Store::list`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use rocksdb::WriteBatch;
 
-use crate::claim::{Claim, Outcome, Pending, Request, begin, decide, inspect_record};
+use crate::claim::{Claim, Outcome, Pending, Request, begin, decide};
+use crate::decision::inspect_record;
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::latch::KeyHashBuilder;
@@ -103,7 +104,9 @@ pub(crate) fn begin_batch(
             Err(since_ms) => {
                 claims.push(None);
                 rest.push(None);
-                outcomes.push(BatchOutcome::Settled(Outcome::in_process(since_ms)));
+                outcomes.push(BatchOutcome::Settled(Outcome::in_progress_locally(
+                    since_ms,
+                )));
             }
             Ok(()) => {
                 // The claim owns the latch from here.

@@ -8,11 +8,12 @@ use bytes::Bytes;
 use rocksdb::WriteBatch;
 
 use crate::business_table::BusinessTable;
+use crate::decision::{Found, PreviousAttempt, admit, inspect_record};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
-use crate::observe::{ConsumerMetrics, Kind};
+use crate::observe::ConsumerMetrics;
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
-use crate::record::{Committed, EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record, RecordState};
+use crate::record::{Committed, EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record};
 use crate::storage::{Storage, VERSIONS_TABLE};
 
 /// The shortest key of a staged business write, in bytes.
@@ -26,189 +27,9 @@ pub const STAGED_WRITES_MAX: usize = 65_536;
 /// The most bytes (keys, values and the result together) one claim commits (256 MiB).
 pub const STAGED_BYTES_MAX: usize = 256 << 20;
 
-/// What `begin` found. Match every variant: each asks the caller for a different action.
-///
-/// `C` is the claim a fresh outcome carries: a [`Claim`] from [`crate::Consumer::begin`], an
-/// [`crate::ExternalClaim`] from [`crate::Consumer::begin_external`].
-#[derive(Debug)]
-#[must_use = "an outcome tells the caller whether to process, skip or dead-letter the message"]
-pub enum Outcome<C = Claim> {
-    /// The key was free and this caller now owns it: process the message, stage the business
-    /// writes on the claim and commit. For a [`Claim`], dropping it releases the key and writes
-    /// nothing (a transient failure: let the broker redeliver).
-    Fresh(C),
-    /// The message was processed before: acknowledge it without effect and, if useful, return
-    /// the stored result.
-    #[non_exhaustive]
-    Duplicate {
-        /// The result stored by the first commit.
-        result: Bytes,
-        /// When the first commit happened (engine clock, ms since the Unix epoch).
-        first_committed_at_ms: u64,
-        /// When the record expires ([`crate::EXPIRES_NEVER_MS`] for never).
-        expires_at_ms: u64,
-        /// The record's epoch.
-        epoch: u64,
-        /// False when the first attempt's failure was recorded as the result
-        /// ([`crate::FailurePolicy::RecordFailure`]): replay it, do not retry.
-        succeeded: bool,
-    },
-    /// Another holder has the key right now: do not acknowledge; let the broker redeliver later.
-    /// Either a claim in this process (`holder` and `lease_until_ms` are `None`), or a durable
-    /// external claim whose lease is live.
-    #[non_exhaustive]
-    InProgress {
-        /// When the holder took the key (engine clock, ms since the Unix epoch).
-        since_ms: u64,
-        /// The external holder's identity.
-        holder: Option<Bytes>,
-        /// Until when the external holder's lease runs.
-        lease_until_ms: Option<u64>,
-        /// The external holder's epoch.
-        epoch: Option<u64>,
-    },
-    /// The message was produced before the retention horizon (the admission floor, B6): its
-    /// record may already have expired, so it cannot be told apart from a new message. Do not
-    /// process it; dead-letter or alert.
-    #[non_exhaustive]
-    TooLate {
-        /// When the message was produced, as given.
-        produced_at_ms: u64,
-        /// Messages produced at or before this instant are too late (now minus the retention).
-        horizon_ms: u64,
-    },
-    /// The ordering guard (R11): the entity already has this version or a newer one applied.
-    /// Acknowledge the message without applying it.
-    #[non_exhaustive]
-    Stale {
-        /// The entity's highest applied version.
-        current_version: u64,
-    },
-    /// The key was completed with different content (R15): the producer reused an id or the
-    /// message changed. Route the message to a dead-letter path and alert; do not process it.
-    #[non_exhaustive]
-    Conflict {
-        /// The fingerprint stored by the first commit.
-        stored_fingerprint: Fingerprint,
-        /// The fingerprint given to this `begin`.
-        new_fingerprint: Fingerprint,
-        /// When the first commit happened.
-        first_committed_at_ms: u64,
-    },
-}
-
-/// An earlier holder's attempt that a new claim took over after its lease expired. Its side
-/// effect may have been partly applied: reconcile before repeating it (for example query the
-/// downstream service with the same idempotency key).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PreviousAttempt {
-    /// The earlier holder's epoch (the new claim's epoch is one more).
-    pub epoch: u64,
-    /// The earlier holder's identity.
-    pub holder: Bytes,
-    /// When it took the key.
-    pub since_ms: u64,
-    /// When its lease ran out.
-    pub lease_until_ms: u64,
-}
-
-/// What the latch holder's read of a key decided.
-pub(crate) enum Found {
-    /// The key may be claimed; the new record must replace the one with `replaces_epoch`.
-    Claimable {
-        replaces_epoch: u64,
-        previous: Option<PreviousAttempt>,
-    },
-    /// Anything but fresh.
-    Settled(Outcome<std::convert::Infallible>),
-}
-
-impl<C> Outcome<C> {
-    /// The kind of outcome, as the metrics count it.
-    pub(crate) fn kind(&self) -> Kind {
-        match self {
-            Outcome::Fresh(_) => Kind::Fresh,
-            Outcome::Duplicate { .. } => Kind::Duplicate,
-            Outcome::InProgress { .. } => Kind::InProgress,
-            Outcome::Conflict { .. } => Kind::Conflict,
-            Outcome::TooLate { .. } => Kind::TooLate,
-            Outcome::Stale { .. } => Kind::Stale,
-        }
-    }
-
-    /// For a duplicate, how long before `now_ms` its first commit was.
-    pub(crate) fn duplicate_age_ms(&self, now_ms: u64) -> Option<u64> {
-        match self {
-            Outcome::Duplicate {
-                first_committed_at_ms,
-                ..
-            } => Some(now_ms.saturating_sub(*first_committed_at_ms)),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn settled(outcome: Outcome<std::convert::Infallible>) -> Outcome<C> {
-        outcome.map_fresh(|never| match never {})
-    }
-
-    /// The same outcome with the fresh claim (if any) turned into another value by `f`.
-    pub fn map_fresh<D>(self, f: impl FnOnce(C) -> D) -> Outcome<D> {
-        match self {
-            Outcome::Fresh(claim) => Outcome::Fresh(f(claim)),
-            Outcome::Duplicate {
-                result,
-                first_committed_at_ms,
-                expires_at_ms,
-                epoch,
-                succeeded,
-            } => Outcome::Duplicate {
-                result,
-                first_committed_at_ms,
-                expires_at_ms,
-                epoch,
-                succeeded,
-            },
-            Outcome::InProgress {
-                since_ms,
-                holder,
-                lease_until_ms,
-                epoch,
-            } => Outcome::InProgress {
-                since_ms,
-                holder,
-                lease_until_ms,
-                epoch,
-            },
-            Outcome::Conflict {
-                stored_fingerprint,
-                new_fingerprint,
-                first_committed_at_ms,
-            } => Outcome::Conflict {
-                stored_fingerprint,
-                new_fingerprint,
-                first_committed_at_ms,
-            },
-            Outcome::TooLate {
-                produced_at_ms,
-                horizon_ms,
-            } => Outcome::TooLate {
-                produced_at_ms,
-                horizon_ms,
-            },
-            Outcome::Stale { current_version } => Outcome::Stale { current_version },
-        }
-    }
-
-    pub(crate) fn in_process(since_ms: u64) -> Outcome<C> {
-        Outcome::InProgress {
-            since_ms,
-            holder: None,
-            lease_until_ms: None,
-            epoch: None,
-        }
-    }
-}
+/// What `begin` found, with the engine's [`Claim`] when fresh. The outcome type itself is
+/// shared by every backend and generic over the claim ([`crate::decision::Outcome`]).
+pub type Outcome<C = Claim> = crate::decision::Outcome<C>;
 
 /// Reads `stored_key` (the caller holds its latch) and decides what a claimant gets.
 pub(crate) fn inspect(
@@ -220,77 +41,6 @@ pub(crate) fn inspect(
 ) -> Result<Found> {
     let record = inner.read_record_raw(marker, stored_key)?;
     Ok(inspect_record(record, fingerprint, now_ms))
-}
-
-/// Decides what a claimant gets from the record it read (`None`: the key is absent).
-pub(crate) fn inspect_record(
-    record: Option<Record>,
-    fingerprint: Fingerprint,
-    now_ms: u64,
-) -> Found {
-    let Some(record) = record else {
-        return Found::Claimable {
-            replaces_epoch: 0,
-            previous: None,
-        };
-    };
-    if record.is_absent_at(now_ms) {
-        return Found::Claimable {
-            replaces_epoch: record.epoch,
-            previous: None,
-        };
-    }
-    let settled = match record.state {
-        RecordState::InProgress {
-            since_ms,
-            lease_until_ms,
-            holder,
-            ..
-        } => {
-            if lease_until_ms <= now_ms {
-                return Found::Claimable {
-                    replaces_epoch: record.epoch,
-                    previous: Some(PreviousAttempt {
-                        epoch: record.epoch,
-                        holder,
-                        since_ms,
-                        lease_until_ms,
-                    }),
-                };
-            }
-            Outcome::InProgress {
-                since_ms,
-                holder: Some(holder),
-                lease_until_ms: Some(lease_until_ms),
-                epoch: Some(record.epoch),
-            }
-        }
-        RecordState::Completed {
-            committed_at_ms,
-            expires_at_ms,
-            result,
-            succeeded,
-        } => {
-            if record.fingerprint == fingerprint {
-                Outcome::Duplicate {
-                    result,
-                    first_committed_at_ms: committed_at_ms,
-                    expires_at_ms,
-                    epoch: record.epoch,
-                    succeeded,
-                }
-            } else {
-                Outcome::Conflict {
-                    stored_fingerprint: record.fingerprint,
-                    new_fingerprint: fingerprint,
-                    first_committed_at_ms: committed_at_ms,
-                }
-            }
-        }
-        // Released records are absent (handled above).
-        RecordState::Released { .. } => unreachable!("released records read as absent"),
-    };
-    Found::Settled(settled)
 }
 
 /// How long a committed record is kept.
@@ -375,7 +125,7 @@ pub(crate) fn begin(inner: &Arc<Storage>, marker: usize, request: Request) -> Re
     let now_ms = inner.clock.now_ms();
     let latches = &inner.markers[marker].latches;
     if let Err(since_ms) = latches.try_acquire(&request.stored_key, now_ms) {
-        return Ok(Outcome::in_process(since_ms));
+        return Ok(Outcome::in_progress_locally(since_ms));
     }
     // The claim owns the latch from here: its drop releases it on every path below.
     let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
@@ -426,7 +176,8 @@ pub(crate) fn decide(
         produced_at_ms,
         version,
     } = pending;
-    match admit(&claim.inner, found, produced_at_ms, now_ms) {
+    let floor = claim.inner.admission_floor_ms();
+    match admit(found, produced_at_ms, now_ms, floor) {
         Found::Claimable {
             replaces_epoch,
             previous,
@@ -445,28 +196,6 @@ pub(crate) fn decide(
     }
 }
 
-/// The admission floor (B6): with it on, a claimable message produced longer ago than the
-/// retention is too late (its record may have expired already), not new.
-pub(crate) fn admit(
-    inner: &Storage,
-    found: Found,
-    produced_at_ms: Option<u64>,
-    now_ms: u64,
-) -> Found {
-    let horizon_ms = now_ms.saturating_sub(inner.retention_ms);
-    match (found, produced_at_ms) {
-        (Found::Claimable { .. }, Some(produced_at_ms))
-            if inner.admission_floor && produced_at_ms <= horizon_ms =>
-        {
-            Found::Settled(Outcome::TooLate {
-                produced_at_ms,
-                horizon_ms,
-            })
-        }
-        (found, _) => found,
-    }
-}
-
 /// The ordering guard (R11): takes the latch of the entity's version and compares. Returns the
 /// outcome to report instead of a claim (stale, or the entity busy), or `None` with the version
 /// latch held by the caller's claim.
@@ -478,7 +207,7 @@ fn guard_order(
 ) -> Result<Option<Outcome<std::convert::Infallible>>> {
     if let Err(since_ms) = inner.version_latches.try_acquire(version_key, now_ms) {
         // Another message of the same entity is being applied right now.
-        return Ok(Some(Outcome::in_process(since_ms)));
+        return Ok(Some(Outcome::in_progress_locally(since_ms)));
     }
     let current = match inner.read_version(version_key) {
         Ok(current) => current,

@@ -14,10 +14,8 @@ use bytes::Bytes;
 use rocksdb::WriteBatch;
 
 use crate::business_table::BusinessTable;
-use crate::claim::{
-    Expiry, Found, Observer, Outcome, PreviousAttempt, Staged, admit, check_expiry, expires_at_ms,
-    inspect,
-};
+use crate::claim::{Expiry, Observer, Outcome, Staged, check_expiry, expires_at_ms, inspect};
+use crate::decision::{Found, PreviousAttempt, admit};
 use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::observe::ConsumerMetrics;
@@ -138,25 +136,11 @@ pub(crate) fn begin_external(
     let latches = &inner.markers[marker].latches;
     let _latch = match latches.try_guard(&stored_key, now_ms) {
         Ok(guard) => guard,
-        Err(since_ms) => return Ok(Outcome::in_process(since_ms)),
+        Err(since_ms) => return Ok(Outcome::in_progress_locally(since_ms)),
     };
-    let (replaces_epoch, previous) = match inspect(inner, marker, &stored_key, fingerprint, now_ms)?
-    {
-        Found::Claimable {
-            replaces_epoch,
-            previous,
-        } => (replaces_epoch, previous),
-        Found::Settled(outcome) => return Ok(Outcome::settled(outcome)),
-    };
-    let (replaces_epoch, previous) = match admit(
-        inner,
-        Found::Claimable {
-            replaces_epoch,
-            previous,
-        },
-        produced_at_ms,
-        now_ms,
-    ) {
+    let found = inspect(inner, marker, &stored_key, fingerprint, now_ms)?;
+    let floor = inner.admission_floor_ms();
+    let (replaces_epoch, previous) = match admit(found, produced_at_ms, now_ms, floor) {
         Found::Claimable {
             replaces_epoch,
             previous,

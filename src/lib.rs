@@ -402,6 +402,9 @@ mod claim;
 mod clock;
 #[cfg(feature = "tokio")]
 mod committer;
+// The pure functions are the engine's today; a backend without RocksDB will call them too.
+#[cfg_attr(not(feature = "engine"), allow(dead_code))]
+pub mod decision;
 #[cfg(feature = "engine")]
 mod engine;
 mod error;
@@ -436,12 +439,15 @@ pub use batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
 pub use business_table::BusinessTable;
 #[cfg(feature = "engine")]
 pub use claim::{
-    Claim, Expiry, Outcome, PreviousAttempt, STAGED_BYTES_MAX, STAGED_WRITES_MAX,
-    TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
+    Claim, Expiry, Outcome, STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX,
+    TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
 };
 pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
 #[cfg(feature = "tokio")]
 pub use committer::{BatchCommitFuture, CommitFuture};
+#[cfg(not(feature = "engine"))]
+pub use decision::Outcome;
+pub use decision::PreviousAttempt;
 #[cfg(feature = "engine")]
 pub use engine::{Consumer, Engine, EntityTable, RecordCounts};
 pub use error::{Error, Limit, Result, StorageErrorKind};

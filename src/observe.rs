@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram};
 
+use crate::decision::Outcome;
+
 /// The kinds of outcome counted, in the order of [`OutcomeCounts`]' fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -46,6 +48,31 @@ impl Kind {
 
     fn index(self) -> usize {
         self as usize
+    }
+}
+
+impl<C> Outcome<C> {
+    /// The kind of outcome, as the metrics count it.
+    pub(crate) fn kind(&self) -> Kind {
+        match self {
+            Outcome::Fresh(_) => Kind::Fresh,
+            Outcome::Duplicate { .. } => Kind::Duplicate,
+            Outcome::InProgress { .. } => Kind::InProgress,
+            Outcome::Conflict { .. } => Kind::Conflict,
+            Outcome::TooLate { .. } => Kind::TooLate,
+            Outcome::Stale { .. } => Kind::Stale,
+        }
+    }
+
+    /// For a duplicate, how long before `now_ms` its first commit was.
+    pub(crate) fn duplicate_age_ms(&self, now_ms: u64) -> Option<u64> {
+        match self {
+            Outcome::Duplicate {
+                first_committed_at_ms,
+                ..
+            } => Some(now_ms.saturating_sub(*first_committed_at_ms)),
+            _ => None,
+        }
     }
 }
 

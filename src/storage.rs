@@ -395,6 +395,11 @@ impl Storage {
         })
     }
 
+    /// The retention when the admission floor is on (see `decision::admit`), else `None`.
+    pub(crate) fn admission_floor_ms(&self) -> Option<u64> {
+        self.admission_floor.then_some(self.retention_ms)
+    }
+
     /// The number of write batches written since the store was opened.
     pub(crate) fn write_batches(&self) -> u64 {
         self.write_batches.load(Ordering::Relaxed)

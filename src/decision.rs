@@ -1,0 +1,268 @@
+//! The decision core: what a claimant gets, from the record stored under its key, the
+//! request and the time. Pure functions over plain values, no storage and no I/O, so every
+//! backend and the model checker decide the same way. The backend supplies the read and the
+//! claim type: [`Outcome`] is generic over it (the crate root's `Outcome` is this type with the
+//! embedded engine's `Claim` as its default).
+
+use bytes::Bytes;
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{Record, RecordState};
+
+/// What `begin` found. Match every variant: each asks the caller for a different action.
+///
+/// `C` is the claim a fresh outcome carries: with the embedded engine, a `Claim` from
+/// `Consumer::begin` (the crate root's `Outcome` is this type with that default) or an
+/// `ExternalClaim` from `Consumer::begin_external`; another backend brings its own.
+#[derive(Debug)]
+#[must_use = "an outcome tells the caller whether to process, skip or dead-letter the message"]
+pub enum Outcome<C> {
+    /// The key was free and this caller now owns it: process the message, stage the business
+    /// writes on the claim and commit. For a `Claim`, dropping it releases the key and writes
+    /// nothing (a transient failure: let the broker redeliver).
+    Fresh(C),
+    /// The message was processed before: acknowledge it without effect and, if useful, return
+    /// the stored result.
+    #[non_exhaustive]
+    Duplicate {
+        /// The result stored by the first commit.
+        result: Bytes,
+        /// When the first commit happened (engine clock, ms since the Unix epoch).
+        first_committed_at_ms: u64,
+        /// When the record expires ([`crate::EXPIRES_NEVER_MS`] for never).
+        expires_at_ms: u64,
+        /// The record's epoch.
+        epoch: u64,
+        /// False when the first attempt's failure was recorded as the result
+        /// (`FailurePolicy::RecordFailure`): replay it, do not retry.
+        succeeded: bool,
+    },
+    /// Another holder has the key right now: do not acknowledge; let the broker redeliver later.
+    /// Either a claim in this process (`holder` and `lease_until_ms` are `None`), or a durable
+    /// external claim whose lease is live.
+    #[non_exhaustive]
+    InProgress {
+        /// When the holder took the key (engine clock, ms since the Unix epoch).
+        since_ms: u64,
+        /// The external holder's identity.
+        holder: Option<Bytes>,
+        /// Until when the external holder's lease runs.
+        lease_until_ms: Option<u64>,
+        /// The external holder's epoch.
+        epoch: Option<u64>,
+    },
+    /// The message was produced before the retention horizon (the admission floor, B6): its
+    /// record may already have expired, so it cannot be told apart from a new message. Do not
+    /// process it; dead-letter or alert.
+    #[non_exhaustive]
+    TooLate {
+        /// When the message was produced, as given.
+        produced_at_ms: u64,
+        /// Messages produced at or before this instant are too late (now minus the retention).
+        horizon_ms: u64,
+    },
+    /// The ordering guard (R11): the entity already has this version or a newer one applied.
+    /// Acknowledge the message without applying it.
+    #[non_exhaustive]
+    Stale {
+        /// The entity's highest applied version.
+        current_version: u64,
+    },
+    /// The key was completed with different content (R15): the producer reused an id or the
+    /// message changed. Route the message to a dead-letter path and alert; do not process it.
+    #[non_exhaustive]
+    Conflict {
+        /// The fingerprint stored by the first commit.
+        stored_fingerprint: Fingerprint,
+        /// The fingerprint given to this `begin`.
+        new_fingerprint: Fingerprint,
+        /// When the first commit happened.
+        first_committed_at_ms: u64,
+    },
+}
+
+/// An earlier holder's attempt that a new claim took over after its lease expired. Its side
+/// effect may have been partly applied: reconcile before repeating it (for example query the
+/// downstream service with the same idempotency key).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PreviousAttempt {
+    /// The earlier holder's epoch (the new claim's epoch is one more).
+    pub epoch: u64,
+    /// The earlier holder's identity.
+    pub holder: Bytes,
+    /// When it took the key.
+    pub since_ms: u64,
+    /// When its lease ran out.
+    pub lease_until_ms: u64,
+}
+
+/// What the latch holder's read of a key decided.
+pub(crate) enum Found {
+    /// The key may be claimed; the new record must replace the one with `replaces_epoch`.
+    Claimable {
+        replaces_epoch: u64,
+        previous: Option<PreviousAttempt>,
+    },
+    /// Anything but fresh.
+    Settled(Outcome<std::convert::Infallible>),
+}
+
+impl<C> Outcome<C> {
+    pub(crate) fn settled(outcome: Outcome<std::convert::Infallible>) -> Outcome<C> {
+        outcome.map_fresh(|never| match never {})
+    }
+
+    /// The same outcome with the fresh claim (if any) turned into another value by `f`.
+    pub fn map_fresh<D>(self, f: impl FnOnce(C) -> D) -> Outcome<D> {
+        match self {
+            Outcome::Fresh(claim) => Outcome::Fresh(f(claim)),
+            Outcome::Duplicate {
+                result,
+                first_committed_at_ms,
+                expires_at_ms,
+                epoch,
+                succeeded,
+            } => Outcome::Duplicate {
+                result,
+                first_committed_at_ms,
+                expires_at_ms,
+                epoch,
+                succeeded,
+            },
+            Outcome::InProgress {
+                since_ms,
+                holder,
+                lease_until_ms,
+                epoch,
+            } => Outcome::InProgress {
+                since_ms,
+                holder,
+                lease_until_ms,
+                epoch,
+            },
+            Outcome::Conflict {
+                stored_fingerprint,
+                new_fingerprint,
+                first_committed_at_ms,
+            } => Outcome::Conflict {
+                stored_fingerprint,
+                new_fingerprint,
+                first_committed_at_ms,
+            },
+            Outcome::TooLate {
+                produced_at_ms,
+                horizon_ms,
+            } => Outcome::TooLate {
+                produced_at_ms,
+                horizon_ms,
+            },
+            Outcome::Stale { current_version } => Outcome::Stale { current_version },
+        }
+    }
+
+    /// `InProgress` because a claim in this process holds the key (or the entity) right now.
+    pub(crate) fn in_progress_locally(since_ms: u64) -> Outcome<C> {
+        Outcome::InProgress {
+            since_ms,
+            holder: None,
+            lease_until_ms: None,
+            epoch: None,
+        }
+    }
+}
+
+/// Decides what a claimant gets from the record it read (`None`: the key is absent).
+pub(crate) fn inspect_record(
+    record: Option<Record>,
+    fingerprint: Fingerprint,
+    now_ms: u64,
+) -> Found {
+    let Some(record) = record else {
+        return Found::Claimable {
+            replaces_epoch: 0,
+            previous: None,
+        };
+    };
+    if record.is_absent_at(now_ms) {
+        return Found::Claimable {
+            replaces_epoch: record.epoch,
+            previous: None,
+        };
+    }
+    let settled = match record.state {
+        RecordState::InProgress {
+            since_ms,
+            lease_until_ms,
+            holder,
+            ..
+        } => {
+            if lease_until_ms <= now_ms {
+                return Found::Claimable {
+                    replaces_epoch: record.epoch,
+                    previous: Some(PreviousAttempt {
+                        epoch: record.epoch,
+                        holder,
+                        since_ms,
+                        lease_until_ms,
+                    }),
+                };
+            }
+            Outcome::InProgress {
+                since_ms,
+                holder: Some(holder),
+                lease_until_ms: Some(lease_until_ms),
+                epoch: Some(record.epoch),
+            }
+        }
+        RecordState::Completed {
+            committed_at_ms,
+            expires_at_ms,
+            result,
+            succeeded,
+        } => {
+            if record.fingerprint == fingerprint {
+                Outcome::Duplicate {
+                    result,
+                    first_committed_at_ms: committed_at_ms,
+                    expires_at_ms,
+                    epoch: record.epoch,
+                    succeeded,
+                }
+            } else {
+                Outcome::Conflict {
+                    stored_fingerprint: record.fingerprint,
+                    new_fingerprint: fingerprint,
+                    first_committed_at_ms: committed_at_ms,
+                }
+            }
+        }
+        // Released records are absent (handled above).
+        RecordState::Released { .. } => unreachable!("released records read as absent"),
+    };
+    Found::Settled(settled)
+}
+
+/// The admission floor: with it on (`floor_retention_ms` is then the retention), a claimable
+/// message produced longer ago than the retention is too late (its record may have expired
+/// already), not new.
+pub(crate) fn admit(
+    found: Found,
+    produced_at_ms: Option<u64>,
+    now_ms: u64,
+    floor_retention_ms: Option<u64>,
+) -> Found {
+    let Some(retention_ms) = floor_retention_ms else {
+        return found;
+    };
+    let horizon_ms = now_ms.saturating_sub(retention_ms);
+    match (found, produced_at_ms) {
+        (Found::Claimable { .. }, Some(produced_at_ms)) if produced_at_ms <= horizon_ms => {
+            Found::Settled(Outcome::TooLate {
+                produced_at_ms,
+                horizon_ms,
+            })
+        }
+        (found, _) => found,
+    }
+}
