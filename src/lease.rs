@@ -27,8 +27,9 @@ pub const LEASE_MS_MIN: u64 = 1;
 /// The longest lease, in milliseconds (7 days). Renew a longer side effect.
 pub const LEASE_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
 
-/// How long a lease step waits for the key's latch, in real time, before [`Error::KeyBusy`].
-const LATCH_WAIT: Duration = Duration::from_millis(100);
+/// How long a lease step waits for the key's latch, in real time, before [`Error::KeyBusy`]
+/// (the operator tools' writes wait as long).
+pub(crate) const LATCH_WAIT: Duration = Duration::from_millis(100);
 
 /// What to record when the handler of an external claim fails.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -87,6 +87,18 @@ pub enum DecodeError {
     },
 }
 
+/// Decodes an entry of the versions table (the ordering guard's highest applied version of an
+/// entity): a big-endian `u64`.
+///
+/// # Errors
+/// [`DecodeError::Invalid`] unless the value is exactly 8 bytes.
+pub(crate) fn decode_entity_version(value: &[u8]) -> Result<u64, DecodeError> {
+    let bytes = <[u8; 8]>::try_from(value).map_err(|_| DecodeError::Invalid {
+        reason: "an entity version is not 8 bytes",
+    })?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
 /// What a successful commit wrote.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -22,7 +22,7 @@ use crate::latch::Latches;
 use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
 use crate::observe::ConsumerMetrics;
 use crate::options::{Durability, EngineBuilder, MergeOperator, OpenMode, TableOptions};
-use crate::record::Record;
+use crate::record::{Record, decode_entity_version};
 use crate::store_lock::StoreLock;
 use crate::store_meta::{
     DeclaredKind, META_FORMAT_KEY, META_MERGE_OPERATOR_PREFIX, META_TABLE_KIND_PREFIX, MetaToWrite,
@@ -264,13 +264,11 @@ impl Storage {
         else {
             return Ok(None);
         };
-        let bytes = <[u8; 8]>::try_from(&value[..]).map_err(|_| Error::Corrupt {
+        let version = decode_entity_version(&value).map_err(|reason| Error::Corrupt {
             key: version_key.to_vec(),
-            reason: crate::record::DecodeError::Invalid {
-                reason: "an entity version is not 8 bytes",
-            },
+            reason,
         })?;
-        Ok(Some(u64::from_be_bytes(bytes)))
+        Ok(Some(version))
     }
 
     /// The column family of the business table declared at `index`.
