@@ -9,11 +9,11 @@ use rocksdb::WriteBatch;
 
 use crate::business_table::BusinessTable;
 use crate::decision::{Found, PreviousAttempt, admit, inspect_record};
-use crate::error::{Error, Limit, Result, check_limit};
+use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
 use crate::fingerprint::Fingerprint;
 use crate::observe::ConsumerMetrics;
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
-use crate::record::{Committed, EXPIRES_NEVER_MS, Operand, RESULT_BYTES_MAX, Record};
+use crate::record::{Committed, EXPIRES_NEVER_MS, Operand, Record};
 use crate::storage::{Storage, VERSIONS_TABLE};
 
 /// The shortest key of a staged business write, in bytes.
@@ -52,6 +52,67 @@ pub enum Expiry {
     /// Never expire (the default for entity tables).
     Never,
 }
+
+/// The staging methods of every claim type (`Claim`, `ExternalClaim`): writes into business
+/// tables, kept until the claim commits, and the record's expiry. Both types hold the same
+/// `inner`, `staged` and `expiry` fields; `$applied` says when staged writes land.
+macro_rules! staging_methods {
+    ($applied:literal) => {
+        #[doc = concat!("Stages `value` under `key` in `table`; applied only ", $applied, ".")]
+        ///
+        /// # Errors
+        /// [`Error::LimitExceeded`] for a key or value outside its limits or a claim past
+        /// [`crate::STAGED_WRITES_MAX`] / [`crate::STAGED_BYTES_MAX`]; [`Error::ForeignTable`]
+        /// for another engine's table. Nothing is staged on error.
+        pub fn put(
+            &mut self,
+            table: &BusinessTable,
+            key: impl AsRef<[u8]>,
+            value: impl AsRef<[u8]>,
+        ) -> Result<()> {
+            self.staged
+                .put(&self.inner, table, key.as_ref(), value.as_ref())
+        }
+
+        #[doc = concat!("Stages a deletion of `key` in `table`; applied only ", $applied, ".")]
+        ///
+        /// # Errors
+        /// As for `put`.
+        pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
+            self.staged.delete(&self.inner, table, key.as_ref())
+        }
+
+        #[doc = concat!(
+            "Stages a merge of `operand` into `key` of `table` (which needs a merge operator); ",
+            "applied only ", $applied, "."
+        )]
+        ///
+        /// # Errors
+        /// As for `put`, and [`Error::NoMergeOperator`] if the table has none.
+        pub fn merge(
+            &mut self,
+            table: &BusinessTable,
+            key: impl AsRef<[u8]>,
+            operand: impl AsRef<[u8]>,
+        ) -> Result<()> {
+            self.staged
+                .merge(&self.inner, table, key.as_ref(), operand.as_ref())
+        }
+
+        /// Sets how long the committed record is kept, instead of the table's default (the
+        /// engine's retention for consumers, [`Expiry::Never`] for entity tables).
+        ///
+        /// # Errors
+        /// [`Error::LimitExceeded`] for a duration outside
+        /// [`crate::RETENTION_MS_MIN`]..=[`crate::RETENTION_MS_MAX`] ms.
+        pub fn set_expiry(&mut self, expiry: Expiry) -> Result<()> {
+            check_expiry(expiry)?;
+            self.expiry = expiry;
+            Ok(())
+        }
+    };
+}
+pub(crate) use staging_methods;
 
 /// Exclusive ownership of one key, from a `Fresh` outcome until [`Claim::commit`],
 /// [`Claim::abort`] or drop. Business writes staged on it land in the same RocksDB write batch
@@ -97,13 +158,27 @@ impl Observer {
         started: Instant,
     ) {
         self.metrics.commit(started.elapsed());
+        self.log_step(step, stored_key, epoch, None);
+    }
+
+    /// Logs a step of the claim on `stored_key` at `epoch`; `current_epoch` when the step was
+    /// refused because another holder has the key at that epoch.
+    pub(crate) fn log_step(
+        &self,
+        step: &'static str,
+        stored_key: &[u8],
+        epoch: u64,
+        current_epoch: Option<u64>,
+    ) {
         tracing::debug!(
             target: "idemdb",
             consumer = %self.metrics.consumer,
             key = %crate::format::printable(stored_key),
             epoch,
+            current_epoch,
             correlation_id = self.correlation_id.as_deref(),
-            "{step}"
+            "{step}{}",
+            if current_epoch.is_some() { ": lease lost" } else { "" }
         );
     }
 }
@@ -328,7 +403,7 @@ impl Staged {
 
     /// Checks a result against its limit and the staged total; nothing is written on error.
     pub(crate) fn check_result(&self, result: &[u8]) -> Result<()> {
-        check_limit(Limit::ResultBytes, result.len(), 0, RESULT_BYTES_MAX)?;
+        crate::record::check_result(result)?;
         check_limit(
             Limit::StagedBytes,
             self.bytes + result.len(),
@@ -384,14 +459,7 @@ pub(crate) fn expires_at_ms(expiry: Expiry, now_ms: u64) -> u64 {
 pub(crate) fn check_expiry(expiry: Expiry) -> Result<()> {
     if let Expiry::After(duration) = expiry {
         let ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
-        if !(RETENTION_MS_MIN..=RETENTION_MS_MAX).contains(&ms) {
-            return Err(Error::LimitExceeded {
-                limit: Limit::RetentionMs,
-                actual: ms,
-                min: RETENTION_MS_MIN,
-                max: RETENTION_MS_MAX,
-            });
-        }
+        check_limit_u64(Limit::RetentionMs, ms, RETENTION_MS_MIN, RETENTION_MS_MAX)?;
     }
     Ok(())
 }
@@ -439,56 +507,7 @@ impl Claim {
         }
     }
 
-    /// Stages `value` under `key` in `table`; applied only if the claim commits.
-    ///
-    /// # Errors
-    /// [`Error::LimitExceeded`] for a key or value outside its limits or a claim past
-    /// [`STAGED_WRITES_MAX`] / [`STAGED_BYTES_MAX`]; [`Error::ForeignTable`] for another
-    /// engine's table. Nothing is staged on error.
-    pub fn put(
-        &mut self,
-        table: &BusinessTable,
-        key: impl AsRef<[u8]>,
-        value: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        self.staged
-            .put(&self.inner, table, key.as_ref(), value.as_ref())
-    }
-
-    /// Stages a deletion of `key` in `table`; applied only if the claim commits.
-    ///
-    /// # Errors
-    /// As for [`Claim::put`].
-    pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
-        self.staged.delete(&self.inner, table, key.as_ref())
-    }
-
-    /// Stages a merge of `operand` into `key` of `table` (which needs a merge operator);
-    /// applied only if the claim commits.
-    ///
-    /// # Errors
-    /// As for [`Claim::put`], and [`Error::NoMergeOperator`] if the table has none.
-    pub fn merge(
-        &mut self,
-        table: &BusinessTable,
-        key: impl AsRef<[u8]>,
-        operand: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        self.staged
-            .merge(&self.inner, table, key.as_ref(), operand.as_ref())
-    }
-
-    /// Sets how long the committed record is kept, instead of the table's default (the engine's
-    /// retention for consumers, [`Expiry::Never`] for entity tables).
-    ///
-    /// # Errors
-    /// [`Error::LimitExceeded`] for a duration outside
-    /// [`RETENTION_MS_MIN`]..=[`RETENTION_MS_MAX`] ms.
-    pub fn set_expiry(&mut self, expiry: Expiry) -> Result<()> {
-        check_expiry(expiry)?;
-        self.expiry = expiry;
-        Ok(())
-    }
+    staging_methods!("if the claim commits");
 
     /// Commits: writes the marker record (with `result`, returned to later duplicates) and every
     /// staged write in one atomic RocksDB write batch, with the engine's durability. The key is

@@ -233,6 +233,20 @@ impl Error {
     }
 }
 
+/// Checks `min <= actual <= max` for a limit counted in `u64` (milliseconds, seconds), else
+/// returns [`Error::LimitExceeded`] naming `limit`.
+pub(crate) fn check_limit_u64(limit: Limit, actual: u64, min: u64, max: u64) -> Result<()> {
+    if actual < min || actual > max {
+        return Err(Error::LimitExceeded {
+            limit,
+            actual,
+            min,
+            max,
+        });
+    }
+    Ok(())
+}
+
 /// Checks `min <= actual <= max`, else returns [`Error::LimitExceeded`] naming `limit`.
 pub(crate) fn check_limit(limit: Limit, actual: usize, min: usize, max: usize) -> Result<()> {
     if actual < min || actual > max {

@@ -14,9 +14,11 @@ use bytes::Bytes;
 use rocksdb::WriteBatch;
 
 use crate::business_table::BusinessTable;
-use crate::claim::{Expiry, Observer, Outcome, Staged, check_expiry, expires_at_ms, inspect};
+use crate::claim::{
+    Expiry, Observer, Outcome, Staged, check_expiry, expires_at_ms, inspect, staging_methods,
+};
 use crate::decision::{Found, PreviousAttempt, admit};
-use crate::error::{Error, Limit, Result, check_limit};
+use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
 use crate::fingerprint::Fingerprint;
 use crate::observe::ConsumerMetrics;
 use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState};
@@ -106,14 +108,7 @@ pub struct ExternalClaim {
 /// Checks a lease length and returns it in milliseconds.
 fn lease_ms(lease: Duration) -> Result<u64> {
     let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
-    if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&ms) {
-        return Err(Error::LimitExceeded {
-            limit: Limit::LeaseMs,
-            actual: ms,
-            min: LEASE_MS_MIN,
-            max: LEASE_MS_MAX,
-        });
-    }
+    check_limit_u64(Limit::LeaseMs, ms, LEASE_MS_MIN, LEASE_MS_MAX)?;
     Ok(ms)
 }
 
@@ -275,7 +270,7 @@ pub(crate) fn resolve(
     expiry: Expiry,
 ) -> Result<()> {
     if let Resolution::Complete(result) = &resolution {
-        check_limit(Limit::ResultBytes, result.len(), 0, crate::RESULT_BYTES_MAX)?;
+        crate::record::check_result(result)?;
     }
     fenced_replace(
         inner,
@@ -325,25 +320,11 @@ impl ExternalClaim {
             Ok(()) if step == "complete" => {
                 observer.committed(step, &self.ticket.stored_key, self.ticket.epoch, started);
             }
-            Ok(()) => tracing::debug!(
-                target: "idemdb",
-                consumer = %observer.metrics.consumer,
-                key = %crate::format::printable(&self.ticket.stored_key),
-                epoch = self.ticket.epoch,
-                correlation_id = observer.correlation_id.as_deref(),
-                "{step}"
-            ),
+            Ok(()) => observer.log_step(step, &self.ticket.stored_key, self.ticket.epoch, None),
             Err(Error::LeaseLost { current_epoch }) => {
                 observer.metrics.lease_lost();
-                tracing::debug!(
-                    target: "idemdb",
-                    consumer = %observer.metrics.consumer,
-                    key = %crate::format::printable(&self.ticket.stored_key),
-                    epoch = self.ticket.epoch,
-                    current_epoch,
-                    correlation_id = observer.correlation_id.as_deref(),
-                    "{step}: lease lost"
-                );
+                let key = &self.ticket.stored_key;
+                observer.log_step(step, key, self.ticket.epoch, Some(*current_epoch));
             }
             Err(_) => {}
         }
@@ -390,51 +371,7 @@ impl ExternalClaim {
         Ok(lease_until_ms)
     }
 
-    /// Stages `value` under `key` in `table`; applied only by [`ExternalClaim::complete`].
-    ///
-    /// # Errors
-    /// As for [`crate::Claim::put`].
-    pub fn put(
-        &mut self,
-        table: &BusinessTable,
-        key: impl AsRef<[u8]>,
-        value: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        self.staged
-            .put(&self.inner, table, key.as_ref(), value.as_ref())
-    }
-
-    /// Stages a deletion; applied only by [`ExternalClaim::complete`].
-    ///
-    /// # Errors
-    /// As for [`crate::Claim::put`].
-    pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
-        self.staged.delete(&self.inner, table, key.as_ref())
-    }
-
-    /// Stages a merge; applied only by [`ExternalClaim::complete`].
-    ///
-    /// # Errors
-    /// As for [`crate::Claim::merge`].
-    pub fn merge(
-        &mut self,
-        table: &BusinessTable,
-        key: impl AsRef<[u8]>,
-        operand: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        self.staged
-            .merge(&self.inner, table, key.as_ref(), operand.as_ref())
-    }
-
-    /// Sets how long the completed record is kept (default: the table's).
-    ///
-    /// # Errors
-    /// As for [`crate::Claim::set_expiry`].
-    pub fn set_expiry(&mut self, expiry: Expiry) -> Result<()> {
-        check_expiry(expiry)?;
-        self.expiry = expiry;
-        Ok(())
-    }
+    staging_methods!("by [`ExternalClaim::complete`]");
 
     /// Completes: replaces the in-progress record by the completed one (with `result`) and
     /// applies the staged writes, in one write batch, if this holder still holds the key.
@@ -502,7 +439,7 @@ impl ExternalClaim {
         let expiry = self.expiry;
         let inner = self.inner.clone();
         if let FailurePolicy::RecordFailure(result) = &policy {
-            check_limit(Limit::ResultBytes, result.len(), 0, crate::RESULT_BYTES_MAX)?;
+            crate::record::check_result(result)?;
         }
         let step = match policy {
             FailurePolicy::Release => "release",

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock};
-use crate::error::{Error, Limit, Result, check_limit};
+use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
 use crate::fault::FaultInjector;
 
 /// The shortest default retention, in milliseconds. Zero would expire records as they are written.
@@ -261,13 +261,13 @@ impl EngineBuilder {
         if self.path.as_os_str().is_empty() {
             return Err(Error::invalid_option("the store path is empty"));
         }
-        check_u64(
+        check_limit_u64(
             Limit::RetentionMs,
             self.retention_ms,
             RETENTION_MS_MIN,
             RETENTION_MS_MAX,
         )?;
-        check_u64(
+        check_limit_u64(
             Limit::PeriodicCompactionS,
             self.periodic_compaction_s,
             PERIODIC_COMPACTION_S_MIN,
@@ -314,18 +314,6 @@ impl EngineBuilder {
             .map(|table| table.name.as_str())
             .chain(self.entity_tables.iter().map(String::as_str))
     }
-}
-
-fn check_u64(limit: Limit, actual: u64, min: u64, max: u64) -> Result<()> {
-    if actual < min || actual > max {
-        return Err(Error::LimitExceeded {
-            limit,
-            actual,
-            min,
-            max,
-        });
-    }
-    Ok(())
 }
 
 /// Table names become RocksDB column-family names: they are persisted, shown by tools and passed

@@ -87,6 +87,19 @@ pub enum DecodeError {
     },
 }
 
+/// Checks the size of a result to store with a record (at most [`RESULT_BYTES_MAX`]).
+///
+/// # Errors
+/// [`crate::Error::LimitExceeded`] for a larger one.
+pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
+    crate::error::check_limit(
+        crate::error::Limit::ResultBytes,
+        result.len(),
+        0,
+        RESULT_BYTES_MAX,
+    )
+}
+
 /// Decodes an entry of the versions table (the ordering guard's highest applied version of an
 /// entity): a big-endian `u64`.
 ///

@@ -14,7 +14,7 @@
 //!   while the application has the store open (a *live* store); it sees what the store's files
 //!   and WAL held when it opened, and never writes.
 //! - [`StoreBuilder::open_exclusive`]: the store opened for writing, which RocksDB allows to one
-//!   process at a time. On a live store it fails with [`Error::AlreadyOpen`]: a write to a live
+//!   process at a time. On a live store it fails with [`crate::Error::AlreadyOpen`]: a write to a live
 //!   store cannot be made from outside the process that has it open. That process uses the
 //!   library instead ([`crate::Consumer::resolve`], [`crate::Consumer::in_progress`]).
 //!

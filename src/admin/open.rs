@@ -10,7 +10,7 @@ use rocksdb::{Cache, ColumnFamily, ColumnFamilyDescriptor, DB};
 
 use crate::clock::{Clock, SystemClock};
 use crate::engine::Engine;
-use crate::error::{Error, Limit, Result};
+use crate::error::{Error, Limit, Result, check_limit_u64};
 use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::options::{
     EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
@@ -168,14 +168,13 @@ impl StoreBuilder {
     /// idemdb did not create; [`Error::LimitExceeded`] for a retention outside its bounds;
     /// [`Error::Storage`] when RocksDB cannot open it.
     pub fn open_exclusive(self) -> Result<Store> {
-        if !(RETENTION_MS_MIN..=RETENTION_MS_MAX).contains(&self.retention_ms) {
-            return Err(Error::LimitExceeded {
-                limit: Limit::RetentionMs,
-                actual: self.retention_ms,
-                min: RETENTION_MS_MIN,
-                max: RETENTION_MS_MAX,
-            });
-        }
+        let retention_ms = self.retention_ms;
+        check_limit_u64(
+            Limit::RetentionMs,
+            retention_ms,
+            RETENTION_MS_MIN,
+            RETENTION_MS_MAX,
+        )?;
         check_store_exists(&self.path)?;
         // The lock before anything is read: a store held by the application is `AlreadyOpen`,
         // whatever else its tables would say.

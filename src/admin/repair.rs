@@ -12,7 +12,7 @@ use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::lease::{LATCH_WAIT, Resolution};
-use crate::record::{HOLDER_BYTES_MAX, Operand, RESULT_BYTES_MAX, Record, RecordState, is_expired};
+use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState, is_expired};
 use crate::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableKind};
@@ -83,7 +83,7 @@ impl ImportRecord {
         // Record::encode asserts these bounds; bad input must be an error instead.
         match &state {
             RecordState::Completed { result, .. } => {
-                check_limit(Limit::ResultBytes, result.len(), 0, RESULT_BYTES_MAX)?;
+                crate::record::check_result(result)?;
             }
             RecordState::InProgress { holder, .. } => {
                 check_limit(Limit::HolderBytes, holder.len(), 0, HOLDER_BYTES_MAX)?;

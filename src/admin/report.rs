@@ -85,7 +85,7 @@ pub struct GroupStats {
     pub consumer: Option<Bytes>,
     /// Records by state.
     pub counts: StateCounts,
-    /// The earliest [`Entry::since_ms`] of the group's decodable records.
+    /// The earliest [`super::Entry::since_ms`] of the group's decodable records.
     pub oldest_ms: Option<u64>,
 }
 
