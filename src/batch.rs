@@ -1,4 +1,4 @@
-//! Batch-native claims (B5): a broker batch of N messages claimed with one RocksDB multi-get and
+//! Batch-native claims: a broker batch of N messages claimed with one RocksDB multi-get and
 //! its winners committed with one write batch (one WAL write, one fsync).
 
 use std::collections::HashMap;

@@ -271,7 +271,7 @@ pub(crate) fn decide(
     }
 }
 
-/// The ordering guard (R11): takes the latch of the entity's version and compares. Returns the
+/// The ordering guard: takes the latch of the entity's version and compares. Returns the
 /// outcome to report instead of a claim (stale, or the entity busy), or `None` with the version
 /// latch held by the caller's claim.
 fn guard_order(
@@ -572,7 +572,7 @@ impl Claim {
     /// redelivery will find the key free.
     pub fn abort(self) {}
 
-    /// The idempotency key to give a downstream call made for this message at `step` (R13):
+    /// The idempotency key to give a downstream call made for this message at `step`:
     /// the same message and step give the same key, across redeliveries, takeovers, restarts
     /// and idemdb versions ([`crate::format::derive_key`]).
     #[must_use]

@@ -51,7 +51,7 @@ pub enum Outcome<C> {
         /// The external holder's epoch.
         epoch: Option<u64>,
     },
-    /// The message was produced before the retention horizon (the admission floor, B6): its
+    /// The message was produced before the retention horizon (the admission floor): its
     /// record may already have expired, so it cannot be told apart from a new message. Do not
     /// process it; dead-letter or alert.
     #[non_exhaustive]
@@ -61,14 +61,14 @@ pub enum Outcome<C> {
         /// Messages produced at or before this instant are too late (now minus the retention).
         horizon_ms: u64,
     },
-    /// The ordering guard (R11): the entity already has this version or a newer one applied.
+    /// The ordering guard: the entity already has this version or a newer one applied.
     /// Acknowledge the message without applying it.
     #[non_exhaustive]
     Stale {
         /// The entity's highest applied version.
         current_version: u64,
     },
-    /// The key was completed with different content (R15): the producer reused an id or the
+    /// The key was completed with different content: the producer reused an id or the
     /// message changed. Route the message to a dead-letter path and alert; do not process it.
     #[non_exhaustive]
     Conflict {

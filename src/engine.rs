@@ -420,7 +420,7 @@ impl Consumer {
         self.inner.read_record(RECORDS_MARKER, &stored_key)
     }
 
-    /// Takes `message_key` under a durable lease for a side effect outside the batch (R7): the
+    /// Takes `message_key` under a durable lease for a side effect outside the batch: the
     /// in-progress record, with `holder`'s identity, the lease deadline and a new fencing epoch,
     /// is written (honouring the durability mode) before this returns. A key whose holder's
     /// lease ran out is taken over: the claim's [`ExternalClaim::previous_attempt`] says so.
@@ -577,7 +577,7 @@ impl std::fmt::Debug for Consumer {
     }
 }
 
-/// A table whose records are themselves the markers (R5): `begin(entity_key)` inserts the
+/// A table whose records are themselves the markers: `begin(entity_key)` inserts the
 /// entity if absent, and a second insert of the same key is a duplicate or a conflict.
 /// The committed result *is* the entity. Records never expire unless the claim sets an expiry.
 #[derive(Clone)]

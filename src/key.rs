@@ -107,7 +107,7 @@ pub fn decode_key(stored_key: &[u8]) -> Result<(&[u8], &[u8]), DecodeError> {
     Ok((consumer_id, message_key))
 }
 
-/// Builds a message key from a CloudEvents event's `source` and `id` (R1): together they
+/// Builds a message key from a CloudEvents event's `source` and `id`: together they
 /// identify an event, and either alone may repeat. Layout: `[source_len: u16 BE][source][id]`,
 /// injective like the composite key.
 ///
@@ -144,7 +144,7 @@ pub fn cloudevents_key(source: &str, id: &str) -> Result<Vec<u8>> {
     Ok(key)
 }
 
-/// The idempotency key for a downstream call made while processing a message (R13): the same
+/// The idempotency key for a downstream call made while processing a message: the same
 /// stored key and step always give the same string, across restarts and versions of idemdb.
 ///
 /// Derivation (part of the format, docs/design.md): `"idk1-"` followed by the 32 lowercase hex

@@ -471,7 +471,7 @@ impl ExternalClaim {
         &self.ticket
     }
 
-    /// The idempotency key to give the downstream call at `step` (R13): the same for every
+    /// The idempotency key to give the downstream call at `step`: the same for every
     /// attempt at this message, so a takeover's retry is deduplicated downstream
     /// ([`crate::format::derive_key`]).
     #[must_use]

@@ -25,7 +25,7 @@ pub struct Message<'a> {
 }
 
 impl<'a> Message<'a> {
-    /// A delivery with its business key (R1: a stable identifier, never a delivery-attempt id)
+    /// A delivery with its business key (a stable identifier, never a delivery-attempt id)
     /// and the fingerprint of its immutable content.
     pub fn new(key: &'a (impl AsRef<[u8]> + ?Sized), fingerprint: Fingerprint) -> Message<'a> {
         Message {
@@ -44,7 +44,7 @@ impl<'a> Message<'a> {
         self
     }
 
-    /// The ordering guard (R11): the message carries `version` of `entity`. It is claimed only
+    /// The ordering guard: the message carries `version` of `entity`. It is claimed only
     /// if `version` is newer than the entity's highest applied version, which the commit then
     /// records in the same batch; otherwise `begin` reports [`crate::Outcome::Stale`]. Entity
     /// keys follow the message-key limits.

@@ -1,4 +1,4 @@
-//! Observability (R12, B7): per-consumer counters kept in process (for [`crate::Engine::stats`]),
+//! Observability: per-consumer counters kept in process (for [`crate::Engine::stats`]),
 //! the same numbers through the `metrics` facade, and `tracing` events for each step.
 //!
 //! The metric names are listed in the crate documentation (Observability).

@@ -189,7 +189,7 @@ impl EngineBuilder {
         self
     }
 
-    /// The admission floor (B6): when on, a message whose production time
+    /// The admission floor: when on, a message whose production time
     /// ([`crate::Message::produced_at_ms`]) is at or before now minus the retention, and whose
     /// key is not recorded, is [`crate::Outcome::TooLate`] instead of new: its record may have
     /// expired already. Default off (such a message is treated as new).

@@ -522,7 +522,7 @@ pub(crate) fn db_options() -> rocksdb::Options {
     // The WAL is always on, so a batch spanning tables is atomic through it; atomic flush (for
     // WAL-less setups) is not needed.
     options.set_atomic_flush(false);
-    // Durable commits (B10): RocksDB already commits concurrent writers as a group (one leader
+    // Durable commits: RocksDB already commits concurrent writers as a group (one leader
     // writes the WAL and fsyncs it for all waiting writers; the next group queues meanwhile).
     // Measured on this write pattern (BENCHMARKS.md, `compare.sh wal-options`): the leader
     // inserting the whole group into the memtables is faster than waking every writer to insert
