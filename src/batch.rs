@@ -80,115 +80,152 @@ pub(crate) fn begin_batch(
     check_limit(Limit::BatchMessages, requests.len(), 0, BATCH_MESSAGES_MAX)?;
     inner.check_not_poisoned()?;
     let now_ms = inner.clock.now_ms();
-    let latches = &inner.markers[marker].latches;
-    let mut claims: Vec<Option<Claim>> = Vec::with_capacity(requests.len());
-    let mut outcomes: Vec<BatchOutcome> = Vec::with_capacity(requests.len());
-    // Per latched message: what `decide` needs besides the claim.
-    let mut rest: Vec<Option<Pending>> = Vec::with_capacity(requests.len());
-    let first_of = first_occurrences(&requests, latches.hash_builder());
+    let first_of = first_occurrences(&requests, inner.markers[marker].latches.hash_builder());
     let fingerprints: Vec<Fingerprint> = requests.iter().map(|r| r.fingerprint).collect();
-    // Repeats with other content than their first copy, decided once it is (below).
-    let mut other_content: Vec<(usize, Request)> = Vec::new();
-    for (index, request) in requests.into_iter().enumerate() {
-        let first = first_of[index];
-        if first != index {
-            claims.push(None);
-            rest.push(None);
-            outcomes.push(BatchOutcome::DuplicateInBatch { first });
-            if fingerprints[index] != fingerprints[first] {
-                other_content.push((index, request));
-            }
-            continue;
-        }
-        match latches.try_acquire(&request.stored_key, now_ms) {
-            Err(since_ms) => {
-                claims.push(None);
-                rest.push(None);
-                outcomes.push(BatchOutcome::Settled(Outcome::in_progress_locally(
-                    since_ms,
-                )));
-            }
-            Ok(()) => {
-                // The claim owns the latch from here.
-                let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
-                claims.push(Some(claim));
-                rest.push(Some(pending));
-                outcomes.push(BatchOutcome::Fresh);
-            }
-        }
-    }
-
-    // One multi-get for every latched key.
-    let latched: Vec<usize> = (0..claims.len()).filter(|&i| claims[i].is_some()).collect();
-    let cf = inner.cf(&inner.markers[marker].name);
-    let keys: Vec<&[u8]> = latched
-        .iter()
-        .map(|&i| claims[i].as_ref().expect("latched").stored_key())
-        .collect();
-    let values = inner.db.batched_multi_get_cf(cf, keys, false);
-    let mut records = Vec::with_capacity(latched.len());
-    for (&index, value) in latched.iter().zip(values) {
-        let record = match value? {
-            None => None,
-            Some(bytes) => Some(Record::decode(&bytes).map_err(|reason| {
-                Error::Corrupt {
-                    key: claims[index]
-                        .as_ref()
-                        .expect("latched")
-                        .stored_key()
-                        .to_vec(),
-                    reason,
-                }
-            })?),
-        };
-        records.push(record);
-    }
-
-    for (&index, record) in latched.iter().zip(records) {
-        let claim = claims[index].take().expect("latched");
-        let pending = rest[index].take().expect("latched");
-        let found = inspect_record(record, claim.fingerprint(), now_ms);
-        match decide(claim, found, pending, now_ms)? {
-            Outcome::Fresh(claim) => claims[index] = Some(claim),
-            settled => {
-                outcomes[index] =
-                    BatchOutcome::Settled(settled.map_fresh(|_| unreachable!("matched above")));
-            }
-        }
-    }
-
-    for (index, request) in other_content {
-        let first = first_of[index];
-        outcomes[index] = if matches!(outcomes[first], BatchOutcome::Fresh) {
-            // The first copy is committed with this batch: this content conflicts with it.
-            BatchOutcome::ConflictInBatch {
-                first,
-                first_fingerprint: fingerprints[first],
-                new_fingerprint: fingerprints[index],
-            }
-        } else {
-            // The first copy holds nothing: this copy is a message of its own, decided as
-            // `begin` decides it now (against the stored record, the latch, its own production
-            // time and version).
-            match begin(inner, marker, request)? {
-                Outcome::Fresh(claim) => {
-                    claims[index] = Some(claim);
-                    BatchOutcome::Fresh
-                }
-                settled => {
-                    BatchOutcome::Settled(settled.map_fresh(|_| unreachable!("matched above")))
-                }
-            }
-        };
-    }
-    Ok(ClaimBatch {
+    let mut batch = ClaimBatch {
         inner: inner.clone(),
-        claims,
-        outcomes,
-    })
+        claims: Vec::with_capacity(requests.len()),
+        outcomes: Vec::with_capacity(requests.len()),
+    };
+    // On any error below, dropping `batch` releases every latch taken so far.
+    let (pending, other_content) =
+        batch.latch_first_copies(marker, requests, &first_of, &fingerprints, now_ms);
+    let records = batch.read_latched(marker)?;
+    batch.decide_latched(records, pending, now_ms)?;
+    batch.decide_other_content(marker, other_content, &first_of, &fingerprints)?;
+    Ok(batch)
 }
 
+/// A non-fresh outcome as a batch reports it.
+fn settled_outcome(outcome: Outcome) -> BatchOutcome {
+    BatchOutcome::Settled(outcome.map_fresh(|_| unreachable!("only called with a settled outcome")))
+}
+
+/// What deciding a latched message needs besides its claim, by message index.
+type PendingByIndex = Vec<Option<Pending>>;
+
 impl ClaimBatch {
+    /// Latches the key of each first copy (`Fresh` for now, or `InProgress` if held elsewhere)
+    /// and marks each repeat a duplicate of its first copy. Returns what deciding each latched
+    /// message needs, and the repeats whose content differs from their first copy's.
+    fn latch_first_copies(
+        &mut self,
+        marker: usize,
+        requests: Vec<Request>,
+        first_of: &[usize],
+        fingerprints: &[Fingerprint],
+        now_ms: u64,
+    ) -> (PendingByIndex, Vec<(usize, Request)>) {
+        let inner = self.inner.clone();
+        let latches = &inner.markers[marker].latches;
+        let mut pending = Vec::with_capacity(requests.len());
+        let mut other_content = Vec::new();
+        for (index, request) in requests.into_iter().enumerate() {
+            let first = first_of[index];
+            let (claim, rest, outcome) = if first != index {
+                if fingerprints[index] != fingerprints[first] {
+                    other_content.push((index, request));
+                }
+                (None, None, BatchOutcome::DuplicateInBatch { first })
+            } else {
+                match latches.try_acquire(&request.stored_key, now_ms) {
+                    Err(since_ms) => {
+                        let held = Outcome::in_progress_locally(since_ms);
+                        (None, None, BatchOutcome::Settled(held))
+                    }
+                    Ok(()) => {
+                        // The claim owns the latch from here.
+                        let (claim, rest) = request.into_latched_claim(&inner, marker, now_ms);
+                        (Some(claim), Some(rest), BatchOutcome::Fresh)
+                    }
+                }
+            };
+            self.claims.push(claim);
+            pending.push(rest);
+            self.outcomes.push(outcome);
+        }
+        (pending, other_content)
+    }
+
+    /// Reads the record of every latched key with one multi-get: `(message index, record)`.
+    fn read_latched(&self, marker: usize) -> Result<Vec<(usize, Option<Record>)>> {
+        let inner = &self.inner;
+        let latched: Vec<(usize, &Claim)> = self
+            .claims
+            .iter()
+            .enumerate()
+            .filter_map(|(index, claim)| Some((index, claim.as_ref()?)))
+            .collect();
+        let cf = inner.cf(&inner.markers[marker].name);
+        let keys = latched.iter().map(|(_, claim)| claim.stored_key());
+        let values = inner.db.batched_multi_get_cf(cf, keys, false);
+        let mut records = Vec::with_capacity(latched.len());
+        for ((index, claim), value) in latched.into_iter().zip(values) {
+            let record = match value? {
+                None => None,
+                Some(bytes) => Some(Record::decode(&bytes).map_err(|reason| Error::Corrupt {
+                    key: claim.stored_key().to_vec(),
+                    reason,
+                })?),
+            };
+            records.push((index, record));
+        }
+        Ok(records)
+    }
+
+    /// Decides each latched message from its record, as `begin` would: its claim stays if it
+    /// is fresh, and is dropped (its latch released) otherwise.
+    fn decide_latched(
+        &mut self,
+        records: Vec<(usize, Option<Record>)>,
+        mut pending: PendingByIndex,
+        now_ms: u64,
+    ) -> Result<()> {
+        for (index, record) in records {
+            let (Some(claim), Some(rest)) = (self.claims[index].take(), pending[index].take())
+            else {
+                continue;
+            };
+            let found = inspect_record(record, claim.fingerprint(), now_ms);
+            match decide(claim, found, rest, now_ms)? {
+                Outcome::Fresh(claim) => self.claims[index] = Some(claim),
+                settled => self.outcomes[index] = settled_outcome(settled),
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides each repeat whose content differs from its first copy's: a conflict with a
+    /// first copy committed with this batch; otherwise a message of its own, decided as `begin`
+    /// decides it now (against the stored record, the latch, its own production time and
+    /// version).
+    fn decide_other_content(
+        &mut self,
+        marker: usize,
+        other_content: Vec<(usize, Request)>,
+        first_of: &[usize],
+        fingerprints: &[Fingerprint],
+    ) -> Result<()> {
+        for (index, request) in other_content {
+            let first = first_of[index];
+            self.outcomes[index] = if matches!(self.outcomes[first], BatchOutcome::Fresh) {
+                BatchOutcome::ConflictInBatch {
+                    first,
+                    first_fingerprint: fingerprints[first],
+                    new_fingerprint: fingerprints[index],
+                }
+            } else {
+                match begin(&self.inner, marker, request)? {
+                    Outcome::Fresh(claim) => {
+                        self.claims[index] = Some(claim);
+                        BatchOutcome::Fresh
+                    }
+                    settled => settled_outcome(settled),
+                }
+            };
+        }
+        Ok(())
+    }
     /// Each message's outcome, in the order the messages were given.
     #[must_use]
     pub fn outcomes(&self) -> &[BatchOutcome] {

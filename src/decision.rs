@@ -190,57 +190,65 @@ pub(crate) fn inspect_record(
             previous: None,
         };
     }
-    let settled = match record.state {
+    let epoch = record.epoch;
+    match record.state {
         RecordState::InProgress {
             since_ms,
             lease_until_ms,
             holder,
             ..
-        } => {
-            if lease_until_ms <= now_ms {
-                return Found::Claimable {
-                    replaces_epoch: record.epoch,
-                    previous: Some(PreviousAttempt {
-                        epoch: record.epoch,
-                        holder,
-                        since_ms,
-                        lease_until_ms,
-                    }),
-                };
-            }
-            Outcome::InProgress {
-                since_ms,
-                holder: Some(holder),
-                lease_until_ms: Some(lease_until_ms),
-                epoch: Some(record.epoch),
-            }
-        }
+        } => held_under_lease(epoch, since_ms, lease_until_ms, holder, now_ms),
         RecordState::Completed {
             committed_at_ms,
             expires_at_ms,
             result,
             succeeded,
-        } => {
-            if record.fingerprint == fingerprint {
-                Outcome::Duplicate {
-                    result,
-                    first_committed_at_ms: committed_at_ms,
-                    expires_at_ms,
-                    epoch: record.epoch,
-                    succeeded,
-                }
-            } else {
-                Outcome::Conflict {
-                    stored_fingerprint: record.fingerprint,
-                    new_fingerprint: fingerprint,
-                    first_committed_at_ms: committed_at_ms,
-                }
-            }
-        }
+        } if record.fingerprint == fingerprint => Found::Settled(Outcome::Duplicate {
+            result,
+            first_committed_at_ms: committed_at_ms,
+            expires_at_ms,
+            epoch,
+            succeeded,
+        }),
+        RecordState::Completed {
+            committed_at_ms, ..
+        } => Found::Settled(Outcome::Conflict {
+            stored_fingerprint: record.fingerprint,
+            new_fingerprint: fingerprint,
+            first_committed_at_ms: committed_at_ms,
+        }),
         // Released records are absent (handled above).
         RecordState::Released { .. } => unreachable!("released records read as absent"),
-    };
-    Found::Settled(settled)
+    }
+}
+
+/// What a claimant of a key held by an external claim gets: the key is taken over once the
+/// holder's lease ran out (the new claim is told of the earlier attempt), and in progress until
+/// then.
+fn held_under_lease(
+    epoch: u64,
+    since_ms: u64,
+    lease_until_ms: u64,
+    holder: Bytes,
+    now_ms: u64,
+) -> Found {
+    if lease_until_ms <= now_ms {
+        return Found::Claimable {
+            replaces_epoch: epoch,
+            previous: Some(PreviousAttempt {
+                epoch,
+                holder,
+                since_ms,
+                lease_until_ms,
+            }),
+        };
+    }
+    Found::Settled(Outcome::InProgress {
+        since_ms,
+        holder: Some(holder),
+        lease_until_ms: Some(lease_until_ms),
+        epoch: Some(epoch),
+    })
 }
 
 /// The admission floor: with it on (`floor_retention_ms` is then the retention), a claimable

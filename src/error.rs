@@ -235,6 +235,7 @@ impl Error {
 
 /// Checks `min <= actual <= max` for a limit counted in `u64` (milliseconds, seconds), else
 /// returns [`Error::LimitExceeded`] naming `limit`.
+#[cfg(feature = "engine")]
 pub(crate) fn check_limit_u64(limit: Limit, actual: u64, min: u64, max: u64) -> Result<()> {
     if actual < min || actual > max {
         return Err(Error::LimitExceeded {

@@ -91,6 +91,7 @@ pub enum DecodeError {
 ///
 /// # Errors
 /// [`crate::Error::LimitExceeded`] for a larger one.
+#[cfg(feature = "engine")]
 pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
     crate::error::check_limit(
         crate::error::Limit::ResultBytes,
@@ -325,6 +326,57 @@ impl Record {
     }
 }
 
+/// Checks the format version, that the fixed-size header is all there, and the state tag;
+/// returns the state.
+fn decode_state(bytes: &[u8]) -> Result<u8, DecodeError> {
+    let version = *bytes.first().ok_or(DecodeError::Truncated {
+        needed: RECORD_HEADER_BYTES,
+        available: 0,
+    })?;
+    if version != RECORD_FORMAT_VERSION {
+        return Err(DecodeError::UnknownVersion { version });
+    }
+    if bytes.len() < RECORD_HEADER_BYTES {
+        return Err(DecodeError::Truncated {
+            needed: RECORD_HEADER_BYTES,
+            available: bytes.len(),
+        });
+    }
+    let state = bytes[1];
+    if !matches!(
+        state,
+        STATE_COMPLETED | STATE_IN_PROGRESS | STATE_RELEASED | STATE_FAILED
+    ) {
+        return Err(DecodeError::UnknownTag {
+            what: "state",
+            tag: state,
+        });
+    }
+    Ok(state)
+}
+
+/// Checks that the payload the header announces is bounded and is exactly the rest of `bytes`.
+fn check_payload_len(bytes: &[u8], payload_len: usize) -> Result<(), DecodeError> {
+    if payload_len > PAYLOAD_BYTES_MAX {
+        return Err(DecodeError::Invalid {
+            reason: "payload length above RESULT_BYTES_MAX",
+        });
+    }
+    let expected = RECORD_HEADER_BYTES + payload_len;
+    if bytes.len() < expected {
+        return Err(DecodeError::Truncated {
+            needed: expected,
+            available: bytes.len(),
+        });
+    }
+    if bytes.len() > expected {
+        return Err(DecodeError::TrailingBytes {
+            extra: bytes.len() - expected,
+        });
+    }
+    Ok(())
+}
+
 /// The fixed-size part of a record, decoded without copying the payload. The merge operator and
 /// the compaction filter need only this, but they validate the whole value like
 /// [`Record::decode`] does: a value is a record for all of them, or for none.
@@ -341,29 +393,7 @@ pub(crate) struct RecordHeader {
 
 impl RecordHeader {
     pub(crate) fn decode(bytes: &[u8]) -> Result<RecordHeader, DecodeError> {
-        let version = *bytes.first().ok_or(DecodeError::Truncated {
-            needed: RECORD_HEADER_BYTES,
-            available: 0,
-        })?;
-        if version != RECORD_FORMAT_VERSION {
-            return Err(DecodeError::UnknownVersion { version });
-        }
-        if bytes.len() < RECORD_HEADER_BYTES {
-            return Err(DecodeError::Truncated {
-                needed: RECORD_HEADER_BYTES,
-                available: bytes.len(),
-            });
-        }
-        let state = bytes[1];
-        if !matches!(
-            state,
-            STATE_COMPLETED | STATE_IN_PROGRESS | STATE_RELEASED | STATE_FAILED
-        ) {
-            return Err(DecodeError::UnknownTag {
-                what: "state",
-                tag: state,
-            });
-        }
+        let state = decode_state(bytes)?;
         let mut fields = Reader { bytes, at: 2 };
         let epoch = fields.u64();
         let at_ms = fields.u64();
@@ -375,23 +405,7 @@ impl RecordHeader {
                 reason: "epoch 0 (epochs start at 1)",
             });
         }
-        if payload_len > PAYLOAD_BYTES_MAX {
-            return Err(DecodeError::Invalid {
-                reason: "payload length above RESULT_BYTES_MAX",
-            });
-        }
-        let expected = RECORD_HEADER_BYTES + payload_len;
-        if bytes.len() < expected {
-            return Err(DecodeError::Truncated {
-                needed: expected,
-                available: bytes.len(),
-            });
-        }
-        if bytes.len() > expected {
-            return Err(DecodeError::TrailingBytes {
-                extra: bytes.len() - expected,
-            });
-        }
+        check_payload_len(bytes, payload_len)?;
         let token = match state {
             STATE_IN_PROGRESS => {
                 if !(8..=8 + HOLDER_BYTES_MAX).contains(&payload_len) {

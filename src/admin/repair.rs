@@ -247,20 +247,9 @@ impl Store {
         Ok(PurgeReport { before, after })
     }
 
-    /// Writes `records` (an export, typically) into the store: a key that holds nothing gets
-    /// its record; a key that holds a value (any state, corrupt included) keeps it unless
-    /// `overwrite`, which replaces it. Records are written exactly as given (epochs,
-    /// timestamps, tokens), in batches of up to 1024; a failure leaves the batches before it
-    /// written, so a rerun with the same input finishes the job.
-    ///
-    /// # Errors
-    /// Checked before anything is written: [`Error::UnknownTable`] for a table that is not a
-    /// marker table here, [`Error::InvalidOption`] for a consumer given for an entity table or
-    /// missing for the consumers' table, or a key given twice. [`Error::InvalidOption`] on a
-    /// read-only store; [`Error::Storage`] if a read or write fails.
-    pub fn import(&self, records: &[ImportRecord], overwrite: bool) -> Result<ImportCounts> {
-        let engine = self.engine()?;
-        let inner = engine.storage();
+    /// Checks every record of an import before anything is written: a marker table of this
+    /// store, a consumer exactly for the consumers' table, no key given twice.
+    fn check_import(&self, records: &[ImportRecord]) -> Result<()> {
         let mut seen = HashSet::with_capacity(records.len());
         for record in records {
             let kind = self.kind(&record.table).filter(|kind| kind.is_marker());
@@ -292,6 +281,24 @@ impl Store {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Writes `records` (an export, typically) into the store: a key that holds nothing gets
+    /// its record; a key that holds a value (any state, corrupt included) keeps it unless
+    /// `overwrite`, which replaces it. Records are written exactly as given (epochs,
+    /// timestamps, tokens), in batches of up to 1024; a failure leaves the batches before it
+    /// written, so a rerun with the same input finishes the job.
+    ///
+    /// # Errors
+    /// Checked before anything is written: [`Error::UnknownTable`] for a table that is not a
+    /// marker table here, [`Error::InvalidOption`] for a consumer given for an entity table or
+    /// missing for the consumers' table, or a key given twice. [`Error::InvalidOption`] on a
+    /// read-only store; [`Error::Storage`] if a read or write fails.
+    pub fn import(&self, records: &[ImportRecord], overwrite: bool) -> Result<ImportCounts> {
+        let engine = self.engine()?;
+        let inner = engine.storage();
+        self.check_import(records)?;
         let mut counts = ImportCounts::default();
         let mut batch = WriteBatch::default();
         let mut batch_bytes = 0;
