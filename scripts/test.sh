@@ -9,6 +9,15 @@ source scripts/setup.sh
 # feature set (all of them: the engine, `tokio`, the `cli` binary) for the same reason.
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+# Layers point down (ARCHITECTURE.md): no import cycle among src/'s modules. The checker lives
+# beside the project's checkout on its development machines, not in the repository.
+cycles="../shared/tools/module-cycles"
+if [ -x "$cycles" ]; then
+    echo "== module cycles"
+    "$cycles" src
+else
+    echo "== module cycles skipped ($cycles not found beside the checkout)"
+fi
 echo "== clippy"
 cargo clippy --release --all-features --all-targets -- -D warnings
 echo "== default features (no tokio, no cli)"

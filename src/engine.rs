@@ -16,7 +16,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::{check_message_key, consumer_prefix, decode_key, encode_with_prefix};
 use crate::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::message::Message;
-use crate::observe::{ConsumerMetrics, Kind, Stats};
+use crate::observe::{ConsumerMetrics, OutcomeKind, Stats};
 use crate::options::{EngineBuilder, OpenMode};
 use crate::record::{Record, RecordState};
 use crate::storage::{RECORDS_MARKER, RECORDS_TABLE, Storage};
@@ -381,9 +381,9 @@ impl Consumer {
                 claim.observe(self.metrics.clone(), message.correlation_id);
             }
             let kind = match &batch.outcomes()[index] {
-                crate::BatchOutcome::Fresh => Kind::Fresh,
-                crate::BatchOutcome::DuplicateInBatch { .. } => Kind::DuplicateInBatch,
-                crate::BatchOutcome::ConflictInBatch { .. } => Kind::Conflict,
+                crate::BatchOutcome::Fresh => OutcomeKind::Fresh,
+                crate::BatchOutcome::DuplicateInBatch { .. } => OutcomeKind::DuplicateInBatch,
+                crate::BatchOutcome::ConflictInBatch { .. } => OutcomeKind::Conflict,
                 crate::BatchOutcome::Settled(outcome) => {
                     let age_ms = outcome.duplicate_age_ms(now_ms);
                     self.metrics.outcome(outcome.kind(), share, age_ms);

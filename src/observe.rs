@@ -12,7 +12,7 @@ use crate::decision::Outcome;
 
 /// The kinds of outcome counted, in the order of [`OutcomeCounts`]' fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum OutcomeKind {
     Fresh,
     Duplicate,
     InProgress,
@@ -22,27 +22,27 @@ pub(crate) enum Kind {
     DuplicateInBatch,
 }
 
-const KINDS: [Kind; 7] = [
-    Kind::Fresh,
-    Kind::Duplicate,
-    Kind::InProgress,
-    Kind::Conflict,
-    Kind::TooLate,
-    Kind::Stale,
-    Kind::DuplicateInBatch,
+const KINDS: [OutcomeKind; 7] = [
+    OutcomeKind::Fresh,
+    OutcomeKind::Duplicate,
+    OutcomeKind::InProgress,
+    OutcomeKind::Conflict,
+    OutcomeKind::TooLate,
+    OutcomeKind::Stale,
+    OutcomeKind::DuplicateInBatch,
 ];
 
-impl Kind {
+impl OutcomeKind {
     /// The `outcome` label value.
     pub(crate) fn label(self) -> &'static str {
         match self {
-            Kind::Fresh => "fresh",
-            Kind::Duplicate => "duplicate",
-            Kind::InProgress => "in_progress",
-            Kind::Conflict => "conflict",
-            Kind::TooLate => "too_late",
-            Kind::Stale => "stale",
-            Kind::DuplicateInBatch => "duplicate_in_batch",
+            OutcomeKind::Fresh => "fresh",
+            OutcomeKind::Duplicate => "duplicate",
+            OutcomeKind::InProgress => "in_progress",
+            OutcomeKind::Conflict => "conflict",
+            OutcomeKind::TooLate => "too_late",
+            OutcomeKind::Stale => "stale",
+            OutcomeKind::DuplicateInBatch => "duplicate_in_batch",
         }
     }
 
@@ -53,14 +53,14 @@ impl Kind {
 
 impl<C> Outcome<C> {
     /// The kind of outcome, as the metrics count it.
-    pub(crate) fn kind(&self) -> Kind {
+    pub(crate) fn kind(&self) -> OutcomeKind {
         match self {
-            Outcome::Fresh(_) => Kind::Fresh,
-            Outcome::Duplicate { .. } => Kind::Duplicate,
-            Outcome::InProgress { .. } => Kind::InProgress,
-            Outcome::Conflict { .. } => Kind::Conflict,
-            Outcome::TooLate { .. } => Kind::TooLate,
-            Outcome::Stale { .. } => Kind::Stale,
+            Outcome::Fresh(_) => OutcomeKind::Fresh,
+            Outcome::Duplicate { .. } => OutcomeKind::Duplicate,
+            Outcome::InProgress { .. } => OutcomeKind::InProgress,
+            Outcome::Conflict { .. } => OutcomeKind::Conflict,
+            Outcome::TooLate { .. } => OutcomeKind::TooLate,
+            Outcome::Stale { .. } => OutcomeKind::Stale,
         }
     }
 
@@ -115,7 +115,12 @@ impl ConsumerMetrics {
 
     /// Records one `begin` outcome of `kind`, the time it took and, for a duplicate, how long
     /// ago the first commit was.
-    pub(crate) fn outcome(&self, kind: Kind, elapsed: Duration, duplicate_age_ms: Option<u64>) {
+    pub(crate) fn outcome(
+        &self,
+        kind: OutcomeKind,
+        elapsed: Duration,
+        duplicate_age_ms: Option<u64>,
+    ) {
         self.count(kind);
         self.claim_seconds.record(elapsed.as_secs_f64());
         if let Some(age_ms) = duplicate_age_ms {
@@ -123,7 +128,7 @@ impl ConsumerMetrics {
         }
     }
 
-    pub(crate) fn count(&self, kind: Kind) {
+    pub(crate) fn count(&self, kind: OutcomeKind) {
         self.outcomes[kind.index()].fetch_add(1, Ordering::Relaxed);
         self.outcome_counters[kind.index()].increment(1);
     }
@@ -147,16 +152,16 @@ impl ConsumerMetrics {
     }
 
     pub(crate) fn snapshot(&self) -> ConsumerStats {
-        let load = |kind: Kind| self.outcomes[kind.index()].load(Ordering::Relaxed);
+        let load = |kind: OutcomeKind| self.outcomes[kind.index()].load(Ordering::Relaxed);
         ConsumerStats {
             consumer: self.consumer.clone(),
-            fresh: load(Kind::Fresh),
-            duplicate: load(Kind::Duplicate),
-            in_progress: load(Kind::InProgress),
-            conflict: load(Kind::Conflict),
-            too_late: load(Kind::TooLate),
-            stale: load(Kind::Stale),
-            duplicate_in_batch: load(Kind::DuplicateInBatch),
+            fresh: load(OutcomeKind::Fresh),
+            duplicate: load(OutcomeKind::Duplicate),
+            in_progress: load(OutcomeKind::InProgress),
+            conflict: load(OutcomeKind::Conflict),
+            too_late: load(OutcomeKind::TooLate),
+            stale: load(OutcomeKind::Stale),
+            duplicate_in_batch: load(OutcomeKind::DuplicateInBatch),
             commits: self.commits.load(Ordering::Relaxed),
             lease_lost: self.lease_lost.load(Ordering::Relaxed),
             external_in_progress: self.in_progress.load(Ordering::Relaxed),
