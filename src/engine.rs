@@ -18,7 +18,7 @@ use crate::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::message::Message;
 use crate::observe::{ConsumerMetrics, OutcomeKind, Stats};
 use crate::options::{EngineBuilder, OpenMode};
-use crate::record::{Record, RecordState};
+use crate::record::{Record, RecordState, Standing};
 use crate::storage::{RECORDS_MARKER, RECORDS_TABLE, Storage};
 use crate::store_lock::StoreLock;
 
@@ -237,17 +237,14 @@ impl Engine {
         let cf = self.inner.cf(RECORDS_TABLE);
         for entry in self.inner.db.iterator_cf(cf, IteratorMode::Start) {
             let (_, value) = entry?;
-            match Record::decode(&value).map(|record| record.state) {
-                Ok(RecordState::Completed { expires_at_ms, .. })
-                    if crate::record::is_expired(expires_at_ms, now_ms) =>
-                {
-                    counts.expired += 1;
-                }
-                Ok(RecordState::Completed { .. }) => counts.live += 1,
-                Ok(RecordState::InProgress { .. }) => counts.in_progress += 1,
-                Ok(RecordState::Released { .. }) => counts.released += 1,
-                Err(_) => counts.corrupt += 1,
-            }
+            let counter = match Record::decode(&value).map(|record| record.standing_at(now_ms)) {
+                Ok(Standing::Live) => &mut counts.live,
+                Ok(Standing::Expired) => &mut counts.expired,
+                Ok(Standing::InProgress) => &mut counts.in_progress,
+                Ok(Standing::Released) => &mut counts.released,
+                Err(_) => &mut counts.corrupt,
+            };
+            *counter += 1;
         }
         Ok(counts)
     }

@@ -106,11 +106,26 @@ pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
 ///
 /// # Errors
 /// [`DecodeError::Invalid`] unless the value is exactly 8 bytes.
+#[cfg(feature = "engine")]
 pub(crate) fn decode_entity_version(value: &[u8]) -> Result<u64, DecodeError> {
     let bytes = <[u8; 8]>::try_from(value).map_err(|_| DecodeError::Invalid {
         reason: "an entity version is not 8 bytes",
     })?;
     Ok(u64::from_be_bytes(bytes))
+}
+
+/// What a stored record means to a read at some instant ([`Record::standing_at`]).
+#[cfg(feature = "engine")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// Completed and not expired: a redelivery is a duplicate (or a conflict).
+    Live,
+    /// Completed and expired: reads treat it as absent until compaction removes it.
+    Expired,
+    /// Held by an external claim, whether its lease is live or not.
+    InProgress,
+    /// Released: reads treat it as absent; kept so the key's epoch keeps increasing.
+    Released,
 }
 
 /// What a successful commit wrote.
@@ -206,6 +221,20 @@ impl Record {
             RecordState::Completed { expires_at_ms, .. } => is_expired(*expires_at_ms, now_ms),
             RecordState::InProgress { .. } => false,
             RecordState::Released { .. } => true,
+        }
+    }
+
+    /// What the record means to a read at `now_ms` (the engine's counts and the operator
+    /// tools' states classify records by it).
+    #[cfg(feature = "engine")]
+    pub(crate) fn standing_at(&self, now_ms: u64) -> Standing {
+        match &self.state {
+            RecordState::Completed { expires_at_ms, .. } if is_expired(*expires_at_ms, now_ms) => {
+                Standing::Expired
+            }
+            RecordState::Completed { .. } => Standing::Live,
+            RecordState::InProgress { .. } => Standing::InProgress,
+            RecordState::Released { .. } => Standing::Released,
         }
     }
 

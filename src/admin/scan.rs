@@ -9,7 +9,7 @@ use rocksdb::{Direction, IteratorMode};
 
 use crate::error::{Error, Result};
 use crate::key::{consumer_prefix, decode_key};
-use crate::record::{DecodeError, Record, RecordState, is_expired};
+use crate::record::{DecodeError, Record, RecordState, Standing};
 use crate::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableInfo, TableKind};
@@ -130,13 +130,11 @@ impl Entry {
 
 /// What a decoded record means at `now_ms`.
 pub(super) fn record_state_at(record: &Record, now_ms: u64) -> EntryState {
-    match &record.state {
-        RecordState::Completed { expires_at_ms, .. } if is_expired(*expires_at_ms, now_ms) => {
-            EntryState::Expired
-        }
-        RecordState::Completed { .. } => EntryState::Live,
-        RecordState::InProgress { .. } => EntryState::InProgress,
-        RecordState::Released { .. } => EntryState::Released,
+    match record.standing_at(now_ms) {
+        Standing::Live => EntryState::Live,
+        Standing::Expired => EntryState::Expired,
+        Standing::InProgress => EntryState::InProgress,
+        Standing::Released => EntryState::Released,
     }
 }
 
