@@ -440,7 +440,7 @@ impl Consumer {
     /// Like [`Consumer::begin_external`], for a [`Message`] (production time, correlation id).
     ///
     /// # Errors
-    /// As for [`Consumer::begin_external`], and [`Error::InvalidOption`] for a message with a
+    /// As for [`Consumer::begin_external`], and [`Error::InvalidArgument`] for a message with a
     /// version: the ordering guard works with [`Consumer::begin_message`] and batches, whose
     /// claims hold the entity until they commit.
     pub fn begin_external_message(
@@ -450,7 +450,7 @@ impl Consumer {
         holder: impl AsRef<[u8]>,
     ) -> Result<Outcome<ExternalClaim>> {
         if message.version.is_some() {
-            return Err(Error::invalid_option(
+            return Err(Error::invalid_argument(
                 "the ordering guard (Message::version) works with begin_message and batches, \
                  not with begin_external",
             ));

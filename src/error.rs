@@ -96,6 +96,22 @@ pub enum Error {
         reason: String,
     },
 
+    /// An argument of a call does not fit the call or the store (a cursor that does not parse,
+    /// an import record for a table it cannot belong to, a message version given to
+    /// `begin_external` ...). Nothing was read or written; fix the call.
+    #[error("invalid argument: {reason}")]
+    InvalidArgument {
+        /// What is wrong, in words.
+        reason: String,
+    },
+
+    /// A write was asked of an operator tool's read-only store.
+    #[error(
+        "the store was opened read-only; writes need admin::StoreBuilder::open_exclusive (with \
+         the application stopped)"
+    )]
+    ReadOnly,
+
     /// The directory holds a RocksDB database that is not an idemdb store, or one written by an
     /// incompatible version of idemdb, or one whose tables differ from the declared ones.
     #[error("incompatible store at {path:?}: {reason}")]
@@ -222,6 +238,13 @@ impl Error {
         Error::Storage {
             kind: StorageErrorKind::Io,
             detail: format!("{doing}: {error}"),
+        }
+    }
+
+    #[cfg(feature = "engine")]
+    pub(crate) fn invalid_argument(reason: impl Into<String>) -> Error {
+        Error::InvalidArgument {
+            reason: reason.into(),
         }
     }
 

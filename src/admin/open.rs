@@ -105,7 +105,7 @@ impl StoreBuilder {
     }
 
     /// Opens the store read-only: no lock is taken and nothing is written, so this works on a
-    /// live store. Writes on the result fail with [`Error::InvalidOption`].
+    /// live store. Writes on the result fail with [`Error::ReadOnly`].
     ///
     /// # Errors
     /// [`Error::IncompatibleStore`] when the directory holds no idemdb store;
@@ -340,9 +340,7 @@ impl Store {
     pub(super) fn engine(&self) -> Result<&Engine> {
         match &self.access {
             Access::Exclusive(engine) => Ok(engine),
-            Access::ReadOnly(_) => Err(Error::invalid_option(
-                "the store was opened read-only; writes need StoreBuilder::open_exclusive",
-            )),
+            Access::ReadOnly(_) => Err(Error::ReadOnly),
         }
     }
 

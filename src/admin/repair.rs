@@ -59,7 +59,7 @@ impl ImportRecord {
     ///
     /// # Errors
     /// [`Error::LimitExceeded`] for a consumer id, key, result or holder outside its limits;
-    /// [`Error::InvalidOption`] for epoch 0 (epochs start at 1).
+    /// [`Error::InvalidArgument`] for epoch 0 (epochs start at 1).
     pub fn new(
         table: impl Into<String>,
         consumer: Option<&[u8]>,
@@ -76,7 +76,7 @@ impl ImportRecord {
             }
         };
         if epoch == 0 {
-            return Err(Error::invalid_option(
+            return Err(Error::invalid_argument(
                 "a record's epoch is 0; epochs start at 1",
             ));
         }
@@ -145,7 +145,7 @@ impl Store {
     ///
     /// # Errors
     /// [`Error::NotInProgress`] if the key is not in progress (nothing is written);
-    /// [`Error::InvalidOption`] on a read-only store; [`Error::LimitExceeded`] for a bad
+    /// [`Error::ReadOnly`] on a read-only store; [`Error::LimitExceeded`] for a bad
     /// consumer id, key or result; [`Error::Corrupt`] if the record does not decode;
     /// [`Error::Storage`] if the write fails.
     pub fn resolve(&self, consumer: &[u8], key: &[u8], resolution: Resolution) -> Result<()> {
@@ -172,7 +172,7 @@ impl Store {
     /// install of the released record in one batch. Only the exclusive open makes that safe.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] on a read-only store; as for [`Store::get`];
+    /// [`Error::ReadOnly`] on a read-only store; as for [`Store::get`];
     /// [`Error::Corrupt`] if the record does not decode; [`Error::Storage`] if the write fails.
     pub fn invalidate(&self, target: &Target, key: &[u8]) -> Result<Invalidation> {
         let engine = self.engine()?;
@@ -230,7 +230,7 @@ impl Store {
     /// tables. Business tables are not compacted.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] on a read-only store; [`Error::Storage`] if a scan, flush or
+    /// [`Error::ReadOnly`] on a read-only store; [`Error::Storage`] if a scan, flush or
     /// compaction fails.
     pub fn purge_expired(
         &self,
@@ -261,12 +261,12 @@ impl Store {
                     });
                 }
                 (Some(TableKind::Consumers), None) => {
-                    return Err(Error::invalid_option(format!(
+                    return Err(Error::invalid_argument(format!(
                         "a record for {RECORDS_TABLE:?} has no consumer"
                     )));
                 }
                 (Some(TableKind::Entity), Some(_)) => {
-                    return Err(Error::invalid_option(format!(
+                    return Err(Error::invalid_argument(format!(
                         "a record for entity table {:?} has a consumer",
                         record.table
                     )));
@@ -274,7 +274,7 @@ impl Store {
                 _ => {}
             }
             if !seen.insert((record.table.as_str(), record.stored_key.as_slice())) {
-                return Err(Error::invalid_option(format!(
+                return Err(Error::invalid_argument(format!(
                     "key {} of table {:?} is given twice",
                     crate::format::printable(&record.stored_key),
                     record.table
@@ -292,8 +292,8 @@ impl Store {
     ///
     /// # Errors
     /// Checked before anything is written: [`Error::UnknownTable`] for a table that is not a
-    /// marker table here, [`Error::InvalidOption`] for a consumer given for an entity table or
-    /// missing for the consumers' table, or a key given twice. [`Error::InvalidOption`] on a
+    /// marker table here, [`Error::InvalidArgument`] for a consumer given for an entity table or
+    /// missing for the consumers' table, or a key given twice. [`Error::ReadOnly`] on a
     /// read-only store; [`Error::Storage`] if a read or write fails.
     pub fn import(&self, records: &[ImportRecord], overwrite: bool) -> Result<ImportCounts> {
         let engine = self.engine()?;

@@ -219,9 +219,9 @@ impl Cursor {
     /// Parses the text form made by `Display`.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] for anything else.
+    /// [`Error::InvalidArgument`] for anything else.
     pub fn parse(text: &str) -> Result<Cursor> {
-        let bad = || Error::invalid_option(format!("{text:?} is not a cursor (<table>:<hex>)"));
+        let bad = || Error::invalid_argument(format!("{text:?} is not a cursor (<table>:<hex>)"));
         let (table, digits) = text.rsplit_once(':').ok_or_else(bad)?;
         if table.is_empty() {
             return Err(bad());
@@ -272,7 +272,7 @@ impl Store {
     ///
     /// # Errors
     /// [`Error::UnknownTable`] for a filter table that is not a marker table,
-    /// [`Error::InvalidOption`] for a consumer filter with an entity table or a cursor outside
+    /// [`Error::InvalidArgument`] for a consumer filter with an entity table or a cursor outside
     /// the filter's tables, [`Error::LimitExceeded`] for a consumer id outside its limits,
     /// [`Error::Storage`] if the scan fails.
     pub fn scan(
@@ -295,7 +295,7 @@ impl Store {
                     .iter()
                     .position(|table| table.name == cursor.table)
                     .ok_or_else(|| {
-                        Error::invalid_option(format!(
+                        Error::invalid_argument(format!(
                             "the cursor is in table {:?}, which this listing does not cover",
                             cursor.table
                         ))
@@ -352,7 +352,7 @@ impl Store {
                 .as_deref()
                 .is_some_and(|name| name != RECORDS_TABLE)
         {
-            return Err(Error::invalid_option(
+            return Err(Error::invalid_argument(
                 "a consumer's records are in the consumers' table, not in an entity table",
             ));
         }

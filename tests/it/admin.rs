@@ -176,7 +176,7 @@ fn read_only_open_beside_a_live_engine_sees_every_state_and_writes_are_refused()
 
     assert!(matches!(
         admin_store.resolve(b"p", b"stuck", Resolution::Release),
-        Err(Error::InvalidOption { .. })
+        Err(Error::ReadOnly)
     ));
     assert!(matches!(
         admin(&store).open_exclusive(),
@@ -402,7 +402,7 @@ fn import_round_trips_an_export_and_leaves_existing_records_alone() {
     let twice = [records[0].clone(), records[0].clone()];
     assert!(matches!(
         admin_store.import(&twice, true),
-        Err(Error::InvalidOption { .. })
+        Err(Error::InvalidArgument { .. })
     ));
     let unknown = ImportRecord::new(
         "no-such-table",

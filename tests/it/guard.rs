@@ -141,6 +141,6 @@ fn ordering_guard_is_not_for_external_claims() {
     let message = Message::new("k", Fingerprint::of(b"")).version("e", 1);
     assert!(matches!(
         consumer.begin_external_message(&message, HOUR, "w"),
-        Err(Error::InvalidOption { .. })
+        Err(Error::InvalidArgument { .. })
     ));
 }

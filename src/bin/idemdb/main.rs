@@ -104,6 +104,8 @@ impl Failure {
                 match error {
                     Error::LimitExceeded { .. }
                     | Error::InvalidOption { .. }
+                    | Error::InvalidArgument { .. }
+                    | Error::ReadOnly
                     | Error::UnknownTable { .. } => EXIT_USAGE,
                     _ if opening => EXIT_NOT_A_STORE,
                     _ => EXIT_STORAGE,
