@@ -14,14 +14,14 @@ use bytes::Bytes;
 use rocksdb::WriteBatch;
 
 use crate::business_table::BusinessTable;
-use crate::claim::{
-    Expiry, Observer, Outcome, Staged, check_expiry, expires_at_ms, inspect, staging_methods,
-};
+use crate::claim::{Expiry, Observer, Outcome, check_expiry, expires_at_ms, inspect};
 use crate::decision::{Found, PreviousAttempt, admit};
 use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
 use crate::fingerprint::Fingerprint;
 use crate::observe::ConsumerMetrics;
-use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState};
+use crate::operand::Operand;
+use crate::record::{HOLDER_BYTES_MAX, Record, RecordState};
+use crate::staging::{Staged, staging_methods};
 use crate::storage::Storage;
 
 /// The shortest lease, in milliseconds.

@@ -429,9 +429,12 @@ pub mod merge_ops;
 mod message;
 #[cfg(feature = "engine")]
 mod observe;
+mod operand;
 #[cfg(feature = "engine")]
 mod options;
 mod record;
+#[cfg(feature = "engine")]
+mod staging;
 #[cfg(feature = "engine")]
 mod storage;
 #[cfg(feature = "engine")]
@@ -445,10 +448,7 @@ pub use batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
 #[cfg(feature = "engine")]
 pub use business_table::BusinessTable;
 #[cfg(feature = "engine")]
-pub use claim::{
-    Claim, Expiry, Outcome, STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX,
-    TABLE_KEY_BYTES_MIN, TABLE_VALUE_BYTES_MAX,
-};
+pub use claim::{Claim, Expiry, Outcome};
 pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
 #[cfg(feature = "tokio")]
 pub use committer::{BatchCommitFuture, CommitFuture};
@@ -485,14 +485,18 @@ pub use options::{
 pub use record::{
     Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, RecordState,
 };
+#[cfg(feature = "engine")]
+pub use staging::{
+    STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN,
+    TABLE_VALUE_BYTES_MAX,
+};
 
 /// The on-disk format, for tools, fuzzers and tests: key and record codecs and the compaction
 /// filter's decision. Specified byte by byte in docs/design.md.
 pub mod format {
     pub use crate::key::{decode_key, derive_key, encode_key, printable};
     pub use crate::merge::apply_operands;
-    pub use crate::record::{
-        DecodeError, Record, RecordState, encode_commit_operand, encode_replace_operand,
-    };
+    pub use crate::operand::{encode_commit_operand, encode_replace_operand};
+    pub use crate::record::{DecodeError, Record, RecordState};
     pub use crate::ttl::{FilterDecision, compaction_decision};
 }

@@ -7,7 +7,8 @@
 //! order, whenever and wherever (read, flush, compaction) the fold runs. docs/design.md gives the
 //! rules and the argument for why they compose with the claim latch and the compaction filter.
 
-use crate::record::{Operand, RecordHeader};
+use crate::operand::Operand;
+use crate::record::RecordHeader;
 
 /// The name RocksDB persists in the OPTIONS file; changing it makes old stores refuse to open.
 #[cfg(feature = "engine")]

@@ -24,22 +24,16 @@ pub const HOLDER_BYTES_MAX: usize = 255;
 
 /// The record format this build writes and reads.
 pub(crate) const RECORD_FORMAT_VERSION: u8 = 1;
-/// The merge-operand format this build writes and reads.
-pub(crate) const OPERAND_FORMAT_VERSION: u8 = 1;
 
 const STATE_COMPLETED: u8 = 1;
 const STATE_IN_PROGRESS: u8 = 2;
 const STATE_RELEASED: u8 = 3;
 const STATE_FAILED: u8 = 4;
-const OPERAND_INSTALL: u8 = 1;
-const OPERAND_REPLACE: u8 = 2;
 
 /// version(1) state(1) epoch(8) at_ms(8) until_ms(8) fingerprint(16) payload_len(4)
-const RECORD_HEADER_BYTES: usize = 1 + 1 + 8 + 8 + 8 + 16 + 4;
+pub(crate) const RECORD_HEADER_BYTES: usize = 1 + 1 + 8 + 8 + 8 + 16 + 4;
 /// The largest payload any state carries.
 const PAYLOAD_BYTES_MAX: usize = RESULT_BYTES_MAX;
-/// version(1) kind(1) epoch(8), then for a replace token(8), then a whole record.
-const OPERAND_HEADER_BYTES: usize = 1 + 1 + 8;
 
 /// Why stored bytes did not decode.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -259,7 +253,7 @@ impl Record {
         out
     }
 
-    fn payload_len(&self) -> usize {
+    pub(crate) fn payload_len(&self) -> usize {
         match &self.state {
             RecordState::Completed { result, .. } => result.len(),
             RecordState::InProgress { holder, .. } => 8 + holder.len(),
@@ -267,7 +261,7 @@ impl Record {
         }
     }
 
-    fn encode_into(&self, out: &mut Vec<u8>) {
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
         assert!(self.epoch >= 1, "epochs start at 1");
         let (state, at_ms, until_ms) = match &self.state {
             RecordState::Completed {
@@ -470,9 +464,9 @@ impl RecordHeader {
 }
 
 /// Reads fixed-width big-endian fields; the caller has checked the length first.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
+pub(crate) struct Reader<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) at: usize,
 }
 
 impl Reader<'_> {
@@ -483,135 +477,21 @@ impl Reader<'_> {
         self.at += N;
         field
     }
-    fn u32(&mut self) -> u32 {
+    pub(crate) fn u32(&mut self) -> u32 {
         u32::from_be_bytes(self.take())
     }
-    fn u64(&mut self) -> u64 {
+    pub(crate) fn u64(&mut self) -> u64 {
         u64::from_be_bytes(self.take())
     }
-    fn u128(&mut self) -> u128 {
+    pub(crate) fn u128(&mut self) -> u128 {
         u128::from_be_bytes(self.take())
-    }
-}
-
-/// A merge operand: one requested state transition of a marker record.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Operand<'a> {
-    /// Install `record` if the key is absent or still holds the record with epoch
-    /// `replaces_epoch` (the one the claimant saw: expired, released, or in progress with an
-    /// expired lease). Otherwise the existing record stands.
-    Install {
-        replaces_epoch: u64,
-        record_bytes: &'a [u8],
-    },
-    /// Replace the in-progress record with this `epoch` and `token` by `record`; anything else
-    /// (another holder, a completed record, nothing) stands. The fenced transition of leases.
-    Replace {
-        epoch: u64,
-        token: u64,
-        record_bytes: &'a [u8],
-    },
-}
-
-/// Encodes the merge operand a claim writes to install a record: `record` replaces the key's
-/// record only if the key is absent or holds the record with epoch `replaces_epoch` (0 when the
-/// claimant found the key absent). `record.epoch` must be `replaces_epoch + 1`. For fuzzers and
-/// format tools.
-#[must_use]
-pub fn encode_commit_operand(replaces_epoch: u64, record: &Record) -> Vec<u8> {
-    Operand::encode_install(replaces_epoch, record)
-}
-
-/// Encodes the fenced merge operand of a lease step: `record` replaces the key's record only if
-/// that is the in-progress record with this `epoch` and `token`. `record.epoch` must equal
-/// `epoch`. For fuzzers and format tools.
-#[must_use]
-pub fn encode_replace_operand(epoch: u64, token: u64, record: &Record) -> Vec<u8> {
-    Operand::encode_replace(epoch, token, record)
-}
-
-impl Operand<'_> {
-    pub(crate) fn encode_install(replaces_epoch: u64, record: &Record) -> Vec<u8> {
-        let mut out =
-            Vec::with_capacity(OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES + record.payload_len());
-        out.push(OPERAND_FORMAT_VERSION);
-        out.push(OPERAND_INSTALL);
-        out.extend_from_slice(&replaces_epoch.to_be_bytes());
-        record.encode_into(&mut out);
-        out
-    }
-
-    pub(crate) fn encode_replace(epoch: u64, token: u64, record: &Record) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
-            OPERAND_HEADER_BYTES + 8 + RECORD_HEADER_BYTES + record.payload_len(),
-        );
-        out.push(OPERAND_FORMAT_VERSION);
-        out.push(OPERAND_REPLACE);
-        out.extend_from_slice(&epoch.to_be_bytes());
-        out.extend_from_slice(&token.to_be_bytes());
-        record.encode_into(&mut out);
-        out
-    }
-
-    /// Decodes an operand and validates the record inside it.
-    pub(crate) fn decode(bytes: &[u8]) -> Result<Operand<'_>, DecodeError> {
-        if bytes.len() < OPERAND_HEADER_BYTES {
-            return Err(DecodeError::Truncated {
-                needed: OPERAND_HEADER_BYTES,
-                available: bytes.len(),
-            });
-        }
-        if bytes[0] != OPERAND_FORMAT_VERSION {
-            return Err(DecodeError::UnknownVersion { version: bytes[0] });
-        }
-        let mut fields = Reader { bytes, at: 2 };
-        let epoch = fields.u64();
-        match bytes[1] {
-            OPERAND_INSTALL => {
-                let record_bytes = &bytes[OPERAND_HEADER_BYTES..];
-                let header = RecordHeader::decode(record_bytes)?;
-                if header.epoch != epoch.wrapping_add(1) {
-                    return Err(DecodeError::Invalid {
-                        reason: "install operand epoch is not replaces_epoch + 1",
-                    });
-                }
-                Ok(Operand::Install {
-                    replaces_epoch: epoch,
-                    record_bytes,
-                })
-            }
-            OPERAND_REPLACE => {
-                if bytes.len() < OPERAND_HEADER_BYTES + 8 {
-                    return Err(DecodeError::Truncated {
-                        needed: OPERAND_HEADER_BYTES + 8,
-                        available: bytes.len(),
-                    });
-                }
-                let token = fields.u64();
-                let record_bytes = &bytes[OPERAND_HEADER_BYTES + 8..];
-                let header = RecordHeader::decode(record_bytes)?;
-                if header.epoch != epoch {
-                    return Err(DecodeError::Invalid {
-                        reason: "replace operand changes the epoch",
-                    });
-                }
-                Ok(Operand::Replace {
-                    epoch,
-                    token,
-                    record_bytes,
-                })
-            }
-            tag => Err(DecodeError::UnknownTag {
-                what: "operand kind",
-                tag,
-            }),
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::operand::Operand;
     use proptest::prelude::*;
 
     fn record(result: &[u8]) -> Record {

@@ -12,7 +12,8 @@ use crate::error::{Error, Limit, Result, check_limit};
 use crate::fingerprint::Fingerprint;
 use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::lease::{LATCH_WAIT, Resolution};
-use crate::record::{HOLDER_BYTES_MAX, Operand, Record, RecordState, is_expired};
+use crate::operand::Operand;
+use crate::record::{HOLDER_BYTES_MAX, Record, RecordState, is_expired};
 use crate::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableKind};

@@ -1,0 +1,227 @@
+//! Staging: the business writes a claim collects (puts, deletes, merges into business
+//! tables) until its commit puts them into the write batch with the marker, their limits, and
+//! the staging methods both claim types share.
+
+use std::sync::Arc;
+
+use rocksdb::WriteBatch;
+
+use crate::business_table::BusinessTable;
+use crate::error::{Error, Limit, Result, check_limit};
+use crate::storage::Storage;
+
+/// The shortest key of a staged business write, in bytes.
+pub const TABLE_KEY_BYTES_MIN: usize = 1;
+/// The longest key of a staged business write, in bytes (64 KiB).
+pub const TABLE_KEY_BYTES_MAX: usize = 64 << 10;
+/// The largest value (or merge operand) of a staged business write, in bytes (64 MiB).
+pub const TABLE_VALUE_BYTES_MAX: usize = 64 << 20;
+/// The most business writes one claim stages.
+pub const STAGED_WRITES_MAX: usize = 65_536;
+/// The most bytes (keys, values and the result together) one claim commits (256 MiB).
+pub const STAGED_BYTES_MAX: usize = 256 << 20;
+
+/// The staging methods of every claim type (`Claim`, `ExternalClaim`): writes into business
+/// tables, kept until the claim commits, and the record's expiry. Both types hold the same
+/// `inner`, `staged` and `expiry` fields; `$applied` says when staged writes land.
+macro_rules! staging_methods {
+    ($applied:literal) => {
+        #[doc = concat!("Stages `value` under `key` in `table`; applied only ", $applied, ".")]
+        ///
+        /// # Errors
+        /// [`crate::Error::LimitExceeded`] for a key or value outside its limits or a claim past
+        /// [`crate::STAGED_WRITES_MAX`] / [`crate::STAGED_BYTES_MAX`]; [`crate::Error::ForeignTable`]
+        /// for another engine's table. Nothing is staged on error.
+        pub fn put(
+            &mut self,
+            table: &BusinessTable,
+            key: impl AsRef<[u8]>,
+            value: impl AsRef<[u8]>,
+        ) -> Result<()> {
+            self.staged
+                .put(&self.inner, table, key.as_ref(), value.as_ref())
+        }
+
+        #[doc = concat!("Stages a deletion of `key` in `table`; applied only ", $applied, ".")]
+        ///
+        /// # Errors
+        /// As for `put`.
+        pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
+            self.staged.delete(&self.inner, table, key.as_ref())
+        }
+
+        #[doc = concat!(
+            "Stages a merge of `operand` into `key` of `table` (which needs a merge operator); ",
+            "applied only ", $applied, "."
+        )]
+        ///
+        /// # Errors
+        /// As for `put`, and [`crate::Error::NoMergeOperator`] if the table has none.
+        pub fn merge(
+            &mut self,
+            table: &BusinessTable,
+            key: impl AsRef<[u8]>,
+            operand: impl AsRef<[u8]>,
+        ) -> Result<()> {
+            self.staged
+                .merge(&self.inner, table, key.as_ref(), operand.as_ref())
+        }
+
+        /// Sets how long the committed record is kept, instead of the table's default (the
+        /// engine's retention for consumers, [`crate::Expiry::Never`] for entity tables).
+        ///
+        /// # Errors
+        /// [`crate::Error::LimitExceeded`] for a duration outside
+        /// [`crate::RETENTION_MS_MIN`]..=[`crate::RETENTION_MS_MAX`] ms.
+        pub fn set_expiry(&mut self, expiry: Expiry) -> Result<()> {
+            check_expiry(expiry)?;
+            self.expiry = expiry;
+            Ok(())
+        }
+    };
+}
+pub(crate) use staging_methods;
+
+/// One staged business write, kept as data until a commit builds the write batch (so that a
+/// batch commit can put many claims' writes into one `WriteBatch`). The key and the value (or
+/// merge operand) share one allocation: staging is on every message's path.
+struct StagedOp {
+    kind: StagedKind,
+    table: usize,
+    key_len: usize,
+    /// The key, then the value or operand (nothing for a delete).
+    bytes: Box<[u8]>,
+}
+
+#[derive(Clone, Copy)]
+enum StagedKind {
+    Put,
+    Delete,
+    Merge,
+}
+
+impl StagedOp {
+    fn new(kind: StagedKind, table: usize, key: &[u8], value: &[u8]) -> StagedOp {
+        let mut bytes = Vec::with_capacity(key.len() + value.len());
+        bytes.extend_from_slice(key);
+        bytes.extend_from_slice(value);
+        StagedOp {
+            kind,
+            table,
+            key_len: key.len(),
+            bytes: bytes.into_boxed_slice(),
+        }
+    }
+}
+
+/// Business writes staged on a claim, and their size against the limits.
+#[derive(Default)]
+pub(crate) struct Staged {
+    ops: Vec<StagedOp>,
+    pub(crate) bytes: usize,
+}
+
+impl Staged {
+    pub(crate) fn writes(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub(crate) fn put(
+        &mut self,
+        inner: &Arc<Storage>,
+        table: &BusinessTable,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<()> {
+        self.check_write(inner, table, key, value.len())?;
+        self.ops
+            .push(StagedOp::new(StagedKind::Put, table.index, key, value));
+        Ok(())
+    }
+
+    pub(crate) fn delete(
+        &mut self,
+        inner: &Arc<Storage>,
+        table: &BusinessTable,
+        key: &[u8],
+    ) -> Result<()> {
+        self.check_write(inner, table, key, 0)?;
+        self.ops
+            .push(StagedOp::new(StagedKind::Delete, table.index, key, &[]));
+        Ok(())
+    }
+
+    pub(crate) fn merge(
+        &mut self,
+        inner: &Arc<Storage>,
+        table: &BusinessTable,
+        key: &[u8],
+        operand: &[u8],
+    ) -> Result<()> {
+        if !table.has_merge_operator {
+            return Err(Error::NoMergeOperator {
+                name: table.name.clone(),
+            });
+        }
+        self.check_write(inner, table, key, operand.len())?;
+        self.ops
+            .push(StagedOp::new(StagedKind::Merge, table.index, key, operand));
+        Ok(())
+    }
+
+    /// Appends every staged write to `batch`, leaving nothing staged.
+    pub(crate) fn drain_into(&mut self, inner: &Storage, batch: &mut WriteBatch) {
+        for op in self.ops.drain(..) {
+            let cf = inner.business_cf(op.table);
+            let (key, value) = op.bytes.split_at(op.key_len);
+            match op.kind {
+                StagedKind::Put => batch.put_cf(cf, key, value),
+                StagedKind::Delete => batch.delete_cf(cf, key),
+                StagedKind::Merge => batch.merge_cf(cf, key, value),
+            }
+        }
+        self.bytes = 0;
+    }
+
+    /// Checks a result against its limit and the staged total; nothing is written on error.
+    pub(crate) fn check_result(&self, result: &[u8]) -> Result<()> {
+        crate::record::check_result(result)?;
+        check_limit(
+            Limit::StagedBytes,
+            self.bytes + result.len(),
+            0,
+            STAGED_BYTES_MAX,
+        )
+    }
+
+    fn check_write(
+        &mut self,
+        inner: &Arc<Storage>,
+        table: &BusinessTable,
+        key: &[u8],
+        value_len: usize,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(&table.inner, inner) {
+            return Err(Error::ForeignTable {
+                name: table.name.clone(),
+            });
+        }
+        check_limit(
+            Limit::TableKeyBytes,
+            key.len(),
+            TABLE_KEY_BYTES_MIN,
+            TABLE_KEY_BYTES_MAX,
+        )?;
+        check_limit(Limit::TableValueBytes, value_len, 0, TABLE_VALUE_BYTES_MAX)?;
+        check_limit(
+            Limit::StagedWrites,
+            self.ops.len() + 1,
+            0,
+            STAGED_WRITES_MAX,
+        )?;
+        let bytes = self.bytes + key.len() + value_len;
+        check_limit(Limit::StagedBytes, bytes, 0, STAGED_BYTES_MAX)?;
+        self.bytes = bytes;
+        Ok(())
+    }
+}
