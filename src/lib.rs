@@ -398,50 +398,50 @@
 #![warn(clippy::semicolon_if_nothing_returned)]
 #![warn(clippy::must_use_candidate)] // a value computed for the caller is not dropped silently
 
-#[cfg(feature = "engine")]
-pub mod admin;
-#[cfg(feature = "engine")]
-mod batch;
-#[cfg(feature = "engine")]
-mod business_table;
-#[cfg(feature = "engine")]
-mod claim;
+/// Declares the modules that exist only with the RocksDB engine (feature `engine`).
+macro_rules! engine_modules {
+    ($($visibility:vis mod $name:ident;)*) => {
+        $(
+            #[cfg(feature = "engine")]
+            $visibility mod $name;
+        )*
+    };
+}
+
+// The format and the decision core: built with or without RocksDB.
 mod clock;
-#[cfg(feature = "tokio")]
-mod committer;
 // The pure functions are the engine's today; a backend without RocksDB will call them too.
 #[cfg_attr(not(feature = "engine"), allow(dead_code))]
 pub mod decision;
-#[cfg(feature = "engine")]
-mod engine;
 mod error;
-#[cfg(feature = "engine")]
-mod fault;
 mod fingerprint;
 mod key;
-#[cfg(feature = "engine")]
-mod latch;
-#[cfg(feature = "engine")]
-mod lease;
 mod merge;
 pub mod merge_ops;
-#[cfg(feature = "engine")]
-mod message;
-#[cfg(feature = "engine")]
-mod observe;
 mod operand;
-#[cfg(feature = "engine")]
-mod options;
 mod record;
-#[cfg(feature = "engine")]
-mod staging;
-#[cfg(feature = "engine")]
-mod storage;
-#[cfg(feature = "engine")]
-mod store_lock;
-#[cfg(feature = "engine")]
-mod store_meta;
 mod ttl;
+
+// Storage, operations and handles on RocksDB.
+engine_modules! {
+    pub mod admin;
+    mod batch;
+    mod business_table;
+    mod claim;
+    mod engine;
+    mod fault;
+    mod latch;
+    mod lease;
+    mod message;
+    mod observe;
+    mod options;
+    mod staging;
+    mod storage;
+    mod store_lock;
+    mod store_meta;
+}
+#[cfg(feature = "tokio")]
+mod committer;
 
 #[cfg(feature = "engine")]
 pub use batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
