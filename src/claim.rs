@@ -103,7 +103,7 @@ impl Observer {
         tracing::debug!(
             target: "idemdb",
             consumer = %self.metrics.consumer,
-            key = %crate::format::printable(stored_key),
+            key = %crate::printable::printable(stored_key),
             epoch,
             current_epoch,
             correlation_id = self.correlation_id.as_deref(),
@@ -427,7 +427,7 @@ const _: () = {
 impl std::fmt::Debug for Claim {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Claim")
-            .field("stored_key", &crate::format::printable(&self.stored_key))
+            .field("stored_key", &crate::printable::printable(&self.stored_key))
             .field("epoch", &self.epoch())
             .field("staged_writes", &self.staged.writes())
             .finish_non_exhaustive()

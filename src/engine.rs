@@ -1,6 +1,6 @@
-//! The handles on top: [`Engine`] (open, flush, compact, counts), [`Consumer`], [`EntityTable`]
-//! and [`BusinessTable`]. Each holds the open store ([`Storage`]) and calls the operations
-//! below it (claims, batches, leases).
+//! The handles on top: [`Engine`] (open, flush, compact, counts), [`Consumer`] and
+//! [`EntityTable`]; the engine also hands out [`BusinessTable`] handles. Each holds the open
+//! store ([`Storage`]) and calls the operations below it (claims, batches, leases).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -348,7 +348,7 @@ impl Consumer {
         tracing::debug!(
             target: "idemdb",
             consumer = %self.id,
-            key = %crate::format::printable(message.key),
+            key = %crate::printable::printable(message.key),
             outcome = outcome.kind().label(),
             correlation_id = message.correlation_id,
             "begin"

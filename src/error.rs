@@ -148,12 +148,12 @@ pub enum Error {
 
     /// A stored record (or merge operand) failed to decode. The key is the stored key, printable
     /// with [`crate::format::printable`].
-    #[error("corrupt record at key {}: {reason}", crate::format::printable(key))]
+    #[error("corrupt record at key {}: {reason}", crate::printable::printable(key))]
     Corrupt {
         /// The stored key whose value did not decode.
         key: Vec<u8>,
         /// Why it did not decode.
-        reason: crate::format::DecodeError,
+        reason: DecodeError,
     },
 
     /// The engine clock reads beyond [`crate::CLOCK_MS_MAX`]: a write's timestamps would
@@ -295,4 +295,50 @@ impl From<rocksdb::Error> for Error {
             detail: error.into_string(),
         }
     }
+}
+
+/// Why stored bytes did not decode.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// Fewer bytes than the layout requires.
+    #[error("truncated: needed {needed} bytes, found {available}")]
+    Truncated {
+        /// Bytes the layout requires.
+        needed: usize,
+        /// Bytes present.
+        available: usize,
+    },
+    /// More bytes than the layout accounts for.
+    #[error("{extra} trailing bytes after the record")]
+    TrailingBytes {
+        /// Bytes past the end of the record.
+        extra: usize,
+    },
+    /// A format version this build does not know (written by a newer idemdb, or garbage).
+    #[error("unknown format version {version}")]
+    UnknownVersion {
+        /// The version byte found.
+        version: u8,
+    },
+    /// A record state or operand kind this build does not know.
+    #[error("unknown {what} tag {tag}")]
+    UnknownTag {
+        /// "state" or "operand kind".
+        what: &'static str,
+        /// The tag byte found.
+        tag: u8,
+    },
+    /// A field holds a value no writer produces.
+    #[error("invalid field: {reason}")]
+    Invalid {
+        /// Which field and why.
+        reason: &'static str,
+    },
+    /// A stored key that is not a valid composite key.
+    #[error("bad key: {reason}")]
+    BadKey {
+        /// Why.
+        reason: &'static str,
+    },
 }

@@ -5,8 +5,8 @@
 //! part contains: two different pairs never encode to the same bytes. All keys of one consumer
 //! share the prefix `[consumer_len][consumer id]` and sort together, by message key.
 
+use crate::error::DecodeError;
 use crate::error::{Limit, Result, check_limit};
-use crate::record::DecodeError;
 
 /// The shortest consumer id, in bytes.
 pub const CONSUMER_ID_BYTES_MIN: usize = 1;
@@ -171,23 +171,6 @@ pub fn derive_key(stored_key: &[u8], step: &str) -> String {
     format!("idk1-{:032x}", xxhash_rust::xxh3::xxh3_128(&input))
 }
 
-/// Renders bytes for humans: the UTF-8 text when it is valid and has no control characters,
-/// otherwise `0x` followed by lowercase hex.
-#[must_use]
-pub fn printable(bytes: &[u8]) -> String {
-    match std::str::from_utf8(bytes) {
-        Ok(text) if !text.chars().any(char::is_control) => text.to_owned(),
-        _ => {
-            let mut hex = String::with_capacity(2 + 2 * bytes.len());
-            hex.push_str("0x");
-            for byte in bytes {
-                hex.push_str(&format!("{byte:02x}"));
-            }
-            hex
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -253,13 +236,6 @@ mod tests {
         assert!(cloudevents_key("", "id").is_err());
         assert!(cloudevents_key("src", "").is_err());
         assert!(cloudevents_key("s", &"i".repeat(MESSAGE_KEY_BYTES_MAX)).is_err());
-    }
-
-    #[test]
-    fn printable_shows_text_or_hex() {
-        assert_eq!(printable(b"order-1"), "order-1");
-        assert_eq!(printable(b"\x00\xff"), "0x00ff");
-        assert_eq!(printable(b"a\nb"), "0x610a62");
     }
 
     fn part(max: usize) -> impl Strategy<Value = Vec<u8>> {

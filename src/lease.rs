@@ -511,7 +511,7 @@ impl std::fmt::Debug for ExternalClaim {
         f.debug_struct("ExternalClaim")
             .field(
                 "stored_key",
-                &crate::format::printable(&self.ticket.stored_key),
+                &crate::printable::printable(&self.ticket.stored_key),
             )
             .field("epoch", &self.ticket.epoch)
             .field("lease_until_ms", &self.ticket.lease_until_ms)

@@ -418,7 +418,11 @@ mod fingerprint;
 mod key;
 mod merge;
 pub mod merge_ops;
+// The engine reads a message's fields; a backend without RocksDB will too.
+#[cfg_attr(not(feature = "engine"), allow(dead_code))]
+mod message;
 mod operand;
+mod printable;
 mod record;
 mod ttl;
 
@@ -432,7 +436,6 @@ engine_modules! {
     mod fault;
     mod latch;
     mod lease;
-    mod message;
     mod observe;
     mod options;
     mod staging;
@@ -470,7 +473,6 @@ pub use lease::{
     ExternalClaim, FailurePolicy, InProgressEntry, LEASE_MS_MAX, LEASE_MS_MIN, LeaseTicket,
     Resolution,
 };
-#[cfg(feature = "engine")]
 pub use message::Message;
 #[cfg(feature = "engine")]
 pub use observe::{ConsumerStats, Stats};
@@ -494,9 +496,11 @@ pub use staging::{
 /// The on-disk format, for tools, fuzzers and tests: key and record codecs and the compaction
 /// filter's decision. Specified byte by byte in docs/design.md.
 pub mod format {
-    pub use crate::key::{decode_key, derive_key, encode_key, printable};
+    pub use crate::error::DecodeError;
+    pub use crate::key::{decode_key, derive_key, encode_key};
     pub use crate::merge::apply_operands;
     pub use crate::operand::{encode_commit_operand, encode_replace_operand};
-    pub use crate::record::{DecodeError, Record, RecordState};
+    pub use crate::printable::printable;
+    pub use crate::record::{Record, RecordState};
     pub use crate::ttl::{FilterDecision, compaction_decision};
 }

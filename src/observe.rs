@@ -1,5 +1,6 @@
 //! Observability: per-consumer counters kept in process (for [`crate::Engine::stats`]),
-//! the same numbers through the `metrics` facade, and `tracing` events for each step.
+//! the same numbers through the `metrics` facade. (The `tracing` events of each step are logged
+//! where the step runs: `claim::Observer::log_step` and `Consumer::begin`.)
 //!
 //! The metric names are listed in the crate documentation (Observability).
 
@@ -10,7 +11,7 @@ use metrics::{Counter, Gauge, Histogram};
 
 use crate::decision::Outcome;
 
-/// The kinds of outcome counted, in the order of [`OutcomeCounts`]' fields.
+/// The kinds of outcome counted; `KINDS` lists them in the order of the counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OutcomeKind {
     Fresh,

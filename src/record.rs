@@ -1,10 +1,12 @@
-//! The stored record (the value under a marker key) and the merge operands that change it.
+//! The stored record (the value under a marker key); the merge operands that change it are in
+//! `operand.rs`.
 //!
-//! Both encodings are specified byte by byte in docs/design.md. Integers are fixed-width
+//! The encoding is specified byte by byte in docs/design.md. Integers are fixed-width
 //! big-endian. Decoding is total: every byte string either decodes or yields a [`DecodeError`].
 
 use bytes::Bytes;
 
+use crate::error::DecodeError;
 use crate::fingerprint::Fingerprint;
 
 /// The largest result stored with a completed record, in bytes (64 MiB).
@@ -34,52 +36,6 @@ const STATE_FAILED: u8 = 4;
 pub(crate) const RECORD_HEADER_BYTES: usize = 1 + 1 + 8 + 8 + 8 + 16 + 4;
 /// The largest payload any state carries.
 const PAYLOAD_BYTES_MAX: usize = RESULT_BYTES_MAX;
-
-/// Why stored bytes did not decode.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DecodeError {
-    /// Fewer bytes than the layout requires.
-    #[error("truncated: needed {needed} bytes, found {available}")]
-    Truncated {
-        /// Bytes the layout requires.
-        needed: usize,
-        /// Bytes present.
-        available: usize,
-    },
-    /// More bytes than the layout accounts for.
-    #[error("{extra} trailing bytes after the record")]
-    TrailingBytes {
-        /// Bytes past the end of the record.
-        extra: usize,
-    },
-    /// A format version this build does not know (written by a newer idemdb, or garbage).
-    #[error("unknown format version {version}")]
-    UnknownVersion {
-        /// The version byte found.
-        version: u8,
-    },
-    /// A record state or operand kind this build does not know.
-    #[error("unknown {what} tag {tag}")]
-    UnknownTag {
-        /// "state" or "operand kind".
-        what: &'static str,
-        /// The tag byte found.
-        tag: u8,
-    },
-    /// A field holds a value no writer produces.
-    #[error("invalid field: {reason}")]
-    Invalid {
-        /// Which field and why.
-        reason: &'static str,
-    },
-    /// A stored key that is not a valid composite key.
-    #[error("bad key: {reason}")]
-    BadKey {
-        /// Why.
-        reason: &'static str,
-    },
-}
 
 /// Checks the size of a result to store with a record (at most [`RESULT_BYTES_MAX`]).
 ///

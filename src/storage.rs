@@ -2,8 +2,9 @@
 //! path with the RocksDB options we depend on, the reads every operation shares, and the one
 //! write path with its fault seam and poisoning.
 //!
-//! Everything above (claims, batches, leases, the committer, the handles, the operator tools)
-//! reaches RocksDB through [`Storage`]; nothing here knows of a claim or a handle.
+//! Everything above (claims, batches, leases, the handles, the operator tools) reaches RocksDB
+//! through [`Storage`], and the committer's jobs carry `Storage::write`; nothing here knows of
+//! a claim or a handle.
 
 use std::path::PathBuf;
 use std::sync::Arc;

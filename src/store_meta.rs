@@ -2,7 +2,8 @@
 //! format marker and each table's kind (the `default` column family), and each business table's
 //! merge operator (RocksDB's OPTIONS file).
 //!
-//! Every reason an open can be refused is checked here, on a read-only view, because RocksDB's
+//! Every check of the stored metadata against the declaration is made here, on a read-only view
+//! (the builder's own checks are in `options.rs`, the lock in `store_lock.rs`), because RocksDB's
 //! open for writing changes the store before the engine could look: it replays the WAL and, by
 //! default, flushes what it replayed, under whatever merge operators the declaration gave, and
 //! it rewrites the OPTIONS file. A refused open must leave the store as it found it, so that the
@@ -32,7 +33,7 @@ pub(crate) const META_MERGE_OPERATOR_PREFIX: &str = "idemdb.merge-operator/";
 /// What RocksDB's OPTIONS file says of a table without a merge operator.
 const NO_MERGE_OPERATOR: &str = "nullptr";
 /// The stand-in merge operator's name, written to the OPTIONS file by operator tools for a table
-/// whose operator they cannot find (`engine::set_opaque_merge_operator`).
+/// whose operator they cannot find (`storage::set_opaque_merge_operator`).
 pub(crate) const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
 
 /// The kind of a user-declared table, recorded in the metadata when it is first declared.

@@ -21,6 +21,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "merge_ops",
             "message",
             "operand",
+            "printable",
             "record",
             "ttl",
         ],
@@ -66,13 +67,23 @@ fn imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
             }
             continue;
         }
-        if path.extension().is_none_or(|extension| extension != "rs") || path.ends_with("lib.rs") {
+        if path.extension().is_none_or(|extension| extension != "rs") {
             continue;
         }
-        let relative = path.strip_prefix(src).unwrap();
-        let module = relative.components().next().unwrap().as_os_str();
-        let module = module.to_str().unwrap().trim_end_matches(".rs").to_owned();
         let text = std::fs::read_to_string(&path).unwrap();
+        let (module, text) = if path.ends_with("lib.rs") {
+            // Of lib.rs only the inline `format` module counts: it re-exports from others.
+            let start = text
+                .find("pub mod format {")
+                .expect("lib.rs declares `format`");
+            let end = start + text[start..].find("\n}").unwrap();
+            ("format".to_owned(), text[start..end].to_owned())
+        } else {
+            let relative = path.strip_prefix(src).unwrap();
+            let module = relative.components().next().unwrap().as_os_str();
+            let module = module.to_str().unwrap().trim_end_matches(".rs").to_owned();
+            (module, text)
+        };
         let named = found.entry(module.clone()).or_default();
         for line in text.lines().map(str::trim_start) {
             // Unit tests, at the end of a file by convention, may reach anywhere.

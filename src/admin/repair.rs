@@ -277,7 +277,7 @@ impl Store {
             if !seen.insert((record.table.as_str(), record.stored_key.as_slice())) {
                 return Err(Error::invalid_argument(format!(
                     "key {} of table {:?} is given twice",
-                    crate::format::printable(&record.stored_key),
+                    crate::printable::printable(&record.stored_key),
                     record.table
                 )));
             }

@@ -10,7 +10,8 @@ use rocksdb::IteratorMode;
 
 use crate::error::{Error, Result};
 use crate::key::decode_key;
-use crate::record::{DecodeError, decode_entity_version};
+use crate::error::DecodeError;
+use crate::record::decode_entity_version;
 use crate::store_meta::VERSIONS_TABLE;
 
 use super::open::Store;

@@ -9,7 +9,8 @@ use rocksdb::{Direction, IteratorMode};
 
 use crate::error::{Error, Result};
 use crate::key::{consumer_prefix, decode_key};
-use crate::record::{DecodeError, Record, RecordState, Standing};
+use crate::error::DecodeError;
+use crate::record::{Record, RecordState, Standing};
 use crate::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableInfo, TableKind};
