@@ -190,6 +190,37 @@ impl Engine {
         self.inner.sync_wal()
     }
 
+    /// Writes a consistent copy of the store, while it is in use, to the new directory `dir`
+    /// (on the same file system, table files are hard links, so a checkpoint costs little
+    /// space until compaction rewrites them). The copy holds every commit acknowledged before
+    /// the call and possibly some made during it, each whole: a claim's marker and its staged
+    /// writes are in the copy together or not at all. It is a store of its own: open it with
+    /// the same declaration as this one (a backup, or the seed of a moved partition). A
+    /// restored copy lacks every commit made after it: a redelivery of such a message is
+    /// processed again unless the admission floor refuses it (`EngineBuilder::admission_floor`).
+    ///
+    /// ```
+    /// use idemdb::{Engine, Fingerprint, Outcome};
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = Engine::builder(dir.path().join("store")).open()?;
+    /// let billing = engine.consumer("billing")?;
+    /// if let Outcome::Fresh(claim) = billing.begin(b"order-1", Fingerprint::of(b"body"))? {
+    ///     claim.commit(b"charged")?;
+    /// }
+    /// engine.checkpoint(dir.path().join("backup"))?;
+    /// let copy = Engine::builder(dir.path().join("backup")).open()?;
+    /// assert!(copy.consumer("billing")?.get(b"order-1")?.is_some());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `dir` exists already; [`Error::Poisoned`] after a failed
+    /// write; [`Error::Storage`] if RocksDB cannot write the copy (nothing of the store
+    /// changes then, and the engine is not poisoned).
+    pub fn checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
+        self.inner.checkpoint(dir.as_ref())
+    }
+
     /// Flushes every table's memtable to table files. RocksDB flushes on its own when a
     /// memtable fills; this is for operators (before a backup, say) and benchmarks that want a
     /// store in its steady state. Durability does not depend on it: the WAL already holds every

@@ -6,7 +6,7 @@
 //! through [`Storage`], and the committer's jobs carry `Storage::write`; nothing here knows of
 //! a claim or a handle.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -353,6 +353,23 @@ impl Storage {
     pub(crate) fn sync_wal(&self) -> Result<()> {
         self.check_not_poisoned()?;
         self.io(IoPoint::SyncWal, || self.db.flush_wal(true))
+    }
+
+    /// Writes a RocksDB checkpoint of the store to the new directory `dir`: the memtables are
+    /// flushed, table files hard-linked (copied across file systems), and the WAL files still
+    /// needed copied up to their size at that moment. A batch is one WAL record, and recovery
+    /// of the copy replays whole records only, so every claim is in it whole or not at all.
+    /// A failure leaves the store as it was: it is not a write of ours, so nothing is poisoned.
+    pub(crate) fn checkpoint(&self, dir: &Path) -> Result<()> {
+        self.check_not_poisoned()?;
+        if dir.exists() {
+            return Err(Error::invalid_argument(format!(
+                "the checkpoint directory {} exists already; give a new one",
+                dir.display()
+            )));
+        }
+        let checkpoint = rocksdb::checkpoint::Checkpoint::new(&self.db)?;
+        Ok(checkpoint.create_checkpoint(dir)?)
     }
 
     /// Flushes every table's memtable to table files.

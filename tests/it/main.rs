@@ -4,6 +4,7 @@ mod admin;
 mod async_commit;
 mod bad_input;
 mod batch;
+mod checkpoint;
 mod claim;
 mod corrupt;
 mod durability;

@@ -596,3 +596,31 @@ fn a_plain_rocksdb_open_between_two_opens_locks_nobody_out() {
         "{result:?}"
     );
 }
+
+#[test]
+fn a_child_process_between_fork_and_exec_does_not_keep_the_store_locked() {
+    use std::os::unix::process::CommandExt;
+    let store = TestStore::new();
+    let engine = store.open();
+    // Another thread spawns a process while the engine is open. The child inherits every open
+    // file, the store directory's locked one included, until it execs (which closes it): hold
+    // it there for a while. `spawn` returns once the child has exec'd.
+    let spawner = std::thread::spawn(|| {
+        let mut command = Command::new("true");
+        // SAFETY: the hook only sleeps; it touches no memory shared with the parent.
+        #[allow(unsafe_code)]
+        unsafe {
+            command.pre_exec(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            });
+        }
+        command.spawn().unwrap().wait().unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    drop(engine);
+    // The engine is gone: reopening succeeds although the child still holds its copy.
+    let reopened = store.builder().open();
+    spawner.join().unwrap();
+    assert!(reopened.is_ok(), "{:?}", reopened.err());
+}
