@@ -47,7 +47,7 @@ pub struct Engine {
 
 impl EngineBuilder {
     /// Validates the options and opens (or creates) the store, creating its directory (and
-    /// missing parents) if needed.
+    /// missing parents) if needed, unless the path goes through `..`.
     ///
     /// An open that is refused changes nothing in the store: every check below runs before
     /// RocksDB opens it for writing. A business table's merge operator is fixed when the table
@@ -64,14 +64,34 @@ impl EngineBuilder {
     pub fn open(self) -> Result<Engine> {
         self.validate()?;
         if self.open_mode == OpenMode::Application {
-            std::fs::create_dir_all(&self.path)
-                .map_err(|error| Error::io("creating the store directory", &error))?;
+            create_store_directory(&self.path)?;
         }
         // The lock before anything is read: a held store is `AlreadyOpen` whatever else is
         // wrong with the declaration.
         let lock = StoreLock::acquire(&self.path)?;
         Engine::open_locked(&self, lock)
     }
+}
+
+/// Creates the store directory and its missing parents, unless it exists. A path through `..`
+/// is not created: `store/missing/..` names no directory until `missing` exists, and creating
+/// `missing` would put a stray directory into whatever `..` leads to (the store itself, say)
+/// before the open could be refused.
+fn create_store_directory(path: &Path) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    if path
+        .components()
+        .any(|component| component == std::path::Component::ParentDir)
+    {
+        let missing = std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "the path does not exist, and a path through `..` is not created; give it without `..`",
+        );
+        return Err(Error::io("creating the store directory", &missing));
+    }
+    std::fs::create_dir_all(path).map_err(|error| Error::io("creating the store directory", &error))
 }
 
 impl Engine {

@@ -624,3 +624,26 @@ fn a_child_process_between_fork_and_exec_does_not_keep_the_store_locked() {
     spawner.join().unwrap();
     assert!(reopened.is_ok(), "{:?}", reopened.err());
 }
+
+#[test]
+fn a_path_through_a_missing_directory_and_dotdot_creates_nothing() {
+    // `s/missing/..` names no directory; creating `missing` to make it name `s` would put a
+    // stray directory into the store before the open is refused.
+    let root = tempfile::tempdir().unwrap();
+    let store = root.path().join("s");
+    let engine = Engine::builder(&store).open().unwrap();
+    let spelling = store.join("missing").join("..");
+    let held = Engine::builder(&spelling).open();
+    assert!(matches!(held, Err(Error::Storage { .. })), "{held:?}");
+    drop(engine);
+    let declared_otherwise = Engine::builder(&spelling).entity_table("t").open();
+    assert!(
+        matches!(declared_otherwise, Err(Error::Storage { .. })),
+        "{declared_otherwise:?}"
+    );
+    assert!(!store.join("missing").exists());
+    // A new store through a path without `..` is still created with its parents.
+    Engine::builder(root.path().join("new").join("deeper"))
+        .open()
+        .unwrap();
+}
