@@ -21,6 +21,7 @@ use crate::options::{EngineBuilder, OpenMode};
 use crate::record::{Record, RecordState, Standing};
 use crate::storage::{RECORDS_MARKER, RECORDS_TABLE, Storage};
 use crate::store_lock::StoreLock;
+use crate::store_meta::StoredMeta;
 
 /// The embedded dedup store. Cheap to clone (an `Arc`); every handle keeps the store open, and it
 /// closes when the last clone and handle are dropped.
@@ -69,7 +70,8 @@ impl EngineBuilder {
         // The lock before anything is read: a held store is `AlreadyOpen` whatever else is
         // wrong with the declaration.
         let lock = StoreLock::acquire(&self.path)?;
-        Engine::open_locked(&self, lock)
+        let stored = StoredMeta::read(&self.path)?;
+        Engine::open_locked(&self, lock, stored)
     }
 }
 
@@ -95,11 +97,15 @@ fn create_store_directory(path: &Path) -> Result<()> {
 }
 
 impl Engine {
-    /// Opens the store under a directory lock the caller already holds (the operator tools take
-    /// it before they read the store's tables). See [`Storage::open`].
-    pub(crate) fn open_locked(builder: &EngineBuilder, lock: StoreLock) -> Result<Engine> {
+    /// Opens the store under a directory lock the caller holds, with the metadata the caller
+    /// read under it (the operator tools read it to find the tables). See [`Storage::open`].
+    pub(crate) fn open_locked(
+        builder: &EngineBuilder,
+        lock: StoreLock,
+        stored: Option<StoredMeta>,
+    ) -> Result<Engine> {
         Ok(Engine {
-            inner: Arc::new(Storage::open(builder, lock)?),
+            inner: Arc::new(Storage::open(builder, lock, stored)?),
         })
     }
 

@@ -84,13 +84,18 @@ impl Storage {
     /// Opens the store at `builder.path` under the directory lock `lock`.
     ///
     /// The order is the contract: the caller took the directory lock first (so a held store is
-    /// [`Error::AlreadyOpen`] whatever else is wrong); then every check that can refuse runs on
-    /// a read-only view ([`StoredMeta`]); only then does RocksDB open the store for writing,
+    /// [`Error::AlreadyOpen`] whatever else is wrong) and then read the metadata through a
+    /// read-only view (`stored`, [`StoredMeta::read`], once per open); every check against it
+    /// runs here; only then does RocksDB open the store for writing,
     /// which replays and may flush the WAL. A refused open changes nothing. With
     /// [`OpenMode::Admin`] (`builder.open_mode`) this is the operator tools' open of an existing
     /// store (`crate::admin`), every table it holds declared.
-    pub(crate) fn open(builder: &EngineBuilder, lock: StoreLock) -> Result<Storage> {
-        let meta_to_write = check_before_open(builder)?;
+    pub(crate) fn open(
+        builder: &EngineBuilder,
+        lock: StoreLock,
+        stored: Option<StoredMeta>,
+    ) -> Result<Storage> {
+        let meta_to_write = check_before_open(builder, stored)?;
         let db = open_db(builder)?;
         let mut write_options = WriteOptions::default();
         write_options.set_sync(builder.durability == Durability::Sync);
@@ -129,16 +134,16 @@ impl Storage {
     }
 }
 
-/// Every check that can refuse the open, on a read-only view of the store: what the open must
-/// then write of the metadata.
-fn check_before_open(builder: &EngineBuilder) -> Result<MetaToWrite> {
+/// Every check of the stored metadata (`stored`, read under the lock; `None` for no store yet)
+/// against the declaration: what the open must then write of the metadata.
+fn check_before_open(builder: &EngineBuilder, stored: Option<StoredMeta>) -> Result<MetaToWrite> {
     let path = &builder.path;
     let declared = declared_kinds(builder);
     let operators = builder.business_tables.iter().map(|table| {
         let operator = table.merge_operator.as_ref();
         (table.name.as_str(), operator.map(|op| op.name.as_str()))
     });
-    let Some(stored) = StoredMeta::read(path)? else {
+    let Some(stored) = stored else {
         let operators = operators
             .map(|(table, op)| (table.to_owned(), op.map(str::to_owned)))
             .collect();

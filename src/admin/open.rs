@@ -111,7 +111,7 @@ impl StoreBuilder {
     /// [`Error::IncompatibleStore`] when the directory holds no idemdb store;
     /// [`Error::Storage`] when RocksDB cannot open it.
     pub fn open_read_only(self) -> Result<Store> {
-        let tables = discover(&self.path)?;
+        let (_, tables) = discover(&self.path)?;
         let mut builder = EngineBuilder::new(&self.path);
         builder.clock = self.clock.clone();
         let cache = Cache::new_lru_cache(TOOL_BLOCK_CACHE_BYTES);
@@ -179,7 +179,7 @@ impl StoreBuilder {
         // The lock before anything is read: a store held by the application is `AlreadyOpen`,
         // whatever else its tables would say.
         let lock = StoreLock::acquire(&self.path)?;
-        let tables = discover(&self.path)?;
+        let (stored, tables) = discover(&self.path)?;
         if let Some(unknown) = tables.iter().find(|table| table.kind == TableKind::Unknown) {
             return Err(Error::IncompatibleStore {
                 path: self.path.clone(),
@@ -204,7 +204,7 @@ impl StoreBuilder {
                 _ => {}
             }
         }
-        let engine = Engine::open_locked(&builder, lock)?;
+        let engine = Engine::open_locked(&builder, lock, Some(stored))?;
         Ok(Store {
             path: self.path,
             clock: self.clock,
@@ -234,7 +234,7 @@ pub(super) fn no_store(path: &Path) -> Error {
 /// Finds the tables of the store at `path` and their kinds, and checks that it is an idemdb
 /// store. Reads the metadata through a read-only open of the `default` column family alone,
 /// which works beside a live writer.
-pub(super) fn discover(path: &Path) -> Result<Vec<TableInfo>> {
+pub(super) fn discover(path: &Path) -> Result<(StoredMeta, Vec<TableInfo>)> {
     let incompatible = |reason: String| Error::IncompatibleStore {
         path: path.to_path_buf(),
         reason,
@@ -269,7 +269,7 @@ pub(super) fn discover(path: &Path) -> Result<Vec<TableInfo>> {
     }
     // Listing order: the consumers' table, then entity tables by name; the rest after.
     tables.sort_by(|a, b| (a.kind, &a.name).cmp(&(b.kind, &b.name)));
-    Ok(tables)
+    Ok((meta, tables))
 }
 
 /// A store opened by an operator tool (see the module documentation).
