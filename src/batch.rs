@@ -342,11 +342,10 @@ impl ClaimBatch {
         }
         let (reply, receiver) = tokio::sync::oneshot::channel();
         let claims = std::mem::take(&mut self.claims);
-        let writer = storage.clone();
         committer.submit(Job {
             batch,
             claims: claims.iter().flatten().count(),
-            write: Box::new(move |batch| writer.write(batch)),
+            writer: storage.clone(),
             finish: Box::new(move |written| {
                 if written.is_ok() {
                     for (claim, committed) in claims.iter().zip(&committed) {

@@ -482,11 +482,10 @@ impl Claim {
             Err(error) => return CommitFuture::ready(Err(error)),
         };
         let (reply, receiver) = tokio::sync::oneshot::channel();
-        let writer = storage.clone();
         committer.submit(Job {
             batch,
             claims: 1,
-            write: Box::new(move |batch| writer.write(batch)),
+            writer: storage.clone(),
             finish: Box::new(move |written| {
                 if written.is_ok() {
                     self.report_commit(&committed, started);

@@ -16,6 +16,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crossbeam::channel::{Receiver, Sender, TryRecvError};
@@ -34,8 +35,13 @@ pub(crate) const GROUP_BYTES_MAX: usize = 16 << 20;
 /// number, a 4-byte little-endian record count, then the records.
 const WRITE_BATCH_HEADER_BYTES: usize = 12;
 
-/// The engine's write path, as a job carries it.
-pub(crate) type WriteFn = Box<dyn FnOnce(WriteBatch) -> Result<()> + Send>;
+/// The engine's one write path, as a job carries it: a reference to the store that writes,
+/// which the store implements. (The store owns its committer, so the committer cannot hold
+/// the store; each job holds it until its group is written.)
+pub(crate) trait BatchWriter: Send + Sync {
+    /// Writes `batch` atomically with the engine's durability.
+    fn write_batch(&self, batch: WriteBatch) -> Result<()>;
+}
 /// What a job does once its group is written (or failed): report, release its claims' keys,
 /// then answer its caller, in that order, so a caller that awaited every commit and then drops
 /// the engine finds no claim of ours still keeping it open.
@@ -50,7 +56,7 @@ pub(crate) struct Job {
     /// How many claims it commits: a group's size is bounded in claims.
     pub(crate) claims: usize,
     /// The engine's one write path.
-    pub(crate) write: WriteFn,
+    pub(crate) writer: Arc<dyn BatchWriter>,
     /// Told the group's outcome.
     pub(crate) finish: FinishFn,
 }
@@ -116,12 +122,13 @@ fn run(jobs: &Receiver<Job>) {
 /// own once written: the claims' are the last, so once the last caller is answered nothing here
 /// keeps the store open.
 fn write_group(group: Vec<Job>) {
+    let Some(writer) = group.first().map(|job| job.writer.clone()) else {
+        return;
+    };
     let mut batches = Vec::with_capacity(group.len());
-    let mut writes = Vec::with_capacity(group.len());
     let mut finishes = Vec::with_capacity(group.len());
     for job in group {
         batches.push(job.batch);
-        writes.push(job.write);
         finishes.push(job.finish);
     }
     let batch = if batches.len() == 1 {
@@ -129,11 +136,8 @@ fn write_group(group: Vec<Job>) {
     } else {
         join(batches.iter())
     };
-    let written = match writes.drain(..1).next() {
-        Some(write) => write(batch),
-        None => return,
-    };
-    drop(writes);
+    let written = writer.write_batch(batch);
+    drop(writer);
     // A group is one batch: on failure every job in it gets the same answer.
     for finish in finishes {
         finish(written.clone());

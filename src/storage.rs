@@ -452,6 +452,13 @@ impl Storage {
     }
 }
 
+#[cfg(feature = "tokio")]
+impl crate::committer::BatchWriter for Storage {
+    fn write_batch(&self, batch: WriteBatch) -> Result<()> {
+        self.write(batch)
+    }
+}
+
 /// Every user table the builder declares, with its kind.
 fn declared_kinds(builder: &EngineBuilder) -> Vec<(&str, DeclaredKind)> {
     builder

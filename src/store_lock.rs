@@ -31,7 +31,7 @@
 //! - A child forked without exec keeps the store locked until it exits, even after the parent
 //!   dropped its engine; a reopen then waits, and reports `AlreadyOpen`.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::fs::{File, TryLockError};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -49,7 +49,7 @@ const FORKED_HOLDER_WAIT: Duration = Duration::from_millis(500);
 /// The directories (device, inode) the engines of this process hold. Identifying a store by
 /// what the file system says, not by its path, refuses a second open here at once, whatever
 /// the spelling, without waiting for the lock.
-static HELD_HERE: Mutex<Option<HashSet<(u64, u64)>>> = Mutex::new(None);
+static HELD_HERE: Mutex<BTreeSet<(u64, u64)>> = Mutex::new(BTreeSet::new());
 
 /// The exclusive lock on a store directory, held for as long as this value lives.
 #[derive(Debug)]
@@ -116,7 +116,6 @@ impl Drop for StoreLock {
 /// Runs `change` on the set of directories held here. A panic elsewhere while the set was
 /// locked cannot leave it half-changed (each change is one insert or remove), so a poisoned
 /// mutex is used as it is.
-fn held_here(change: impl FnOnce(&mut HashSet<(u64, u64)>) -> bool) -> bool {
-    let mut held = HELD_HERE.lock().unwrap_or_else(PoisonError::into_inner);
-    change(held.get_or_insert_with(HashSet::new))
+fn held_here(change: impl FnOnce(&mut BTreeSet<(u64, u64)>) -> bool) -> bool {
+    change(&mut HELD_HERE.lock().unwrap_or_else(PoisonError::into_inner))
 }
