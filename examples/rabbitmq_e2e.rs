@@ -13,30 +13,26 @@
 //! `--kill-after-commit-per-mille N` (consumers SIGKILL themselves between a commit and its
 //! ack), `--metrics-port-base PORT`, `--work DIR`, `--seed N`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use idemdb::{Fingerprint, merge_ops};
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueuePurgeOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions, QueuePurgeOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, ExchangeKind};
 
+#[path = "common/checker.rs"]
+mod checker;
 #[path = "common/orders.rs"]
 mod orders;
 #[path = "common/prometheus.rs"]
 mod prometheus;
-use orders::{
-    DEAD_LETTER_QUEUE, EXCHANGE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT,
-    HEADER_STORED_FINGERPRINT, TOTAL_AMOUNT_KEY, open_store, order_body, parse_amount, queue_name,
-    shard_of,
-};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use checker::{BoxError, Rng, connect, die_with_parent, drain_dead_letters, plan, verify};
+use orders::{DEAD_LETTER_QUEUE, EXCHANGE, open_store, queue_name, shard_of};
 
 struct Options {
     amqp: String,
@@ -104,74 +100,6 @@ fn parse_options() -> Result<Options, BoxError> {
         return Err("--kill-after-commit-per-mille is 0..=1000".into());
     }
     Ok(options)
-}
-
-/// A small deterministic generator (splitmix64): the run is reproducible from `--seed`.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound.max(1)
-    }
-}
-
-/// One message the producer publishes.
-#[derive(Clone)]
-struct Publish {
-    order_id: String,
-    body: String,
-}
-
-/// What the producer meant to publish, per order id: the contents (variant 0 first).
-struct Plan {
-    messages: Vec<Publish>,
-    contents: BTreeMap<String, Vec<String>>,
-}
-
-fn plan(options: &Options, rng: &mut Rng) -> Plan {
-    let mut messages = Vec::new();
-    let mut contents = BTreeMap::new();
-    for n in 0..options.orders {
-        let order_id = format!("order-{n:07}");
-        let amount = 1 + rng.below(1000);
-        let body = order_body(&order_id, amount, 0);
-        let mut variants = vec![body.clone()];
-        messages.push(Publish {
-            order_id: order_id.clone(),
-            body: body.clone(),
-        });
-        if rng.below(100) < options.resend_percent {
-            // A producer-side resend: same order, same content (a retried publish).
-            messages.push(Publish {
-                order_id: order_id.clone(),
-                body,
-            });
-        }
-        if n < options.reused {
-            // The same order id reused for other content: a conflict for whichever comes second.
-            let other = order_body(&order_id, amount + 1, 1);
-            variants.push(other.clone());
-            messages.push(Publish {
-                order_id: order_id.clone(),
-                body: other,
-            });
-        }
-        contents.insert(order_id, variants);
-    }
-    // Fisher-Yates: resends and reuses land anywhere in the stream, before or after the first.
-    for i in (1..messages.len()).rev() {
-        let j = usize::try_from(rng.below(i as u64 + 1)).expect("index fits");
-        messages.swap(i, j);
-    }
-    Plan { messages, contents }
 }
 
 /// The consumer processes, one per shard. Every child is SIGKILLed when this is dropped, so a
@@ -287,34 +215,6 @@ impl Drop for Fleet {
     }
 }
 
-/// Children get SIGKILL if this process dies, so no consumer outlives its run.
-fn die_with_parent(command: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: prctl is async-signal-safe and touches only the child's own state.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-}
-
-async fn connect(amqp: &str) -> Result<Connection, BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match Connection::connect(amqp, ConnectionProperties::default()).await {
-            Ok(connection) => return Ok(connection),
-            Err(error) if Instant::now() < deadline => {
-                eprintln!("rabbitmq_e2e: waiting for the broker ({error})");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
-}
-
 /// Declares the exchange, the shard queues and the dead-letter queue, and empties them.
 async fn topology(channel: &Channel, shards: usize) -> Result<(), BoxError> {
     channel
@@ -415,39 +315,6 @@ async fn wait_quiet(
     }
 }
 
-/// One dead-lettered message as found in the DLQ.
-struct DeadLetter {
-    order_id: String,
-    received: String,
-    stored: Option<String>,
-}
-
-fn header(headers: &FieldTable, name: &str) -> Option<String> {
-    match headers.inner().get(name)? {
-        AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into()),
-        AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
-        _ => None,
-    }
-}
-
-async fn drain_dead_letters(channel: &Channel) -> Result<Vec<DeadLetter>, BoxError> {
-    let mut found = Vec::new();
-    while let Some(message) = channel
-        .basic_get(DEAD_LETTER_QUEUE.into(), BasicGetOptions::default())
-        .await?
-    {
-        let delivery = message.delivery;
-        let headers = delivery.properties.headers().clone().unwrap_or_default();
-        found.push(DeadLetter {
-            order_id: header(&headers, HEADER_ORDER_ID).unwrap_or_default(),
-            received: header(&headers, HEADER_RECEIVED_FINGERPRINT).unwrap_or_default(),
-            stored: header(&headers, HEADER_STORED_FINGERPRINT),
-        });
-        delivery.ack(BasicAckOptions::default()).await?;
-    }
-    Ok(found)
-}
-
 /// The run's accounting, checked and printed at the end.
 #[derive(Default)]
 struct Accounting {
@@ -532,98 +399,6 @@ fn count_events(work: &Path, shards: usize) -> Result<HashMap<String, u64>, BoxE
     Ok(counts)
 }
 
-/// Checks every order against the stores and the dead-letter queue.
-fn verify(
-    options: &Options,
-    plan: &Plan,
-    dead_letters: &[DeadLetter],
-    accounting: &mut Accounting,
-) -> Result<(), BoxError> {
-    let dead: HashSet<(&str, &str)> = dead_letters
-        .iter()
-        .map(|letter| (letter.order_id.as_str(), letter.received.as_str()))
-        .collect();
-    let mut applied_fingerprint: HashMap<&str, String> = HashMap::new();
-    let mut expected_totals = vec![0u64; options.shards];
-    let mut stores = Vec::new();
-    for shard in 0..options.shards {
-        stores.push(open_store(&options.work.join(format!("store-{shard}")))?);
-    }
-    for (order_id, variants) in &plan.contents {
-        let shard = shard_of(order_id, options.shards);
-        let engine = &stores[shard];
-        let effects = engine.business_table("effects")?;
-        let orders = engine.business_table("orders")?;
-        let applied = effects
-            .get(order_id)?
-            .and_then(|value| merge_ops::read_u64(&value))
-            .unwrap_or(0);
-        accounting.effects_applied += applied;
-        match applied {
-            0 => {
-                accounting.lost += 1;
-                eprintln!("LOST: {order_id}");
-                continue;
-            }
-            1 => {}
-            _ => {
-                accounting.applied_twice += 1;
-                eprintln!("APPLIED {applied} TIMES: {order_id}");
-            }
-        }
-        let body = orders.get(order_id)?.unwrap_or_default();
-        let body = String::from_utf8_lossy(&body).into_owned();
-        if !variants.contains(&body) {
-            accounting.wrong_content += 1;
-            eprintln!("WRONG CONTENT: {order_id}: {body:?}");
-            continue;
-        }
-        expected_totals[shard] += parse_amount(body.as_bytes()).unwrap_or(0);
-        let winner = Fingerprint::of(&body).to_string();
-        // Every other content published under this id must have been dead-lettered.
-        for other in variants.iter().filter(|variant| **variant != body) {
-            let fingerprint = Fingerprint::of(other).to_string();
-            if !dead.contains(&(order_id.as_str(), fingerprint.as_str())) {
-                accounting.missing_conflicts += 1;
-                eprintln!("CONFLICT NOT DEAD-LETTERED: {order_id}: {other:?}");
-            }
-        }
-        applied_fingerprint.insert(order_id, winner);
-    }
-    let mut distinct_conflicts = HashSet::new();
-    for letter in dead_letters {
-        let winner = applied_fingerprint.get(letter.order_id.as_str());
-        let genuine = winner.is_some_and(|winner| {
-            *winner != letter.received && letter.stored.as_deref() == Some(winner.as_str())
-        });
-        if genuine {
-            distinct_conflicts.insert((letter.order_id.as_str(), letter.received.as_str()));
-        } else {
-            accounting.false_conflicts += 1;
-            eprintln!(
-                "DEAD-LETTERED WITHOUT A CONFLICT: {} received {} stored {:?}",
-                letter.order_id, letter.received, letter.stored
-            );
-        }
-    }
-    accounting.conflicts_dead_lettered = distinct_conflicts.len() as u64;
-    for (shard, engine) in stores.iter().enumerate() {
-        let total = engine
-            .business_table("effects")?
-            .get(TOTAL_AMOUNT_KEY)?
-            .and_then(|value| merge_ops::read_u64(&value))
-            .unwrap_or(0);
-        if total != expected_totals[shard] {
-            accounting.total_mismatches += 1;
-            eprintln!(
-                "TOTAL MISMATCH in shard {shard}: stored {total}, orders applied sum to {}",
-                expected_totals[shard]
-            );
-        }
-    }
-    Ok(())
-}
-
 #[tokio::main]
 async fn main() {
     match run().await {
@@ -640,7 +415,12 @@ async fn run() -> Result<bool, BoxError> {
     let options = parse_options()?;
     let started = Instant::now();
     let mut rng = Rng(options.seed);
-    let plan = plan(&options, &mut rng);
+    let plan = plan(
+        options.orders,
+        options.resend_percent,
+        options.reused,
+        &mut rng,
+    );
     if options.work.exists() {
         std::fs::remove_dir_all(&options.work)?;
     }
@@ -777,7 +557,20 @@ async fn run() -> Result<bool, BoxError> {
         unexpected_exits: fleet.unexpected_exits as u64,
         ..Accounting::default()
     };
-    verify(&options, &plan, &dead_letters, &mut accounting)?;
+    let mut stores = Vec::new();
+    for shard in 0..options.shards {
+        let dir = options.work.join(format!("store-{shard}"));
+        stores.push((format!("shard {shard}"), open_store(&dir)?));
+    }
+    let verdict = verify(&stores, &plan, &dead_letters)?;
+    accounting.effects_applied = verdict.effects_applied;
+    accounting.lost = verdict.lost;
+    accounting.applied_twice = verdict.applied_twice;
+    accounting.wrong_content = verdict.wrong_content;
+    accounting.missing_conflicts = verdict.missing_conflicts;
+    accounting.false_conflicts = verdict.false_conflicts;
+    accounting.conflicts_dead_lettered = verdict.conflicts_dead_lettered;
+    accounting.total_mismatches = verdict.total_mismatches;
     println!(
         "rabbitmq_e2e: accounting ({:.0} s from first publish to last check)",
         started.elapsed().as_secs_f64()

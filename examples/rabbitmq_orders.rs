@@ -1,17 +1,9 @@
 //! An idempotent RabbitMQ consumer: orders from one queue, processed with idemdb, exactly-once
 //! effects behind an at-least-once broker.
 //!
-//! For each delivery (manual acks, prefetch > 1, deliveries processed concurrently):
-//!
-//! - `Fresh`: stage the business writes on the claim (the order row, a per-order effect counter,
-//!   the running total), commit them with the marker in one durable batch, then ack.
-//! - `Duplicate`: ack without effect (the broker redelivered, or the producer resent).
-//! - `Conflict` (same order id, other content): publish to the dead-letter queue with both
-//!   fingerprints in headers, wait for the broker's confirm, then ack.
-//! - `InProgress` (the same order is being processed by another delivery right now), a
-//!   transient failure, or a retryable idemdb error: nack with requeue, so the broker delivers
-//!   it again later. Any other idemdb error (a poisoned engine) stops the process; the broker
-//!   requeues what it held.
+//! Each delivery is handled as `common/handler.rs` describes (manual acks, prefetch > 1,
+//! deliveries processed concurrently): fresh orders are committed with their business writes in
+//! one durable batch and then acked; duplicates are acked; conflicts are dead-lettered.
 //!
 //! A crash anywhere (SIGKILL) is safe: before the commit nothing was written and the broker
 //! redelivers; between commit and ack the redelivery is a duplicate. An embedded store belongs
@@ -27,29 +19,24 @@
 //!     --metrics 127.0.0.1:19100
 //! ```
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use futures_lite::StreamExt;
-use idemdb::{Fingerprint, Outcome};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
 
+#[path = "common/handler.rs"]
+mod handler;
 #[path = "common/orders.rs"]
 mod orders;
-use orders::{
-    DEAD_LETTER_QUEUE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT,
-    TOTAL_AMOUNT_KEY, open_store, parse_amount,
-};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use handler::{BoxError, Handler, Ledger};
+use orders::{DEAD_LETTER_QUEUE, open_store};
 
 struct Options {
     amqp: String,
@@ -57,7 +44,7 @@ struct Options {
     dir: PathBuf,
     prefetch: u16,
     metrics: Option<SocketAddr>,
-    /// Appends one line per outcome here (`fresh <id>`, `duplicate <id>`, ...).
+    /// Appends one line per outcome here (`fresh <id> ...`, see `common/handler.rs`).
     events: Option<PathBuf>,
     /// Percent of fresh claims dropped and nacked, as a transient failure would.
     transient_failure_percent: u64,
@@ -107,181 +94,6 @@ fn parse_options() -> Result<Options, BoxError> {
     Ok(options)
 }
 
-/// Everything a delivery handler needs, shared by the concurrent handlers.
-struct Handler {
-    consumer: idemdb::Consumer,
-    orders: idemdb::BusinessTable,
-    effects: idemdb::BusinessTable,
-    publisher: Channel,
-    events: Option<std::sync::Mutex<std::fs::File>>,
-    transient_failure_percent: u64,
-    kill_after_commit_per_mille: u64,
-    draws: AtomicU64,
-    seed: u64,
-}
-
-impl Handler {
-    /// Logs one outcome. One `write` per line on an `O_APPEND` file: a SIGKILL cannot tear it.
-    fn event(&self, what: &str, order_id: &str) {
-        if let Some(events) = &self.events {
-            let line = format!("{what} {order_id}\n");
-            let mut file = events
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            // The log is evidence for the checker, not part of the effect: a failed write is
-            // reported, and the message is still acked.
-            if let Err(error) = file.write_all(line.as_bytes()) {
-                eprintln!("rabbitmq_orders: event log: {error}");
-            }
-        }
-    }
-
-    /// A pseudo-random draw in 0..bound, different in every process.
-    fn draw(&self, bound: u64) -> u64 {
-        let n = self.draws.fetch_add(1, Ordering::Relaxed);
-        xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), self.seed) % bound
-    }
-
-    async fn handle(&self, delivery: lapin::message::Delivery) -> Result<(), BoxError> {
-        let order_id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.as_str().to_owned())
-            .unwrap_or_default();
-        if delivery.redelivered {
-            // Evidence that the kills bite: the broker hands over what a dead consumer held.
-            self.event("redelivered", &order_id);
-        }
-        let fingerprint = Fingerprint::of(&delivery.data);
-        let outcome = match self.consumer.begin(&order_id, fingerprint) {
-            Ok(outcome) => outcome,
-            Err(idemdb::Error::LimitExceeded { .. }) => {
-                // No usable order id: a poison message, not something a retry can fix.
-                self.dead_letter(&delivery, &order_id, None, fingerprint)
-                    .await?;
-                self.event("invalid", &order_id);
-                delivery.ack(BasicAckOptions::default()).await?;
-                return Ok(());
-            }
-            Err(error) if error.is_retryable() => {
-                // The store is busy for a moment: let the broker redeliver.
-                self.event("retry", &order_id);
-                delivery.nack(requeue()).await?;
-                return Ok(());
-            }
-            // Anything else (a poisoned engine, corruption) needs a restart: stop, and the
-            // broker hands what this process held to the next one.
-            Err(error) => return Err(error.into()),
-        };
-        match outcome {
-            Outcome::Fresh(mut claim) => {
-                if self.draw(100) < self.transient_failure_percent {
-                    // A downstream hiccup: nothing was written; the broker redelivers.
-                    drop(claim);
-                    self.event("transient", &order_id);
-                    delivery.nack(requeue()).await?;
-                    return Ok(());
-                }
-                let amount = parse_amount(&delivery.data).unwrap_or(0);
-                claim.put(&self.orders, &order_id, &delivery.data)?;
-                claim.merge(&self.effects, &order_id, 1u64.to_be_bytes())?;
-                claim.merge(&self.effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
-                // Durable (fsynced, grouped with concurrent commits) before the ack.
-                match claim.commit_async(b"accepted").await {
-                    Ok(_) => {}
-                    Err(error) if error.is_retryable() => {
-                        // Nothing was written: the redelivery is claimed afresh.
-                        self.event("retry", &order_id);
-                        delivery.nack(requeue()).await?;
-                        return Ok(());
-                    }
-                    Err(error) => return Err(error.into()),
-                }
-                self.event("fresh", &order_id);
-                if self.draw(1000) < self.kill_after_commit_per_mille {
-                    // SAFETY: raising a signal on our own process.
-                    unsafe { libc::raise(libc::SIGKILL) };
-                }
-                delivery.ack(BasicAckOptions::default()).await?;
-            }
-            Outcome::Duplicate { .. } => {
-                self.event("duplicate", &order_id);
-                delivery.ack(BasicAckOptions::default()).await?;
-            }
-            Outcome::Conflict {
-                stored_fingerprint, ..
-            } => {
-                self.dead_letter(&delivery, &order_id, Some(stored_fingerprint), fingerprint)
-                    .await?;
-                self.event("conflict", &order_id);
-                delivery.ack(BasicAckOptions::default()).await?;
-            }
-            Outcome::InProgress { .. } => {
-                self.event("in_progress", &order_id);
-                delivery.nack(requeue()).await?;
-            }
-            // Neither the admission floor nor the ordering guard is used here.
-            Outcome::TooLate { .. } | Outcome::Stale { .. } => {
-                self.event("skipped", &order_id);
-                delivery.ack(BasicAckOptions::default()).await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Publishes the delivery to the dead-letter queue and waits for the broker's confirm, so
-    /// that the ack that follows never drops a message the DLQ does not hold.
-    async fn dead_letter(
-        &self,
-        delivery: &lapin::message::Delivery,
-        order_id: &str,
-        stored: Option<Fingerprint>,
-        received: Fingerprint,
-    ) -> Result<(), BoxError> {
-        let mut headers = FieldTable::default();
-        headers.insert(
-            HEADER_ORDER_ID.into(),
-            AMQPValue::LongString(LongString::from(order_id)),
-        );
-        headers.insert(
-            HEADER_RECEIVED_FINGERPRINT.into(),
-            AMQPValue::LongString(LongString::from(received.to_string())),
-        );
-        if let Some(stored) = stored {
-            headers.insert(
-                HEADER_STORED_FINGERPRINT.into(),
-                AMQPValue::LongString(LongString::from(stored.to_string())),
-            );
-        }
-        let properties = BasicProperties::default()
-            .with_message_id(ShortString::from(order_id))
-            .with_headers(headers);
-        let confirm = self
-            .publisher
-            .basic_publish(
-                "".into(),
-                DEAD_LETTER_QUEUE.into(),
-                BasicPublishOptions::default(),
-                &delivery.data,
-                properties,
-            )
-            .await?
-            .await?;
-        if !confirm.is_ack() {
-            return Err("the broker refused the dead-letter publish".into());
-        }
-        Ok(())
-    }
-}
-
-fn requeue() -> BasicNackOptions {
-    BasicNackOptions {
-        requeue: true,
-        ..BasicNackOptions::default()
-    }
-}
-
 #[tokio::main]
 async fn main() {
     if let Err(error) = run().await {
@@ -318,13 +130,8 @@ async fn run() -> Result<(), BoxError> {
         .basic_qos(options.prefetch, BasicQosOptions::default())
         .await?;
 
-    let events = match &options.events {
-        Some(path) => Some(std::sync::Mutex::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)?,
-        )),
+    let ledger = match &options.events {
+        Some(path) => Some(Arc::new(Ledger::open(path)?)),
         None => None,
     };
     let handler = Arc::new(Handler {
@@ -332,7 +139,10 @@ async fn run() -> Result<(), BoxError> {
         orders: engine.business_table("orders")?,
         effects: engine.business_table("effects")?,
         publisher,
-        events,
+        ledger,
+        partition: None,
+        // One queue, one store: when the connection goes, the process exits (below).
+        connected: Arc::new(AtomicBool::new(true)),
         transient_failure_percent: options.transient_failure_percent,
         kill_after_commit_per_mille: options.kill_after_commit_per_mille,
         draws: AtomicU64::new(0),

@@ -49,7 +49,8 @@ rabbitmq_start() {
     RABBITMQ_E2E_NODE_PID_FILE="$dir/rabbitmq.pid"
     mkdir -p "$dir/home" "$dir/mnesia" "$dir/log"
     : >"$dir/rabbitmq-env.conf"
-    echo '[].' >"$dir/enabled_plugins"
+    # The partitioned fleet's exchange; the plugin ships with the server.
+    echo '[rabbitmq_consistent_hash_exchange].' >"$dir/enabled_plugins"
     cat >"$dir/rabbitmq.conf" <<CONF
 listeners.tcp.default = 127.0.0.1:${RABBITMQ_AMQP_PORT}
 loopback_users.guest = true

@@ -131,7 +131,7 @@ impl Engine {
             match registered.iter().find(|m| m.consumer == consumer_id) {
                 Some(metrics) => metrics.clone(),
                 None => {
-                    let metrics = Arc::new(ConsumerMetrics::new(consumer_id));
+                    let metrics = Arc::new(ConsumerMetrics::new(consumer_id, &self.inner.metrics_labels));
                     registered.push(metrics.clone());
                     metrics
                 }

@@ -79,6 +79,7 @@
 //! | declared tables (business and entity) | at most 64 | [`TABLES_MAX`] |
 //! | block cache | 1 MiB..=64 GiB; default 64 MiB | [`BLOCK_CACHE_BYTES_MIN`], [`BLOCK_CACHE_BYTES_MAX`], [`BLOCK_CACHE_BYTES_DEFAULT`] |
 //! | memtable per table | 1 MiB..=1 GiB; default 64 MiB | [`WRITE_BUFFER_BYTES_MIN`], [`WRITE_BUFFER_BYTES_MAX`], [`WRITE_BUFFER_BYTES_DEFAULT`] |
+//! | labels added to the metrics ([`EngineBuilder::metrics_label`]) | at most 8; values at most 256 bytes | [`METRICS_LABELS_MAX`], [`METRICS_LABEL_VALUE_BYTES_MAX`] |
 //! | periodic compaction | 1 hour..=365 days; default 1 day | [`PERIODIC_COMPACTION_S_MIN`], [`PERIODIC_COMPACTION_S_MAX`], [`PERIODIC_COMPACTION_S_DEFAULT`] |
 //!
 //! The clock is bounded too: at a reading beyond [`CLOCK_MS_MAX`] (2^62 ms since the Unix epoch) a
@@ -479,10 +480,11 @@ pub use observe::{ConsumerStats, Stats};
 #[cfg(feature = "engine")]
 pub use options::{
     BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN, Durability,
-    EngineBuilder, PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX,
-    PERIODIC_COMPACTION_S_MIN, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN,
-    TABLE_NAME_BYTES_MAX, TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions,
-    WRITE_BUFFER_BYTES_DEFAULT, WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
+    EngineBuilder, METRICS_LABEL_VALUE_BYTES_MAX, METRICS_LABELS_MAX,
+    PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX, PERIODIC_COMPACTION_S_MIN,
+    RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TABLE_NAME_BYTES_MAX,
+    TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions, WRITE_BUFFER_BYTES_DEFAULT,
+    WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };
 pub use record::{
     Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, RecordState,

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
-use metrics::{Counter, Gauge, Histogram};
+use metrics::{Counter, Gauge, Histogram, Label};
 
 use crate::decision::Outcome;
 
@@ -94,23 +94,37 @@ pub(crate) struct ConsumerMetrics {
 }
 
 impl ConsumerMetrics {
-    pub(crate) fn new(consumer: &str) -> ConsumerMetrics {
-        let label = consumer.to_owned();
+    /// `extra` are the opener's labels, added after `consumer` (and `outcome`).
+    pub(crate) fn new(consumer: &str, extra: &[(String, String)]) -> ConsumerMetrics {
+        let labels = |outcome: Option<OutcomeKind>| {
+            let mut labels = vec![Label::new("consumer", consumer.to_owned())];
+            if let Some(kind) = outcome {
+                labels.push(Label::new("outcome", kind.label()));
+            }
+            labels.extend(
+                extra
+                    .iter()
+                    .map(|(name, value)| Label::new(name.clone(), value.clone())),
+            );
+            labels
+        };
         ConsumerMetrics {
-            consumer: label.clone(),
+            consumer: consumer.to_owned(),
             outcomes: Default::default(),
             commits: AtomicU64::new(0),
             lease_lost: AtomicU64::new(0),
             in_progress: AtomicI64::new(0),
-            outcome_counters: KINDS.map(|kind| {
-                metrics::counter!("idemdb_outcomes_total", "consumer" => label.clone(), "outcome" => kind.label())
-            }),
-            commit_counter: metrics::counter!("idemdb_commits_total", "consumer" => label.clone()),
-            lease_lost_counter: metrics::counter!("idemdb_lease_lost_total", "consumer" => label.clone()),
-            claim_seconds: metrics::histogram!("idemdb_claim_seconds", "consumer" => label.clone()),
-            commit_seconds: metrics::histogram!("idemdb_commit_seconds", "consumer" => label.clone()),
-            duplicate_age_seconds: metrics::histogram!("idemdb_duplicate_age_seconds", "consumer" => label.clone()),
-            in_progress_gauge: metrics::gauge!("idemdb_in_progress", "consumer" => label),
+            outcome_counters: KINDS
+                .map(|kind| metrics::counter!("idemdb_outcomes_total", labels(Some(kind)))),
+            commit_counter: metrics::counter!("idemdb_commits_total", labels(None)),
+            lease_lost_counter: metrics::counter!("idemdb_lease_lost_total", labels(None)),
+            claim_seconds: metrics::histogram!("idemdb_claim_seconds", labels(None)),
+            commit_seconds: metrics::histogram!("idemdb_commit_seconds", labels(None)),
+            duplicate_age_seconds: metrics::histogram!(
+                "idemdb_duplicate_age_seconds",
+                labels(None)
+            ),
+            in_progress_gauge: metrics::gauge!("idemdb_in_progress", labels(None)),
         }
     }
 

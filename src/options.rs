@@ -37,6 +37,10 @@ pub const WRITE_BUFFER_BYTES_MIN: usize = 1 << 20;
 pub const WRITE_BUFFER_BYTES_MAX: usize = 1 << 30;
 /// The default memtable (write buffer) per table, in bytes (64 MiB).
 pub const WRITE_BUFFER_BYTES_DEFAULT: usize = 64 << 20;
+/// The most labels [`EngineBuilder::metrics_label`] adds to an engine's metrics.
+pub const METRICS_LABELS_MAX: usize = 8;
+/// The longest value of a label [`EngineBuilder::metrics_label`] adds, in bytes.
+pub const METRICS_LABEL_VALUE_BYTES_MAX: usize = 256;
 
 /// The shortest table name, in bytes.
 pub const TABLE_NAME_BYTES_MIN: usize = 1;
@@ -158,6 +162,8 @@ pub struct EngineBuilder {
     pub(crate) block_cache_bytes: usize,
     pub(crate) write_buffer_bytes: usize,
     pub(crate) fault_injector: Option<Arc<dyn FaultInjector>>,
+    /// Labels added to every metric of this engine, e.g. `partition`, in the order given.
+    pub(crate) metrics_labels: Vec<(String, String)>,
     /// [`OpenMode::Admin`] only for the operator tools' open (`crate::admin`).
     pub(crate) open_mode: OpenMode,
 }
@@ -176,6 +182,7 @@ impl EngineBuilder {
             block_cache_bytes: BLOCK_CACHE_BYTES_DEFAULT,
             write_buffer_bytes: WRITE_BUFFER_BYTES_DEFAULT,
             fault_injector: None,
+            metrics_labels: Vec::new(),
             open_mode: OpenMode::Application,
         }
     }
@@ -249,6 +256,28 @@ impl EngineBuilder {
         self
     }
 
+    /// Adds the label `name="value"` to every metric this engine reports through the
+    /// `metrics` facade, beside `consumer` (and `outcome`). A process that owns several stores,
+    /// one per partition, tells their numbers apart this way:
+    ///
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// let engine = idemdb::Engine::builder(dir.path().join("partition-3"))
+    ///     .metrics_label("partition", "3") // idemdb_commits_total{consumer="..",partition="3"}
+    ///     .open()?;
+    /// # Ok::<(), idemdb::Error>(())
+    /// ```
+    ///
+    /// At most [`METRICS_LABELS_MAX`] labels. `name` is a Prometheus label name (an ASCII
+    /// letter or `_`, then letters, digits or `_`; not starting with `__`), neither `consumer`
+    /// nor `outcome`, and not given twice; `value` has at most [`METRICS_LABEL_VALUE_BYTES_MAX`]
+    /// bytes. Otherwise the open fails with [`Error::InvalidOption`]. The labels are not
+    /// stored: each open declares its own.
+    pub fn metrics_label(mut self, name: &str, value: &str) -> EngineBuilder {
+        self.metrics_labels.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
     /// Installs a fault injector: before each of its I/O calls the engine asks it whether to
     /// fail the call (see [`crate::FaultInjector`]). For testing failure handling, ours and
     /// yours. Default: none.
@@ -285,6 +314,7 @@ impl EngineBuilder {
             WRITE_BUFFER_BYTES_MIN,
             WRITE_BUFFER_BYTES_MAX,
         )?;
+        self.validate_metrics_labels()?;
         let names: Vec<&str> = self.table_names().collect();
         check_limit(Limit::Tables, names.len(), 0, TABLES_MAX)?;
         for table in &self.business_tables {
@@ -302,6 +332,47 @@ impl EngineBuilder {
             if names[..index].contains(name) {
                 return Err(Error::invalid_option(format!(
                     "table {name:?} is declared twice"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_metrics_labels(&self) -> Result<()> {
+        if self.metrics_labels.len() > METRICS_LABELS_MAX {
+            return Err(Error::invalid_option(format!(
+                "{} metrics labels; at most {METRICS_LABELS_MAX}",
+                self.metrics_labels.len()
+            )));
+        }
+        for (index, (name, value)) in self.metrics_labels.iter().enumerate() {
+            let mut chars = name.chars();
+            let well_formed = chars
+                .next()
+                .is_some_and(|first| first.is_ascii_alphabetic() || first == '_')
+                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !name.starts_with("__");
+            if !well_formed {
+                return Err(Error::invalid_option(format!(
+                    "metrics label name {name:?} is not a Prometheus label name"
+                )));
+            }
+            // The engine sets these itself; a second one would make the series ambiguous.
+            if name == "consumer" || name == "outcome" {
+                return Err(Error::invalid_option(format!(
+                    "metrics label {name:?} is set by the engine"
+                )));
+            }
+            if self.metrics_labels[..index].iter().any(|(n, _)| n == name) {
+                return Err(Error::invalid_option(format!(
+                    "metrics label {name:?} is given twice"
+                )));
+            }
+            if value.len() > METRICS_LABEL_VALUE_BYTES_MAX {
+                return Err(Error::invalid_option(format!(
+                    "the value of metrics label {name:?} has {} bytes; at most \
+                     {METRICS_LABEL_VALUE_BYTES_MAX}",
+                    value.len()
                 )));
             }
         }

@@ -66,6 +66,8 @@ pub(crate) struct Storage {
     pub(crate) version_latches: Latches,
     /// Per-consumer numbers, in the order consumers were first opened.
     pub(crate) consumer_metrics: parking_lot::Mutex<Vec<Arc<ConsumerMetrics>>>,
+    /// Labels the opener added to every metric ([`EngineBuilder::metrics_label`]).
+    pub(crate) metrics_labels: Vec<(String, String)>,
     /// Write batches written (each one `DB::write`, one WAL record).
     write_batches: AtomicU64,
     /// The business tables as declared, in declaration order.
@@ -125,6 +127,7 @@ impl Storage {
             markers,
             version_latches: Latches::new(),
             consumer_metrics: parking_lot::Mutex::new(Vec::new()),
+            metrics_labels: builder.metrics_labels.clone(),
             write_batches: AtomicU64::new(0),
             business: builder.business_tables.clone(),
             _store_lock: lock,

@@ -1,8 +1,8 @@
-//! What the RabbitMQ consumer (`rabbitmq_orders`) and its end-to-end checker (`rabbitmq_e2e`)
-//! agree on: the store's layout, the message format, the queue names and the dead-letter
-//! headers.
+//! What the RabbitMQ consumers (`rabbitmq_orders`, `rabbitmq_partitions`) and their end-to-end
+//! checkers (`rabbitmq_e2e`, `rabbitmq_handoff`) agree on: the store's layout, the message
+//! format, the exchanges and queue names, and the dead-letter headers.
 
-// Each of the two examples uses its own part of this module.
+// Each of the examples uses its own part of this module.
 #![allow(dead_code)]
 
 use idemdb::{Durability, Engine, TableOptions, merge_ops};
@@ -29,17 +29,47 @@ pub fn shard_of(order_id: &str, shards: usize) -> usize {
     usize::try_from(hash % shards as u64).expect("a shard index fits in usize")
 }
 
+/// The consistent-hash exchange of the partitioned fleet: it routes each order by a hash of its
+/// routing key (the order id) to one of the partition queues.
+pub const PARTITION_EXCHANGE: &str = "orders.partitioned";
+
+/// The queue of partition `partition` in the partitioned fleet.
+pub fn partition_queue(partition: usize) -> String {
+    format!("{PARTITION_EXCHANGE}.{partition}")
+}
+
+/// The partition queues' arguments: a single active consumer, so the broker delivers a
+/// partition to one consumer at a time and hands it to a standby when that one goes.
+pub fn partition_queue_arguments() -> lapin::types::FieldTable {
+    let mut arguments = lapin::types::FieldTable::default();
+    arguments.insert(
+        "x-single-active-consumer".into(),
+        lapin::types::AMQPValue::Boolean(true),
+    );
+    arguments
+}
+
+/// Opens a partition's store, its metrics labelled with the partition.
+pub fn open_partition_store(dir: &std::path::Path, partition: usize) -> idemdb::Result<Engine> {
+    builder(dir)
+        .metrics_label("partition", &partition.to_string())
+        .open()
+}
+
 /// Opens a shard's store. The layout is part of the application, so the checker opens it the
 /// same way: an `orders` table (order id -> body) and an `effects` table of counters (order id
 /// -> times applied, and the total amount).
 pub fn open_store(dir: &std::path::Path) -> idemdb::Result<Engine> {
+    builder(dir).open()
+}
+
+fn builder(dir: &std::path::Path) -> idemdb::EngineBuilder {
     Engine::builder(dir)
         .durability(Durability::Sync)
         .business_table(TableOptions::new("orders"))
         .business_table(
             TableOptions::new("effects").associative_merge_operator("add_u64", merge_ops::add_u64),
         )
-        .open()
 }
 
 /// An order's body: `<order id>:<amount>:<variant>`.

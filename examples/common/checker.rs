@@ -1,0 +1,281 @@
+//! What the two RabbitMQ end-to-end checkers (`rabbitmq_e2e`, `rabbitmq_handoff`) share: the
+//! published plan, the consumer processes' setup, the dead-letter queue, and the check of every
+//! order against the stores.
+
+// Each checker uses its own part of this module.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use idemdb::{Engine, Fingerprint, merge_ops};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::orders::{
+    DEAD_LETTER_QUEUE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT,
+    TOTAL_AMOUNT_KEY, order_body, parse_amount,
+};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A small deterministic generator (splitmix64): the run is reproducible from `--seed`.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, bound: u64) -> u64 {
+        self.next() % bound.max(1)
+    }
+}
+
+/// One message the producer publishes.
+#[derive(Clone)]
+pub struct Publish {
+    pub order_id: String,
+    pub body: String,
+}
+
+/// What the producer meant to publish, per order id: the contents (variant 0 first).
+pub struct Plan {
+    pub messages: Vec<Publish>,
+    pub contents: BTreeMap<String, Vec<String>>,
+}
+
+/// `orders` distinct orders; `resend_percent` of them published twice with the same content;
+/// the first `reused` of them published once more with other content.
+pub fn plan(orders: usize, resend_percent: u64, reused: usize, rng: &mut Rng) -> Plan {
+    let mut messages = Vec::new();
+    let mut contents = BTreeMap::new();
+    for n in 0..orders {
+        let order_id = format!("order-{n:07}");
+        let amount = 1 + rng.below(1000);
+        let body = order_body(&order_id, amount, 0);
+        let mut variants = vec![body.clone()];
+        messages.push(Publish {
+            order_id: order_id.clone(),
+            body: body.clone(),
+        });
+        if rng.below(100) < resend_percent {
+            // A producer-side resend: same order, same content (a retried publish).
+            messages.push(Publish {
+                order_id: order_id.clone(),
+                body,
+            });
+        }
+        if n < reused {
+            // The same order id reused for other content: a conflict for whichever comes second.
+            let other = order_body(&order_id, amount + 1, 1);
+            variants.push(other.clone());
+            messages.push(Publish {
+                order_id: order_id.clone(),
+                body: other,
+            });
+        }
+        contents.insert(order_id, variants);
+    }
+    // Fisher-Yates: resends and reuses land anywhere in the stream, before or after the first.
+    for i in (1..messages.len()).rev() {
+        let j = usize::try_from(rng.below(i as u64 + 1)).expect("index fits");
+        messages.swap(i, j);
+    }
+    Plan { messages, contents }
+}
+
+/// Children get SIGKILL if this process dies, so no consumer outlives its run.
+pub fn die_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches only the child's own state.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+pub async fn connect(amqp: &str) -> Result<Connection, BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match Connection::connect(amqp, ConnectionProperties::default()).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("checker: waiting for the broker ({error})");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// One dead-lettered message as found in the DLQ.
+pub struct DeadLetter {
+    pub order_id: String,
+    pub received: String,
+    pub stored: Option<String>,
+}
+
+pub fn header(headers: &FieldTable, name: &str) -> Option<String> {
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into()),
+        AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+pub async fn drain_dead_letters(channel: &Channel) -> Result<Vec<DeadLetter>, BoxError> {
+    let mut found = Vec::new();
+    while let Some(message) = channel
+        .basic_get(DEAD_LETTER_QUEUE.into(), BasicGetOptions::default())
+        .await?
+    {
+        let delivery = message.delivery;
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        found.push(DeadLetter {
+            order_id: header(&headers, HEADER_ORDER_ID).unwrap_or_default(),
+            received: header(&headers, HEADER_RECEIVED_FINGERPRINT).unwrap_or_default(),
+            stored: header(&headers, HEADER_STORED_FINGERPRINT),
+        });
+        delivery.ack(BasicAckOptions::default()).await?;
+    }
+    Ok(found)
+}
+
+/// What the check of every order against the stores found.
+#[derive(Default)]
+pub struct Verdict {
+    pub effects_applied: u64,
+    pub lost: u64,
+    pub applied_twice: u64,
+    pub wrong_content: u64,
+    pub missing_conflicts: u64,
+    pub false_conflicts: u64,
+    pub conflicts_dead_lettered: u64,
+    pub total_mismatches: u64,
+}
+
+impl Verdict {
+    pub fn passed(&self) -> bool {
+        self.lost == 0
+            && self.applied_twice == 0
+            && self.wrong_content == 0
+            && self.missing_conflicts == 0
+            && self.false_conflicts == 0
+            && self.total_mismatches == 0
+    }
+}
+
+/// Checks every planned order against all `stores` (name, engine) and the dead letters: each
+/// order applied exactly once over all stores together, with content that was published;
+/// every other content dead-lettered with the right fingerprints; nothing dead-lettered
+/// without a conflict; each store's running total equal to the amounts of the orders it
+/// applied.
+pub fn verify(
+    stores: &[(String, Engine)],
+    plan: &Plan,
+    dead_letters: &[DeadLetter],
+) -> Result<Verdict, BoxError> {
+    let mut verdict = Verdict::default();
+    let dead: HashSet<(&str, &str)> = dead_letters
+        .iter()
+        .map(|letter| (letter.order_id.as_str(), letter.received.as_str()))
+        .collect();
+    let mut tables = Vec::new();
+    for (_, engine) in stores {
+        tables.push((
+            engine.business_table("effects")?,
+            engine.business_table("orders")?,
+        ));
+    }
+    let mut applied_fingerprint: HashMap<&str, String> = HashMap::new();
+    let mut expected_totals = vec![0u64; stores.len()];
+    for (order_id, variants) in &plan.contents {
+        let mut applied = 0;
+        let mut body = None;
+        for (index, (effects, orders)) in tables.iter().enumerate() {
+            let here = effects
+                .get(order_id)?
+                .and_then(|value| merge_ops::read_u64(&value))
+                .unwrap_or(0);
+            if here == 0 {
+                continue;
+            }
+            applied += here;
+            let stored = orders.get(order_id)?.unwrap_or_default();
+            let stored = String::from_utf8_lossy(&stored).into_owned();
+            expected_totals[index] += here * parse_amount(stored.as_bytes()).unwrap_or(0);
+            body.get_or_insert(stored);
+        }
+        verdict.effects_applied += applied;
+        match applied {
+            0 => {
+                verdict.lost += 1;
+                eprintln!("LOST: {order_id}");
+                continue;
+            }
+            1 => {}
+            _ => {
+                verdict.applied_twice += 1;
+                eprintln!("APPLIED {applied} TIMES: {order_id}");
+            }
+        }
+        let body = body.unwrap_or_default();
+        if !variants.contains(&body) {
+            verdict.wrong_content += 1;
+            eprintln!("WRONG CONTENT: {order_id}: {body:?}");
+            continue;
+        }
+        let winner = Fingerprint::of(&body).to_string();
+        // Every other content published under this id must have been dead-lettered.
+        for other in variants.iter().filter(|variant| **variant != body) {
+            let fingerprint = Fingerprint::of(other).to_string();
+            if !dead.contains(&(order_id.as_str(), fingerprint.as_str())) {
+                verdict.missing_conflicts += 1;
+                eprintln!("CONFLICT NOT DEAD-LETTERED: {order_id}: {other:?}");
+            }
+        }
+        applied_fingerprint.insert(order_id, winner);
+    }
+    let mut distinct_conflicts = HashSet::new();
+    for letter in dead_letters {
+        let winner = applied_fingerprint.get(letter.order_id.as_str());
+        let genuine = winner.is_some_and(|winner| {
+            *winner != letter.received && letter.stored.as_deref() == Some(winner.as_str())
+        });
+        if genuine {
+            distinct_conflicts.insert((letter.order_id.as_str(), letter.received.as_str()));
+        } else {
+            verdict.false_conflicts += 1;
+            eprintln!(
+                "DEAD-LETTERED WITHOUT A CONFLICT: {} received {} stored {:?}",
+                letter.order_id, letter.received, letter.stored
+            );
+        }
+    }
+    verdict.conflicts_dead_lettered = distinct_conflicts.len() as u64;
+    for (index, (effects, _)) in tables.iter().enumerate() {
+        let total = effects
+            .get(TOTAL_AMOUNT_KEY)?
+            .and_then(|value| merge_ops::read_u64(&value))
+            .unwrap_or(0);
+        if total != expected_totals[index] {
+            verdict.total_mismatches += 1;
+            eprintln!(
+                "TOTAL MISMATCH in {}: stored {total}, orders applied sum to {}",
+                stores[index].0, expected_totals[index]
+            );
+        }
+    }
+    Ok(verdict)
+}

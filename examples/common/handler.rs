@@ -1,0 +1,280 @@
+//! The delivery handler both RabbitMQ consumers share (`rabbitmq_orders`, one store per
+//! process, and `rabbitmq_partitions`, one store per partition it owns), and the event ledger
+//! their checkers read.
+//!
+//! For each delivery:
+//!
+//! - `Fresh`: stage the business writes on the claim (the order row, a per-order effect counter,
+//!   the running total), commit them with the marker in one durable batch, then ack.
+//! - `Duplicate`: ack without effect (the broker redelivered, or the producer resent).
+//! - `Conflict` (same order id, other content): publish to the dead-letter queue with both
+//!   fingerprints in headers, wait for the broker's confirm, then ack.
+//! - `InProgress` (the same order is being processed by another delivery right now), a
+//!   transient failure, or a retryable idemdb error: nack with requeue, so the broker delivers
+//!   it again later. Any other idemdb error (a poisoned engine) is returned: the caller stops,
+//!   and the broker requeues what it held.
+
+// Each consumer uses its own part of this module.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use idemdb::{Fingerprint, Outcome};
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel};
+
+use crate::orders::{
+    DEAD_LETTER_QUEUE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT,
+    TOTAL_AMOUNT_KEY, parse_amount,
+};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The system-wide monotonic clock in nanoseconds: the same in every process of the machine,
+/// and never stepped, so the checkers can order events of several processes.
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
+}
+
+/// One line per event, `<kind> <subject> <partition> <monotonic ns> <pid>` (a commit adds when it
+/// began), appended with one
+/// `write` to an `O_APPEND` file: a SIGKILL cannot tear a line, and several processes can share
+/// the file. The checkers read the kinds (`fresh`, `duplicate`, `open`, ...) and the times.
+pub struct Ledger {
+    file: std::sync::Mutex<std::fs::File>,
+}
+
+impl Ledger {
+    pub fn open(path: &std::path::Path) -> std::io::Result<Ledger> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Ledger {
+            file: std::sync::Mutex::new(file),
+        })
+    }
+
+    /// Appends one event; `partition` is `-` for a consumer of one queue.
+    pub fn event(&self, kind: &str, subject: &str, partition: Option<usize>) {
+        self.write(kind, subject, partition, "");
+    }
+
+    /// Appends one event of something that began at `began_ns` (a commit: the line's own time
+    /// is when it was acknowledged), as a sixth field.
+    pub fn event_since(&self, kind: &str, subject: &str, partition: Option<usize>, began_ns: u64) {
+        self.write(kind, subject, partition, &format!(" {began_ns}"));
+    }
+
+    fn write(&self, kind: &str, subject: &str, partition: Option<usize>, extra: &str) {
+        let partition = partition.map_or_else(|| "-".to_owned(), |p| p.to_string());
+        let line = format!(
+            "{kind} {subject} {partition} {} {}{extra}\n",
+            monotonic_ns(),
+            std::process::id()
+        );
+        let mut file = self
+            .file
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // The ledger is evidence for the checker, not part of the effect: a failed write is
+        // reported, and the message is still acked.
+        if let Err(error) = file.write_all(line.as_bytes()) {
+            eprintln!("idemdb consumer: ledger: {error}");
+        }
+    }
+}
+
+/// Everything a delivery handler needs, shared by the concurrent handlers of one store.
+pub struct Handler {
+    pub consumer: idemdb::Consumer,
+    pub orders: idemdb::BusinessTable,
+    pub effects: idemdb::BusinessTable,
+    pub publisher: Channel,
+    pub ledger: Option<Arc<Ledger>>,
+    /// The partition this store belongs to, for the ledger (`None`: a consumer of one queue).
+    pub partition: Option<usize>,
+    /// Cleared when the broker connection is lost: a claim not yet committed is then dropped,
+    /// so a process that lost its channel stops committing (its deliveries go to another
+    /// consumer, which must find their keys free or committed, never half done).
+    pub connected: Arc<AtomicBool>,
+    /// Percent of fresh claims dropped and nacked, as a transient failure would.
+    pub transient_failure_percent: u64,
+    /// Per mille of commits after which the process SIGKILLs itself before the ack: the crash
+    /// point that turns a redelivery into a duplicate, hit on purpose.
+    pub kill_after_commit_per_mille: u64,
+    pub draws: AtomicU64,
+    pub seed: u64,
+}
+
+impl Handler {
+    fn event(&self, kind: &str, order_id: &str) {
+        if let Some(ledger) = &self.ledger {
+            ledger.event(kind, order_id, self.partition);
+        }
+    }
+
+    /// A pseudo-random draw in 0..bound, different in every process.
+    fn draw(&self, bound: u64) -> u64 {
+        let n = self.draws.fetch_add(1, Ordering::Relaxed);
+        xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), self.seed) % bound
+    }
+
+    pub async fn handle(&self, delivery: lapin::message::Delivery) -> Result<(), BoxError> {
+        let order_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str().to_owned())
+            .unwrap_or_default();
+        if delivery.redelivered {
+            // Evidence that the kills bite: the broker hands over what a dead consumer held.
+            self.event("redelivered", &order_id);
+        }
+        let fingerprint = Fingerprint::of(&delivery.data);
+        let outcome = match self.consumer.begin(&order_id, fingerprint) {
+            Ok(outcome) => outcome,
+            Err(idemdb::Error::LimitExceeded { .. }) => {
+                // No usable order id: a poison message, not something a retry can fix.
+                self.dead_letter(&delivery, &order_id, None, fingerprint)
+                    .await?;
+                self.event("invalid", &order_id);
+                delivery.ack(BasicAckOptions::default()).await?;
+                return Ok(());
+            }
+            Err(error) if error.is_retryable() => {
+                // The store is busy for a moment: let the broker redeliver.
+                self.event("retry", &order_id);
+                delivery.nack(requeue()).await?;
+                return Ok(());
+            }
+            // Anything else (a poisoned engine, corruption) needs a restart: stop, and the
+            // broker hands what this process held to the next one.
+            Err(error) => return Err(error.into()),
+        };
+        match outcome {
+            Outcome::Fresh(mut claim) => {
+                if self.draw(100) < self.transient_failure_percent {
+                    // A downstream hiccup: nothing was written; the broker redelivers.
+                    drop(claim);
+                    self.event("transient", &order_id);
+                    delivery.nack(requeue()).await?;
+                    return Ok(());
+                }
+                let amount = parse_amount(&delivery.data).unwrap_or(0);
+                claim.put(&self.orders, &order_id, &delivery.data)?;
+                claim.merge(&self.effects, &order_id, 1u64.to_be_bytes())?;
+                claim.merge(&self.effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
+                let began_ns = monotonic_ns();
+                if !self.connected.load(Ordering::Acquire) {
+                    // The broker has given this delivery to another consumer: write nothing.
+                    drop(claim);
+                    self.event("withheld", &order_id);
+                    return Ok(());
+                }
+                // Durable (fsynced, grouped with concurrent commits) before the ack.
+                match claim.commit_async(b"accepted").await {
+                    Ok(_) => {}
+                    Err(error) if error.is_retryable() => {
+                        // Nothing was written: the redelivery is claimed afresh.
+                        self.event("retry", &order_id);
+                        delivery.nack(requeue()).await?;
+                        return Ok(());
+                    }
+                    Err(error) => return Err(error.into()),
+                }
+                if let Some(ledger) = &self.ledger {
+                    ledger.event_since("fresh", &order_id, self.partition, began_ns);
+                }
+                if self.draw(1000) < self.kill_after_commit_per_mille {
+                    self.event("self-kill", &order_id);
+                    // SAFETY: raising a signal on our own process.
+                    unsafe { libc::raise(libc::SIGKILL) };
+                }
+                delivery.ack(BasicAckOptions::default()).await?;
+            }
+            Outcome::Duplicate { .. } => {
+                self.event("duplicate", &order_id);
+                delivery.ack(BasicAckOptions::default()).await?;
+            }
+            Outcome::Conflict {
+                stored_fingerprint, ..
+            } => {
+                self.dead_letter(&delivery, &order_id, Some(stored_fingerprint), fingerprint)
+                    .await?;
+                self.event("conflict", &order_id);
+                delivery.ack(BasicAckOptions::default()).await?;
+            }
+            Outcome::InProgress { .. } => {
+                self.event("in_progress", &order_id);
+                delivery.nack(requeue()).await?;
+            }
+            // Neither the admission floor nor the ordering guard is used here.
+            Outcome::TooLate { .. } | Outcome::Stale { .. } => {
+                self.event("skipped", &order_id);
+                delivery.ack(BasicAckOptions::default()).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes the delivery to the dead-letter queue and waits for the broker's confirm, so
+    /// that the ack that follows never drops a message the DLQ does not hold.
+    async fn dead_letter(
+        &self,
+        delivery: &lapin::message::Delivery,
+        order_id: &str,
+        stored: Option<Fingerprint>,
+        received: Fingerprint,
+    ) -> Result<(), BoxError> {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            HEADER_ORDER_ID.into(),
+            AMQPValue::LongString(LongString::from(order_id)),
+        );
+        headers.insert(
+            HEADER_RECEIVED_FINGERPRINT.into(),
+            AMQPValue::LongString(LongString::from(received.to_string())),
+        );
+        if let Some(stored) = stored {
+            headers.insert(
+                HEADER_STORED_FINGERPRINT.into(),
+                AMQPValue::LongString(LongString::from(stored.to_string())),
+            );
+        }
+        let properties = BasicProperties::default()
+            .with_message_id(ShortString::from(order_id))
+            .with_headers(headers);
+        let confirm = self
+            .publisher
+            .basic_publish(
+                "".into(),
+                DEAD_LETTER_QUEUE.into(),
+                BasicPublishOptions::default(),
+                &delivery.data,
+                properties,
+            )
+            .await?
+            .await?;
+        if !confirm.is_ack() {
+            return Err("the broker refused the dead-letter publish".into());
+        }
+        Ok(())
+    }
+}
+
+pub fn requeue() -> BasicNackOptions {
+    BasicNackOptions {
+        requeue: true,
+        ..BasicNackOptions::default()
+    }
+}
