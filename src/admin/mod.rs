@@ -46,11 +46,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod backup;
 mod open;
 mod repair;
 mod report;
 mod scan;
 
+pub use backup::{Backup, Transfer, TransferReport, check_new_dir};
 pub use open::{Store, StoreBuilder, TableInfo, TableKind};
 pub use repair::{ImportCounts, ImportRecord, Invalidation, PurgeReport};
 pub use report::{GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX, VerifyReport};
