@@ -641,6 +641,17 @@ fn backup_then_restore_keeps_every_record_and_business_row() {
     assert_eq!(report["store"], path_str(&restored));
     assert_eq!(report["files"], files.len());
     assert_eq!(contents(&backup), files, "restore changed the backup");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let inode = |path: std::path::PathBuf| std::fs::metadata(path).unwrap().ino();
+        for name in files.keys() {
+            assert_ne!(
+                inode(backup.join(name)),
+                inode(restored.join(name)),
+                "{name}: restored as a hard link to the backup"
+            );
+        }
+    }
 
     expect_fixture_contents(&restored, &fixture.clock, &original_export);
     // The restored store was opened, written (its WAL replayed and flushed) and closed.
