@@ -44,6 +44,16 @@ fn assert_no_shared_file(original: &Path, copy: &Path) {
     );
 }
 
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 fn files_ending(dir: &Path, suffix: &str) -> Vec<String> {
     contents(dir)
         .into_iter()
@@ -174,23 +184,36 @@ fn backup_and_restore_refuse_existing_targets_and_read_only_stores() {
             Err(Error::InvalidArgument { .. })
         ));
     }
+    let store_files = names(store.dir.path());
+    assert!(matches!(
+        admin.backup(&store.dir.path().join("inside"), |_, _| {}),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert_eq!(
+        names(store.dir.path()),
+        store_files,
+        "a backup inside the store"
+    );
     admin.backup(&fresh, |_, _| {}).unwrap();
     drop(admin);
     let backup = Backup::open(&fresh).unwrap();
-    assert!(matches!(
-        backup.restore(&existing, |_, _| {}),
-        Err(Error::InvalidArgument { .. })
-    ));
+    let backup_files = contents(&fresh);
+    for target in [existing.clone(), fresh.join("inside")] {
+        assert!(matches!(
+            backup.restore(&target, |_, _| {}),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+    assert_eq!(
+        contents(&fresh),
+        backup_files,
+        "a restore inside the backup"
+    );
     assert!(matches!(
         Backup::open(&existing),
         Err(Error::IncompatibleStore { .. })
     ));
     // Nothing but the one backup was written.
-    let mut names: Vec<String> = std::fs::read_dir(elsewhere.path())
-        .unwrap()
-        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["existing", "fresh"]);
+    assert_eq!(names(elsewhere.path()), ["existing", "fresh"]);
     assert!(contents(&existing).is_empty());
 }
