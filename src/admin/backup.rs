@@ -94,8 +94,8 @@ impl Store {
     /// data the WAL holds is copied as WAL.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `dir` exists or its parent is not a directory (nothing
-    /// is written); [`Error::ReadOnly`] on a read-only store; [`Error::Storage`] when a
+    /// [`Error::InvalidArgument`] when `dir` exists, is inside the store, or its parent is not
+    /// a directory (nothing is written); [`Error::ReadOnly`] on a read-only store; [`Error::Storage`] when a
     /// file cannot be read, written or synced (then nothing is left under `dir`).
     pub fn backup(
         &self,
@@ -104,6 +104,7 @@ impl Store {
     ) -> Result<TransferReport> {
         let engine = self.engine()?;
         let target = NewDir::check(dir)?;
+        target.refuse_inside(&self.path, "the store")?;
         let store_device = device(&self.path)?;
         if store_device == device(&target.parent)? {
             let staging = Sibling::new(&target.parent, &target.stem, "backup")?;
@@ -187,8 +188,8 @@ impl Backup {
     /// with the declaration the backed-up store had.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `store` exists or its parent is not a directory (nothing
-    /// is written); [`Error::IncompatibleStore`] when the backup holds something other than
+    /// [`Error::InvalidArgument`] when `store` exists, is inside the backup, or its parent is
+    /// not a directory (nothing is written); [`Error::IncompatibleStore`] when the backup holds something other than
     /// files; [`Error::Storage`] when a file cannot be read, written or synced (then nothing is
     /// left under `store`).
     pub fn restore(
@@ -197,6 +198,7 @@ impl Backup {
         mut progress: impl FnMut(u64, u64),
     ) -> Result<TransferReport> {
         let target = NewDir::check(store)?;
+        target.refuse_inside(&self.path, "the backup")?;
         let (files, bytes) = copy_dir(&self.path, &target, "restore", &mut progress)?;
         Ok(TransferReport {
             path: target.path,
@@ -245,6 +247,25 @@ impl NewDir {
             parent,
             stem,
         })
+    }
+}
+
+impl NewDir {
+    /// Refuses a new directory inside `dir` (`what`, for the message): a backup inside its
+    /// store would become part of the store, and a restore inside its backup would write into
+    /// the backup.
+    fn refuse_inside(&self, dir: &Path, what: &str) -> Result<()> {
+        let resolve = |path: &Path| {
+            fs::canonicalize(path).map_err(|error| io_error("resolving the path of", path, &error))
+        };
+        if resolve(&self.parent)?.starts_with(resolve(dir)?) {
+            return Err(Error::invalid_argument(format!(
+                "{} is inside {what} {}; give a directory outside it",
+                self.path.display(),
+                dir.display()
+            )));
+        }
+        Ok(())
     }
 }
 
