@@ -1,6 +1,8 @@
 //! Guards the `idemdb` operator binary: every command against a store built with the library,
-//! its exit codes, read commands on a live store, write commands refused on one, and the repairs
-//! (resolve, release, invalidate, purge, export/import round trip) checked through the library.
+//! its exit codes, read commands on a live store, write commands refused on one, the repairs
+//! (resolve, release, invalidate, purge, export/import round trip) checked through the library,
+//! and backup / restore (round trip with unflushed merge operands, busy and existing targets
+//! refused, the backup never changed, a copy to another file system).
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -550,4 +552,299 @@ fn help_documents_the_exit_codes_and_the_live_store_rule() {
     let help = stdout(&output);
     assert!(help.contains("3  store busy"), "{help}");
     assert!(help.contains("Consumer::resolve"), "{help}");
+    assert!(help.contains("Engine::checkpoint"), "{help}");
+    assert!(help.contains("backup"), "{help}");
+}
+
+/// Every file of `dir` with its bytes: a backup must come out of a restore as it went in.
+fn contents(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(entry.path()).unwrap())
+        })
+        .collect()
+}
+
+/// The names in `dir`, sorted: what a refused command must not have added to.
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn path_str(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// Checks that the store at `path` holds what `fixture()` committed: the records (compared
+/// through `export`, byte for byte, with the original's) and the business rows, the counter's
+/// unflushed merge operands summed.
+#[track_caller]
+fn expect_fixture_contents(path: &Path, clock: &MockClock, original_export: &str) {
+    let output = idemdb(&["export", path_str(path)]);
+    expect_code(&output, 1);
+    assert_eq!(stdout(&output), original_export, "every record, exactly");
+    let engine = builder(path, clock).open().unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    for key in ["old-order", "order-1", "order-2"] {
+        assert!(orders.get(key).unwrap().is_some(), "no orders row {key}");
+    }
+    let counters = engine.business_table("counters").unwrap();
+    let n = counters
+        .get("n")
+        .unwrap()
+        .and_then(|v| merge_ops::read_u64(&v));
+    assert_eq!(n, Some(4), "one merge operand per commit, none flushed");
+    drop(engine);
+}
+
+#[test]
+fn backup_then_restore_keeps_every_record_and_business_row() {
+    let (fixture, engine) = fixture();
+    drop(engine);
+    let store = fixture.path();
+    let original_export = stdout(&idemdb(&["export", store]));
+    let elsewhere = tempfile::tempdir().unwrap();
+    let backup = elsewhere.path().join("backup");
+
+    let output = idemdb(&["backup", store, path_str(&backup), "--json"]);
+    expect_code(&output, 0);
+    let report = json(&output);
+    assert_eq!(report["transfer"], "hard_links", "{report}");
+    assert_eq!(report["backup"], path_str(&backup));
+    let files = contents(&backup);
+    assert_eq!(report["files"], files.len());
+    assert_eq!(
+        report["bytes"],
+        files.values().map(Vec::len).sum::<usize>(),
+        "{report}"
+    );
+    assert!(
+        files
+            .iter()
+            .any(|(name, bytes)| name.ends_with(".log") && !bytes.is_empty()),
+        "the unflushed commits travel in the WAL: {:?}",
+        files.keys()
+    );
+
+    let restored = elsewhere.path().join("restored");
+    let output = idemdb(&["restore", path_str(&backup), path_str(&restored), "--json"]);
+    expect_code(&output, 0);
+    let report = json(&output);
+    assert_eq!(report["transfer"], "copy");
+    assert_eq!(report["store"], path_str(&restored));
+    assert_eq!(report["files"], files.len());
+    assert_eq!(contents(&backup), files, "restore changed the backup");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let inode = |path: std::path::PathBuf| std::fs::metadata(path).unwrap().ino();
+        for name in files.keys() {
+            assert_ne!(
+                inode(backup.join(name)),
+                inode(restored.join(name)),
+                "{name}: restored as a hard link to the backup"
+            );
+        }
+    }
+
+    expect_fixture_contents(&restored, &fixture.clock, &original_export);
+    // The restored store was opened, written (its WAL replayed and flushed) and closed.
+    assert_eq!(
+        contents(&backup),
+        files,
+        "the restored store reached the backup"
+    );
+    assert_eq!(
+        names(elsewhere.path()),
+        ["backup", "restored"],
+        "no staging directory left"
+    );
+
+    // The summary as a table.
+    let output = idemdb(&["backup", store, path_str(&elsewhere.path().join("again"))]);
+    expect_code(&output, 0);
+    let text = stdout(&output);
+    assert!(
+        text.contains("FILES") && text.contains("hard links"),
+        "{text}"
+    );
+    let output = idemdb(&[
+        "restore",
+        path_str(&backup),
+        path_str(&elsewhere.path().join("restored-again")),
+    ]);
+    expect_code(&output, 0);
+    assert!(stdout(&output).contains("copy"), "{}", stdout(&output));
+}
+
+#[test]
+fn backup_of_a_live_store_is_busy_and_writes_nothing() {
+    let (fixture, engine) = fixture();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let backup = elsewhere.path().join("backup");
+    let output = idemdb(&["backup", fixture.path(), path_str(&backup)]);
+    expect_code(&output, 3);
+    let message = stderr(&output);
+    assert!(message.contains("busy"), "{message}");
+    assert!(message.contains("Engine::checkpoint"), "{message}");
+    assert!(names(elsewhere.path()).is_empty(), "nothing written");
+    // Restoring from a live store is refused too: its files change while they are copied.
+    let restored = elsewhere.path().join("restored");
+    let output = idemdb(&["restore", fixture.path(), path_str(&restored)]);
+    expect_code(&output, 3);
+    assert!(names(elsewhere.path()).is_empty(), "nothing written");
+    // The online way works meanwhile.
+    engine.checkpoint(&backup).unwrap();
+}
+
+#[test]
+fn backup_to_an_existing_or_impossible_directory_is_refused() {
+    let (fixture, engine) = fixture();
+    drop(engine);
+    let store_files = contents(fixture.dir.path());
+    let elsewhere = tempfile::tempdir().unwrap();
+    let existing = elsewhere.path().join("existing");
+    std::fs::create_dir(&existing).unwrap();
+    std::fs::write(existing.join("keep"), b"mine").unwrap();
+    for target in [
+        existing.clone(),
+        existing.join("keep"),
+        elsewhere.path().join("no-parent/backup"),
+    ] {
+        let output = idemdb(&["backup", fixture.path(), path_str(&target)]);
+        expect_code(&output, 2);
+    }
+    assert_eq!(names(elsewhere.path()), ["existing"]);
+    assert_eq!(names(&existing), ["keep"]);
+    assert_eq!(std::fs::read(existing.join("keep")).unwrap(), b"mine");
+    assert_eq!(
+        contents(fixture.dir.path()),
+        store_files,
+        "a refused backup does not open the store"
+    );
+}
+
+#[test]
+fn restore_onto_an_existing_path_or_from_a_non_store_is_refused() {
+    let (fixture, engine) = fixture();
+    drop(engine);
+    let elsewhere = tempfile::tempdir().unwrap();
+    let backup = elsewhere.path().join("backup");
+    expect_code(&idemdb(&["backup", fixture.path(), path_str(&backup)]), 0);
+    let files = contents(&backup);
+
+    // Onto an existing store: refused, and neither directory changes.
+    let store_files = contents(fixture.dir.path());
+    let output = idemdb(&["restore", path_str(&backup), fixture.path()]);
+    expect_code(&output, 2);
+    assert!(stderr(&output).contains("exists"), "{}", stderr(&output));
+    assert_eq!(contents(fixture.dir.path()), store_files);
+    assert_eq!(contents(&backup), files);
+    let empty = elsewhere.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    expect_code(
+        &idemdb(&["restore", path_str(&backup), path_str(&empty)]),
+        2,
+    );
+    assert!(names(&empty).is_empty());
+
+    // From directories that hold no store: the not-a-store code.
+    let not_a_store = elsewhere.path().join("not-a-store");
+    std::fs::create_dir(&not_a_store).unwrap();
+    std::fs::write(not_a_store.join("notes.txt"), b"hello").unwrap();
+    let restored = elsewhere.path().join("restored");
+    for source in [
+        not_a_store.clone(),
+        empty.clone(),
+        elsewhere.path().join("missing"),
+    ] {
+        let output = idemdb(&["restore", path_str(&source), path_str(&restored)]);
+        expect_code(&output, 4);
+    }
+    assert_eq!(names(elsewhere.path()), ["backup", "empty", "not-a-store"]);
+    assert_eq!(contents(&backup), files);
+}
+
+/// A tmpfs mounted for one test, unmounted when dropped (whatever the test did).
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// `None` where mounting is refused (not root, or no mount permission in a container).
+    fn mount() -> Option<Tmpfs> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        mounted.then_some(Tmpfs { dir })
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let unmounted = Command::new("umount").arg(self.dir.path()).status();
+        if !unmounted.is_ok_and(|status| status.success()) {
+            eprintln!("could not unmount the test tmpfs at {:?}", self.dir.path());
+        }
+    }
+}
+
+#[test]
+fn backup_to_another_file_system_copies_every_byte() {
+    let Some(tmpfs) = Tmpfs::mount() else {
+        eprintln!(
+            "skipped backup_to_another_file_system_copies_every_byte: mounting a tmpfs was \
+             refused (the test needs root or CAP_SYS_ADMIN)"
+        );
+        return;
+    };
+    let (fixture, engine) = fixture();
+    drop(engine);
+    let original_export = stdout(&idemdb(&["export", fixture.path()]));
+    let store_parent = fixture.dir.path().parent().unwrap().to_path_buf();
+    let beside_store = names(&store_parent);
+    let backup = tmpfs.path().join("backup");
+
+    let output = idemdb(&["backup", fixture.path(), path_str(&backup), "--json"]);
+    expect_code(&output, 0);
+    let report = json(&output);
+    assert_eq!(report["transfer"], "copy", "{report}");
+    assert_eq!(report["linked_files"], 0);
+    let files = contents(&backup);
+    assert_eq!(report["files"], files.len());
+    assert_eq!(report["bytes"], files.values().map(Vec::len).sum::<usize>());
+    assert_eq!(names(tmpfs.path()), ["backup"], "no partial copy left");
+    // The staging checkpoint beside the store is gone. (The parent is the shared temporary
+    // directory: other tests' entries come and go, so only ours are looked for.)
+    let staging_left: Vec<String> = names(&store_parent)
+        .into_iter()
+        .filter(|name| name.contains(".idemdb-") && !beside_store.contains(name))
+        .collect();
+    assert!(staging_left.is_empty(), "{staging_left:?}");
+
+    // Restored from the other file system onto this one, and opened.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let restored = elsewhere.path().join("restored");
+    expect_code(
+        &idemdb(&["restore", path_str(&backup), path_str(&restored)]),
+        0,
+    );
+    assert_eq!(contents(&backup), files);
+    expect_fixture_contents(&restored, &fixture.clock, &original_export);
+    assert_eq!(contents(&backup), files);
 }

@@ -18,6 +18,10 @@
 //!   store cannot be made from outside the process that has it open. That process uses the
 //!   library instead ([`crate::Consumer::resolve`], [`crate::Consumer::in_progress`]).
 //!
+//! Backups: [`Store::backup`] copies a store opened exclusively into a new directory (an
+//! offline backup; a running application takes online ones with [`crate::Engine::checkpoint`]),
+//! and [`Backup::restore`] copies either kind back into a new store directory.
+//!
 //! Writes made here keep the record state machine's rules: [`Store::resolve`] is the same
 //! fenced step as [`crate::Consumer::resolve`]; [`Store::invalidate`] and [`Store::import`]
 //! replace a key's value with a deletion and an install operand in one batch, which only an
@@ -46,11 +50,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod backup;
 mod open;
 mod repair;
 mod report;
 mod scan;
 
+pub use backup::{Backup, Transfer, TransferReport, check_new_dir};
 pub use open::{Store, StoreBuilder, TableInfo, TableKind};
 pub use repair::{ImportCounts, ImportRecord, Invalidation, PurgeReport};
 pub use report::{GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX, VerifyReport};

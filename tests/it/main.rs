@@ -2,6 +2,7 @@
 
 mod admin;
 mod async_commit;
+mod backup;
 mod bad_input;
 mod batch;
 mod checkpoint;

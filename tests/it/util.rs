@@ -24,7 +24,12 @@ impl TestStore {
     /// crash, which is all these tests simulate), an `orders` table, a `counters` table with an
     /// add-u64 merge operator, and a `customers` entity table.
     pub fn builder(&self) -> EngineBuilder {
-        Engine::builder(self.dir.path())
+        self.builder_at(self.dir.path())
+    }
+
+    /// The same declaration for a store at `path` (a copy of this one, say).
+    pub fn builder_at(&self, path: &std::path::Path) -> EngineBuilder {
+        Engine::builder(path)
             .clock(self.clock.clone())
             .durability(Durability::Buffered)
             .write_buffer_bytes(4 << 20)

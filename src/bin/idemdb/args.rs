@@ -7,10 +7,11 @@ use std::time::Duration;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use idemdb::admin::{Cursor, EntryState, Filter, Target};
 
-const ABOUT: &str = "Inspect and repair an idemdb store";
+const ABOUT: &str = "Inspect, repair, back up and restore an idemdb store";
 
 const LONG_ABOUT: &str = "\
-Inspect and repair an idemdb store (a RocksDB directory written by the idemdb library).
+Inspect, repair, back up and restore an idemdb store (a RocksDB directory written by the
+idemdb library).
 
 Read commands (stats, get, list, in-progress, export, verify) open the store read-only: they
 take no lock and work while the application has the store open, seeing what its files and WAL
@@ -19,6 +20,15 @@ the store to themselves: RocksDB admits one writing process, so on a live store 
 code 3 and write nothing. Stop the application first (--wait DURATION retries while it shuts
 down), or make the change from inside the running application with the library
 (Consumer::in_progress, Consumer::resolve).
+
+Backups: `backup STORE DIR` copies a stopped store (an offline backup; like the write commands
+it exits with code 3 on a live store). A running application takes online backups itself with
+Engine::checkpoint. On the store's file system the backup's table files are hard links (fast,
+but on the same disk); elsewhere every byte is copied, with a progress bar. `restore BACKUP
+STORE` copies a backup (from either) into a new store directory, which the application then
+opens with its usual declaration. A restored store lacks every commit made after its backup:
+those messages are processed again when redelivered, unless the admission floor refuses them.
+Neither command writes into the backup, nor over an existing directory.
 
 Keys: UTF-8 text as typed, `hex:<hex digits>` for binary keys, `text:<key>` for a text key that
 starts with `hex:` or `text:`. Keys are shown as text when they are printable UTF-8, otherwise
@@ -32,7 +42,8 @@ Exit codes:
      export skipped corrupt entries; import left existing records alone (no --overwrite);
      resolve/release found the key not in progress; invalidate found no live completed record
   2  usage error: bad arguments, a malformed key, cursor or duration, malformed import input
-  3  store busy: a write command found the store open by another process (the application)
+  3  store busy: a write command or backup found the store open by another process (the
+     application), or restore found the backup open as a store
   4  not an idemdb store, or the store cannot be opened
   5  any other storage or I/O error";
 
@@ -80,6 +91,11 @@ pub enum Command {
     Import(ImportArgs),
     /// Decode every record; print the corrupt ones (read-only). Exit 1 if any.
     Verify(StoreArg),
+    /// Copy the store into the new directory DIR (needs the store stopped; a running
+    /// application backs up with Engine::checkpoint).
+    Backup(BackupArgs),
+    /// Copy a backup into the new store directory STORE, ready for the application to open.
+    Restore(RestoreArgs),
 }
 
 #[derive(Args)]
@@ -323,6 +339,24 @@ pub struct ImportArgs {
     pub overwrite: bool,
     #[command(flatten)]
     pub wait: WaitArg,
+}
+
+#[derive(Args)]
+pub struct BackupArgs {
+    /// The store's directory.
+    pub store: PathBuf,
+    /// The backup's directory: it must not exist; its parent must.
+    pub dir: PathBuf,
+    #[command(flatten)]
+    pub wait: WaitArg,
+}
+
+#[derive(Args)]
+pub struct RestoreArgs {
+    /// The backup's directory (made by `idemdb backup` or Engine::checkpoint); only read.
+    pub backup: PathBuf,
+    /// The store directory to create: it must not exist; its parent must.
+    pub store: PathBuf,
 }
 
 /// Bytes given on the command line (a newtype: clap reads a `Vec<u8>` field as many `u8`s).

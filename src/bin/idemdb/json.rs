@@ -2,12 +2,14 @@
 //! of the other commands.
 
 use std::io::{self, Write};
+use std::path::Path;
+use std::time::Duration;
 
 use bytes::Bytes;
 use hex::FromHex;
 use idemdb::admin::{
-    Entry, ImportCounts, ImportRecord, Page, PurgeReport, StateCounts, Store, StoreStats,
-    VerifyReport,
+    Entry, ImportCounts, ImportRecord, Page, PurgeReport, StateCounts, Store, StoreStats, Transfer,
+    TransferReport, VerifyReport,
 };
 use idemdb::format::printable;
 use idemdb::{Fingerprint, Record, RecordState};
@@ -304,5 +306,27 @@ pub fn import_json(counts: &ImportCounts) -> Value {
         "imported": counts.imported,
         "overwritten": counts.overwritten,
         "skipped": counts.skipped,
+    })
+}
+
+/// `backup` and `restore`: the two directories, what was written and how, and how long it took.
+pub fn transfer_json(
+    store: &Path,
+    backup: &Path,
+    report: &TransferReport,
+    elapsed: Duration,
+) -> Value {
+    let transfer = match report.transfer {
+        Transfer::HardLinks => "hard_links",
+        _ => "copy",
+    };
+    serde_json::json!({
+        "store": store.display().to_string(),
+        "backup": backup.display().to_string(),
+        "files": report.files,
+        "bytes": report.bytes,
+        "linked_files": report.linked_files,
+        "transfer": transfer,
+        "seconds": elapsed.as_secs_f64(),
     })
 }

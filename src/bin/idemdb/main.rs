@@ -3,15 +3,17 @@
 //!
 //! This file dispatches the commands and maps their failures to the documented exit codes;
 //! `args` defines the command line, `read` and `repair` run the read and the write commands,
-//! `json` and `render` print what they found.
+//! `backup` the backup and the restore, `json` and `render` print what they found.
 
 mod args;
+mod backup;
 mod json;
 mod read;
 mod render;
 mod repair;
 
 use std::io::{self, BufWriter, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bytes::Bytes;
@@ -37,6 +39,8 @@ const EXIT_STORAGE: u8 = 5;
 enum Failure {
     /// From the library; `opening` when the store was being opened.
     Store { error: Error, opening: bool },
+    /// Another process has the directory at `path` open; `remedy` says what to do instead.
+    Busy { path: PathBuf, remedy: &'static str },
     /// Reading input or writing output.
     Io(io::Error),
     /// Malformed input (import lines).
@@ -81,11 +85,16 @@ impl Failure {
             Failure::Store {
                 error: Error::AlreadyOpen { path },
                 ..
-            } => {
+            } => Failure::Busy {
+                path,
+                remedy: "Write commands need it stopped (or --wait DURATION); a running \
+                         application can resolve keys itself with Consumer::resolve.",
+            }
+            .report(),
+            Failure::Busy { path, remedy } => {
                 eprintln!(
                     "idemdb: store {} is busy: another process (the application?) has it open. \
-                     Write commands need it stopped (or --wait DURATION); a running application \
-                     can resolve keys itself with Consumer::resolve.",
+                     {remedy}",
                     path.display()
                 );
                 EXIT_BUSY
@@ -149,5 +158,7 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<u8, Failure> {
             repair::purge_expired(&args.store.store, &args.wait, json, out)
         }
         Command::Import(args) => repair::import(&args, json, out),
+        Command::Backup(args) => backup::backup(&args, json, out),
+        Command::Restore(args) => backup::restore(&args, json, out),
     }
 }

@@ -2,11 +2,12 @@
 //! labels they use for keys, instants, ages and sizes.
 
 use std::io::{self, Write};
+use std::path::Path;
 use std::time::{Duration, UNIX_EPOCH};
 
 use idemdb::admin::{
     CONSUMERS_TABLE, Entry, EntryState, ImportCounts, Page, PurgeReport, StateCounts, Store,
-    StoreStats, TableKind, VerifyReport,
+    StoreStats, TableKind, TransferReport, VerifyReport,
 };
 use idemdb::format::{decode_key, printable};
 use idemdb::{Record, RecordState};
@@ -329,6 +330,32 @@ pub fn write_import(
             "; --overwrite replaces them"
         }
     )
+}
+
+/// `backup` and `restore` (`what`): the two directories, then what was written, as a table.
+pub fn write_transfer(
+    out: &mut impl Write,
+    what: &str,
+    from: &Path,
+    to: &Path,
+    report: &TransferReport,
+    elapsed: Duration,
+) -> io::Result<()> {
+    writeln!(
+        out,
+        "{what} of {} written to {}",
+        from.display(),
+        to.display()
+    )?;
+    let mut table = TextTable::new(&["FILES", "BYTES", "LINKED", "TRANSFER", "TIME"]);
+    table.row(vec![
+        report.files.to_string(),
+        size(report.bytes),
+        report.linked_files.to_string(),
+        report.transfer.label().to_owned(),
+        format!("{:.3} s", elapsed.as_secs_f64()),
+    ]);
+    table.write(out, &[0, 1, 2, 4])
 }
 
 fn counts_line(counts: &StateCounts) -> String {

@@ -22,7 +22,11 @@ use crate::{EXIT_OK, EXIT_PROBLEM, Failure};
 const WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// Opens the store for writing, retrying for up to `wait` while another process holds it.
-fn open_write(path: &Path, retention: Option<Duration>, wait: &WaitArg) -> Result<Store, Failure> {
+pub fn open_write(
+    path: &Path,
+    retention: Option<Duration>,
+    wait: &WaitArg,
+) -> Result<Store, Failure> {
     let started = Instant::now();
     loop {
         let mut builder = Store::builder(path);
