@@ -61,6 +61,8 @@ fi
 
 echo "== RabbitMQ end to end: consumers SIGKILLed against a real server"
 bash scripts/rabbitmq-e2e.sh
+echo "== RabbitMQ partitioned fleet: handoffs, a zombie, online backups, the negative control"
+bash scripts/rabbitmq-handoff.sh
 
 # Last, so that the run ends with the test runners' own summary lines.
 echo "== tests"
