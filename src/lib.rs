@@ -371,7 +371,8 @@
 //! Every `begin`, commit and lease step emits a `tracing` debug event (target `idemdb`) with
 //! the consumer, the key in printable form, the outcome, the epoch and the message's correlation
 //! id. Metrics go through the `metrics` facade (labels: `consumer`, and `outcome` for the
-//! first); [`Engine::stats`] returns the same counts without an exporter:
+//! first, then those the opener added with [`EngineBuilder::metrics_label`], e.g. the partition
+//! of a store); [`Engine::stats`] returns the same counts without an exporter:
 //!
 //! | name | kind | what |
 //! |---|---|---|
