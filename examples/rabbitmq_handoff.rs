@@ -163,6 +163,10 @@ fn parse_options() -> Result<Options, BoxError> {
     Ok(options)
 }
 
+/// The fewest handoffs after a SIGKILL a passing run has timed: fewer means the kills did not
+/// hit owners, and the run proved little.
+const MIN_TIMED_HANDOFFS: usize = 5;
+
 /// How long the random kills spare a zombie after its SIGCONT.
 const ZOMBIE_SPARED: Duration = Duration::from_secs(3);
 
@@ -251,13 +255,20 @@ impl Fleet {
         self.children[consumer].as_ref().map(Child::id)
     }
 
-    fn kill(&mut self, consumer: usize) -> Result<(), BoxError> {
-        if let Some(mut child) = self.children[consumer].take() {
-            self.ledger.event("kill", &child.id().to_string(), None);
-            child.kill()?; // SIGKILL
-            child.wait()?;
+    /// SIGKILLs the consumer; false if it had exited already (then it is left for
+    /// `restart_exited`, and no kill is counted).
+    fn kill(&mut self, consumer: usize) -> Result<bool, BoxError> {
+        let Some(child) = &mut self.children[consumer] else {
+            return Ok(false);
+        };
+        if child.try_wait()?.is_some() {
+            return Ok(false);
         }
-        Ok(())
+        self.ledger.event("kill", &child.id().to_string(), None);
+        child.kill()?; // SIGKILL
+        child.wait()?;
+        self.children[consumer] = None;
+        Ok(true)
     }
 
     fn signal(&mut self, consumer: usize, signal: libc::c_int) -> Result<(), BoxError> {
@@ -307,9 +318,22 @@ impl Fleet {
             // SAFETY: signalling a child of ours by its pid; it has not been waited for yet.
             unsafe { libc::kill(pid, libc::SIGTERM) };
         }
+        // A consumer that does not stop within a minute is stuck: a failure, not a hang.
+        let deadline = Instant::now() + Duration::from_secs(60);
         for child in &mut self.children {
             if let Some(mut child) = child.take() {
-                let status = child.wait()?;
+                let status = loop {
+                    if let Some(status) = child.try_wait()? {
+                        break status;
+                    }
+                    if Instant::now() > deadline {
+                        eprintln!("rabbitmq_handoff: a consumer did not stop; SIGKILL");
+                        self.unexpected_exits += 1;
+                        child.kill()?;
+                        break child.wait()?;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                };
                 if std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
                     self.self_kills += 1;
                 } else if !status.success() {
@@ -529,7 +553,7 @@ struct Handoffs {
     kills_without_handoff: u64,
     /// Handoffs after a kill that overlap the zombie's pause (not in the handoff times).
     overlapping_pause: u64,
-    /// Commits by a process that was not the partition's latest opener (must be 0).
+    /// Commits begun by a process that was not the partition's latest opener (must be 0).
     foreign_commits: u64,
     zombie: Option<Zombie>,
 }
@@ -546,6 +570,11 @@ struct Zombie {
     commits_after_noticing: u64,
     /// Of its partitions, those it released after noticing.
     released: usize,
+    /// Of its partitions, those delivered to another process before the zombie released them.
+    contested: usize,
+    /// Of those, the ones whose next owner was refused by the store lock until the zombie
+    /// released it (must be all).
+    held_back: usize,
     /// Its release -> the new owner's first commit, ms (per partition).
     release_to_commit_ms: Vec<f64>,
     withheld: u64,
@@ -566,7 +595,9 @@ fn analyse(events: &[Event]) -> Handoffs {
                     result.handoffs += 1;
                 }
             }
-            "fresh" if latest_opener.get(&partition) != Some(&event.pid) => {
+            // A commit is checked when it begins: one begun by the latest opener stays safe,
+            // as no other process can open the store before it is written.
+            "submit" if latest_opener.get(&partition) != Some(&event.pid) => {
                 result.foreign_commits += 1;
                 eprintln!(
                     "COMMIT BY A NON-OWNER: pid {} on partition {partition}",
@@ -645,6 +676,8 @@ fn analyse(events: &[Event]) -> Handoffs {
             commits_before_noticing: 0,
             commits_after_noticing: 0,
             released: 0,
+            contested: 0,
+            held_back: 0,
             release_to_commit_ms: Vec::new(),
             withheld: 0,
         };
@@ -684,6 +717,31 @@ fn analyse(events: &[Event]) -> Handoffs {
                     zombie.release_to_commit_ms.push(ms(released.at_ns, at));
                 }
             }
+            // The lock at work: a partition delivered to its next owner while the zombie still
+            // held its store (contested) was refused, and opened only after the zombie let go.
+            // (One with no delivery until then was never contested.)
+            let contested = first_after("active", *partition, pid, stop.at_ns)
+                .zip(released)
+                .is_some_and(|(active, released)| active < released.at_ns);
+            if !contested {
+                continue;
+            }
+            zombie.contested += 1;
+            let next_open = events.iter().find(|e| {
+                e.kind == "open"
+                    && e.pid != pid
+                    && e.partition == Some(*partition)
+                    && e.at_ns > stop.at_ns
+            });
+            if let (Some(open), Some(released)) = (next_open, released)
+                && open.at_ns > released.at_ns
+                && open
+                    .subject
+                    .parse::<u64>()
+                    .is_ok_and(|refusals| refusals > 0)
+            {
+                zombie.held_back += 1;
+            }
         }
         result.zombie = Some(zombie);
     }
@@ -694,6 +752,8 @@ fn analyse(events: &[Event]) -> Handoffs {
 #[derive(Default)]
 struct Backups {
     taken: u64,
+    /// Checkpoints that returned an error (must be 0).
+    failed: u64,
     checked: u64,
     restored_with_cli: bool,
     /// A record without its order row or effect, or the reverse (must be 0).
@@ -717,6 +777,10 @@ fn check_backups(
     };
     let scratch = work.join("restored");
     std::fs::create_dir_all(&scratch)?;
+    result.failed = events
+        .iter()
+        .filter(|e| e.kind == "checkpoint-failed")
+        .count() as u64;
     for done in events.iter().filter(|e| e.kind == "checkpoint-done") {
         result.taken += 1;
         let Some(partition) = done.partition else {
@@ -996,9 +1060,10 @@ async fn run() -> Result<bool, BoxError> {
         if Some(victim) == fleet.stopped {
             continue;
         }
-        fleet.kill(victim)?;
-        kills += 1;
-        fleet.start(victim)?;
+        if fleet.kill(victim)? {
+            kills += 1;
+            fleet.start(victim)?;
+        }
         fleet.restart_exited()?;
     }
     let published = producer.await??;
@@ -1113,7 +1178,7 @@ async fn run() -> Result<bool, BoxError> {
         ),
     );
     row(
-        "kills of a process owning no partition",
+        "kills followed by no handoff (owned nothing, or idle)",
         handoffs.kills_without_handoff.to_string(),
     );
     row(
@@ -1121,7 +1186,7 @@ async fn run() -> Result<bool, BoxError> {
         handoffs.overlapping_pause.to_string(),
     );
     row(
-        "commits by a process not the latest opener",
+        "commits begun by a process not the latest opener",
         handoffs.foreign_commits.to_string(),
     );
     let mut zombie_failures = 0;
@@ -1163,8 +1228,16 @@ async fn run() -> Result<bool, BoxError> {
                 "zombie: release -> new owner's commit",
                 format!("max {:.0} ms", after.last().copied().unwrap_or(f64::NAN)),
             );
+            row(
+                "zombie: contested partitions whose next owner waited",
+                format!("{} of {}", zombie.held_back, zombie.contested),
+            );
             if zombie.commits_after_noticing > 0
+                || zombie.partitions.is_empty()
                 || zombie.released < zombie.partitions.len()
+                || zombie.contested == 0
+                || zombie.held_back < zombie.contested
+                || zombie.broker_detection_ms.is_none()
                 || zombie.noticed_after_cont_ms.is_none()
             {
                 zombie_failures += 1;
@@ -1199,6 +1272,7 @@ async fn run() -> Result<bool, BoxError> {
             checkpoint_ms.last().copied().unwrap_or(f64::NAN)
         ),
     );
+    row("backups that failed", backups.failed.to_string());
     row(
         "backups: claims and writes torn apart",
         backups.torn.to_string(),
@@ -1264,6 +1338,8 @@ async fn run() -> Result<bool, BoxError> {
         && handoffs.foreign_commits == 0
         && handoffs.handoffs > 0
         && zombie_failures == 0
+        && backups.failed == 0
+        && to_commit.len() >= MIN_TIMED_HANDOFFS
         && backups.torn == 0
         && backups.missing_acknowledged == 0
         && backups.total_mismatches == 0

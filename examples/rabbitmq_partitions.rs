@@ -11,7 +11,9 @@
 //! 1. The first delivery from partition `p`'s queue tells this process it is now the owner.
 //! 2. It opens the partition's store. While the previous owner still holds it (a process
 //!    paused, not yet aware that the broker gave its partitions away), the open is refused
-//!    with `AlreadyOpen`; it retries every 50 ms, holding the deliveries unacked.
+//!    with `AlreadyOpen` (after the engine's own wait of up to 0.5 s for the lock, which it
+//!    takes within milliseconds of its release); it tries again 50 ms later, holding the
+//!    deliveries unacked.
 //! 3. It handles the partition's deliveries (`common/handler.rs`) with that store.
 //! 4. When the connection is lost it stops committing (claims not yet committed are dropped),
 //!    stops its handlers, closes every store it owns, and only then connects again, as a
@@ -354,7 +356,12 @@ async fn own_partition(
     let mut owned: Option<(idemdb::Engine, Arc<Handler>)> = None;
     let mut waiting = Vec::new();
     let mut tasks = tokio::task::JoinSet::new();
-    let mut checkpoint_tick = shared.options.checkpoint_every.map(tokio::time::interval);
+    let mut checkpoint_tick = shared.options.checkpoint_every.map(|every| {
+        let mut tick = tokio::time::interval(every);
+        // A standby that becomes the owner backs up once, not once per tick it missed.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        tick
+    });
     // Write batches at the last backup: an idle store is not backed up again.
     let mut backed_up_at = u64::MAX;
     let result = loop {
@@ -416,9 +423,10 @@ async fn own_partition(
                 Ok(engine) => engine,
                 Err(error) => break Err(error),
             };
-            let handler = Arc::new(handler_for(
-                &shared, &engine, partition, &publisher, &connected,
-            )?);
+            let handler = match handler_for(&shared, &engine, partition, &publisher, &connected) {
+                Ok(handler) => Arc::new(handler),
+                Err(error) => break Err(error),
+            };
             for delivery in waiting.drain(..) {
                 let handler = handler.clone();
                 tasks.spawn(async move { handler.handle(delivery).await });
@@ -513,7 +521,13 @@ async fn backup(shared: &Shared, partition: usize, engine: idemdb::Engine) {
     let taken = tokio::task::spawn_blocking(move || engine.checkpoint(&dir)).await;
     match taken {
         Ok(Ok(())) => shared.event("checkpoint-done", &name, Some(partition)),
-        Ok(Err(error)) => eprintln!("rabbitmq_partitions: checkpoint {name}: {error}"),
-        Err(error) => eprintln!("rabbitmq_partitions: checkpoint {name}: {error}"),
+        Ok(Err(error)) => {
+            eprintln!("rabbitmq_partitions: checkpoint {name}: {error}");
+            shared.event("checkpoint-failed", &name, Some(partition));
+        }
+        Err(error) => {
+            eprintln!("rabbitmq_partitions: checkpoint {name}: {error}");
+            shared.event("checkpoint-failed", &name, Some(partition));
+        }
     }
 }

@@ -21,7 +21,7 @@ use crate::options::{EngineBuilder, OpenMode};
 use crate::record::{Record, RecordState, Standing};
 use crate::storage::{RECORDS_MARKER, RECORDS_TABLE, Storage};
 use crate::store_lock::StoreLock;
-use crate::store_meta::StoredMeta;
+use crate::store_meta::{self, StoredMeta};
 
 /// The embedded dedup store. Cheap to clone (an `Arc`); every handle keeps the store open, and it
 /// closes when the last clone and handle are dropped.
@@ -71,7 +71,21 @@ impl EngineBuilder {
         // wrong with the declaration.
         let lock = StoreLock::acquire(&self.path)?;
         let stored = StoredMeta::read(&self.path)?;
-        Engine::open_locked(&self, lock, stored)
+        // A new store is created under a marker, so that a crash midway is finished by the
+        // next open instead of leaving a database it would refuse (`store_meta.rs`).
+        let creating = match stored {
+            None if self.open_mode == OpenMode::Application => {
+                store_meta::begin_creation(&self.path)?;
+                true
+            }
+            None => false,
+            Some(_) => store_meta::creation_interrupted(&self.path)?,
+        };
+        let engine = Engine::open_locked(&self, lock, stored)?;
+        if creating {
+            store_meta::finish_creation(&self.path)?;
+        }
+        Ok(engine)
     }
 }
 

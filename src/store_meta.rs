@@ -30,6 +30,12 @@ pub(crate) const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
 /// Meta key prefix recording each business table's merge operator, fixed when it is created:
 /// `merge:<name>`, or `none`.
 pub(crate) const META_MERGE_OPERATOR_PREFIX: &str = "idemdb.merge-operator/";
+/// A file in the store directory while a new store is being created: RocksDB creates the
+/// database first and its tables one by one after, so a process killed in between leaves a
+/// database without idemdb's tables. Written (and fsynced) before RocksDB writes anything, and
+/// removed once the store is complete, it tells such a leftover, which never held a commit,
+/// from a foreign database: the next open finishes the creation.
+pub(crate) const CREATING_MARKER_FILE: &str = "IDEMDB-CREATING";
 /// What RocksDB's OPTIONS file says of a table without a merge operator.
 const NO_MERGE_OPERATOR: &str = "nullptr";
 /// The stand-in merge operator's name, written to the OPTIONS file by operator tools for a table
@@ -133,7 +139,8 @@ impl StoredMeta {
             return Ok(None);
         }
         let tables = DB::list_cf(&rocksdb::Options::default(), path)?;
-        if !tables.iter().any(|table| table == RECORDS_TABLE) {
+        let has_records = tables.iter().any(|table| table == RECORDS_TABLE);
+        if !has_records && !creation_interrupted(path)? {
             return Err(incompatible(
                 path,
                 format!("not an idemdb store (no {RECORDS_TABLE:?} table)"),
@@ -151,7 +158,10 @@ impl StoredMeta {
         let format = match meta.get_cf(default, META_FORMAT_KEY)? {
             Some(format) if format == STORE_FORMAT_V1 => FormatMarker::Current,
             Some(_) => FormatMarker::Unknown,
-            None if records_table_is_empty(path)? => FormatMarker::MissingOnEmptyStore,
+            // A creation cut short before the records table existed holds no record either.
+            None if !has_records || records_table_is_empty(path)? => {
+                FormatMarker::MissingOnEmptyStore
+            }
             None => FormatMarker::Missing,
         };
         let mut kinds = HashMap::new();
@@ -344,6 +354,35 @@ pub(crate) fn new_store_meta(
 
 /// Whether the records table holds nothing, read through a second read-only open (only needed
 /// for a store without a format marker, so it is not paid on every open).
+/// Whether the creation of the store at `path` began and did not finish
+/// ([`CREATING_MARKER_FILE`]).
+pub(crate) fn creation_interrupted(path: &Path) -> Result<bool> {
+    path.join(CREATING_MARKER_FILE)
+        .try_exists()
+        .map_err(|error| Error::io("looking for the creation marker", &error))
+}
+
+/// Marks the creation of a new store at `path` as begun, durably, before RocksDB writes there.
+pub(crate) fn begin_creation(path: &Path) -> Result<()> {
+    let marker = path.join(CREATING_MARKER_FILE);
+    std::fs::File::create(&marker)
+        .and_then(|file| file.sync_all())
+        .and_then(|()| sync_directory(path))
+        .map_err(|error| Error::io("writing the creation marker", &error))
+}
+
+/// Marks the creation of the store at `path` as finished (its tables and metadata are written
+/// and synced).
+pub(crate) fn finish_creation(path: &Path) -> Result<()> {
+    std::fs::remove_file(path.join(CREATING_MARKER_FILE))
+        .and_then(|()| sync_directory(path))
+        .map_err(|error| Error::io("removing the creation marker", &error))
+}
+
+fn sync_directory(path: &Path) -> std::io::Result<()> {
+    std::fs::File::open(path)?.sync_all()
+}
+
 fn records_table_is_empty(path: &Path) -> Result<bool> {
     let mut records = rocksdb::Options::default();
     // Records are merge operands until compacted: an iterator needs the operator to fold them.

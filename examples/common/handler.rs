@@ -181,6 +181,9 @@ impl Handler {
                     self.event("withheld", &order_id);
                     return Ok(());
                 }
+                // Logged before the commit is handed over: a commit still runs if this task is
+                // aborted, and must be accounted for then too.
+                self.event("submit", &order_id);
                 // Durable (fsynced, grouped with concurrent commits) before the ack.
                 match claim.commit_async(b"accepted").await {
                     Ok(_) => {}

@@ -647,3 +647,42 @@ fn a_path_through_a_missing_directory_and_dotdot_creates_nothing() {
         .open()
         .unwrap();
 }
+
+/// A process killed while it creates a store leaves a RocksDB database with only some of the
+/// store's tables (RocksDB creates them one by one after the database). The creation marker,
+/// written first, lets the next open finish the creation; without it the store was refused as
+/// foreign forever (found by the partitioned-fleet end-to-end run, a SIGKILL during a first
+/// open).
+#[test]
+fn a_store_whose_creation_was_cut_short_is_finished_by_the_next_open() {
+    for tables in [&["default"][..], &["default", "orders"][..]] {
+        let store = TestStore::new();
+        let path = store.dir.path();
+        std::fs::write(path.join("IDEMDB-CREATING"), b"").unwrap();
+        create_raw(path, tables, &[]);
+        let engine = store.open();
+        assert!(
+            !path.join("IDEMDB-CREATING").exists(),
+            "the marker is removed once the store is complete ({tables:?})"
+        );
+        commit_key(&engine, "k");
+        drop(engine);
+        let engine = store.open();
+        assert!(engine.consumer("c").unwrap().get("k").unwrap().is_some());
+    }
+}
+
+#[test]
+fn a_new_store_keeps_no_creation_marker_and_a_foreign_database_stays_refused() {
+    let store = TestStore::new();
+    drop(store.open());
+    assert!(!store.dir.path().join("IDEMDB-CREATING").exists());
+
+    // The marker alone decides: the same leftover without it is a foreign database.
+    let foreign = TestStore::new();
+    create_raw(foreign.dir.path(), &["default"], &[]);
+    assert!(matches!(
+        foreign.builder().open(),
+        Err(Error::IncompatibleStore { .. })
+    ));
+}
