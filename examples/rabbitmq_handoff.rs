@@ -572,8 +572,8 @@ struct Zombie {
     released: usize,
     /// Of its partitions, those delivered to another process before the zombie released them.
     contested: usize,
-    /// Of those, the ones whose next owner was refused by the store lock until the zombie
-    /// released it (must be all).
+    /// Of those, the ones opened next (by anyone) only after the zombie released them (must
+    /// be all).
     held_back: usize,
     /// Its release -> the new owner's first commit, ms (per partition).
     release_to_commit_ms: Vec<f64>,
@@ -727,18 +727,15 @@ fn analyse(events: &[Event]) -> Handoffs {
                 continue;
             }
             zombie.contested += 1;
+            // The next open by anyone: the zombie itself may win the partition back, once it
+            // has released it and reconnected.
             let next_open = events.iter().find(|e| {
-                e.kind == "open"
-                    && e.pid != pid
-                    && e.partition == Some(*partition)
-                    && e.at_ns > stop.at_ns
+                e.kind == "open" && e.partition == Some(*partition) && e.at_ns > stop.at_ns
             });
+            // (The wait shows as refusals, or inside one open: an open waits up to 0.5 s for
+            // the lock before it refuses.)
             if let (Some(open), Some(released)) = (next_open, released)
                 && open.at_ns > released.at_ns
-                && open
-                    .subject
-                    .parse::<u64>()
-                    .is_ok_and(|refusals| refusals > 0)
             {
                 zombie.held_back += 1;
             }
