@@ -265,7 +265,7 @@ impl EngineBuilder {
     /// let engine = idemdb::Engine::builder(dir.path().join("partition-3"))
     ///     .metrics_label("partition", "3") // idemdb_commits_total{consumer="..",partition="3"}
     ///     .open()?;
-    /// # Ok::<(), idemdb::Error>(())
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     ///
     /// At most [`METRICS_LABELS_MAX`] labels. `name` is a Prometheus label name (an ASCII
