@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lapin::options::{
@@ -31,7 +31,9 @@ mod checker;
 mod orders;
 #[path = "common/prometheus.rs"]
 mod prometheus;
-use checker::{BoxError, Rng, connect, die_with_parent, drain_dead_letters, plan, verify};
+use checker::{
+    BoxError, Children, Rng, connect, die_with_parent, drain_dead_letters, plan, verify,
+};
 use orders::{DEAD_LETTER_QUEUE, EXCHANGE, open_store, queue_name, shard_of};
 
 struct Options {
@@ -102,8 +104,7 @@ fn parse_options() -> Result<Options, BoxError> {
     Ok(options)
 }
 
-/// The consumer processes, one per shard. Every child is SIGKILLed when this is dropped, so a
-/// failing run leaves nothing behind.
+/// The consumer processes, one per shard.
 struct Fleet {
     binary: PathBuf,
     options_amqp: String,
@@ -111,11 +112,8 @@ struct Fleet {
     metrics_port_base: u16,
     transient_failure_percent: u64,
     kill_after_commit_per_mille: u64,
-    children: Vec<Option<Child>>,
+    children: Children,
     starts: usize,
-    /// Consumers that SIGKILLed themselves between a commit and its ack.
-    self_kills: usize,
-    unexpected_exits: usize,
 }
 
 impl Fleet {
@@ -145,73 +143,18 @@ impl Fleet {
             .stdout(log.try_clone()?)
             .stderr(log);
         die_with_parent(&mut command);
-        self.children[shard] = Some(command.spawn()?);
+        self.children.set(shard, command.spawn()?);
         self.starts += 1;
-        Ok(())
-    }
-
-    fn kill(&mut self, shard: usize) -> Result<(), BoxError> {
-        if let Some(mut child) = self.children[shard].take() {
-            child.kill()?; // SIGKILL
-            child.wait()?;
-        }
         Ok(())
     }
 
     /// Restarts every consumer that is not running: one that killed itself between a commit
     /// and its ack, or one that exited for another reason (it should not; reported).
     fn restart_exited(&mut self) -> Result<(), BoxError> {
-        use std::os::unix::process::ExitStatusExt;
-        for shard in 0..self.children.len() {
-            let status = match &mut self.children[shard] {
-                Some(child) => match child.try_wait()? {
-                    Some(status) => Some(status),
-                    None => continue,
-                },
-                None => None,
-            };
-            match status {
-                Some(status) if status.signal() == Some(libc::SIGKILL) => self.self_kills += 1,
-                Some(status) => {
-                    self.unexpected_exits += 1;
-                    eprintln!("rabbitmq_e2e: consumer {shard} exited with {status}; restarting");
-                }
-                None => {}
-            }
-            self.children[shard] = None;
+        for shard in self.children.exited()? {
             self.start(shard)?;
         }
         Ok(())
-    }
-
-    /// SIGTERM to every consumer, then waits: they finish what is in flight and exit.
-    fn stop_gracefully(&mut self) -> Result<(), BoxError> {
-        for child in self.children.iter().flatten() {
-            let pid = libc::pid_t::try_from(child.id())?;
-            // SAFETY: signalling a child of ours by its pid; it has not been waited for yet.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
-        for child in &mut self.children {
-            if let Some(mut child) = child.take() {
-                let status = child.wait()?;
-                if std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
-                    self.self_kills += 1;
-                } else if !status.success() {
-                    eprintln!("rabbitmq_e2e: a consumer stopped with {status}");
-                    self.unexpected_exits += 1;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        for child in self.children.iter_mut().flatten() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -449,10 +392,8 @@ async fn run() -> Result<bool, BoxError> {
         metrics_port_base: options.metrics_port_base,
         transient_failure_percent: options.transient_failure_percent,
         kill_after_commit_per_mille: options.kill_after_commit_per_mille,
-        children: (0..options.shards).map(|_| None).collect(),
+        children: Children::new(options.shards),
         starts: 0,
-        self_kills: 0,
-        unexpected_exits: 0,
     };
     for shard in 0..options.shards {
         fleet.start(shard)?;
@@ -507,9 +448,10 @@ async fn run() -> Result<bool, BoxError> {
             break;
         }
         let shard = usize::try_from(rng.below(options.shards as u64))?;
-        fleet.kill(shard)?;
-        kills += 1;
-        fleet.start(shard)?;
+        if fleet.children.kill(shard)?.is_some() {
+            kills += 1;
+            fleet.start(shard)?;
+        }
         fleet.restart_exited()?;
     }
     let published = producer.await??;
@@ -525,7 +467,7 @@ async fn run() -> Result<bool, BoxError> {
                 std::net::SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
             metrics_sample = prometheus::scrape(consumer_0).ok();
         }
-        fleet.stop_gracefully()?;
+        fleet.children.stop_gracefully()?;
         if ready_messages(&channel, options.shards).await? == 0 {
             break;
         }
@@ -552,9 +494,9 @@ async fn run() -> Result<bool, BoxError> {
         transient_nacks: event("transient"),
         in_progress_nacks: event("in_progress"),
         kills,
-        self_kills: fleet.self_kills as u64,
+        self_kills: fleet.children.self_kills as u64,
         starts: fleet.starts as u64,
-        unexpected_exits: fleet.unexpected_exits as u64,
+        unexpected_exits: fleet.children.unexpected_exits as u64,
         ..Accounting::default()
     };
     let mut stores = Vec::new();

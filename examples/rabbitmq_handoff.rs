@@ -37,7 +37,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use idemdb::{RecordState, merge_ops};
@@ -56,7 +56,9 @@ mod handler;
 mod orders;
 #[path = "common/prometheus.rs"]
 mod prometheus;
-use checker::{BoxError, Plan, Rng, connect, die_with_parent, drain_dead_letters, plan, verify};
+use checker::{
+    BoxError, Children, Plan, Rng, connect, die_with_parent, drain_dead_letters, plan, verify,
+};
 use handler::{Ledger, monotonic_ns};
 use orders::{
     DEAD_LETTER_QUEUE, PARTITION_EXCHANGE, TOTAL_AMOUNT_KEY, open_store, parse_amount,
@@ -170,16 +172,14 @@ const MIN_TIMED_HANDOFFS: usize = 5;
 /// How long the random kills spare a zombie after its SIGCONT.
 const ZOMBIE_SPARED: Duration = Duration::from_secs(3);
 
-/// The consumer processes. Every child is SIGKILLed when this is dropped.
+/// The consumer processes.
 struct Fleet {
     binary: PathBuf,
     options: Options,
-    children: Vec<Option<Child>>,
+    children: Children,
     /// The consumer now stopped (SIGSTOP), which the random kills leave alone.
     stopped: Option<usize>,
     starts: usize,
-    self_kills: usize,
-    unexpected_exits: usize,
     ledger: Ledger,
 }
 
@@ -246,112 +246,43 @@ impl Fleet {
                 .arg(work.join("backups"));
         }
         die_with_parent(&mut command);
-        self.children[consumer] = Some(command.spawn()?);
+        self.children.set(consumer, command.spawn()?);
         self.starts += 1;
         Ok(())
     }
 
-    fn pid(&self, consumer: usize) -> Option<u32> {
-        self.children[consumer].as_ref().map(Child::id)
-    }
-
-    /// SIGKILLs the consumer; false if it had exited already (then it is left for
-    /// `restart_exited`, and no kill is counted).
+    /// SIGKILLs the consumer (logged); false if it had exited already.
     fn kill(&mut self, consumer: usize) -> Result<bool, BoxError> {
-        let Some(child) = &mut self.children[consumer] else {
-            return Ok(false);
-        };
-        if child.try_wait()?.is_some() {
+        if !self.children.running(consumer)? {
             return Ok(false);
         }
-        self.ledger.event("kill", &child.id().to_string(), None);
-        child.kill()?; // SIGKILL
-        child.wait()?;
-        self.children[consumer] = None;
-        Ok(true)
+        if let Some(pid) = self.children.pid(consumer) {
+            // Logged first: the kill is the moment the handoff times start from.
+            self.ledger.event("kill", &pid.to_string(), None);
+        }
+        Ok(self.children.kill(consumer)?.is_some())
     }
 
+    /// SIGSTOP or SIGCONT to the consumer, logged.
     fn signal(&mut self, consumer: usize, signal: libc::c_int) -> Result<(), BoxError> {
-        if let Some(child) = &self.children[consumer] {
-            let pid = libc::pid_t::try_from(child.id())?;
+        if let Some(pid) = self.children.pid(consumer) {
             let kind = if signal == libc::SIGSTOP {
                 "stop"
             } else {
                 "cont"
             };
             self.ledger.event(kind, &pid.to_string(), None);
-            // SAFETY: signalling a child of ours by its pid; it has not been waited for yet.
-            unsafe { libc::kill(pid, signal) };
+            self.children.signal(consumer, signal)?;
         }
         Ok(())
     }
 
     /// Restarts every consumer that is not running.
     fn restart_exited(&mut self) -> Result<(), BoxError> {
-        use std::os::unix::process::ExitStatusExt;
-        for consumer in 0..self.children.len() {
-            let status = match &mut self.children[consumer] {
-                Some(child) => match child.try_wait()? {
-                    Some(status) => Some(status),
-                    None => continue,
-                },
-                None => None,
-            };
-            match status {
-                Some(status) if status.signal() == Some(libc::SIGKILL) => self.self_kills += 1,
-                Some(status) => {
-                    self.unexpected_exits += 1;
-                    eprintln!("rabbitmq_handoff: consumer {consumer} exited with {status}");
-                }
-                None => {}
-            }
-            self.children[consumer] = None;
+        for consumer in self.children.exited()? {
             self.start(consumer)?;
         }
         Ok(())
-    }
-
-    /// SIGTERM to every consumer, then waits: they finish what is in flight and exit.
-    fn stop_gracefully(&mut self) -> Result<(), BoxError> {
-        for child in self.children.iter().flatten() {
-            let pid = libc::pid_t::try_from(child.id())?;
-            // SAFETY: signalling a child of ours by its pid; it has not been waited for yet.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
-        // A consumer that does not stop within a minute is stuck: a failure, not a hang.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        for child in &mut self.children {
-            if let Some(mut child) = child.take() {
-                let status = loop {
-                    if let Some(status) = child.try_wait()? {
-                        break status;
-                    }
-                    if Instant::now() > deadline {
-                        eprintln!("rabbitmq_handoff: a consumer did not stop; SIGKILL");
-                        self.unexpected_exits += 1;
-                        child.kill()?;
-                        break child.wait()?;
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                };
-                if std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
-                    self.self_kills += 1;
-                } else if !status.success() {
-                    eprintln!("rabbitmq_handoff: a consumer stopped with {status}");
-                    self.unexpected_exits += 1;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        for child in self.children.iter_mut().flatten() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -945,11 +876,9 @@ async fn run() -> Result<bool, BoxError> {
     let mut fleet = Fleet {
         binary,
         ledger: Ledger::open(&options.work.join("ledger-checker.log"))?,
-        children: (0..consumers).map(|_| None).collect(),
+        children: Children::new(consumers),
         stopped: None,
         starts: 0,
-        self_kills: 0,
-        unexpected_exits: 0,
         options,
     };
     for consumer in 0..consumers {
@@ -1043,6 +972,7 @@ async fn run() -> Result<bool, BoxError> {
             let now = monotonic_ns();
             let owner = (0..consumers).find(|c| {
                 fleet
+                    .children
                     .pid(*c)
                     .is_some_and(|pid| !owned_at(&events, pid, now).is_empty())
             });
@@ -1080,7 +1010,7 @@ async fn run() -> Result<bool, BoxError> {
                 .filter_map(|addr| prometheus::scrape(addr).ok())
                 .find(|sample| sample.contains("partition=\""));
         }
-        fleet.stop_gracefully()?;
+        fleet.children.stop_gracefully()?;
         if ready_messages(&channel, fleet.options.partitions).await? == 0 {
             break;
         }
@@ -1141,12 +1071,12 @@ async fn run() -> Result<bool, BoxError> {
     row("consumers SIGKILLed at random moments", kills.to_string());
     row(
         "consumers SIGKILLed between commit and ack",
-        fleet.self_kills.to_string(),
+        fleet.children.self_kills.to_string(),
     );
     row("consumer starts", fleet.starts.to_string());
     row(
         "consumer exits not caused by us",
-        fleet.unexpected_exits.to_string(),
+        fleet.children.unexpected_exits.to_string(),
     );
     row(
         "partition handoffs (store opened by a new owner)",
@@ -1331,7 +1261,7 @@ async fn run() -> Result<bool, BoxError> {
         return Ok(caught);
     }
     let passed = verdict.passed()
-        && fleet.unexpected_exits == 0
+        && fleet.children.unexpected_exits == 0
         && handoffs.foreign_commits == 0
         && handoffs.handoffs > 0
         && zombie_failures == 0

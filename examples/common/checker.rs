@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::process::Command;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use idemdb::{Engine, Fingerprint, merge_ops};
@@ -278,4 +278,133 @@ pub fn verify(
         }
     }
     Ok(verdict)
+}
+
+/// The consumer processes of a run, by slot (a shard, or a fleet member). Every one still
+/// running is SIGKILLed when this is dropped, so a failing run leaves nothing behind.
+pub struct Children {
+    slots: Vec<Option<Child>>,
+    /// Processes that died of SIGKILL on their own (between a commit and its ack, on purpose).
+    pub self_kills: usize,
+    /// Processes that exited any other way: a bug even when nothing was lost.
+    pub unexpected_exits: usize,
+}
+
+impl Children {
+    pub fn new(slots: usize) -> Children {
+        Children {
+            slots: (0..slots).map(|_| None).collect(),
+            self_kills: 0,
+            unexpected_exits: 0,
+        }
+    }
+
+    pub fn set(&mut self, slot: usize, child: Child) {
+        self.slots[slot] = Some(child);
+    }
+
+    pub fn pid(&self, slot: usize) -> Option<u32> {
+        self.slots[slot].as_ref().map(Child::id)
+    }
+
+    /// Whether a process runs in `slot` (one that has exited is left for
+    /// [`Children::exited`]).
+    pub fn running(&mut self, slot: usize) -> Result<bool, BoxError> {
+        match &mut self.slots[slot] {
+            Some(child) => Ok(child.try_wait()?.is_none()),
+            None => Ok(false),
+        }
+    }
+
+    /// SIGKILLs the process in `slot` and returns its pid; `None` if it had exited already
+    /// (it is then left for [`Children::exited`], and no kill is counted).
+    pub fn kill(&mut self, slot: usize) -> Result<Option<u32>, BoxError> {
+        let Some(child) = &mut self.slots[slot] else {
+            return Ok(None);
+        };
+        if child.try_wait()?.is_some() {
+            return Ok(None);
+        }
+        let pid = child.id();
+        child.kill()?; // SIGKILL
+        child.wait()?;
+        self.slots[slot] = None;
+        Ok(Some(pid))
+    }
+
+    /// Sends `signal` to the process in `slot`, if one runs there.
+    pub fn signal(&self, slot: usize, signal: libc::c_int) -> Result<Option<u32>, BoxError> {
+        let Some(child) = &self.slots[slot] else {
+            return Ok(None);
+        };
+        let pid = libc::pid_t::try_from(child.id())?;
+        // SAFETY: signalling a child of ours by its pid; it has not been waited for yet.
+        unsafe { libc::kill(pid, signal) };
+        Ok(Some(child.id()))
+    }
+
+    /// The slots with no running process (reaped and counted here), to be started again.
+    pub fn exited(&mut self) -> Result<Vec<usize>, BoxError> {
+        use std::os::unix::process::ExitStatusExt;
+        let mut empty = Vec::new();
+        for (slot, child) in self.slots.iter_mut().enumerate() {
+            if let Some(running) = child {
+                let Some(status) = running.try_wait()? else {
+                    continue;
+                };
+                if status.signal() == Some(libc::SIGKILL) {
+                    self.self_kills += 1;
+                } else {
+                    self.unexpected_exits += 1;
+                    eprintln!("checker: consumer {slot} exited with {status}; restarting");
+                }
+                *child = None;
+            }
+            empty.push(slot);
+        }
+        Ok(empty)
+    }
+
+    /// SIGTERM to every process, then waits: they finish what is in flight and exit. One that
+    /// has not stopped within a minute is stuck: it is SIGKILLed and counted unexpected, so a
+    /// hang fails the run instead of stalling it.
+    pub fn stop_gracefully(&mut self) -> Result<(), BoxError> {
+        for slot in 0..self.slots.len() {
+            self.signal(slot, libc::SIGTERM)?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for child in &mut self.slots {
+            let Some(mut child) = child.take() else {
+                continue;
+            };
+            let status = loop {
+                if let Some(status) = child.try_wait()? {
+                    break status;
+                }
+                if Instant::now() > deadline {
+                    eprintln!("checker: a consumer did not stop within a minute; SIGKILL");
+                    self.unexpected_exits += 1;
+                    child.kill()?;
+                    break child.wait()?;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            if std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
+                self.self_kills += 1;
+            } else if !status.success() {
+                eprintln!("checker: a consumer stopped with {status}");
+                self.unexpected_exits += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in self.slots.iter_mut().flatten() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
