@@ -52,6 +52,11 @@ pub enum StorageErrorKind {
     Retryable,
     /// An I/O failure. On the write path this poisons the engine (see [`Error::Poisoned`]).
     Io,
+    /// The file system is full (`ENOSPC`). On the write path this poisons the engine like any
+    /// I/O failure: RocksDB stops accepting writes once a WAL or flush write has failed. Reads
+    /// keep working; free space, then open the store again (every acknowledged commit is
+    /// there).
+    NoSpace,
     /// RocksDB detected corruption of its own files (checksums, manifest, WAL).
     Corruption,
     /// The store is shutting down.
@@ -235,8 +240,13 @@ impl Error {
     /// error of kind [`StorageErrorKind::Io`].
     #[cfg(feature = "engine")]
     pub(crate) fn io(doing: &str, error: &std::io::Error) -> Error {
+        let kind = if error.kind() == std::io::ErrorKind::StorageFull {
+            StorageErrorKind::NoSpace
+        } else {
+            StorageErrorKind::Io
+        };
         Error::Storage {
-            kind: StorageErrorKind::Io,
+            kind,
             detail: format!("{doing}: {error}"),
         }
     }
@@ -285,6 +295,10 @@ impl From<rocksdb::Error> for Error {
         use rocksdb::ErrorKind as K;
         let kind = match error.kind() {
             K::Busy | K::TryAgain | K::TimedOut | K::Incomplete => StorageErrorKind::Retryable,
+            // RocksDB has a NoSpace subcode, but the bindings report only the message.
+            K::IOError if error.as_ref().contains("No space left on device") => {
+                StorageErrorKind::NoSpace
+            }
             K::IOError => StorageErrorKind::Io,
             K::Corruption => StorageErrorKind::Corruption,
             K::ShutdownInProgress => StorageErrorKind::ShuttingDown,

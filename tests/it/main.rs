@@ -11,6 +11,7 @@ mod corrupt;
 mod durability;
 mod entity;
 mod fault;
+mod full_disk;
 mod guard;
 mod lease;
 mod limits;

@@ -1,0 +1,150 @@
+//! Guards the behaviour on a full file system: the store on a small tmpfs the test mounts
+//! (as root; skipped with a message where mounting is refused, unmounted whatever happens).
+//! Commits until the disk is full must end in a typed `NoSpace` error, not a panic and not
+//! `Corrupt`; every commit acknowledged before it stays readable, in this engine and after a
+//! reopen once space is freed; a failed commit is there whole or not at all.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use idemdb::{Durability, Engine, Error, Fingerprint, Outcome, StorageErrorKind, TableOptions};
+
+/// A tmpfs of a fixed size, mounted for one test and unmounted when dropped.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn mount(megabytes: u32) -> Option<SmallDisk> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={megabytes}m"), "tmpfs"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        mounted
+            .is_ok_and(|status| status.success())
+            .then_some(SmallDisk { dir })
+    }
+
+    fn resize(&self, megabytes: u32) {
+        let status = Command::new("mount")
+            .args(["-o", &format!("remount,size={megabytes}m")])
+            .arg(self.dir.path())
+            .status()
+            .unwrap();
+        assert!(status.success(), "remounting the test tmpfs");
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let unmounted = Command::new("umount").arg(self.dir.path()).status();
+        if !unmounted.is_ok_and(|status| status.success()) {
+            // Lazily, so that the temporary directory can go even if something holds a file.
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(self.dir.path())
+                .status();
+        }
+    }
+}
+
+fn open(path: &Path) -> idemdb::Result<Engine> {
+    Engine::builder(path)
+        .durability(Durability::Sync)
+        // Small memtables: flushes happen, and fill the disk too.
+        .write_buffer_bytes(1 << 20)
+        .business_table(TableOptions::new("orders"))
+        .open()
+}
+
+#[test]
+fn a_full_disk_fails_commits_with_no_space_and_loses_nothing_acknowledged() {
+    let Some(disk) = SmallDisk::mount(16) else {
+        eprintln!(
+            "skipped a_full_disk_fails_commits_with_no_space_and_loses_nothing_acknowledged: \
+             mounting a tmpfs was refused (the test needs root or CAP_SYS_ADMIN)"
+        );
+        return;
+    };
+    let store = disk.path().join("store");
+    let engine = open(&store).unwrap();
+    let consumer = engine.consumer("c").unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    let row = vec![0x5a_u8; 64 << 10];
+    let mut acknowledged = Vec::new();
+    let mut failure = None;
+    for n in 0..2_000 {
+        let key = format!("order-{n:05}");
+        let outcome = consumer.begin(&key, Fingerprint::of(&key));
+        let mut claim = match outcome {
+            Ok(Outcome::Fresh(claim)) => claim,
+            Ok(other) => panic!("{key}: fresh expected, got {other:?}"),
+            Err(error) => {
+                failure = Some((key, error));
+                break;
+            }
+        };
+        claim.put(&orders, &key, &row).unwrap();
+        match claim.commit(b"ok") {
+            Ok(_) => acknowledged.push(key),
+            Err(error) => {
+                failure = Some((key, error));
+                break;
+            }
+        }
+    }
+    let (failed_key, error) = failure.expect("16 MiB cannot hold 2,000 rows of 64 KiB");
+    assert!(
+        matches!(
+            &error,
+            Error::Storage {
+                kind: StorageErrorKind::NoSpace,
+                ..
+            }
+        ),
+        "the first failure says the disk is full: {error:?}"
+    );
+    assert!(acknowledged.len() > 10, "some commits fit first");
+    // Later writes are refused (the engine is poisoned); reads keep working.
+    match consumer.begin("after", Fingerprint::of(b"after")) {
+        Err(Error::Poisoned) => {}
+        Ok(Outcome::Fresh(claim)) => {
+            assert!(matches!(claim.commit(b"ok"), Err(Error::Poisoned)));
+        }
+        other => panic!("after a failed write: {other:?}"),
+    }
+    for key in &acknowledged {
+        assert!(consumer.get(key).unwrap().is_some(), "{key} readable");
+    }
+    drop((consumer, orders, engine));
+
+    // Space freed: a reopen has every acknowledged commit with its row, and the failed one
+    // whole or not at all.
+    disk.resize(64);
+    let engine = open(&store).unwrap();
+    let consumer = engine.consumer("c").unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    for key in &acknowledged {
+        assert!(consumer.get(key).unwrap().is_some(), "{key} lost");
+        assert_eq!(
+            orders.get(key).unwrap().as_deref(),
+            Some(&row[..]),
+            "{key} row"
+        );
+    }
+    let marker = consumer.get(&failed_key).unwrap().is_some();
+    let written = orders.get(&failed_key).unwrap().is_some();
+    assert_eq!(marker, written, "the failed commit is whole or absent");
+    // And the store takes commits again.
+    let Outcome::Fresh(claim) = consumer.begin("after", Fingerprint::of(b"after")).unwrap() else {
+        panic!("fresh expected after the reopen");
+    };
+    claim.commit(b"ok").unwrap();
+}
