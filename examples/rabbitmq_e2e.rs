@@ -18,10 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions, QueuePurgeOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
@@ -32,7 +29,8 @@ mod orders;
 #[path = "common/prometheus.rs"]
 mod prometheus;
 use checker::{
-    BoxError, Children, Rng, connect, die_with_parent, drain_dead_letters, plan, verify,
+    BoxError, Children, Rng, connect, declare_empty_queue, die_with_parent, drain_dead_letters,
+    plan, ready_messages, verify, wait_quiet,
 };
 use orders::{DEAD_LETTER_QUEUE, EXCHANGE, open_store, queue_name, shard_of};
 
@@ -172,90 +170,24 @@ async fn topology(channel: &Channel, shards: usize) -> Result<(), BoxError> {
         )
         .await?;
     for shard in 0..shards {
-        let queue = queue_name(shard);
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions::durable(),
-                FieldTable::default(),
-            )
-            .await?;
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                EXCHANGE.into(),
-                shard.to_string().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        channel
-            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
-            .await?;
+        let binding_key = shard.to_string();
+        let binding = Some((EXCHANGE, binding_key.as_str()));
+        declare_empty_queue(channel, &queue_name(shard), FieldTable::default(), binding).await?;
     }
-    channel
-        .queue_declare(
-            DEAD_LETTER_QUEUE.into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .queue_purge(DEAD_LETTER_QUEUE.into(), QueuePurgeOptions::default())
-        .await?;
-    Ok(())
+    declare_empty_queue(channel, DEAD_LETTER_QUEUE, FieldTable::default(), None).await
 }
 
-/// Messages ready in each shard queue (not counting those delivered and not yet acked).
-async fn ready_messages(channel: &Channel, shards: usize) -> Result<u64, BoxError> {
-    let mut ready = 0;
-    for shard in 0..shards {
-        let queue = channel
-            .queue_declare(
-                queue_name(shard).as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        ready += u64::from(queue.message_count());
-    }
-    Ok(ready)
+/// The shard queues' names.
+fn shard_queues(shards: usize) -> Vec<String> {
+    (0..shards).map(queue_name).collect()
 }
 
 /// Total bytes of the consumers' event logs: still growing means still processing.
-fn events_bytes(work: &Path, shards: usize) -> u64 {
-    (0..shards)
+fn events_bytes(work: &Path, shards: usize) -> Result<u64, BoxError> {
+    Ok((0..shards)
         .filter_map(|shard| std::fs::metadata(work.join(format!("events-{shard}.log"))).ok())
         .map(|metadata| metadata.len())
-        .sum()
-}
-
-/// Waits until no message is ready and the consumers have gone quiet for a second.
-async fn wait_quiet(
-    channel: &Channel,
-    fleet: &mut Fleet,
-    work: &Path,
-    shards: usize,
-) -> Result<(), BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut last = (u64::MAX, Instant::now());
-    loop {
-        fleet.restart_exited()?;
-        let ready = ready_messages(channel, shards).await?;
-        let bytes = events_bytes(work, shards);
-        if ready > 0 || bytes != last.0 {
-            last = (bytes, Instant::now());
-        } else if last.1.elapsed() >= Duration::from_secs(1) {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err(format!("the queues did not drain ({ready} messages ready)").into());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        .sum::<u64>())
 }
 
 /// The run's accounting, checked and printed at the end.
@@ -461,14 +393,20 @@ async fn run() -> Result<bool, BoxError> {
     // message delivered to a stopping consumer goes back to its queue: start again then).
     let mut metrics_sample = None;
     for round in 0.. {
-        wait_quiet(&channel, &mut fleet, &options.work, options.shards).await?;
+        wait_quiet(
+            &channel,
+            &shard_queues(options.shards),
+            || fleet.restart_exited(),
+            || events_bytes(&options.work, options.shards),
+        )
+        .await?;
         if metrics_sample.is_none() {
             let consumer_0 =
                 std::net::SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
             metrics_sample = prometheus::scrape(consumer_0).ok();
         }
         fleet.children.stop_gracefully()?;
-        if ready_messages(&channel, options.shards).await? == 0 {
+        if ready_messages(&channel, &shard_queues(options.shards)).await? == 0 {
             break;
         }
         if round == 10 {

@@ -41,10 +41,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use idemdb::{RecordState, merge_ops};
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions, QueuePurgeOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
@@ -57,7 +54,8 @@ mod orders;
 #[path = "common/prometheus.rs"]
 mod prometheus;
 use checker::{
-    BoxError, Children, Plan, Rng, connect, die_with_parent, drain_dead_letters, plan, verify,
+    BoxError, Children, Plan, Rng, connect, declare_empty_queue, die_with_parent,
+    drain_dead_letters, plan, ready_messages, verify, wait_quiet,
 };
 use handler::{Ledger, monotonic_ns};
 use orders::{
@@ -301,58 +299,17 @@ async fn topology(channel: &Channel, partitions: usize) -> Result<(), BoxError> 
         )
         .await?;
     for partition in 0..partitions {
-        let queue = partition_queue(partition);
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions::durable(),
-                partition_queue_arguments(),
-            )
-            .await?;
         // The binding key of a consistent-hash exchange is the queue's weight on the ring.
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                PARTITION_EXCHANGE.into(),
-                "1".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        channel
-            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
-            .await?;
+        let binding = Some((PARTITION_EXCHANGE, "1"));
+        let queue = partition_queue(partition);
+        declare_empty_queue(channel, &queue, partition_queue_arguments(), binding).await?;
     }
-    channel
-        .queue_declare(
-            DEAD_LETTER_QUEUE.into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .queue_purge(DEAD_LETTER_QUEUE.into(), QueuePurgeOptions::default())
-        .await?;
-    Ok(())
+    declare_empty_queue(channel, DEAD_LETTER_QUEUE, FieldTable::default(), None).await
 }
 
-/// Messages ready in the partition queues (not counting those delivered and not yet acked).
-async fn ready_messages(channel: &Channel, partitions: usize) -> Result<u64, BoxError> {
-    let mut ready = 0;
-    for partition in 0..partitions {
-        let queue = channel
-            .queue_declare(
-                partition_queue(partition).as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                partition_queue_arguments(),
-            )
-            .await?;
-        ready += u64::from(queue.message_count());
-    }
-    Ok(ready)
+/// The partition queues' names.
+fn partition_queues(partitions: usize) -> Vec<String> {
+    (0..partitions).map(partition_queue).collect()
 }
 
 /// One ledger line: `<kind> <subject> <partition> <monotonic ns> <pid>`.
@@ -405,11 +362,11 @@ fn read_events(work: &Path) -> Result<Vec<Event>, BoxError> {
 
 /// How many deliveries the consumers have handled so far: still growing means still
 /// processing. (Backups are not counted: an owner takes one after its last commit.)
-fn deliveries_handled(work: &Path) -> Result<usize, BoxError> {
+fn deliveries_handled(work: &Path) -> Result<u64, BoxError> {
     Ok(read_events(work)?
         .iter()
         .filter(|event| !event.kind.starts_with("checkpoint"))
-        .count())
+        .count() as u64)
 }
 
 /// The partitions process `pid` owns at `at_ns`: opened by it and not released since.
@@ -440,26 +397,6 @@ fn owned_at(events: &[Event], pid: u32, at_ns: u64) -> Vec<usize> {
         .into_iter()
         .filter_map(|(partition, owned)| owned.then_some(partition))
         .collect()
-}
-
-/// Waits until no message is ready and no delivery was handled for a second.
-async fn wait_quiet(channel: &Channel, fleet: &mut Fleet) -> Result<(), BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut last = (usize::MAX, Instant::now());
-    loop {
-        fleet.restart_exited()?;
-        let ready = ready_messages(channel, fleet.options.partitions).await?;
-        let bytes = deliveries_handled(&fleet.options.work)?;
-        if ready > 0 || bytes != last.0 {
-            last = (bytes, Instant::now());
-        } else if last.1.elapsed() >= Duration::from_secs(1) {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err(format!("the queues did not drain ({ready} messages ready)").into());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Nearest-rank percentile of sorted milliseconds.
@@ -998,7 +935,14 @@ async fn run() -> Result<bool, BoxError> {
 
     let mut metrics_sample = None;
     for round in 0.. {
-        wait_quiet(&channel, &mut fleet).await?;
+        let work = fleet.options.work.clone();
+        wait_quiet(
+            &channel,
+            &partition_queues(fleet.options.partitions),
+            || fleet.restart_exited(),
+            || deliveries_handled(&work),
+        )
+        .await?;
         if metrics_sample.is_none() {
             let addrs = (0..consumers).map(|c| {
                 std::net::SocketAddr::from((
@@ -1011,7 +955,7 @@ async fn run() -> Result<bool, BoxError> {
                 .find(|sample| sample.contains("partition=\""));
         }
         fleet.children.stop_gracefully()?;
-        if ready_messages(&channel, fleet.options.partitions).await? == 0 {
+        if ready_messages(&channel, &partition_queues(fleet.options.partitions)).await? == 0 {
             break;
         }
         if round == 10 {

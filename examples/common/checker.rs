@@ -10,16 +10,17 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use idemdb::{Engine, Fingerprint, merge_ops};
-use lapin::options::{BasicAckOptions, BasicGetOptions};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, QueueBindOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
 
+pub use crate::orders::BoxError;
 use crate::orders::{
     DEAD_LETTER_QUEUE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT,
     TOTAL_AMOUNT_KEY, order_body, parse_amount,
 };
-
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A small deterministic generator (splitmix64): the run is reproducible from `--seed`.
 pub struct Rng(pub u64);
@@ -116,6 +117,81 @@ pub async fn connect(amqp: &str) -> Result<Connection, BoxError> {
             }
             Err(error) => return Err(error.into()),
         }
+    }
+}
+
+/// Declares the durable queue `queue` with `arguments`, binds it to `exchange` with
+/// `binding_key` if given, and empties it: a run starts from no message.
+pub async fn declare_empty_queue(
+    channel: &Channel,
+    queue: &str,
+    arguments: FieldTable,
+    binding: Option<(&str, &str)>,
+) -> Result<(), BoxError> {
+    channel
+        .queue_declare(queue.into(), QueueDeclareOptions::durable(), arguments)
+        .await?;
+    if let Some((exchange, binding_key)) = binding {
+        channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                binding_key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    channel
+        .queue_purge(queue.into(), QueuePurgeOptions::default())
+        .await?;
+    Ok(())
+}
+
+/// Messages ready in `queues` (not counting those delivered and not yet acked).
+pub async fn ready_messages(channel: &Channel, queues: &[String]) -> Result<u64, BoxError> {
+    let mut ready = 0;
+    for queue in queues {
+        // A passive declare only reads the queue: its arguments are not compared.
+        let declared = channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        ready += u64::from(declared.message_count());
+    }
+    Ok(ready)
+}
+
+/// Waits until no message is ready in `queues` and `progress` (the consumers' count of work
+/// done) has not moved for a second, restarting exited consumers meanwhile. Ten minutes at
+/// most.
+pub async fn wait_quiet(
+    channel: &Channel,
+    queues: &[String],
+    mut restart_exited: impl FnMut() -> Result<(), BoxError>,
+    mut progress: impl FnMut() -> Result<u64, BoxError>,
+) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut last = (u64::MAX, Instant::now());
+    loop {
+        restart_exited()?;
+        let ready = ready_messages(channel, queues).await?;
+        let done = progress()?;
+        if ready > 0 || done != last.0 {
+            last = (done, Instant::now());
+        } else if last.1.elapsed() >= Duration::from_secs(1) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the queues did not drain ({ready} messages ready)").into());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -31,7 +31,7 @@ use crate::orders::{
     TOTAL_AMOUNT_KEY, parse_amount,
 };
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::orders::BoxError;
 
 /// The system-wide monotonic clock in nanoseconds: the same in every process of the machine,
 /// and never stepped, so the checkers can order events of several processes.

@@ -7,6 +7,9 @@
 
 use idemdb::{Durability, Engine, TableOptions, merge_ops};
 
+/// The examples' error type: anything, across tasks.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// The exchange orders are published to; queue `orders.<shard>` is bound with key `<shard>`.
 pub const EXCHANGE: &str = "orders";
 /// Where conflicts (a reused order id with other content) and unusable messages go.
