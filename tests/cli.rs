@@ -14,6 +14,10 @@ use idemdb::{
 };
 use serde_json::Value;
 
+#[path = "support/tmpfs.rs"]
+mod tmpfs;
+use tmpfs::Tmpfs;
+
 const MINUTE_MS: u64 = 60 * 1000;
 const DAY_MS: u64 = 24 * 60 * MINUTE_MS;
 
@@ -771,42 +775,9 @@ fn restore_onto_an_existing_path_or_from_a_non_store_is_refused() {
     assert_eq!(contents(&backup), files);
 }
 
-/// A tmpfs mounted for one test, unmounted when dropped (whatever the test did).
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    /// `None` where mounting is refused (not root, or no mount permission in a container).
-    fn mount() -> Option<Tmpfs> {
-        let dir = tempfile::tempdir().unwrap();
-        let mounted = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|status| status.success());
-        mounted.then_some(Tmpfs { dir })
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let unmounted = Command::new("umount").arg(self.dir.path()).status();
-        if !unmounted.is_ok_and(|status| status.success()) {
-            eprintln!("could not unmount the test tmpfs at {:?}", self.dir.path());
-        }
-    }
-}
-
 #[test]
 fn backup_to_another_file_system_copies_every_byte() {
-    let Some(tmpfs) = Tmpfs::mount() else {
+    let Some(tmpfs) = Tmpfs::mount(64) else {
         eprintln!(
             "skipped backup_to_another_file_system_copies_every_byte: mounting a tmpfs was \
              refused (the test needs root or CAP_SYS_ADMIN)"

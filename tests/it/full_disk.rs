@@ -5,55 +5,9 @@
 //! reopen once space is freed; a failed commit is there whole or not at all.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 
+use crate::tmpfs::Tmpfs;
 use idemdb::{Durability, Engine, Error, Fingerprint, Outcome, StorageErrorKind, TableOptions};
-
-/// A tmpfs of a fixed size, mounted for one test and unmounted when dropped.
-struct SmallDisk {
-    dir: tempfile::TempDir,
-}
-
-impl SmallDisk {
-    fn mount(megabytes: u32) -> Option<SmallDisk> {
-        let dir = tempfile::tempdir().unwrap();
-        let mounted = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={megabytes}m"), "tmpfs"])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        mounted
-            .is_ok_and(|status| status.success())
-            .then_some(SmallDisk { dir })
-    }
-
-    fn resize(&self, megabytes: u32) {
-        let status = Command::new("mount")
-            .args(["-o", &format!("remount,size={megabytes}m")])
-            .arg(self.dir.path())
-            .status()
-            .unwrap();
-        assert!(status.success(), "remounting the test tmpfs");
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let unmounted = Command::new("umount").arg(self.dir.path()).status();
-        if !unmounted.is_ok_and(|status| status.success()) {
-            // Lazily, so that the temporary directory can go even if something holds a file.
-            let _ = Command::new("umount")
-                .arg("-l")
-                .arg(self.dir.path())
-                .status();
-        }
-    }
-}
 
 fn open(path: &Path) -> idemdb::Result<Engine> {
     Engine::builder(path)
@@ -66,7 +20,7 @@ fn open(path: &Path) -> idemdb::Result<Engine> {
 
 #[test]
 fn a_full_disk_fails_commits_with_no_space_and_loses_nothing_acknowledged() {
-    let Some(disk) = SmallDisk::mount(16) else {
+    let Some(disk) = Tmpfs::mount(16) else {
         eprintln!(
             "skipped a_full_disk_fails_commits_with_no_space_and_loses_nothing_acknowledged: \
              mounting a tmpfs was refused (the test needs root or CAP_SYS_ADMIN)"

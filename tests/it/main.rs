@@ -20,5 +20,7 @@ mod model_core;
 mod observe;
 mod open;
 mod race;
+#[path = "../support/tmpfs.rs"]
+mod tmpfs;
 mod ttl;
 mod util;
