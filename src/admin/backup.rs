@@ -127,15 +127,9 @@ impl Store {
         let store_parent = store.parent().unwrap_or(&store);
         let staging = Sibling::new(store_parent, &stem(&store)?, "backup-staging")?;
         engine.storage().checkpoint_without_flush(&staging.path)?;
-        let (files, bytes) = copy_dir(&staging.path, &target, "backup", &mut progress)?;
+        let report = copy_dir(&staging.path, target, "backup", &mut progress)?;
         drop(staging);
-        Ok(TransferReport {
-            path: target.path,
-            files,
-            bytes,
-            linked_files: 0,
-            transfer: Transfer::Copy,
-        })
+        Ok(report)
     }
 }
 
@@ -199,14 +193,7 @@ impl Backup {
     ) -> Result<TransferReport> {
         let target = NewDir::check(store)?;
         target.refuse_inside(&self.path, "the backup")?;
-        let (files, bytes) = copy_dir(&self.path, &target, "restore", &mut progress)?;
-        Ok(TransferReport {
-            path: target.path,
-            files,
-            bytes,
-            linked_files: 0,
-            transfer: Transfer::Copy,
-        })
+        copy_dir(&self.path, target, "restore", &mut progress)
     }
 }
 
@@ -380,13 +367,13 @@ fn regular_files(dir: &Path) -> Result<Vec<(PathBuf, fs::Metadata)>> {
 }
 
 /// Copies every file of `source` into a hidden sibling of `target`, fsyncs each file and the
-/// directory, and renames it to `target`. Returns (files, bytes).
+/// directory, and renames it to `target`. Every byte is copied: no file is linked.
 fn copy_dir(
     source: &Path,
-    target: &NewDir,
+    target: NewDir,
     purpose: &str,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<(u64, u64)> {
+) -> Result<TransferReport> {
     let files = regular_files(source)?;
     let total: u64 = files.iter().map(|(_, metadata)| metadata.len()).sum();
     let partial = Sibling::new(&target.parent, &target.stem, purpose)?;
@@ -407,8 +394,14 @@ fn copy_dir(
         })?;
     }
     sync_dir(&partial.path)?;
-    partial.rename_to(target)?;
-    Ok((files.len() as u64, copied))
+    partial.rename_to(&target)?;
+    Ok(TransferReport {
+        path: target.path,
+        files: files.len() as u64,
+        bytes: copied,
+        linked_files: 0,
+        transfer: Transfer::Copy,
+    })
 }
 
 /// Copies `from` to the new file `to` and fsyncs it; `copied(n)` after each chunk of n bytes.

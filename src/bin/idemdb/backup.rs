@@ -3,10 +3,10 @@
 //! in `idemdb::admin`; this module opens, shows the progress of the copies and the summary.
 
 use std::io::{self, IsTerminal, Write};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use idemdb::Error;
-use idemdb::admin::{Backup, check_new_dir};
+use idemdb::admin::{Backup, TransferReport, check_new_dir};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{BackupArgs, RestoreArgs};
@@ -36,12 +36,7 @@ pub fn backup(args: &BackupArgs, json: bool, out: &mut impl Write) -> Result<u8,
         },
         other => other,
     })?;
-    let started = Instant::now();
-    let mut bar = CopyProgress::new("copying");
-    let report = store.backup(&args.dir, |copied, total| bar.update(copied, total));
-    bar.finish();
-    let report = report?;
-    let elapsed = started.elapsed();
+    let (report, elapsed) = with_progress("copying", |progress| store.backup(&args.dir, progress))?;
     if json {
         write_json(
             out,
@@ -61,12 +56,9 @@ pub fn restore(args: &RestoreArgs, json: bool, out: &mut impl Write) -> Result<u
         },
         error => Failure::opening(error),
     })?;
-    let started = Instant::now();
-    let mut bar = CopyProgress::new("restoring");
-    let report = backup.restore(&args.store, |copied, total| bar.update(copied, total));
-    bar.finish();
-    let report = report?;
-    let elapsed = started.elapsed();
+    let (report, elapsed) = with_progress("restoring", |progress| {
+        backup.restore(&args.store, progress)
+    })?;
     if json {
         write_json(
             out,
@@ -76,6 +68,19 @@ pub fn restore(args: &RestoreArgs, json: bool, out: &mut impl Write) -> Result<u
         write_transfer(out, "restore", &args.backup, &report.path, &report, elapsed)?;
     }
     Ok(EXIT_OK)
+}
+
+/// Runs one copy (`copy` reports its progress through the callback it is given) under a
+/// progress bar labelled `message`, and returns what it wrote and how long it took.
+fn with_progress(
+    message: &'static str,
+    copy: impl FnOnce(&mut dyn FnMut(u64, u64)) -> idemdb::Result<TransferReport>,
+) -> Result<(TransferReport, Duration), Failure> {
+    let started = Instant::now();
+    let mut bar = CopyProgress::new(message);
+    let report = copy(&mut |copied, total| bar.update(copied, total));
+    bar.finish();
+    Ok((report?, started.elapsed()))
 }
 
 /// The bar shown while bytes are copied: on standard error, only when it is a terminal (a
