@@ -73,13 +73,13 @@ impl EngineBuilder {
         let stored = StoredMeta::read(&self.path)?;
         // A new store is created under a marker, so that a crash midway is finished by the
         // next open instead of leaving a database it would refuse (`store_meta.rs`).
-        let creating = match stored {
+        let creating = match &stored {
             None if self.open_mode == OpenMode::Application => {
                 store_meta::begin_creation(&self.path)?;
                 true
             }
             None => false,
-            Some(_) => store_meta::creation_interrupted(&self.path)?,
+            Some(stored) => stored.creation_interrupted,
         };
         let engine = Engine::open_locked(&self, lock, stored)?;
         if creating {

@@ -102,6 +102,8 @@ pub(crate) struct StoredMeta {
     kinds: HashMap<String, Vec<u8>>,
     /// The recorded merge operator of each business table that has one recorded.
     operators: HashMap<String, Vec<u8>>,
+    /// Whether the store's creation began and did not finish ([`CREATING_MARKER_FILE`]).
+    pub(crate) creation_interrupted: bool,
 }
 
 /// Metadata an accepted open must still write, with an fsync, before any record.
@@ -140,7 +142,11 @@ impl StoredMeta {
         }
         let tables = DB::list_cf(&rocksdb::Options::default(), path)?;
         let has_records = tables.iter().any(|table| table == RECORDS_TABLE);
-        if !has_records && !creation_interrupted(path)? {
+        let creation_interrupted = path
+            .join(CREATING_MARKER_FILE)
+            .try_exists()
+            .map_err(|error| Error::io("looking for the creation marker", &error))?;
+        if !has_records && !creation_interrupted {
             return Err(incompatible(
                 path,
                 format!("not an idemdb store (no {RECORDS_TABLE:?} table)"),
@@ -180,6 +186,7 @@ impl StoredMeta {
             format,
             kinds,
             operators,
+            creation_interrupted,
         }))
     }
 
@@ -354,14 +361,6 @@ pub(crate) fn new_store_meta(
 
 /// Whether the records table holds nothing, read through a second read-only open (only needed
 /// for a store without a format marker, so it is not paid on every open).
-/// Whether the creation of the store at `path` began and did not finish
-/// ([`CREATING_MARKER_FILE`]).
-pub(crate) fn creation_interrupted(path: &Path) -> Result<bool> {
-    path.join(CREATING_MARKER_FILE)
-        .try_exists()
-        .map_err(|error| Error::io("looking for the creation marker", &error))
-}
-
 /// Marks the creation of a new store at `path` as begun, durably, before RocksDB writes there.
 pub(crate) fn begin_creation(path: &Path) -> Result<()> {
     let marker = path.join(CREATING_MARKER_FILE);
