@@ -14,8 +14,11 @@ use idemdb::{
 };
 use serde_json::Value;
 
+#[path = "support/files.rs"]
+mod files;
 #[path = "support/tmpfs.rs"]
 mod tmpfs;
+use files::{contents, names};
 use tmpfs::Tmpfs;
 
 const MINUTE_MS: u64 = 60 * 1000;
@@ -558,28 +561,6 @@ fn help_documents_the_exit_codes_and_the_live_store_rule() {
     assert!(help.contains("Consumer::resolve"), "{help}");
     assert!(help.contains("Engine::checkpoint"), "{help}");
     assert!(help.contains("backup"), "{help}");
-}
-
-/// Every file of `dir` with its bytes: a backup must come out of a restore as it went in.
-fn contents(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            (name, std::fs::read(entry.path()).unwrap())
-        })
-        .collect()
-}
-
-/// The names in `dir`, sorted: what a refused command must not have added to.
-fn names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 fn path_str(path: &Path) -> &str {

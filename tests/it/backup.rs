@@ -4,24 +4,12 @@
 //! table files are hard-linked on the store's file system; restoring and opening the restored
 //! store leave the backup unchanged.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::files::{contents, names};
 use crate::util::{TestStore, counter};
 use idemdb::admin::{Backup, Store, Transfer};
 use idemdb::{Engine, Error, Fingerprint, Outcome};
-
-/// Every file of `dir` with its bytes.
-fn contents(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            (name, std::fs::read(entry.path()).unwrap())
-        })
-        .collect()
-}
 
 /// Checks that no file of `copy` is a hard link to a file of `original` (same inode): a
 /// restore must survive the loss of the backup's disk, and the other way round.
@@ -42,16 +30,6 @@ fn assert_no_shared_file(original: &Path, copy: &Path) {
         inodes(copy).iter().all(|inode| !original.contains(inode)),
         "a restored file is a hard link to the backup's"
     );
-}
-
-/// The names in `dir`, sorted.
-fn names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 fn files_ending(dir: &Path, suffix: &str) -> Vec<String> {

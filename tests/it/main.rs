@@ -11,6 +11,8 @@ mod corrupt;
 mod durability;
 mod entity;
 mod fault;
+#[path = "../support/files.rs"]
+mod files;
 mod full_disk;
 mod guard;
 mod lease;
