@@ -107,7 +107,24 @@ fn create_store_directory(path: &Path) -> Result<()> {
         );
         return Err(Error::io("creating the store directory", &missing));
     }
-    std::fs::create_dir_all(path).map_err(|error| Error::io("creating the store directory", &error))
+    // Each directory created here is an entry in its parent, durable only once the parent is
+    // fsynced: without that, a power cut can take the whole new store, commits acknowledged
+    // as durable included (the power-cut harness in tests/crash.rs found this).
+    let mut created = Vec::new();
+    let mut missing = Some(path);
+    while let Some(dir) = missing.filter(|dir| !dir.as_os_str().is_empty() && !dir.exists()) {
+        created.push(dir);
+        missing = dir.parent();
+    }
+    std::fs::create_dir_all(path)
+        .and_then(|()| {
+            created
+                .iter()
+                .filter_map(|dir| dir.parent())
+                .filter(|parent| !parent.as_os_str().is_empty())
+                .try_for_each(crate::store_meta::sync_directory)
+        })
+        .map_err(|error| Error::io("creating the store directory", &error))
 }
 
 impl Engine {

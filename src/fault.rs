@@ -30,6 +30,12 @@ pub enum Fault {
     /// Do it, then report it as failed (the WAL write happened; its durability is unknown to
     /// the caller). Only meaningful for [`IoPoint::Write`] and [`IoPoint::SyncWal`].
     FailAfter,
+    /// Do it without the fsync its durability asks for, and report success: a disk that
+    /// acknowledges a flush it never did. A [`IoPoint::Write`] goes to the WAL unsynced even
+    /// under [`crate::Durability::Sync`]; a [`IoPoint::SyncWal`] does nothing. Elsewhere the
+    /// same as [`Fault::None`]. For tests that must show a lost acknowledged commit is
+    /// detected (a power-cut harness's mutation check).
+    Unsynced,
 }
 
 /// Decides the fault for each I/O call. Install with [`crate::EngineBuilder::fault_injector`].

@@ -378,7 +378,8 @@ pub(crate) fn finish_creation(path: &Path) -> Result<()> {
         .map_err(|error| Error::io("removing the creation marker", &error))
 }
 
-fn sync_directory(path: &Path) -> std::io::Result<()> {
+/// Fsyncs a directory: the entries created, renamed or removed in it become durable.
+pub(crate) fn sync_directory(path: &Path) -> std::io::Result<()> {
     std::fs::File::open(path)?.sync_all()
 }
 

@@ -1,5 +1,5 @@
-//! Crash-kill harness: "no effect applied twice, no acknowledged effect lost", proven by
-//! SIGKILL.
+//! Crash harness: "no effect applied twice, no acknowledged effect lost", proven by SIGKILL
+//! and by power cuts.
 //!
 //! The test binary re-runs itself as a child process that consumes a seeded stream of message
 //! ids through the public API, in three modes: a transactional claim
@@ -18,18 +18,36 @@
 //! in-progress record is left and every id was applied exactly once. The child must only ever
 //! die by the kill.
 //!
-//! Children alternate between `Durability::Sync` and `Durability::Buffered` (odd cycles): a
-//! buffered commit is not fsynced, but it is in the OS's page cache when `commit` returns, so a
-//! process kill must not lose it either (a power loss could; this harness does not cut power).
+//! Children alternate between `Durability::Sync` and `Durability::Buffered` (odd cycles). The
+//! child flushes its memtables every few deliveries, so that WAL files are retired and new ones
+//! begun during the run, and recovery spans several WAL files and table files.
 //!
-//! The child flushes its memtables every few deliveries, so that WAL files are retired and
-//! recycled (overwritten in place) during the run: recovery must also stop cleanly at the
-//! previous incarnation's leftovers in a recycled file.
+//! **Kills** (`IDEMDB_CRASH_CYCLES`, default 50; the long profile is 1000): a buffered commit is
+//! in the operating system's page cache when `commit` returns, so a process kill must not lose
+//! it either. A build that never fsyncs passes this part: the page cache survives a kill.
 //!
-//! `IDEMDB_CRASH_CYCLES` sets the number of kill cycles (default 50, the CI profile; the long
-//! profile is 1000) and `IDEMDB_CRASH_SEED` the seed.
+//! **Power cuts** (`IDEMDB_CRASH_CUTS`, default 20; the long profile is 500): the child's store
+//! lives on the power-cut file system (`powercut/`, FUSE), which forgets, when the parent cuts
+//! the power, every byte and directory entry not covered by an fsync. The parent cuts at random
+//! moments, right after a commit returned (before its ack), at a counted operation inside a
+//! memtable flush, inside a compaction, and around the creation of a new WAL file; one cut
+//! in three tears the last unsynced write at a sector boundary. Then it kills the child, writes
+//! the durable state out and opens the store on it (it must open; a corruption fails the run
+//! and is printed). A `Sync` commit acknowledged before the cut must be there whole; a
+//! `Buffered` one only if acknowledged before the child's last returned `flush_wal`, and the
+//! buffered commits that survive past it are a prefix of those acknowledged after it (the WAL
+//! is lost from its end). Lost buffered commits are redelivered. Buffered children call
+//! `flush_wal` after `begin_external`, before the side effect, as external claims need.
+//!
+//! **Mutation check**: a short power-cut run whose engine skips every fsync (the public fault
+//! injector's `Fault::Unsynced`) must fail: lost acknowledged commits, or an external side
+//! effect done twice under one epoch (its in-progress record was lost). If it passes, the
+//! harness could not see a durability bug, and the test fails.
+//!
+//! `IDEMDB_CRASH_SEED` sets the seed. Power cuts need root and FUSE; where mounting is refused
+//! they are skipped with a message (`IDEMDB_CRASH_REQUIRE_FUSE=1` makes that a failure).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -38,8 +56,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use idemdb::{
-    BatchOutcome, Durability, Engine, Fingerprint, Message, Outcome, TableOptions, merge_ops,
+    BatchOutcome, Durability, Engine, Fault, FaultInjector, Fingerprint, IoPoint, Message, Outcome,
+    TableOptions, merge_ops,
 };
+use idemdb_powercut::{Event, PowerCut};
 
 const CHILD_ENV: &str = "IDEMDB_CRASH_CHILD";
 /// New message ids each cycle brings into the stream, so that every cycle has fresh work.
@@ -50,6 +70,10 @@ const LEASE: Duration = Duration::from_millis(300);
 const DERIVED_KEY_LEN: usize = 5 + 32;
 /// Deliveries between two memtable flushes in a child.
 const FLUSH_EVERY: usize = 25;
+/// Deliveries between two full compactions in a power-cut child.
+const COMPACT_EVERY: usize = 60;
+/// Deliveries between two `flush_wal` calls in a buffered power-cut child.
+const FLUSH_WAL_EVERY: usize = 7;
 /// Named kill points, used on every fifth cycle in turn.
 const POINTS: [&str; 2] = [
     "after-commit-before-ack",
@@ -88,15 +112,26 @@ impl Rng {
     }
 }
 
-fn open(store: &Path, durability: Durability) -> Engine {
+fn builder(store: &Path, durability: Durability) -> idemdb::EngineBuilder {
     Engine::builder(store)
         .durability(durability)
         .business_table(TableOptions::new("rows"))
         .business_table(
             TableOptions::new("counters").associative_merge_operator("add_u64", merge_ops::add_u64),
         )
-        .open()
-        .expect("open the crash store")
+}
+
+/// The mutation check's engine: every write and WAL sync reports success without an fsync.
+#[derive(Debug)]
+struct NeverSync;
+
+impl FaultInjector for NeverSync {
+    fn fault(&self, point: IoPoint) -> Fault {
+        match point {
+            IoPoint::Write | IoPoint::SyncWal => Fault::Unsynced,
+            _ => Fault::None,
+        }
+    }
 }
 
 fn key(id: u64) -> String {
@@ -107,26 +142,85 @@ fn fingerprint(id: u64) -> Fingerprint {
     Fingerprint::of(format!("body of message {id}"))
 }
 
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 fn main() {
     if std::env::var_os(CHILD_ENV).is_some() {
         child();
         return;
     }
-    let cycles: u64 = std::env::var("IDEMDB_CRASH_CYCLES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(50);
-    let seed: u64 = std::env::var("IDEMDB_CRASH_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x1de4);
-    let report = parent(cycles.max(1), seed);
-    println!("{report}");
-    if !report.ok() {
+    let cycles = env_u64("IDEMDB_CRASH_CYCLES", 50);
+    let cuts = env_u64("IDEMDB_CRASH_CUTS", 20);
+    let seed = env_u64("IDEMDB_CRASH_SEED", 0x1de4);
+    let mut failed = false;
+    if cycles > 0 {
+        let report = parent(cycles, seed, Ending::Kill);
+        println!("{report}");
+        failed |= !report.ok();
+    }
+    if cuts > 0 && !failed {
+        match power_cuts_possible() {
+            Err(why) if std::env::var_os("IDEMDB_CRASH_REQUIRE_FUSE").is_some() => {
+                eprintln!("crash harness: power cuts need FUSE and cannot mount: {why}");
+                failed = true;
+            }
+            Err(why) => {
+                println!(
+                    "crash harness: power cuts skipped: cannot mount the power-cut file system here ({why})"
+                );
+            }
+            Ok(()) => {
+                let report = parent(cuts, seed, Ending::PowerCut { fsync: true });
+                println!("{report}");
+                failed |= !report.ok();
+                // The mutation check: an engine that never fsyncs must be caught losing
+                // acknowledged commits.
+                let mutant = parent(8, seed ^ 0x5eed, Ending::PowerCut { fsync: false });
+                println!("mutation check (no fsync at all): {mutant}");
+                if mutant.lost.is_empty() && mutant.duplicated.is_empty() {
+                    eprintln!(
+                        "crash harness: the mutation check lost nothing and applied nothing twice: these power cuts cannot see a missing fsync"
+                    );
+                    failed = true;
+                }
+                if !mutant.bad_exits.is_empty() || !mutant.bad_opens.is_empty() {
+                    eprintln!("crash harness: the mutation check's run broke in another way");
+                    failed = true;
+                }
+            }
+        }
+    }
+    if failed {
         eprintln!("crash harness: FAILED");
         std::process::exit(1);
     }
     println!("1 passed, 0 failed");
+}
+
+/// How a cycle ends the child.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    /// SIGKILL: the operating system keeps what was written.
+    Kill,
+    /// The power goes out, then SIGKILL: only what was fsynced is kept. With `fsync: false`
+    /// the engine under test skips every fsync (the mutation check).
+    PowerCut { fsync: bool },
+}
+
+/// Mounts the power-cut file system once, to see whether this machine allows it.
+fn power_cuts_possible() -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let (backing, mnt) = (dir.path().join("disk"), dir.path().join("mnt"));
+    std::fs::create_dir(&backing).map_err(|e| e.to_string())?;
+    std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
+    let fs = PowerCut::mount(&backing, &mnt).map_err(|e| e.to_string())?;
+    fs.unmount().map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -155,7 +249,21 @@ fn child() {
         Ok("buffered") => Durability::Buffered,
         _ => Durability::Sync,
     };
-    let engine = open(&store, durability);
+    // Power-cut children mark the start of a flush or compaction by creating a file here,
+    // which the parent's armed cut counts from.
+    let phases = std::env::var_os("IDEMDB_CRASH_PHASES").map(PathBuf::from);
+    let mut builder = builder(&store, durability);
+    if std::env::var_os("IDEMDB_CRASH_UNSYNCED").is_some() {
+        builder = builder.fault_injector(NeverSync);
+    }
+    let engine = builder.open().expect("open the crash store");
+    let mark = |phase: &str| {
+        if let Some(dir) = &phases {
+            let marker = dir.join(format!("phase-{phase}"));
+            std::fs::write(&marker, b"").expect("phase marker");
+            std::fs::remove_file(&marker).expect("phase marker");
+        }
+    };
     let consumer = engine.consumer("crash").expect("consumer");
     let rows = engine.business_table("rows").expect("rows");
     let counters = engine.business_table("counters").expect("counters");
@@ -178,10 +286,23 @@ fn child() {
 
     for (handled, line) in std::io::stdin().lock().lines().enumerate() {
         let line = line.expect("stdin");
-        // Flush the memtables every few deliveries: each flush retires a WAL file, so the WAL
-        // soon lives in recycled files (the engine keeps 4) and kills land in those too.
+        // Flush the memtables every few deliveries: each flush retires a WAL file, so kills and
+        // cuts land in every stage of a WAL's life.
         if handled % FLUSH_EVERY == FLUSH_EVERY - 1 {
+            mark("flush");
             engine.flush().expect("flush");
+        }
+        if phases.is_some() && handled % COMPACT_EVERY == COMPACT_EVERY - 1 {
+            mark("compact");
+            engine.compact().expect("compact");
+        }
+        if phases.is_some()
+            && durability == Durability::Buffered
+            && handled % FLUSH_WAL_EVERY == FLUSH_WAL_EVERY - 1
+        {
+            // Every commit acknowledged so far is durable once this returns.
+            engine.flush_wal().expect("flush_wal");
+            say("FLUSHED");
         }
         let ids: Vec<u64> = line
             .split_whitespace()
@@ -199,7 +320,7 @@ fn child() {
                         if point.as_deref() == Some(POINTS[0]) {
                             stop_at(POINTS[0]);
                         }
-                        say(&format!("ACK {id}"));
+                        say(&format!("ACK {id} new"));
                     }
                     Outcome::Duplicate { .. } => say(&format!("ACK {id}")),
                     other => panic!("transactional {id}: unexpected {other:?}"),
@@ -229,14 +350,15 @@ fn child() {
                         .put(&rows, format!("batch/{}", ids[first]), members.join(" "))
                         .expect("put");
                 }
-                let acked: Vec<u64> = (0..ids.len())
+                // (id, committed by this batch) for every member not left in progress.
+                let acked: Vec<(u64, bool)> = (0..ids.len())
                     .filter(|&i| {
                         !matches!(
                             batch.outcomes()[i],
                             BatchOutcome::Settled(Outcome::InProgress { .. })
                         )
                     })
-                    .map(|i| ids[i])
+                    .map(|i| (ids[i], fresh.contains(&i)))
                     .collect();
                 for outcome in batch.outcomes() {
                     if let BatchOutcome::Settled(settled) = outcome {
@@ -253,8 +375,8 @@ fn child() {
                 if !fresh.is_empty() && point.as_deref() == Some(POINTS[0]) {
                     stop_at(POINTS[0]);
                 }
-                for id in acked {
-                    say(&format!("ACK {id}"));
+                for (id, new) in acked {
+                    say(&format!("ACK {id}{}", if new { " new" } else { "" }));
                 }
             }
             b'E' => {
@@ -268,6 +390,12 @@ fn child() {
                             if claim.previous_attempt().is_some() {
                                 say(&format!("TAKEOVER {id}"));
                             }
+                            if durability == Durability::Buffered {
+                                // The in-progress record (its epoch) must outlive a power cut
+                                // before the side effect happens, or a redelivery would redo it
+                                // under the same epoch.
+                                engine.flush_wal().expect("flush_wal");
+                            }
                             // The side effect, made durable before `complete`.
                             let downstream = claim.derive_key("ledger");
                             writeln!(ledger, "{id} {} {downstream}", claim.epoch())
@@ -279,7 +407,7 @@ fn child() {
                             claim.put(&rows, key(id), b"e").expect("put");
                             claim.merge(&counters, key(id), one).expect("merge");
                             claim.complete(b"done").expect("complete");
-                            say(&format!("ACK {id}"));
+                            say(&format!("ACK {id} new"));
                         }
                         Outcome::Duplicate { .. } => say(&format!("ACK {id}")),
                         // A killed holder's lease: wait for it to run out, then take over.
@@ -301,8 +429,31 @@ fn child() {
 // ---------------------------------------------------------------------------------------------
 // The parent: delivers, kills, checks.
 
-#[derive(Default)]
+/// How a power cut was placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum CutAt {
+    /// After a random time.
+    Random,
+    /// Right after a commit returned, before its ack.
+    AfterCommit,
+    /// At a counted operation after the child began a memtable flush.
+    Flush,
+    /// At a counted operation after the child began a full compaction.
+    Compaction,
+    /// At or just after the creation of a new WAL file (a memtable switch).
+    WalSwitch,
+}
+
+const CUT_PLACES: [CutAt; 5] = [
+    CutAt::Random,
+    CutAt::AfterCommit,
+    CutAt::Flush,
+    CutAt::Compaction,
+    CutAt::WalSwitch,
+];
+
 struct Report {
+    ending: Ending,
     cycles: u64,
     /// Cycles whose child committed with `Durability::Buffered`.
     buffered_cycles: u64,
@@ -317,9 +468,57 @@ struct Report {
     left_in_progress: usize,
     bad_exits: Vec<String>,
     never_applied: Vec<u64>,
+    /// Power cuts, by where they were placed (an armed cut not reached by its deadline is
+    /// counted as random).
+    cuts: BTreeMap<CutAt, u64>,
+    /// Cuts that tore the last unsynced write at a sector boundary.
+    torn_writes: u64,
+    /// Cuts that came after the child had delivered everything and closed the store.
+    cuts_after_exit: u64,
+    /// Buffered commits acknowledged after the child's last `flush_wal` and lost with the
+    /// power: allowed, and redelivered.
+    lost_unflushed: u64,
+    /// Buffered commits kept past one that was lost (the WAL must be lost from its end only).
+    not_prefix: Vec<String>,
+    /// Opens of the store after a cut that failed (RocksDB's message says where).
+    bad_opens: Vec<String>,
+    /// What the children asked of the power-cut file system.
+    fs: idemdb_powercut::Stats,
+    /// How the latest cycle's power cut went, for a failure's message.
+    last_cut: String,
+    /// Where a failed run left its work directory.
+    evidence: Option<String>,
 }
 
 impl Report {
+    fn new(ending: Ending) -> Report {
+        Report {
+            ending,
+            cycles: 0,
+            buffered_cycles: 0,
+            point_kills: 0,
+            attempted: HashSet::new(),
+            acknowledged: HashSet::new(),
+            deliveries: 0,
+            takeovers: 0,
+            lost: Vec::new(),
+            duplicated: Vec::new(),
+            torn: Vec::new(),
+            left_in_progress: 0,
+            bad_exits: Vec::new(),
+            never_applied: Vec::new(),
+            cuts: BTreeMap::new(),
+            torn_writes: 0,
+            cuts_after_exit: 0,
+            lost_unflushed: 0,
+            not_prefix: Vec::new(),
+            bad_opens: Vec::new(),
+            fs: idemdb_powercut::Stats::default(),
+            last_cut: String::new(),
+            evidence: None,
+        }
+    }
+
     fn ok(&self) -> bool {
         self.lost.is_empty()
             && self.duplicated.is_empty()
@@ -327,16 +526,60 @@ impl Report {
             && self.left_in_progress == 0
             && self.bad_exits.is_empty()
             && self.never_applied.is_empty()
+            && self.not_prefix.is_empty()
+            && self.bad_opens.is_empty()
     }
 }
 
 impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "crash harness: {} kill cycles ({} at named points, {} buffered), {} deliveries, {} takeovers",
-            self.cycles, self.point_kills, self.buffered_cycles, self.deliveries, self.takeovers
-        )?;
+        match self.ending {
+            Ending::Kill => writeln!(
+                f,
+                "crash harness: {} kill cycles ({} at named points, {} buffered), {} deliveries, {} takeovers",
+                self.cycles,
+                self.point_kills,
+                self.buffered_cycles,
+                self.deliveries,
+                self.takeovers
+            )?,
+            Ending::PowerCut { .. } => {
+                let places: Vec<String> = self
+                    .cuts
+                    .iter()
+                    .map(|(place, n)| format!("{place:?} {n}"))
+                    .collect();
+                writeln!(
+                    f,
+                    "crash harness: {} power cuts ({}; {} torn writes; {} after the child closed the store), {} buffered, {} deliveries, {} takeovers",
+                    self.cycles,
+                    places.join(", "),
+                    self.torn_writes,
+                    self.cuts_after_exit,
+                    self.buffered_cycles,
+                    self.deliveries,
+                    self.takeovers
+                )?;
+                writeln!(
+                    f,
+                    "file system: {} writes ({} MiB), {} file fsyncs, {} directory fsyncs, {} renames, {} creates, {} removes",
+                    self.fs.writes,
+                    self.fs.bytes_written >> 20,
+                    self.fs.file_syncs,
+                    self.fs.dir_syncs,
+                    self.fs.renames,
+                    self.fs.creates,
+                    self.fs.removes
+                )?;
+                writeln!(
+                    f,
+                    "buffered commits lost after the last flush_wal (allowed, redelivered) {} / kept past a lost one {} / store failed to open {}",
+                    self.lost_unflushed,
+                    self.not_prefix.len(),
+                    self.bad_opens.len()
+                )?;
+            }
+        }
         writeln!(
             f,
             "attempted {} / acknowledged {} / lost {} / duplicated {} / torn {} / left in progress {} / not applied at the end {} / bad exits {}",
@@ -353,11 +596,16 @@ impl std::fmt::Display for Report {
             ("lost", format!("{:?}", self.lost)),
             ("duplicated", format!("{:?}", self.duplicated)),
             ("torn", format!("{:?}", self.torn)),
+            ("kept past a lost one", format!("{:?}", self.not_prefix)),
+            ("store failed to open", format!("{:?}", self.bad_opens)),
             ("bad exits", format!("{:?}", self.bad_exits)),
         ] {
             if list != "[]" {
-                writeln!(f, "  {what}: {}", &list[..list.len().min(400)])?;
+                writeln!(f, "  {what}: {}", &list[..list.len().min(2000)])?;
             }
+        }
+        if let Some(evidence) = &self.evidence {
+            writeln!(f, "  failed at {evidence}")?;
         }
         Ok(())
     }
@@ -400,8 +648,24 @@ fn join(ids: &[u64]) -> String {
     ids.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
 }
 
-/// Runs one child over `lines`; kills it after `kill_after` (or at its named point) unless
-/// `kill_after` is `None`. Returns whether it was killed.
+/// One child's run, as the parent saw it.
+struct ChildRun {
+    /// Killed (or cut) where it announced a named point.
+    at_point: bool,
+    /// Every ack in order: (id, committed by this child rather than found a duplicate).
+    acks: Vec<(u64, bool)>,
+    /// How many of `acks` came before the child's last returned `flush_wal`.
+    flushed: usize,
+    /// The power was cut by an armed cut inside the file system (not by the parent).
+    cut_by_fs: bool,
+    /// It delivered everything and exited before any kill or cut.
+    finished: bool,
+}
+
+/// Runs one child over `lines`, on the power-cut file system `power` if given. It is killed
+/// after `kill_after` from its start (or at its named point, or, under `power`, once an armed
+/// cut fired); with `power`, the power is cut first. `kill_after` `None`: it runs to the end.
+#[allow(clippy::too_many_arguments)]
 fn run_child(
     store: &Path,
     ledger: &Path,
@@ -409,8 +673,9 @@ fn run_child(
     kill_after: Option<Duration>,
     point: Option<&str>,
     durability: Durability,
+    power: Option<(&PowerCut, bool)>,
     report: &mut Report,
-) -> bool {
+) -> ChildRun {
     let mut command = Command::new(std::env::current_exe().expect("own path"));
     command
         .env(CHILD_ENV, "1")
@@ -424,9 +689,16 @@ fn run_child(
             },
         )
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     if let Some(point) = point {
         command.env("IDEMDB_CRASH_POINT", point);
+    }
+    if let Some((fs, fsync)) = power {
+        command.env("IDEMDB_CRASH_PHASES", fs.path());
+        if !fsync {
+            command.env("IDEMDB_CRASH_UNSYNCED", "1");
+        }
     }
     let mut child = command.spawn().expect("spawn child");
     let stdout = child.stdout.take().expect("stdout");
@@ -439,6 +711,14 @@ fn run_child(
             }
         }
     });
+    // The child's complaints, shown only if it died in a way we did not cause (after a power
+    // cut every call fails, and a child may panic before the kill lands).
+    let mut stderr = child.stderr.take().expect("stderr");
+    let complaints = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
     // Feed every delivery; a killed child simply stops reading.
     let mut stdin = child.stdin.take().expect("stdin");
     let input = lines.join("\n") + "\n";
@@ -447,57 +727,96 @@ fn run_child(
     });
     report.deliveries += lines.len() as u64;
 
+    let mut run = ChildRun {
+        at_point: false,
+        acks: Vec::new(),
+        flushed: 0,
+        cut_by_fs: false,
+        finished: false,
+    };
+    let on_line = |line: &str, run: &mut ChildRun, report: &mut Report| {
+        if let Some(rest) = line.strip_prefix("ACK ") {
+            let mut words = rest.split_whitespace();
+            let id = words.next().expect("acked id").parse().expect("acked id");
+            run.acks.push((id, words.next() == Some("new")));
+        } else if line.starts_with("TAKEOVER ") {
+            report.takeovers += 1;
+        } else if line == "FLUSHED" {
+            run.flushed = run.acks.len();
+        }
+    };
+    let cut = |power: Option<(&PowerCut, bool)>| {
+        if let Some((fs, _)) = power {
+            fs.cut();
+        }
+    };
+    let is_cut = || power.is_some_and(|(fs, _)| fs.is_cut());
+    // Under power cuts, look for an armed cut this often.
+    let poll = if power.is_some() {
+        Duration::from_millis(5)
+    } else {
+        Duration::from_secs(120)
+    };
     let mut deadline: Option<Instant> = None;
     let mut killed = false;
+    let mut done = false;
     loop {
+        if is_cut() {
+            child.kill().expect("SIGKILL");
+            run.cut_by_fs = true;
+            killed = true;
+            break;
+        }
         let timeout = match deadline {
-            Some(at) => at.saturating_duration_since(Instant::now()),
-            None => Duration::from_secs(120),
+            Some(at) => at.saturating_duration_since(Instant::now()).min(poll),
+            None => poll,
         };
         match lines_rx.recv_timeout(timeout) {
             Ok(line) if line == "READY" => {
                 deadline = kill_after.map(|after| Instant::now() + after);
             }
-            Ok(line) if line.starts_with("ACK ") => {
-                report
-                    .acknowledged
-                    .insert(line[4..].parse().expect("acked id"));
-            }
-            Ok(line) if line.starts_with("TAKEOVER ") => report.takeovers += 1,
             Ok(line) if line.starts_with("AT ") => {
+                cut(power);
                 child.kill().expect("SIGKILL");
                 report.point_kills += 1;
+                run.at_point = true;
                 killed = true;
                 break;
             }
-            Ok(line) if line == "DONE" => break,
-            Ok(_) => {}
-            Err(mpsc::RecvTimeoutError::Timeout) if deadline.is_some() => {
-                child.kill().expect("SIGKILL");
-                killed = true;
+            Ok(line) if line == "DONE" => {
+                done = true;
                 break;
             }
-            Err(_) => break,
+            Ok(line) => on_line(&line, &mut run, report),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if deadline.is_some_and(|at| Instant::now() >= at) {
+                    cut(power);
+                    child.kill().expect("SIGKILL");
+                    killed = true;
+                    break;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
+    // A child that died after the power went out died of it, whatever its status.
+    let cut_before_exit = is_cut();
     let status = child.wait().expect("wait child");
     // Acks printed before the kill are acknowledged too.
     for line in lines_rx.iter() {
-        if let Some(id) = line.strip_prefix("ACK ") {
-            report.acknowledged.insert(id.parse().expect("acked id"));
-        }
-        if line.starts_with("TAKEOVER ") {
-            report.takeovers += 1;
-        }
+        on_line(&line, &mut run, report);
     }
     let _ = reader.join();
     let _ = writer.join();
+    let complaints = complaints.join().unwrap_or_default();
     let died_by_kill = killed && status.signal() == Some(9);
-    let finished = !killed && status.success();
-    if !died_by_kill && !finished {
-        report.bad_exits.push(format!("{status:?}"));
+    let finished = done && status.success();
+    run.finished = finished;
+    if !died_by_kill && !finished && !cut_before_exit {
+        let tail = &complaints[complaints.len().saturating_sub(1500)..];
+        report.bad_exits.push(format!("{status:?}: {tail}"));
     }
-    killed
+    run
 }
 
 /// Reads the ledger: id -> (epoch -> lines), and id -> derived keys.
@@ -523,13 +842,47 @@ fn read_ledger(ledger: &Path) -> HashMap<u64, Vec<(u64, String)>> {
     by_id
 }
 
-/// Checks the store against everything acknowledged so far.
-fn check(store: &Path, ledger: &Path, window: u64, report: &mut Report, last: bool) {
-    let engine = open(store, Durability::Sync);
+/// Checks the store against everything acknowledged so far. `unflushed` are the acks of a
+/// buffered child after its last `flush_wal` before a power cut: those that survived join the
+/// acknowledged set; those lost must be lost from the end (a prefix of the child's own commits
+/// survives).
+fn check(
+    store: &Path,
+    ledger: &Path,
+    window: u64,
+    report: &mut Report,
+    last: bool,
+    unflushed: &[(u64, bool)],
+) {
+    let engine = match builder(store, Durability::Sync).open() {
+        Ok(engine) => engine,
+        Err(error) => {
+            report.bad_opens.push(error.to_string());
+            return;
+        }
+    };
     let consumer = engine.consumer("crash").expect("consumer");
     let rows = engine.business_table("rows").expect("rows");
     let counters = engine.business_table("counters").expect("counters");
     let ledger = read_ledger(ledger);
+    let mut lost_one: Option<u64> = None;
+    for &(id, new) in unflushed {
+        let kept = consumer
+            .get(key(id))
+            .expect("marker")
+            .is_some_and(|record| record.result().is_some());
+        if kept {
+            if let (true, Some(lost)) = (new, lost_one) {
+                report
+                    .not_prefix
+                    .push(format!("{id} kept after {lost} was lost"));
+            }
+            report.acknowledged.insert(id);
+        } else if new {
+            report.lost_unflushed += 1;
+            lost_one.get_or_insert(id);
+        }
+    }
     report.lost.clear();
     report.duplicated.clear();
     report.torn.clear();
@@ -589,12 +942,22 @@ fn check(store: &Path, ledger: &Path, window: u64, report: &mut Report, last: bo
     }
 }
 
-fn parent(cycles: u64, seed: u64) -> Report {
+fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
     let dir = tempfile::tempdir().expect("temp dir");
-    let store = dir.path().join("store");
+    // Under power cuts the child's store is on the mount (`mnt`), and the parent checks what
+    // a cut left in the backing directory (`disk`).
+    let (disk, mnt) = (dir.path().join("disk"), dir.path().join("mnt"));
+    let (store, child_store) = match ending {
+        Ending::Kill => (dir.path().join("store"), dir.path().join("store")),
+        Ending::PowerCut { .. } => {
+            std::fs::create_dir(&disk).expect("backing dir");
+            std::fs::create_dir(&mnt).expect("mount point");
+            (disk.join("store"), mnt.join("store"))
+        }
+    };
     let ledger = dir.path().join("ledger");
     let mut rng = Rng(seed);
-    let mut report = Report::default();
+    let mut report = Report::new(ending);
     let window = |cycle: u64| (cycle + 1) * NEW_PER_CYCLE;
     for cycle in 0..cycles {
         let lines = deliveries(&mut rng, &report.acknowledged, window(cycle));
@@ -603,45 +966,153 @@ fn parent(cycles: u64, seed: u64) -> Report {
                 report.attempted.insert(id.parse().expect("id"));
             }
         }
-        let point = (cycle % 5 == 4).then(|| POINTS[((cycle / 5) % 2) as usize]);
-        let kill_after = Duration::from_millis(20 + rng.below(180));
-        let durability = if cycle % 2 == 1 {
+        // The mutation check runs `Sync` only: its losses must be acknowledged ones.
+        let durability = if cycle % 2 == 1 && ending != (Ending::PowerCut { fsync: false }) {
             report.buffered_cycles += 1;
             Durability::Buffered
         } else {
             Durability::Sync
         };
-        run_child(
+        let mut unflushed = Vec::new();
+        match ending {
+            Ending::Kill => {
+                let point = (cycle % 5 == 4).then(|| POINTS[((cycle / 5) % 2) as usize]);
+                let kill_after = Duration::from_millis(20 + rng.below(180));
+                let run = run_child(
+                    &store,
+                    &ledger,
+                    &lines,
+                    Some(kill_after),
+                    point,
+                    durability,
+                    None,
+                    &mut report,
+                );
+                report
+                    .acknowledged
+                    .extend(run.acks.iter().map(|&(id, _)| id));
+            }
+            Ending::PowerCut { fsync } => {
+                let fs = PowerCut::mount(&disk, &mnt).expect("mount the power-cut file system");
+                let place = CUT_PLACES[(cycle % CUT_PLACES.len() as u64) as usize];
+                match place {
+                    CutAt::Flush => fs.arm(
+                        Event::Create("phase-flush".into()),
+                        2 + rng.below(40) as u32,
+                    ),
+                    CutAt::Compaction => fs.arm(
+                        Event::Create("phase-compact".into()),
+                        2 + rng.below(150) as u32,
+                    ),
+                    CutAt::WalSwitch => fs.arm(Event::Create(".log".into()), rng.below(6) as u32),
+                    CutAt::Random | CutAt::AfterCommit => {}
+                }
+                // An armed cut not reached by then becomes a random one.
+                let kill_after = match place {
+                    CutAt::Random => Duration::from_millis(10 + rng.below(200)),
+                    _ => Duration::from_secs(3),
+                };
+                let point = (place == CutAt::AfterCommit).then_some(POINTS[0]);
+                let run = run_child(
+                    &child_store,
+                    &ledger,
+                    &lines,
+                    Some(kill_after),
+                    point,
+                    durability,
+                    Some((&fs, fsync)),
+                    &mut report,
+                );
+                // A named place not reached (the child finished or the deadline came first)
+                // made a random cut.
+                let reached = match place {
+                    CutAt::Random => true,
+                    CutAt::AfterCommit => run.at_point,
+                    CutAt::Flush | CutAt::Compaction | CutAt::WalSwitch => run.cut_by_fs,
+                };
+                let tear = (rng.below(3) == 0).then(|| rng.next());
+                let cut = fs.power_off(tear).expect("power off");
+                let place = if reached { place } else { CutAt::Random };
+                report.last_cut = format!(
+                    "cut {place:?}, torn {:?}, child finished {}",
+                    cut.torn, run.finished
+                );
+                *report.cuts.entry(place).or_default() += 1;
+                report.torn_writes += u64::from(cut.torn.is_some());
+                report.cuts_after_exit += u64::from(run.finished);
+                add_stats(&mut report.fs, &cut.stats);
+                if durability == Durability::Buffered {
+                    report
+                        .acknowledged
+                        .extend(run.acks[..run.flushed].iter().map(|&(id, _)| id));
+                    unflushed = run.acks[run.flushed..].to_vec();
+                } else {
+                    report
+                        .acknowledged
+                        .extend(run.acks.iter().map(|&(id, _)| id));
+                }
+            }
+        }
+        report.cycles += 1;
+        check(
             &store,
             &ledger,
-            &lines,
-            Some(kill_after),
-            point,
-            durability,
+            window(cycle),
             &mut report,
+            false,
+            &unflushed,
         );
-        report.cycles += 1;
-        check(&store, &ledger, window(cycle), &mut report, false);
+        if !report.ok() && ending == (Ending::PowerCut { fsync: false }) {
+            // The mutation check, failing as it must: nothing to keep.
+            return report;
+        }
         if !report.ok() {
+            // Keep the evidence: the store as the failed check found it.
+            let kept =
+                std::env::temp_dir().join(format!("idemdb-crash-failure-{}", std::process::id()));
+            let _ = std::process::Command::new("cp")
+                .arg("-a")
+                .arg(dir.path())
+                .arg(&kept)
+                .status();
+            report.evidence = Some(format!(
+                "cycle {cycle} ({durability:?}, {}): work dir kept in {}",
+                report.last_cut,
+                kept.display()
+            ));
             return report;
         }
     }
-    // Recovery: a child without kills delivers everything still unacknowledged.
+    // Recovery: a child without kills (or power cuts) delivers everything still unacknowledged.
     let lines = deliveries(&mut Rng(seed ^ 1), &report.acknowledged, window(cycles - 1));
     for line in &lines {
         for id in line.split_whitespace().skip(1) {
             report.attempted.insert(id.parse().expect("id"));
         }
     }
-    run_child(
+    let run = run_child(
         &store,
         &ledger,
         &lines,
         None,
         None,
         Durability::Sync,
+        None,
         &mut report,
     );
-    check(&store, &ledger, window(cycles - 1), &mut report, true);
     report
+        .acknowledged
+        .extend(run.acks.iter().map(|&(id, _)| id));
+    check(&store, &ledger, window(cycles - 1), &mut report, true, &[]);
+    report
+}
+
+fn add_stats(total: &mut idemdb_powercut::Stats, more: &idemdb_powercut::Stats) {
+    total.writes += more.writes;
+    total.bytes_written += more.bytes_written;
+    total.file_syncs += more.file_syncs;
+    total.dir_syncs += more.dir_syncs;
+    total.renames += more.renames;
+    total.creates += more.creates;
+    total.removes += more.removes;
 }

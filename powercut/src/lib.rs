@@ -40,8 +40,8 @@ const TTL: Duration = Duration::from_secs(1);
 /// An operation that starts the countdown of an armed cut.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// A file or directory is created whose name starts with this prefix (a program marks the
-    /// start of a phase by creating such a file).
+    /// A file or directory is created (or linked) whose name contains this string: a program
+    /// marks the start of a phase by creating such a file; `.log` catches a new RocksDB WAL.
     Create(String),
     /// A rename whose old and new names both end with this suffix (RocksDB reusing an old WAL
     /// file under a new number: `.log`).
@@ -291,8 +291,8 @@ impl Fs {
                 }),
                 op,
             ) => match (event, op) {
-                (Event::Create(prefix), Op::Create(name)) => {
-                    name.to_string_lossy().starts_with(prefix.as_str())
+                (Event::Create(part), Op::Create(name)) => {
+                    name.to_string_lossy().contains(part.as_str())
                 }
                 (Event::Rename(suffix), Op::Rename(from, to)) => {
                     from.to_string_lossy().ends_with(suffix.as_str())
