@@ -20,6 +20,7 @@ else
 fi
 echo "== clippy"
 cargo clippy --release --all-features --all-targets -- -D warnings
+cargo clippy --release -p idemdb-powercut --all-targets -- -D warnings
 echo "== default features (no tokio, no cli)"
 cargo clippy --release --lib -- -D warnings
 echo "== format-only build (no RocksDB)"
@@ -63,6 +64,19 @@ echo "== RabbitMQ end to end: consumers SIGKILLed against a real server"
 bash scripts/rabbitmq-e2e.sh
 echo "== RabbitMQ partitioned fleet: handoffs, a zombie, online backups, the negative control"
 bash scripts/rabbitmq-handoff.sh
+
+# The power cuts of tests/crash.rs mount a FUSE file system (powercut/). As root it mounts
+# through /dev/fuse itself; fuse3's fusermount3 is what it falls back on elsewhere.
+if ! dpkg -s fuse3 >/dev/null 2>&1; then
+    echo "== installing fuse3 (the power-cut tests mount a FUSE file system)"
+    sudo=""
+    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+    $sudo apt-get update -qq || true
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq fuse3 >/dev/null ||
+        echo "   (could not install fuse3; the power-cut tests skip if they cannot mount)"
+fi
+echo "== the power-cut file system forgets what it must (powercut/)"
+cargo test --release -p idemdb-powercut
 
 # Last, so that the run ends with the test runners' own summary lines.
 echo "== tests"

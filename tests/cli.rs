@@ -800,3 +800,49 @@ fn backup_to_another_file_system_copies_every_byte() {
     expect_fixture_contents(&restored, &fixture.clock, &original_export);
     assert_eq!(contents(&backup), files);
 }
+
+#[test]
+fn stats_shows_a_full_disk() {
+    let Some(tmpfs) = Tmpfs::mount(16) else {
+        eprintln!(
+            "skipped stats_shows_a_full_disk: mounting a tmpfs was refused (the test needs root \
+             or CAP_SYS_ADMIN)"
+        );
+        return;
+    };
+    let store = tmpfs.path().join("store");
+    drop(Engine::builder(&store).open().unwrap());
+    let store = path_str(&store);
+    let roomy = json(&idemdb(&["stats", store, "--json"]));
+    assert_eq!(roomy["space"]["full"], false, "{roomy}");
+    assert!(!stdout(&idemdb(&["stats", store])).contains("FULL"));
+
+    // Fill the file system to the last byte.
+    let ballast_path = tmpfs.path().join("ballast");
+    let mut ballast = std::fs::File::create(&ballast_path).unwrap();
+    let chunk = vec![0u8; 64 << 10];
+    loop {
+        use std::io::Write;
+        if let Err(error) = ballast.write_all(&chunk) {
+            assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "{error}");
+            break;
+        }
+    }
+    drop(ballast);
+    let output = idemdb(&["stats", store]);
+    expect_code(&output, 0);
+    let text = stdout(&output);
+    let line = text
+        .lines()
+        .find(|line| line.starts_with("space"))
+        .unwrap_or_else(|| panic!("no space line:\n{text}"));
+    assert!(line.contains("0 B free") && line.contains("FULL"), "{line}");
+    let full = json(&idemdb(&["stats", store, "--json"]));
+    assert_eq!(full["space"]["full"], true, "{full}");
+    assert_eq!(full["space"]["available_bytes"], 0, "{full}");
+    assert_eq!(full["space"]["total_bytes"], 16 << 20, "{full}");
+
+    std::fs::remove_file(&ballast_path).unwrap();
+    let freed = json(&idemdb(&["stats", store, "--json"]));
+    assert_eq!(freed["space"]["full"], false, "{freed}");
+}

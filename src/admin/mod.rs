@@ -59,7 +59,9 @@ mod scan;
 pub use backup::{Backup, Transfer, TransferReport, check_new_dir};
 pub use open::{Store, StoreBuilder, TableInfo, TableKind};
 pub use repair::{ImportCounts, ImportRecord, Invalidation, PurgeReport};
-pub use report::{GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX, VerifyReport};
+pub use report::{
+    FileSystemSpace, GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX, VerifyReport,
+};
 pub use scan::{Cursor, Entry, EntryState, Filter, Page, Target};
 
 use crate::store_meta::RECORDS_TABLE;

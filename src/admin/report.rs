@@ -100,6 +100,8 @@ pub struct StoreStats {
     pub disk_bytes: u64,
     /// The number of those files.
     pub disk_files: u64,
+    /// The space of the file system holding the store; `None` where it cannot be read.
+    pub space: Option<FileSystemSpace>,
     /// One group per consumer and per entity table holding records, in table and key order.
     pub groups: Vec<GroupStats>,
 }
@@ -113,6 +115,46 @@ impl StoreStats {
             totals.add(&group.counts);
         }
         totals
+    }
+}
+
+/// The size and free space of the file system holding a store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FileSystemSpace {
+    /// Its size, in bytes.
+    pub total_bytes: u64,
+    /// The bytes still free for unprivileged writers (what `df` shows as available).
+    pub available_bytes: u64,
+}
+
+impl FileSystemSpace {
+    /// Below this many free bytes the store counts as full: a memtable flush writes a table
+    /// file of up to the write buffer's size (1 MiB at the smallest), so commits, flushes and
+    /// compactions can fail with [`crate::StorageErrorKind::NoSpace`].
+    pub const FULL_BELOW_BYTES: u64 = 1 << 20;
+
+    /// Reads the file system holding `path`.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] when the file system cannot be asked (the path does not exist, say).
+    pub fn of(path: &Path) -> Result<FileSystemSpace> {
+        let stat = rustix::fs::statvfs(path).map_err(|error| {
+            Error::io(
+                &format!("reading the free space of {}", path.display()),
+                &std::io::Error::from(error),
+            )
+        })?;
+        Ok(FileSystemSpace {
+            total_bytes: stat.f_blocks.saturating_mul(stat.f_frsize),
+            available_bytes: stat.f_bavail.saturating_mul(stat.f_frsize),
+        })
+    }
+
+    /// Whether the file system is full, or so nearly that the engine's next flush may fail.
+    #[must_use]
+    pub fn is_full(&self) -> bool {
+        self.available_bytes < Self::FULL_BELOW_BYTES
     }
 }
 
@@ -195,6 +237,7 @@ impl Store {
             now_ms,
             disk_bytes,
             disk_files,
+            space: FileSystemSpace::of(&self.path).ok(),
             groups: groups
                 .into_iter()
                 .map(

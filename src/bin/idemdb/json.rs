@@ -238,6 +238,11 @@ pub fn stats_json(store: &Store, stats: &StoreStats) -> Value {
         "now_ms": stats.now_ms,
         "disk_bytes": stats.disk_bytes,
         "disk_files": stats.disk_files,
+        "space": stats.space.map(|space| serde_json::json!({
+            "total_bytes": space.total_bytes,
+            "available_bytes": space.available_bytes,
+            "full": space.is_full(),
+        })),
         "tables": tables,
         "totals": counts_json(&stats.totals()),
         "groups": groups,

@@ -31,6 +31,21 @@ pub fn write_stats(out: &mut impl Write, store: &Store, stats: &StoreStats) -> i
         size(stats.disk_bytes),
         stats.disk_files
     )?;
+    if let Some(space) = stats.space {
+        write!(
+            out,
+            "space     {} free of {} on its file system",
+            size(space.available_bytes),
+            size(space.total_bytes)
+        )?;
+        if space.is_full() {
+            write!(
+                out,
+                " -- FULL: commits fail with NoSpace; free space, then reopen the store"
+            )?;
+        }
+        writeln!(out)?;
+    }
     writeln!(out, "records   {}", counts_line(&stats.totals()))?;
     writeln!(out, "as of     {}", time(stats.now_ms))?;
     writeln!(out)?;
