@@ -396,6 +396,9 @@ fn child() {
                                 // under the same epoch.
                                 engine.flush_wal().expect("flush_wal");
                             }
+                            // A heartbeat: once it returns, the longer lease must survive.
+                            let until = claim.renew(LEASE * 2).expect("renew");
+                            say(&format!("LEASED {id} {} {until}", claim.epoch()));
                             // The side effect, made durable before `complete`.
                             let downstream = claim.derive_key("ledger");
                             writeln!(ledger, "{id} {} {downstream}", claim.epoch())
@@ -482,6 +485,9 @@ struct Report {
     not_prefix: Vec<String>,
     /// Opens of the store after a cut that failed (RocksDB's message says where).
     bad_opens: Vec<String>,
+    /// Renewed leases (of claims not completed) missing after the cut, or with an older
+    /// epoch or deadline.
+    lost_leases: Vec<String>,
     /// What the children asked of the power-cut file system.
     fs: idemdb_powercut::Stats,
     /// How the latest cycle's power cut went, for a failure's message.
@@ -513,6 +519,7 @@ impl Report {
             lost_unflushed: 0,
             not_prefix: Vec::new(),
             bad_opens: Vec::new(),
+            lost_leases: Vec::new(),
             fs: idemdb_powercut::Stats::default(),
             last_cut: String::new(),
             evidence: None,
@@ -528,6 +535,7 @@ impl Report {
             && self.never_applied.is_empty()
             && self.not_prefix.is_empty()
             && self.bad_opens.is_empty()
+            && self.lost_leases.is_empty()
     }
 }
 
@@ -573,10 +581,11 @@ impl std::fmt::Display for Report {
                 )?;
                 writeln!(
                     f,
-                    "buffered commits lost after the last flush_wal (allowed, redelivered) {} / kept past a lost one {} / store failed to open {}",
+                    "buffered commits lost after the last flush_wal (allowed, redelivered) {} / kept past a lost one {} / store failed to open {} / renewed leases lost {}",
                     self.lost_unflushed,
                     self.not_prefix.len(),
-                    self.bad_opens.len()
+                    self.bad_opens.len(),
+                    self.lost_leases.len()
                 )?;
             }
         }
@@ -598,6 +607,7 @@ impl std::fmt::Display for Report {
             ("torn", format!("{:?}", self.torn)),
             ("kept past a lost one", format!("{:?}", self.not_prefix)),
             ("store failed to open", format!("{:?}", self.bad_opens)),
+            ("renewed leases lost", format!("{:?}", self.lost_leases)),
             ("bad exits", format!("{:?}", self.bad_exits)),
         ] {
             if list != "[]" {
@@ -658,6 +668,8 @@ struct ChildRun {
     flushed: usize,
     /// The power was cut by an armed cut inside the file system (not by the parent).
     cut_by_fs: bool,
+    /// Per id, the latest lease the child reported renewed: (epoch, until ms).
+    leases: HashMap<u64, (u64, u64)>,
     /// It delivered everything and exited before any kill or cut.
     finished: bool,
 }
@@ -733,6 +745,7 @@ fn run_child(
         flushed: 0,
         cut_by_fs: false,
         finished: false,
+        leases: HashMap::new(),
     };
     let on_line = |line: &str, run: &mut ChildRun, report: &mut Report| {
         if let Some(rest) = line.strip_prefix("ACK ") {
@@ -743,6 +756,12 @@ fn run_child(
             report.takeovers += 1;
         } else if line == "FLUSHED" {
             run.flushed = run.acks.len();
+        } else if let Some(rest) = line.strip_prefix("LEASED ") {
+            let numbers: Vec<u64> = rest
+                .split_whitespace()
+                .map(|n| n.parse().expect("lease numbers"))
+                .collect();
+            run.leases.insert(numbers[0], (numbers[1], numbers[2]));
         }
     };
     let cut = |power: Option<(&PowerCut, bool)>| {
@@ -853,6 +872,7 @@ fn check(
     report: &mut Report,
     last: bool,
     unflushed: &[(u64, bool)],
+    leases: &HashMap<u64, (u64, u64)>,
 ) {
     let engine = match builder(store, Durability::Sync).open() {
         Ok(engine) => engine,
@@ -865,6 +885,34 @@ fn check(
     let rows = engine.business_table("rows").expect("rows");
     let counters = engine.business_table("counters").expect("counters");
     let ledger = read_ledger(ledger);
+    // A renewed lease whose claim did not complete is there, with its epoch and at least the
+    // renewed deadline: a heartbeat that returned is durable, and fencing resumes from it.
+    if !leases.is_empty() {
+        let in_progress: HashMap<Vec<u8>, (u64, u64)> = consumer
+            .in_progress(Duration::ZERO, usize::MAX)
+            .expect("in-progress scan")
+            .into_iter()
+            .map(|entry| {
+                (
+                    entry.message_key.to_vec(),
+                    (entry.epoch, entry.lease_until_ms),
+                )
+            })
+            .collect();
+        for (&id, &(epoch, until)) in leases {
+            let completed = consumer
+                .get(key(id))
+                .expect("marker")
+                .is_some_and(|record| record.result().is_some());
+            match in_progress.get(key(id).as_bytes()) {
+                _ if completed => {}
+                Some(&(held, held_until)) if held == epoch && held_until >= until => {}
+                found => report.lost_leases.push(format!(
+                    "{id}: renewed epoch {epoch} until {until}, found {found:?}"
+                )),
+            }
+        }
+    }
     let mut lost_one: Option<u64> = None;
     for &(id, new) in unflushed {
         let kept = consumer
@@ -974,6 +1022,9 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
             Durability::Sync
         };
         let mut unflushed = Vec::new();
+        // Renewed leases to find after the cycle: every one after a kill (the page cache keeps
+        // them), only `Sync` ones after a power cut.
+        let mut leases = HashMap::new();
         match ending {
             Ending::Kill => {
                 let point = (cycle % 5 == 4).then(|| POINTS[((cycle / 5) % 2) as usize]);
@@ -988,6 +1039,7 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                     None,
                     &mut report,
                 );
+                leases = run.leases;
                 report
                     .acknowledged
                     .extend(run.acks.iter().map(|&(id, _)| id));
@@ -1050,6 +1102,7 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                     report
                         .acknowledged
                         .extend(run.acks.iter().map(|&(id, _)| id));
+                    leases = run.leases;
                 }
             }
         }
@@ -1061,6 +1114,7 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
             &mut report,
             false,
             &unflushed,
+            &leases,
         );
         if !report.ok() && ending == (Ending::PowerCut { fsync: false }) {
             // The mutation check, failing as it must: nothing to keep.
@@ -1103,7 +1157,15 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
     report
         .acknowledged
         .extend(run.acks.iter().map(|&(id, _)| id));
-    check(&store, &ledger, window(cycles - 1), &mut report, true, &[]);
+    check(
+        &store,
+        &ledger,
+        window(cycles - 1),
+        &mut report,
+        true,
+        &[],
+        &HashMap::new(),
+    );
     report
 }
 

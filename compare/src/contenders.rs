@@ -301,7 +301,7 @@ impl Prepared {
 }
 
 /// Messages written before each of the two memtable flushes that bring a durable embedded store
-/// to its steady state (its first WAL files obsolete and recycled), as after any real uptime.
+/// to its steady state (its first WAL files obsolete), as after any real uptime.
 const WARM_UP_MESSAGES: u64 = 50_000;
 
 /// Brings a durable store to its steady state: two rounds of writes, each followed by a flush.

@@ -238,7 +238,6 @@ fn write_options(durability: Durability) -> WriteOptions {
 pub fn db_options() -> rocksdb::Options {
     let mut options = base_db_options();
     options.set_allow_concurrent_memtable_write(false);
-    options.set_recycle_log_file_num(4);
     options
 }
 
