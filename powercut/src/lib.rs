@@ -324,6 +324,11 @@ impl Fs {
     }
 }
 
+/// The permission bits a new file gets: its mode less the caller's umask.
+fn permissions(mode: u32, umask: u32) -> u16 {
+    (mode & !umask & 0o7777) as u16
+}
+
 fn errno(code: i32) -> Errno {
     Errno::from_i32(code)
 }
@@ -442,7 +447,7 @@ impl fuser::Filesystem for Fs {
         let Some(mut state) = self.mutating(Op::Create(name)) else {
             return reply.error(Errno::EIO);
         };
-        let perm = (mode & !umask & 0o7777) as u16;
+        let perm = permissions(mode, umask);
         let ino = state.model.create(parent.0, name, perm, false);
         reply_entry(&state, ino, reply);
     }
@@ -459,7 +464,7 @@ impl fuser::Filesystem for Fs {
         let Some(mut state) = self.mutating(Op::Create(name)) else {
             return reply.error(Errno::EIO);
         };
-        let perm = (mode & !umask & 0o7777) as u16;
+        let perm = permissions(mode, umask);
         let ino = state.model.create(parent.0, name, perm, true);
         reply_entry(&state, ino, reply);
     }
@@ -678,7 +683,7 @@ impl fuser::Filesystem for Fs {
         let Some(mut state) = self.mutating(Op::Create(name)) else {
             return reply.error(Errno::EIO);
         };
-        let perm = (mode & !umask & 0o7777) as u16;
+        let perm = permissions(mode, umask);
         match state
             .model
             .create(parent.0, name, perm, false)
