@@ -21,6 +21,12 @@ fi
 echo "== clippy"
 cargo clippy --release --all-features --all-targets -- -D warnings
 cargo clippy --release -p idemdb-powercut --all-targets -- -D warnings
+cargo clippy --release -p idemdb-postgres --all-targets -- -D warnings
+echo "== the PostgreSQL backend builds without RocksDB"
+if cargo tree -p idemdb-postgres -e normal | grep -q librocksdb; then
+    echo "idemdb-postgres depends on RocksDB" >&2
+    exit 1
+fi
 echo "== default features (no tokio, no cli)"
 cargo clippy --release --lib -- -D warnings
 echo "== format-only build (no RocksDB)"
@@ -75,6 +81,24 @@ if ! dpkg -s fuse3 >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq fuse3 >/dev/null ||
         echo "   (could not install fuse3; the power-cut tests skip if they cannot mount)"
 fi
+echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
+if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    echo "== installing postgresql (its server binaries; no system-wide server is started)"
+    sudo=""
+    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+    policy=/usr/sbin/policy-rc.d
+    created_policy=""
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+        $sudo chmod +x "$policy"
+        created_policy=1
+    fi
+    $sudo apt-get update -qq || true
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq postgresql >/dev/null ||
+        echo "   (could not install postgresql; the backend's tests skip)"
+    if [ -n "$created_policy" ]; then $sudo rm -f "$policy"; fi
+fi
+cargo test --release -p idemdb-postgres
 echo "== the power-cut file system forgets what it must (powercut/)"
 cargo test --release -p idemdb-powercut
 

@@ -130,7 +130,7 @@ impl ClaimBatch {
             } else {
                 match latches.try_acquire(&request.stored_key, now_ms) {
                     Err(since_ms) => {
-                        let held = Outcome::in_progress_locally(since_ms);
+                        let held = Outcome::held_by_claim(since_ms);
                         (None, None, BatchOutcome::Settled(held))
                     }
                     Ok(()) => {

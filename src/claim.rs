@@ -130,7 +130,7 @@ pub(crate) fn begin(inner: &Arc<Storage>, marker: usize, request: Request) -> Re
     let now_ms = inner.clock.now_ms();
     let latches = &inner.markers[marker].latches;
     if let Err(since_ms) = latches.try_acquire(&request.stored_key, now_ms) {
-        return Ok(Outcome::in_progress_locally(since_ms));
+        return Ok(Outcome::held_by_claim(since_ms));
     }
     // The claim owns the latch from here: its drop releases it on every path below.
     let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
@@ -212,7 +212,7 @@ fn guard_order(
 ) -> Result<Option<Outcome<std::convert::Infallible>>> {
     if let Err(since_ms) = inner.version_latches.try_acquire(version_key, now_ms) {
         // Another message of the same entity is being applied right now.
-        return Ok(Some(Outcome::in_progress_locally(since_ms)));
+        return Ok(Some(Outcome::held_by_claim(since_ms)));
     }
     let current = match inner.read_version(version_key) {
         Ok(current) => current,

@@ -97,18 +97,26 @@ pub struct PreviousAttempt {
     pub lease_until_ms: u64,
 }
 
-/// What the latch holder's read of a key decided.
-pub(crate) enum Found {
-    /// The key may be claimed; the new record must replace the one with `replaces_epoch`.
+/// What a claimant's read of its key decided, under whatever makes it the key's only
+/// claimant (the embedded engine's latch, another backend's lock): [`inspect_record`], then
+/// [`admit`].
+#[derive(Debug)]
+pub enum Found {
+    /// The key may be claimed: the new record's epoch is `replaces_epoch + 1`, and it must
+    /// replace the record with `replaces_epoch` (0: none).
     Claimable {
+        /// The epoch of the record the claim replaces; 0 when the key has none.
         replaces_epoch: u64,
+        /// The external attempt whose lease ran out, which the claim takes over.
         previous: Option<PreviousAttempt>,
     },
-    /// Anything but fresh.
+    /// Anything but fresh: the outcome to return as it is (`map_fresh` gives it the backend's
+    /// claim type).
     Settled(Outcome<std::convert::Infallible>),
 }
 
 impl<C> Outcome<C> {
+    #[cfg(feature = "engine")]
     pub(crate) fn settled(outcome: Outcome<std::convert::Infallible>) -> Outcome<C> {
         outcome.map_fresh(|never| match never {})
     }
@@ -161,8 +169,11 @@ impl<C> Outcome<C> {
         }
     }
 
-    /// `InProgress` because a claim in this process holds the key (or the entity) right now.
-    pub(crate) fn in_progress_locally(since_ms: u64) -> Outcome<C> {
+    /// `InProgress` because a transactional claim holds the key (or the entity) right now: in
+    /// the embedded engine a claim in this process; in a backend with transactions, one not yet
+    /// committed. It has no holder identity, lease or epoch; `since_ms` is when it was seen
+    /// held if the holder's start is unknown.
+    pub fn held_by_claim(since_ms: u64) -> Outcome<C> {
         Outcome::InProgress {
             since_ms,
             holder: None,
@@ -172,12 +183,24 @@ impl<C> Outcome<C> {
     }
 }
 
-/// Decides what a claimant gets from the record it read (`None`: the key is absent).
-pub(crate) fn inspect_record(
-    record: Option<Record>,
-    fingerprint: Fingerprint,
-    now_ms: u64,
-) -> Found {
+/// Decides what a claimant gets from the record it read (`None`: the key is absent) at
+/// `now_ms` on the backend's clock.
+///
+/// ```
+/// use idemdb::decision::{Found, inspect_record};
+/// use idemdb::{Fingerprint, Outcome, format::Record};
+/// let body = Fingerprint::of(b"body");
+/// let stored = Record::new(1, 1_000, 2_000, body, "ok".into());
+/// assert!(matches!(inspect_record(None, body, 1_500), Found::Claimable { replaces_epoch: 0, .. }));
+/// assert!(matches!(
+///     inspect_record(Some(stored.clone()), body, 1_500),
+///     Found::Settled(Outcome::Duplicate { .. })
+/// ));
+/// // Expired at its expiry millisecond: claimable again, replacing epoch 1.
+/// assert!(matches!(inspect_record(Some(stored), body, 2_000), Found::Claimable { replaces_epoch: 1, .. }));
+/// ```
+#[must_use]
+pub fn inspect_record(record: Option<Record>, fingerprint: Fingerprint, now_ms: u64) -> Found {
     let Some(record) = record else {
         return Found::Claimable {
             replaces_epoch: 0,
@@ -254,7 +277,8 @@ fn held_under_lease(
 /// The admission floor: with it on (`floor_retention_ms` is then the retention), a claimable
 /// message produced longer ago than the retention is too late (its record may have expired
 /// already), not new.
-pub(crate) fn admit(
+#[must_use]
+pub fn admit(
     found: Found,
     produced_at_ms: Option<u64>,
     now_ms: u64,

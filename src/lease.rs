@@ -132,7 +132,7 @@ pub(crate) fn begin_external(
     let latches = &inner.markers[marker].latches;
     let _latch = match latches.try_guard(&stored_key, now_ms) {
         Ok(guard) => guard,
-        Err(since_ms) => return Ok(Outcome::in_progress_locally(since_ms)),
+        Err(since_ms) => return Ok(Outcome::held_by_claim(since_ms)),
     };
     let found = inspect(inner, marker, &stored_key, fingerprint, now_ms)?;
     let floor = inner.admission_floor_ms();

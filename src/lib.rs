@@ -412,8 +412,7 @@ macro_rules! engine_modules {
 
 // The format and the decision core: built with or without RocksDB.
 mod clock;
-// The pure functions are the engine's today; a backend without RocksDB will call them too.
-#[cfg_attr(not(feature = "engine"), allow(dead_code))]
+// The pure decision core: the embedded engine's, and every other backend's (idemdb-postgres).
 pub mod decision;
 mod error;
 mod fingerprint;

@@ -1,0 +1,68 @@
+//! What can go wrong, typed.
+
+/// The result of every fallible call here.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why a call failed. Every variant says what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Bad input the embedded engine refuses the same way (a key or consumer id outside its
+    /// limits, say): fix the caller.
+    #[error(transparent)]
+    Idemdb(#[from] idemdb::Error),
+    /// A schema or table name that is not a plain lower-case identifier.
+    #[error(
+        "{name:?} is not a valid name: use a-z, 0-9 and _, starting with a letter or _, at most 55 bytes"
+    )]
+    InvalidName {
+        /// The name given.
+        name: String,
+    },
+    /// The tables are not there: run [`crate::install`] first.
+    #[error("idemdb's tables are missing ({table}); run idemdb_postgres::install first")]
+    SchemaMissing {
+        /// The records table looked for.
+        table: String,
+    },
+    /// The tables were written by a newer release of this crate; this one does not touch them.
+    #[error(
+        "idemdb's tables are at version {found}; this release reads version {supported}: upgrade it"
+    )]
+    SchemaTooNew {
+        /// The version found.
+        found: i32,
+        /// The version this release reads.
+        supported: i32,
+    },
+    /// The tables are at an older version: run [`crate::install`] to migrate them.
+    #[error(
+        "idemdb's tables are at version {found}; run idemdb_postgres::install to migrate them to {supported}"
+    )]
+    SchemaTooOld {
+        /// The version found.
+        found: i32,
+        /// The version this release reads.
+        supported: i32,
+    },
+    /// A stored record that does not decode: reported, never overwritten.
+    #[error("the record of {key:?} does not decode: {detail}")]
+    Corrupt {
+        /// The message key.
+        key: Vec<u8>,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The commit's marker write touched no row: another writer changed the key, which the key's
+    /// lock should make impossible. Nothing was committed.
+    #[error("the record of {key:?} changed under the claim; nothing was committed")]
+    LostKey {
+        /// The message key.
+        key: Vec<u8>,
+    },
+    /// PostgreSQL or the connection failed. During a commit, the outcome may be unknown (the
+    /// connection dropped after COMMIT was sent): do not acknowledge; the redelivery finds
+    /// either `Duplicate` or `Fresh`, never half of the commit.
+    #[error("PostgreSQL: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+}

@@ -1,0 +1,400 @@
+//! idemdb's claims on PostgreSQL: the dedup memory of a fleet of competing consumers, in the
+//! database they already run.
+//!
+//! The outcomes, fingerprints, limits and record format are the embedded engine's (this crate
+//! uses `idemdb` without RocksDB): a handler written against one reads the same against the
+//! other. A claim is a PostgreSQL transaction. `begin` opens it and claims the key; the caller
+//! runs its business SQL in [`PgClaim::transaction`]; [`PgClaim::commit`] writes the completed
+//! record and commits, so the marker and the business rows land together or not at all.
+//! Dropping the claim rolls everything back and frees the key.
+//!
+//! **Exactly one winner, never a wait.** Every writer of a key holds the key's
+//! transaction-level advisory lock (`pg_try_advisory_xact_lock` on a 64-bit hash of the table
+//! and the stored key) while it reads and writes the key's row. A claimant that does not get the
+//! lock gets `InProgress` at once. One that gets it reads the row in a second statement: under
+//! READ COMMITTED each statement takes a fresh snapshot, and PostgreSQL makes a transaction's
+//! commit visible before it releases its locks, so that read sees every earlier holder's
+//! commit. The primary key on (consumer, message key) backs the lock up: a second insert of a
+//! key fails instead of making a second record. Two keys whose hashes collide only get a
+//! spurious `InProgress` while the other is held.
+//!
+//! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
+//! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
+//! be skewed against each other without effect.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use idemdb::{Fingerprint, Outcome};
+//! use idemdb_postgres::{Names, PgStore, install};
+//!
+//! let (mut client, connection) =
+//!     tokio_postgres::connect("host=127.0.0.1 user=app dbname=shop", tokio_postgres::NoTls).await?;
+//! tokio::spawn(connection);
+//! install(&mut client, &Names::default()).await?; // once, at deployment
+//! let store = PgStore::builder().open(&client).await?;
+//! let billing = store.consumer("billing")?;
+//! match billing.begin(&mut client, "order-1", Fingerprint::of(b"body")).await? {
+//!     Outcome::Fresh(claim) => {
+//!         claim
+//!             .transaction()
+//!             .execute("INSERT INTO orders (id) VALUES ('order-1')", &[])
+//!             .await?;
+//!         claim.commit(b"accepted").await?; // marker and order row: one transaction
+//!     }
+//!     Outcome::Duplicate { .. } => { /* processed before: acknowledge */ }
+//!     Outcome::InProgress { .. } => { /* held elsewhere right now: nack */ }
+//!     _ => { /* Conflict and the rest: dead-letter */ }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+mod error;
+mod schema;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemdb::decision::{Found, inspect_record};
+use idemdb::format::{Record, encode_key};
+use idemdb::{Clock, EXPIRES_NEVER_MS, Fingerprint, Outcome, PreviousAttempt, RESULT_BYTES_MAX};
+use tokio_postgres::{Client, Transaction};
+
+pub use error::{Error, Result};
+pub use schema::{Names, SCHEMA_VERSION, install};
+
+/// How long a completed record is kept when the builder is not told: 7 days, as in the
+/// embedded engine.
+pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
+
+/// Builds a [`PgStore`].
+#[derive(Debug)]
+pub struct StoreBuilder {
+    names: Names,
+    retention_ms: u64,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl StoreBuilder {
+    /// The tables to use (default `idemdb.records`).
+    #[must_use]
+    pub fn names(mut self, names: Names) -> StoreBuilder {
+        self.names = names;
+        self
+    }
+
+    /// How long a completed record answers `Duplicate` (default [`RETENTION_MS_DEFAULT`]).
+    /// Longer than any redelivery can be.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> StoreBuilder {
+        self.retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// Decides time with this clock instead of the database's (tests: `idemdb::MockClock`).
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> StoreBuilder {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    /// Checks the tables and returns the store.
+    ///
+    /// # Errors
+    /// [`Error::SchemaMissing`], [`Error::SchemaTooNew`] or [`Error::SchemaTooOld`] when the
+    /// tables are not at [`SCHEMA_VERSION`]; [`Error::Idemdb`] for a retention of 0.
+    pub async fn open(self, client: &Client) -> Result<PgStore> {
+        if self.retention_ms == 0 {
+            return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+                limit: idemdb::Limit::RetentionMs,
+                actual: 0,
+                min: 1,
+                max: u64::MAX,
+            }));
+        }
+        schema::check(client, &self.names).await?;
+        let records = self.names.records();
+        Ok(PgStore {
+            inner: Arc::new(Inner {
+                read: format!(
+                    "SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2"
+                ),
+                insert: format!(
+                    "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                     VALUES ($1, $2, $3, $4)"
+                ),
+                update: format!(
+                    "UPDATE {records} SET record = $3, expires_at_ms = $4 \
+                     WHERE consumer = $1 AND message_key = $2"
+                ),
+                lock_namespace: records,
+                retention_ms: self.retention_ms,
+                clock: self.clock,
+            }),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    read: String,
+    insert: String,
+    update: String,
+    /// The records table's name, hashed into every key's lock so that two stores in one
+    /// database do not share locks.
+    lock_namespace: String,
+    retention_ms: u64,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+/// The records tables of one database, opened. Cheap to clone; holds no connection: every call
+/// takes the client (or pooled connection) to run on.
+#[derive(Clone, Debug)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+impl PgStore {
+    /// A builder with the defaults: tables `idemdb.records`, 7 days' retention, the database's
+    /// clock.
+    #[must_use]
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder {
+            names: Names::default(),
+            retention_ms: RETENTION_MS_DEFAULT,
+            clock: None,
+        }
+    }
+
+    /// The handle of one consumer's records.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `LimitExceeded` for an id outside
+    /// `CONSUMER_ID_BYTES_MIN..=CONSUMER_ID_BYTES_MAX`.
+    pub fn consumer(&self, id: impl AsRef<[u8]>) -> Result<PgConsumer> {
+        let id = id.as_ref();
+        encode_key(id, b"-")?;
+        Ok(PgConsumer {
+            store: self.clone(),
+            id: Bytes::copy_from_slice(id),
+        })
+    }
+}
+
+/// One consumer's records: claims, and reads of what was recorded.
+#[derive(Clone, Debug)]
+pub struct PgConsumer {
+    store: PgStore,
+    id: Bytes,
+}
+
+impl PgConsumer {
+    /// Claims `key` for a message with `fingerprint`, in a new transaction on `client`. Never
+    /// waits for another holder. `Fresh` hands out the transaction in its claim; every other
+    /// outcome has rolled it back.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`] for a stored record
+    /// that does not decode; [`Error::Postgres`] when the database fails (nothing is written).
+    pub async fn begin<'c>(
+        &self,
+        client: &'c mut Client,
+        key: impl AsRef<[u8]>,
+        fingerprint: Fingerprint,
+    ) -> Result<Outcome<PgClaim<'c>>> {
+        let key = key.as_ref();
+        let stored_key = encode_key(&self.id, key)?;
+        let inner = &self.store.inner;
+        let tx = client.transaction().await?;
+        let lock = tx
+            .query_one(
+                "SELECT pg_try_advisory_xact_lock($1), \
+                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                &[&lock_id(&inner.lock_namespace, &stored_key)],
+            )
+            .await?;
+        let (locked, db_now_ms): (bool, i64) = (lock.get(0), lock.get(1));
+        let now_ms = match &inner.clock {
+            Some(clock) => clock.now_ms(),
+            None => u64::try_from(db_now_ms).unwrap_or(0),
+        };
+        if !locked {
+            tx.rollback().await?;
+            return Ok(Outcome::held_by_claim(now_ms));
+        }
+        // A statement of its own: its snapshot is taken after the lock was granted, so it sees
+        // the commit of whoever held the lock before.
+        let row = tx
+            .query_opt(&inner.read, &[&self.id.as_ref(), &key])
+            .await?;
+        let record = match row {
+            Some(row) => {
+                let bytes: &[u8] = row.get(0);
+                Some(Record::decode(bytes).map_err(|error| Error::Corrupt {
+                    key: key.to_vec(),
+                    detail: error.to_string(),
+                })?)
+            }
+            None => None,
+        };
+        match inspect_record(record, fingerprint, now_ms) {
+            Found::Claimable {
+                replaces_epoch,
+                previous,
+            } => Ok(Outcome::Fresh(PgClaim {
+                tx,
+                store: self.store.clone(),
+                consumer: self.id.clone(),
+                key: key.to_vec(),
+                fingerprint,
+                replaces_epoch,
+                previous,
+            })),
+            Found::Settled(outcome) => {
+                tx.rollback().await?;
+                Ok(outcome.map_fresh(|never| match never {}))
+            }
+        }
+    }
+
+    /// The record stored under `key`, as it is (it may be expired; see
+    /// [`Record::is_absent_at`]).
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`]; [`Error::Postgres`].
+    pub async fn get(&self, client: &Client, key: impl AsRef<[u8]>) -> Result<Option<Record>> {
+        let key = key.as_ref();
+        encode_key(&self.id, key)?;
+        let row = client
+            .query_opt(&self.store.inner.read, &[&self.id.as_ref(), &key])
+            .await?;
+        row.map(|row| {
+            let bytes: &[u8] = row.get(0);
+            Record::decode(bytes).map_err(|error| Error::Corrupt {
+                key: key.to_vec(),
+                detail: error.to_string(),
+            })
+        })
+        .transpose()
+    }
+}
+
+/// A won claim: a live transaction that holds the key. Run the business SQL in
+/// [`PgClaim::transaction`], then [`PgClaim::commit`]. Dropped instead, it rolls back: nothing
+/// of it lands, and the key is free again.
+pub struct PgClaim<'c> {
+    tx: Transaction<'c>,
+    store: PgStore,
+    consumer: Bytes,
+    key: Vec<u8>,
+    fingerprint: Fingerprint,
+    replaces_epoch: u64,
+    previous: Option<PreviousAttempt>,
+}
+
+impl std::fmt::Debug for PgClaim<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgClaim")
+            .field("consumer", &self.consumer)
+            .field("key", &idemdb::format::printable(&self.key))
+            .field("epoch", &self.epoch())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> PgClaim<'c> {
+    /// The claim's transaction, for the business SQL. Do not commit or roll it back yourself:
+    /// [`PgClaim::commit`] does, and dropping the claim rolls back.
+    #[must_use]
+    pub fn transaction(&self) -> &Transaction<'c> {
+        &self.tx
+    }
+
+    /// The epoch the committed record will have.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.replaces_epoch.saturating_add(1)
+    }
+
+    /// The external attempt this claim took over after its lease ran out, if any.
+    #[must_use]
+    pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
+        self.previous.as_ref()
+    }
+
+    /// Writes the completed record with `result` (returned to duplicates) and commits the
+    /// transaction: the record and the business SQL land together or not at all.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX` (nothing is written; the
+    /// transaction rolls back). [`Error::Postgres`] when a statement or the commit fails; if the
+    /// connection dropped during the commit its outcome is unknown: do not acknowledge the
+    /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
+    pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
+        let result = result.as_ref();
+        if result.len() > RESULT_BYTES_MAX {
+            return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+                limit: idemdb::Limit::ResultBytes,
+                actual: result.len() as u64,
+                min: 0,
+                max: RESULT_BYTES_MAX as u64,
+            }));
+        }
+        let inner = &self.store.inner;
+        let now_ms = match &inner.clock {
+            Some(clock) => clock.now_ms(),
+            None => {
+                let row = self
+                    .tx
+                    .query_one(
+                        "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+                        &[],
+                    )
+                    .await?;
+                u64::try_from(row.get::<_, i64>(0)).unwrap_or(0)
+            }
+        };
+        let expires_at_ms = now_ms.saturating_add(inner.retention_ms);
+        let record = Record::new(
+            self.epoch(),
+            now_ms,
+            expires_at_ms,
+            self.fingerprint,
+            Bytes::copy_from_slice(result),
+        );
+        // NULL: never expires (a retention past what int8 holds).
+        let expires_column = i64::try_from(expires_at_ms)
+            .ok()
+            .filter(|_| expires_at_ms != EXPIRES_NEVER_MS);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
+            &self.consumer.as_ref(),
+            &self.key.as_slice(),
+            &record.encode(),
+            &expires_column,
+        ];
+        let statement = if self.replaces_epoch == 0 {
+            &inner.insert
+        } else {
+            &inner.update
+        };
+        // An error here (a failed business statement aborted the transaction, say) is returned
+        // before COMMIT is sent: PostgreSQL would answer a COMMIT of an aborted transaction
+        // with a rollback and no error.
+        let written = self.tx.execute(statement, &params).await?;
+        if written != 1 {
+            return Err(Error::LostKey { key: self.key });
+        }
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// The advisory lock of a stored key in a table: a 64-bit hash of both.
+fn lock_id(namespace: &str, stored_key: &[u8]) -> i64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    hasher.update(namespace.as_bytes());
+    hasher.update(&[0]);
+    hasher.update(stored_key);
+    i64::from_ne_bytes(hasher.digest().to_ne_bytes())
+}

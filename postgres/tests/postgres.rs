@@ -1,0 +1,436 @@
+//! idemdb-postgres against a real PostgreSQL server (Debian's, started privately by
+//! `support/server.rs`; skipped with a message where none is installed). One server for every
+//! scenario; each scenario has a schema of its own.
+//!
+//! Scenarios: schema installation and versioning; outcomes (fresh, duplicate, conflict) with
+//! the business row in the claim's transaction; a dropped claim and a failed business
+//! statement leave nothing; a held key is `InProgress` at once; expiry at the millisecond and
+//! the re-claim of an expired key; a race of many connections over the same keys, where every
+//! key has exactly one winner and one business row.
+
+#[path = "support/server.rs"]
+mod server;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemdb::{Fingerprint, MockClock, Outcome};
+use idemdb_postgres::{Error, Names, PgStore, SCHEMA_VERSION, install};
+use tokio_postgres::{Client, NoTls};
+
+type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+fn main() {
+    let server = match server::Server::start() {
+        Ok(server) => server,
+        Err(why) => {
+            println!("idemdb-postgres tests skipped: cannot start PostgreSQL ({why})");
+            return;
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = server.url();
+    let mut failed = 0;
+    macro_rules! scenario {
+        ($name:ident) => {
+            let result = runtime.block_on($name(&url));
+            match result {
+                Ok(()) => println!("test {} ... ok", stringify!($name)),
+                Err(error) => {
+                    failed += 1;
+                    println!("test {} ... FAILED: {error}", stringify!($name));
+                }
+            }
+        };
+    }
+    scenario!(install_is_versioned_and_refuses_a_newer_schema);
+    scenario!(outcomes_with_the_business_row_in_the_claims_transaction);
+    scenario!(a_dropped_claim_or_a_failed_statement_leaves_nothing);
+    scenario!(a_held_key_is_in_progress_at_once);
+    scenario!(an_expired_key_is_claimable_again_at_its_expiry_millisecond);
+    scenario!(many_connections_racing_for_the_same_keys_have_one_winner_each);
+    if failed > 0 {
+        eprintln!(
+            "{failed} scenario(s) failed; server log: {}",
+            server.log().display()
+        );
+        drop(server);
+        std::process::exit(1);
+    }
+    println!("test result: ok. 6 passed; 0 failed");
+}
+
+async fn connect(url: &str) -> Result<Client, Failure> {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+/// A schema of the scenario's own, installed, with a business table `<schema>.orders`.
+async fn fresh_schema(client: &mut Client, schema: &str) -> Result<Names, Failure> {
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .await?;
+    let names = Names::new(schema, "records")?;
+    install(client, &names).await?;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {schema}.orders (id text PRIMARY KEY, body text NOT NULL)"
+        ))
+        .await?;
+    Ok(names)
+}
+
+macro_rules! ensure {
+    ($condition:expr, $($message:tt)*) => {
+        if !$condition {
+            return Err(format!($($message)*).into());
+        }
+    };
+}
+
+async fn install_is_versioned_and_refuses_a_newer_schema(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    client
+        .batch_execute("DROP SCHEMA IF EXISTS t_install CASCADE")
+        .await?;
+    let names = Names::new("t_install", "records")?;
+    let missing = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(missing, Err(Error::SchemaMissing { .. })),
+        "before install: {missing:?}"
+    );
+    install(&mut client, &names).await?;
+    install(&mut client, &names).await?; // a second install changes nothing
+    PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    // Several installers at once take turns.
+    client
+        .batch_execute("DROP SCHEMA t_install CASCADE")
+        .await?;
+    let mut installers = Vec::new();
+    for _ in 0..4 {
+        let url = url.to_owned();
+        let names = names.clone();
+        installers.push(tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            install(&mut client, &names).await?;
+            Ok::<(), Failure>(())
+        }));
+    }
+    for installer in installers {
+        installer.await??;
+    }
+    PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    // Tables written by a newer release are refused, by open and by install, and untouched.
+    client
+        .batch_execute(&format!(
+            "UPDATE t_install.records_version SET version = {}",
+            SCHEMA_VERSION + 1
+        ))
+        .await?;
+    let newer = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(newer, Err(Error::SchemaTooNew { .. })),
+        "newer at open: {newer:?}"
+    );
+    let newer = install(&mut client, &names).await;
+    ensure!(
+        matches!(newer, Err(Error::SchemaTooNew { .. })),
+        "newer at install: {newer:?}"
+    );
+    for bad in ["", "Upper", "1st", "semi;colon", "a-b", &"x".repeat(56)] {
+        let refused = Names::new(bad, "records");
+        ensure!(
+            matches!(refused, Err(Error::InvalidName { .. })),
+            "{bad:?}: {refused:?}"
+        );
+    }
+    Ok(())
+}
+
+async fn outcomes_with_the_business_row_in_the_claims_transaction(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_outcomes").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let billing = store.consumer("billing")?;
+    let body = Fingerprint::of(b"order 1");
+    match billing.begin(&mut client, "order-1", body).await? {
+        Outcome::Fresh(claim) => {
+            ensure!(claim.epoch() == 1, "epoch {}", claim.epoch());
+            claim
+                .transaction()
+                .execute(
+                    "INSERT INTO t_outcomes.orders (id, body) VALUES ('order-1', 'one')",
+                    &[],
+                )
+                .await?;
+            claim.commit(b"accepted").await?;
+        }
+        other => return Err(format!("first delivery: {other:?}").into()),
+    }
+    match billing.begin(&mut client, "order-1", body).await? {
+        Outcome::Duplicate { result, epoch, .. } => {
+            ensure!(
+                result.as_ref() == b"accepted" && epoch == 1,
+                "{result:?} {epoch}"
+            );
+        }
+        other => return Err(format!("redelivery: {other:?}").into()),
+    }
+    let other_body = Fingerprint::of(b"order 1, changed");
+    match billing.begin(&mut client, "order-1", other_body).await? {
+        Outcome::Conflict {
+            stored_fingerprint,
+            new_fingerprint,
+            ..
+        } => ensure!(
+            stored_fingerprint == body && new_fingerprint == other_body,
+            "fingerprints"
+        ),
+        other => return Err(format!("reuse with other content: {other:?}").into()),
+    }
+    // Another consumer has its own record of the same key.
+    let shipping = store.consumer("shipping")?;
+    let outcome = shipping.begin(&mut client, "order-1", body).await?;
+    ensure!(
+        matches!(outcome, Outcome::Fresh(_)),
+        "another consumer: {outcome:?}"
+    );
+    drop(outcome);
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_outcomes.orders", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 1, "{rows} order rows");
+    // Bad input is a typed error, not a panic.
+    let too_long = billing
+        .begin(&mut client, vec![b'k'; 5000], body)
+        .await
+        .map(|_| ());
+    ensure!(
+        matches!(
+            too_long,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "{too_long:?}"
+    );
+    ensure!(
+        matches!(store.consumer(""), Err(Error::Idemdb(_))),
+        "empty consumer id"
+    );
+    Ok(())
+}
+
+async fn a_dropped_claim_or_a_failed_statement_leaves_nothing(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_abort").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    if let Outcome::Fresh(claim) = consumer.begin(&mut client, "m-1", body).await? {
+        claim
+            .transaction()
+            .execute("INSERT INTO t_abort.orders VALUES ('m-1', 'x')", &[])
+            .await?;
+        drop(claim); // a transient failure: the broker will redeliver
+    } else {
+        return Err("first claim not fresh".into());
+    }
+    // A failed business statement: the commit fails and writes nothing.
+    if let Outcome::Fresh(claim) = consumer.begin(&mut client, "m-1", body).await? {
+        let bad = claim
+            .transaction()
+            .execute("INSERT INTO t_abort.no_such_table VALUES (1)", &[])
+            .await;
+        ensure!(bad.is_err(), "the bad statement failed");
+        let committed = claim.commit(b"ok").await;
+        ensure!(
+            matches!(committed, Err(Error::Postgres(_))),
+            "commit after a failed statement: {committed:?}"
+        );
+    } else {
+        return Err("claim after the drop not fresh".into());
+    }
+    ensure!(consumer.get(&client, "m-1").await?.is_none(), "no record");
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_abort.orders", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 0, "{rows} rows left");
+    // And the key is free: processed now.
+    match consumer.begin(&mut client, "m-1", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        other => return Err(format!("after the failures: {other:?}").into()),
+    }
+    Ok(())
+}
+
+async fn a_held_key_is_in_progress_at_once(url: &str) -> Result<(), Failure> {
+    let mut holder = connect(url).await?;
+    let mut other = connect(url).await?;
+    let names = fresh_schema(&mut holder, "t_held").await?;
+    let store = PgStore::builder().names(names).open(&holder).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let Outcome::Fresh(claim) = consumer.begin(&mut holder, "k", body).await? else {
+        return Err("holder's claim not fresh".into());
+    };
+    // Bounded by a timeout only so that a regression fails instead of hanging: the answer
+    // comes without waiting for the holder.
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.begin(&mut other, "k", body),
+    )
+    .await??;
+    ensure!(
+        matches!(outcome, Outcome::InProgress { holder: None, .. }),
+        "while held: {outcome:?}"
+    );
+    drop(outcome);
+    claim.commit(b"done").await?;
+    let outcome = consumer.begin(&mut other, "k", body).await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "after the commit: {outcome:?}"
+    );
+    Ok(())
+}
+
+async fn an_expired_key_is_claimable_again_at_its_expiry_millisecond(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_expiry").await?;
+    let clock = MockClock::new(1_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(500))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    match consumer.begin(&mut client, "k", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"first").await?,
+        other => return Err(format!("first: {other:?}").into()),
+    }
+    clock.set(1_000_499);
+    let outcome = consumer.begin(&mut client, "k", body).await?;
+    ensure!(
+        matches!(
+            outcome,
+            Outcome::Duplicate {
+                expires_at_ms: 1_000_500,
+                ..
+            }
+        ),
+        "one millisecond before expiry: {outcome:?}"
+    );
+    drop(outcome);
+    clock.set(1_000_500);
+    match consumer.begin(&mut client, "k", body).await? {
+        Outcome::Fresh(claim) => {
+            ensure!(claim.epoch() == 2, "the re-claim replaces epoch 1");
+            claim.commit(b"second").await?;
+        }
+        other => return Err(format!("at expiry: {other:?}").into()),
+    }
+    match consumer.begin(&mut client, "k", body).await? {
+        Outcome::Duplicate { result, epoch, .. } => {
+            ensure!(
+                result.as_ref() == b"second" && epoch == 2,
+                "{result:?} {epoch}"
+            );
+        }
+        other => return Err(format!("after the re-claim: {other:?}").into()),
+    }
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_expiry.records", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 1, "one row per key, found {rows}");
+    Ok(())
+}
+
+async fn many_connections_racing_for_the_same_keys_have_one_winner_each(
+    url: &str,
+) -> Result<(), Failure> {
+    const CONNECTIONS: usize = 8;
+    const KEYS: usize = 300;
+    const ROUNDS: usize = 3;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_race").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let wins = Arc::new(std::sync::Mutex::new(HashMap::<usize, usize>::new()));
+    let mut workers = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let (url, consumer, wins) = (url.to_owned(), consumer.clone(), wins.clone());
+        workers.push(tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            let mut in_progress = 0usize;
+            for _ in 0..ROUNDS {
+                for key in 0..KEYS {
+                    // Every worker walks the same keys in the same order: they meet on each.
+                    let name = format!("k-{key}");
+                    let body = Fingerprint::of(name.as_bytes());
+                    match consumer.begin(&mut client, &name, body).await? {
+                        Outcome::Fresh(claim) => {
+                            claim
+                                .transaction()
+                                .execute(
+                                    "INSERT INTO t_race.orders (id, body) VALUES ($1, 'x')",
+                                    &[&name],
+                                )
+                                .await?;
+                            // Hold the key a moment so that others find it held.
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            claim.commit(b"ok").await?;
+                            *wins.lock().expect("wins").entry(key).or_default() += 1;
+                        }
+                        Outcome::InProgress { .. } => in_progress += 1,
+                        Outcome::Duplicate { .. } => {}
+                        other => return Err(format!("{name}: {other:?}").into()),
+                    }
+                }
+            }
+            Ok::<usize, Failure>(in_progress)
+        }));
+    }
+    let mut in_progress = 0;
+    for worker in workers {
+        in_progress += worker.await??;
+    }
+    let wins = wins.lock().expect("wins").clone();
+    let twice: Vec<_> = wins.iter().filter(|(_, n)| **n > 1).collect();
+    ensure!(twice.is_empty(), "keys won more than once: {twice:?}");
+    // A key every worker found held or done may have no winner yet: claim the rest now.
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_race.orders", &[])
+        .await?
+        .get(0);
+    ensure!(
+        rows as usize == wins.len(),
+        "{rows} business rows for {} winners",
+        wins.len()
+    );
+    println!(
+        "    race: {CONNECTIONS} connections x {KEYS} keys x {ROUNDS} rounds: {} keys won once, none twice, {in_progress} in-progress answers",
+        wins.len()
+    );
+    ensure!(in_progress > 0, "the race never found a key held");
+    Ok(())
+}
