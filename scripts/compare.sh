@@ -18,21 +18,7 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing+=(postgresql)
 [ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 if ((${#missing[@]})); then
-    echo "idemdb compare: installing ${missing[*]}" >&2
-    sudo=""
-    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-    # Debian's packages start their own servers on the default ports when a service manager is
-    # running; the harness starts its own instead, so keep the package's from starting.
-    policy=/usr/sbin/policy-rc.d
-    created_policy=""
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-        $sudo chmod +x "$policy"
-        created_policy=1
-    fi
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-    if [ -n "$created_policy" ]; then $sudo rm -f "$policy"; fi
+    apt_install "for the comparison harness" "${missing[@]}"
 fi
 
 exec cargo run --release --quiet -p idemdb-compare -- "${@:-all}"

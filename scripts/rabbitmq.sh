@@ -14,24 +14,9 @@ rabbitmq_install() {
     if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
         return
     fi
-    echo "idemdb: installing rabbitmq-server (for the RabbitMQ end-to-end test)" >&2
-    local sudo=""
-    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-    # Keep the package from starting a system-wide server on the default ports.
-    local policy=/usr/sbin/policy-rc.d added_policy=""
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-        $sudo chmod +x "$policy"
-        added_policy=1
-    fi
-    local status=0
-    { $sudo apt-get update -qq &&
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq rabbitmq-server >/dev/null; } ||
-        status=$?
-    # Removed whatever happened: left in place it would keep every later package's service from
-    # starting.
-    if [ -n "$added_policy" ]; then $sudo rm -f "$policy"; fi
-    return "$status"
+    # apt_install (scripts/setup.sh, sourced first) keeps the package from starting a
+    # system-wide server on the default ports.
+    apt_install "for the RabbitMQ end-to-end test" rabbitmq-server
 }
 
 # rabbitmq_start DIR: starts epmd and the node; returns once the AMQP port accepts connections.

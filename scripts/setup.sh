@@ -10,6 +10,30 @@ if ! command -v cargo >/dev/null 2>&1; then
     exit 1
 fi
 
+# apt_install WHY PACKAGE...: installs Debian packages, keeping any service they bring from
+# starting: the scripts start private servers of their own, on other ports.
+apt_install() {
+    local why="$1"
+    shift
+    echo "idemdb: installing $* ($why)" >&2
+    local sudo=""
+    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+    local policy=/usr/sbin/policy-rc.d added_policy=""
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+        $sudo chmod +x "$policy"
+        added_policy=1
+    fi
+    local status=0
+    { $sudo apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null; } ||
+        status=$?
+    # Removed whatever happened: left in place it would keep every later package's service from
+    # starting.
+    if [ -n "$added_policy" ]; then $sudo rm -f "$policy"; fi
+    return "$status"
+}
+
 missing=()
 for package in clang libclang-dev g++; do
     if ! dpkg -s "$package" >/dev/null 2>&1; then
@@ -17,11 +41,7 @@ for package in clang libclang-dev g++; do
     fi
 done
 if ((${#missing[@]})); then
-    echo "idemdb: installing ${missing[*]} (needed to compile RocksDB)" >&2
-    sudo=""
-    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+    apt_install "needed to compile RocksDB" "${missing[@]}"
 fi
 
 # One build cache shared by the demo, the tests, the benches and every clone on this machine.

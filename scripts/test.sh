@@ -74,31 +74,9 @@ bash scripts/rabbitmq-handoff.sh
 # The power cuts of tests/crash.rs mount a FUSE file system (powercut/). As root it mounts
 # through /dev/fuse itself; fuse3's fusermount3 is what it falls back on elsewhere.
 if ! dpkg -s fuse3 >/dev/null 2>&1; then
-    echo "== installing fuse3 (the power-cut tests mount a FUSE file system)"
-    sudo=""
-    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-    $sudo apt-get update -qq || true
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq fuse3 >/dev/null ||
+    apt_install "the power-cut tests mount a FUSE file system" fuse3 ||
         echo "   (could not install fuse3; the power-cut tests skip if they cannot mount)"
 fi
-echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
-if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
-    echo "== installing postgresql (its server binaries; no system-wide server is started)"
-    sudo=""
-    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-    policy=/usr/sbin/policy-rc.d
-    created_policy=""
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
-        $sudo chmod +x "$policy"
-        created_policy=1
-    fi
-    $sudo apt-get update -qq || true
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq postgresql >/dev/null ||
-        echo "   (could not install postgresql; the backend's tests skip)"
-    if [ -n "$created_policy" ]; then $sudo rm -f "$policy"; fi
-fi
-cargo test --release -p idemdb-postgres
 echo "== the power-cut file system forgets what it must (powercut/)"
 cargo test --release -p idemdb-powercut
 
