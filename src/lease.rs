@@ -24,10 +24,7 @@ use crate::record::{HOLDER_BYTES_MAX, Record, RecordState};
 use crate::staging::{Staged, staging_methods};
 use crate::storage::Storage;
 
-/// The shortest lease, in milliseconds.
-pub const LEASE_MS_MIN: u64 = 1;
-/// The longest lease, in milliseconds (7 days). Renew a longer side effect.
-pub const LEASE_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+use crate::record::{LEASE_MS_MAX, LEASE_MS_MIN};
 
 /// How long a lease step waits for the key's latch, in real time, before [`Error::KeyBusy`]
 /// (the operator tools' writes wait as long).

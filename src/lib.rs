@@ -470,10 +470,7 @@ pub use key::{
     cloudevents_key,
 };
 #[cfg(feature = "engine")]
-pub use lease::{
-    ExternalClaim, FailurePolicy, InProgressEntry, LEASE_MS_MAX, LEASE_MS_MIN, LeaseTicket,
-    Resolution,
-};
+pub use lease::{ExternalClaim, FailurePolicy, InProgressEntry, LeaseTicket, Resolution};
 pub use message::Message;
 #[cfg(feature = "engine")]
 pub use observe::{ConsumerStats, Stats};
@@ -487,7 +484,8 @@ pub use options::{
     WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };
 pub use record::{
-    Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, RESULT_BYTES_MAX, Record, RecordState,
+    Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, RESULT_BYTES_MAX,
+    Record, RecordState,
 };
 #[cfg(feature = "engine")]
 pub use staging::{

@@ -15,6 +15,12 @@ pub const RESULT_BYTES_MAX: usize = 64 << 20;
 /// `expires_at_ms` of a record that never expires (entity tables by default).
 pub const EXPIRES_NEVER_MS: u64 = u64::MAX;
 
+/// The shortest lease of an external claim, in milliseconds.
+pub const LEASE_MS_MIN: u64 = 1;
+/// The longest lease of an external claim, in milliseconds (7 days). Renew a longer side
+/// effect.
+pub const LEASE_MS_MAX: u64 = 7 * 24 * 3600 * 1000;
+
 /// The one expiry rule, shared by reads and the compaction filter: a record expires at the
 /// instant `expires_at_ms` is reached, except that [`EXPIRES_NEVER_MS`] never does.
 pub(crate) fn is_expired(expires_at_ms: u64, now_ms: u64) -> bool {
@@ -158,6 +164,29 @@ impl Record {
                 expires_at_ms,
                 result,
                 succeeded: true,
+            },
+        }
+    }
+
+    /// The in-progress record of an external claim; used by backends and tools that write the
+    /// format.
+    #[must_use]
+    pub fn in_progress(
+        epoch: u64,
+        fingerprint: Fingerprint,
+        since_ms: u64,
+        lease_until_ms: u64,
+        holder: Bytes,
+        token: u64,
+    ) -> Record {
+        Record {
+            epoch,
+            fingerprint,
+            state: RecordState::InProgress {
+                since_ms,
+                lease_until_ms,
+                holder,
+                token,
             },
         }
     }

@@ -50,6 +50,7 @@
 //! ```
 
 mod error;
+mod external;
 mod schema;
 
 use std::sync::Arc;
@@ -59,9 +60,11 @@ use bytes::Bytes;
 use idemdb::decision::{Found, inspect_record};
 use idemdb::format::{Record, encode_key};
 use idemdb::{Clock, EXPIRES_NEVER_MS, Fingerprint, Outcome, PreviousAttempt, RESULT_BYTES_MAX};
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Transaction};
 
 pub use error::{Error, Result};
+pub use external::{LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim};
 pub use schema::{Names, SCHEMA_VERSION, install};
 
 /// How long a completed record is kept when the builder is not told: 7 days, as in the
@@ -137,13 +140,13 @@ impl StoreBuilder {
 }
 
 #[derive(Debug)]
-struct Inner {
-    read: String,
-    insert: String,
-    update: String,
+pub(crate) struct Inner {
+    pub(crate) read: String,
+    pub(crate) insert: String,
+    pub(crate) update: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
-    lock_namespace: String,
+    pub(crate) lock_namespace: String,
     retention_ms: u64,
     clock: Option<Arc<dyn Clock>>,
 }
@@ -152,7 +155,7 @@ struct Inner {
 /// takes the client (or pooled connection) to run on.
 #[derive(Clone, Debug)]
 pub struct PgStore {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl PgStore {
@@ -185,8 +188,8 @@ impl PgStore {
 /// One consumer's records: claims, and reads of what was recorded.
 #[derive(Clone, Debug)]
 pub struct PgConsumer {
-    store: PgStore,
-    id: Bytes,
+    pub(crate) store: PgStore,
+    pub(crate) id: Bytes,
 }
 
 impl PgConsumer {
@@ -214,30 +217,15 @@ impl PgConsumer {
                 &[&lock_id(&inner.lock_namespace, &stored_key)],
             )
             .await?;
-        let (locked, db_now_ms): (bool, i64) = (lock.get(0), lock.get(1));
-        let now_ms = match &inner.clock {
-            Some(clock) => clock.now_ms(),
-            None => u64::try_from(db_now_ms).unwrap_or(0),
-        };
+        let locked: bool = lock.get(0);
+        let now_ms = self.store.now_ms(lock.get(1));
         if !locked {
             tx.rollback().await?;
             return Ok(Outcome::held_by_claim(now_ms));
         }
         // A statement of its own: its snapshot is taken after the lock was granted, so it sees
         // the commit of whoever held the lock before.
-        let row = tx
-            .query_opt(&inner.read, &[&self.id.as_ref(), &key])
-            .await?;
-        let record = match row {
-            Some(row) => {
-                let bytes: &[u8] = row.get(0);
-                Some(Record::decode(bytes).map_err(|error| Error::Corrupt {
-                    key: key.to_vec(),
-                    detail: error.to_string(),
-                })?)
-            }
-            None => None,
-        };
+        let record = self.read(&tx, key).await?;
         match inspect_record(record, fingerprint, now_ms) {
             Found::Claimable {
                 replaces_epoch,
@@ -332,62 +320,96 @@ impl<'c> PgClaim<'c> {
     /// connection dropped during the commit its outcome is unknown: do not acknowledge the
     /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
-        let result = result.as_ref();
-        if result.len() > RESULT_BYTES_MAX {
-            return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
-                limit: idemdb::Limit::ResultBytes,
-                actual: result.len() as u64,
-                min: 0,
-                max: RESULT_BYTES_MAX as u64,
-            }));
-        }
-        let inner = &self.store.inner;
-        let now_ms = match &inner.clock {
-            Some(clock) => clock.now_ms(),
-            None => {
-                let row = self
-                    .tx
-                    .query_one(
-                        "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
-                        &[],
-                    )
-                    .await?;
-                u64::try_from(row.get::<_, i64>(0)).unwrap_or(0)
-            }
+        let consumer = PgConsumer {
+            store: self.store.clone(),
+            id: self.consumer.clone(),
         };
-        let expires_at_ms = now_ms.saturating_add(inner.retention_ms);
-        let record = Record::new(
-            self.epoch(),
-            now_ms,
-            expires_at_ms,
+        write_completed(
+            &self.tx,
+            &consumer,
+            &self.key,
             self.fingerprint,
-            Bytes::copy_from_slice(result),
-        );
-        // NULL: never expires (a retention past what int8 holds).
-        let expires_column = i64::try_from(expires_at_ms)
-            .ok()
-            .filter(|_| expires_at_ms != EXPIRES_NEVER_MS);
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
-            &self.consumer.as_ref(),
-            &self.key.as_slice(),
-            &record.encode(),
-            &expires_column,
-        ];
-        let statement = if self.replaces_epoch == 0 {
-            &inner.insert
-        } else {
-            &inner.update
-        };
-        // An error here (a failed business statement aborted the transaction, say) is returned
-        // before COMMIT is sent: PostgreSQL would answer a COMMIT of an aborted transaction
-        // with a rollback and no error.
-        let written = self.tx.execute(statement, &params).await?;
-        if written != 1 {
-            return Err(Error::LostKey { key: self.key });
-        }
+            self.epoch(),
+            self.replaces_epoch != 0,
+            result.as_ref(),
+        )
+        .await?;
         self.tx.commit().await?;
         Ok(())
     }
+}
+
+impl PgStore {
+    /// Now, on the store's clock: the injected one, or the database's reading `db_now_ms`.
+    pub(crate) fn now_ms(&self, db_now_ms: i64) -> u64 {
+        match &self.inner.clock {
+            Some(clock) => clock.now_ms(),
+            None => u64::try_from(db_now_ms).unwrap_or(0),
+        }
+    }
+}
+
+/// Writes the completed record of `key` at `epoch` in `tx`: an update of the row there is
+/// (`replaces`), else an insert. Errors come before any COMMIT is sent: PostgreSQL answers a
+/// COMMIT of a transaction a failed statement aborted with a rollback and no error.
+pub(crate) async fn write_completed(
+    tx: &Transaction<'_>,
+    consumer: &PgConsumer,
+    key: &[u8],
+    fingerprint: Fingerprint,
+    epoch: u64,
+    replaces: bool,
+    result: &[u8],
+) -> Result<()> {
+    if result.len() > RESULT_BYTES_MAX {
+        return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+            limit: idemdb::Limit::ResultBytes,
+            actual: result.len() as u64,
+            min: 0,
+            max: RESULT_BYTES_MAX as u64,
+        }));
+    }
+    let inner = &consumer.store.inner;
+    let now_ms = match &inner.clock {
+        Some(clock) => clock.now_ms(),
+        None => {
+            let row = tx
+                .query_one(
+                    "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+                    &[],
+                )
+                .await?;
+            u64::try_from(row.get::<_, i64>(0)).unwrap_or(0)
+        }
+    };
+    let expires_at_ms = now_ms.saturating_add(inner.retention_ms);
+    let record = Record::new(
+        epoch,
+        now_ms,
+        expires_at_ms,
+        fingerprint,
+        Bytes::copy_from_slice(result),
+    );
+    // NULL: never expires (a retention past what int8 holds).
+    let expires_column = i64::try_from(expires_at_ms)
+        .ok()
+        .filter(|_| expires_at_ms != EXPIRES_NEVER_MS);
+    let params: [&(dyn ToSql + Sync); 4] = [
+        &consumer.id.as_ref(),
+        &key,
+        &record.encode(),
+        &expires_column,
+    ];
+    let statement = if replaces {
+        &inner.update
+    } else {
+        &inner.insert
+    };
+    let written = tx.execute(statement, &params).await?;
+    if written != 1 {
+        return Err(Error::LostKey { key: key.to_vec() });
+    }
+    Ok(())
 }
 
 /// The advisory lock of a stored key in a table: a 64-bit hash of both.

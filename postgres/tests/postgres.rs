@@ -6,7 +6,8 @@
 //! the business row in the claim's transaction; a dropped claim and a failed business
 //! statement leave nothing; a held key is `InProgress` at once; expiry at the millisecond and
 //! the re-claim of an expired key; a race of many connections over the same keys, where every
-//! key has exactly one winner and one business row.
+//! key has exactly one winner and one business row; external claims: leases, takeover after the
+//! lease ran out, and fencing of the stale holder.
 
 #[path = "support/server.rs"]
 mod server;
@@ -54,6 +55,7 @@ fn main() {
     scenario!(a_held_key_is_in_progress_at_once);
     scenario!(an_expired_key_is_claimable_again_at_its_expiry_millisecond);
     scenario!(many_connections_racing_for_the_same_keys_have_one_winner_each);
+    scenario!(external_claims_are_leased_taken_over_and_fenced);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -62,7 +64,7 @@ fn main() {
         drop(server);
         std::process::exit(1);
     }
-    println!("test result: ok. 6 passed; 0 failed");
+    println!("test result: ok. 7 passed; 0 failed");
 }
 
 async fn connect(url: &str) -> Result<Client, Failure> {
@@ -432,5 +434,155 @@ async fn many_connections_racing_for_the_same_keys_have_one_winner_each(
         wins.len()
     );
     ensure!(in_progress > 0, "the race never found a key held");
+    Ok(())
+}
+
+async fn external_claims_are_leased_taken_over_and_fenced(url: &str) -> Result<(), Failure> {
+    let mut a_client = connect(url).await?;
+    let mut b_client = connect(url).await?;
+    let names = fresh_schema(&mut a_client, "t_external").await?;
+    let clock = MockClock::new(1_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .clock(clock.clone())
+        .open(&a_client)
+        .await?;
+    let consumer = store.consumer("mailer")?;
+    let body = Fingerprint::of(b"welcome mail");
+    let lease = Duration::from_secs(1);
+    let Outcome::Fresh(mut a) = consumer
+        .begin_external(&mut a_client, "mail-1", body, lease, "worker-a")
+        .await?
+    else {
+        return Err("first external claim not fresh".into());
+    };
+    ensure!(a.epoch() == 1 && a.previous_attempt().is_none(), "a: {a:?}");
+    // The in-progress record is committed: another process sees the lease.
+    match consumer
+        .begin_external(&mut b_client, "mail-1", body, lease, "worker-b")
+        .await?
+    {
+        Outcome::InProgress {
+            holder,
+            lease_until_ms,
+            epoch,
+            ..
+        } => ensure!(
+            holder.as_deref() == Some(&b"worker-a"[..])
+                && lease_until_ms == Some(1_001_000)
+                && epoch == Some(1),
+            "{holder:?} {lease_until_ms:?} {epoch:?}"
+        ),
+        other => return Err(format!("while leased: {other:?}").into()),
+    }
+    let outcome = consumer.begin(&mut b_client, "mail-1", body).await?;
+    ensure!(
+        matches!(outcome, Outcome::InProgress { .. }),
+        "transactional claim while leased: {outcome:?}"
+    );
+    drop(outcome);
+    ensure!(
+        a.renew(&mut a_client, lease * 2).await? == 1_002_000,
+        "renewed"
+    );
+    clock.set(1_001_500);
+    let outcome = consumer
+        .begin_external(&mut b_client, "mail-1", body, lease, "worker-b")
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::InProgress { .. }),
+        "the renewed lease holds: {outcome:?}"
+    );
+    drop(outcome);
+    // The lease runs out: worker-b takes over, and is told of worker-a's attempt.
+    clock.set(1_002_000);
+    let Outcome::Fresh(b) = consumer
+        .begin_external(&mut b_client, "mail-1", body, lease, "worker-b")
+        .await?
+    else {
+        return Err("takeover not fresh".into());
+    };
+    let previous = b.previous_attempt().ok_or("no previous attempt")?;
+    ensure!(
+        b.epoch() == 2 && previous.epoch == 1 && previous.holder.as_ref() == b"worker-a",
+        "takeover: {b:?}"
+    );
+    ensure!(
+        a.derive_key("smtp") == b.derive_key("smtp"),
+        "the same downstream key for every attempt"
+    );
+    // worker-a is fenced: its renew and its completion are refused, its SQL never lands.
+    let renewed = a.renew(&mut a_client, lease).await;
+    ensure!(
+        matches!(
+            renewed,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 2 }))
+        ),
+        "stale renew: {renewed:?}"
+    );
+    let completion = a.completion(&mut a_client).await.map(|_| ());
+    ensure!(
+        matches!(
+            completion,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 2 }))
+        ),
+        "stale completion: {completion:?}"
+    );
+    // A completion dropped before its commit changes nothing: the claim still holds the key.
+    let dropped = b.completion(&mut b_client).await?;
+    dropped
+        .transaction()
+        .execute(
+            "INSERT INTO t_external.orders VALUES ('mail-1', 'dropped')",
+            &[],
+        )
+        .await?;
+    drop(dropped);
+    let completion = b.completion(&mut b_client).await?;
+    completion
+        .transaction()
+        .execute(
+            "INSERT INTO t_external.orders VALUES ('mail-1', 'sent')",
+            &[],
+        )
+        .await?;
+    completion.commit(b"sent").await?;
+    match consumer.begin(&mut a_client, "mail-1", body).await? {
+        Outcome::Duplicate { result, epoch, .. } => {
+            ensure!(
+                result.as_ref() == b"sent" && epoch == 2,
+                "{result:?} {epoch}"
+            );
+        }
+        other => return Err(format!("after completion: {other:?}").into()),
+    }
+    let body_row: String = a_client
+        .query_one("SELECT string_agg(body, ',') FROM t_external.orders", &[])
+        .await?
+        .get(0);
+    ensure!(body_row == "sent", "business rows: {body_row}");
+    // Bad input.
+    let zero = consumer
+        .begin_external(&mut a_client, "mail-2", body, Duration::ZERO, "w")
+        .await
+        .map(|_| ());
+    ensure!(
+        matches!(
+            zero,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "zero lease: {zero:?}"
+    );
+    let no_holder = consumer
+        .begin_external(&mut a_client, "mail-2", body, lease, "")
+        .await
+        .map(|_| ());
+    ensure!(
+        matches!(
+            no_holder,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "empty holder: {no_holder:?}"
+    );
     Ok(())
 }

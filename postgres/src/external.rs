@@ -1,0 +1,340 @@
+//! External claims: work outside the database (an HTTP call, an e-mail) under a fenced lease.
+//!
+//! `begin_external` commits an in-progress record at once (epoch, random token, holder, lease),
+//! so that a crashed holder's key is taken over once its lease ran out, and the new holder is
+//! told of the earlier attempt. Every later step (renew, complete) runs in a transaction that
+//! first takes the key's advisory lock (waiting at most [`LEASE_STEP_LOCK_WAIT`]) and checks that
+//! the record still carries this holder's epoch and token; otherwise it is `LeaseLost` and its
+//! transaction, the caller's SQL included, writes nothing.
+
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemdb::decision::{Found, inspect_record};
+use idemdb::format::{Record, RecordState, derive_key};
+use idemdb::{Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome, PreviousAttempt};
+use tokio_postgres::{Client, Transaction};
+
+use crate::error::{Error, Result};
+use crate::{PgConsumer, PgStore, lock_id};
+
+/// How long a lease step waits for the key's lock (another step of the same key, or a
+/// claimant's read of it, holds it only for a round trip or two).
+pub const LEASE_STEP_LOCK_WAIT: Duration = Duration::from_millis(100);
+
+/// A holder's durable claim on a key, for a side effect outside the database. Keep it (or its
+/// fields) while the side effect runs; renew the lease before it runs out.
+#[derive(Clone, Debug)]
+pub struct PgExternalClaim {
+    consumer: PgConsumer,
+    key: Vec<u8>,
+    stored_key: Vec<u8>,
+    fingerprint: Fingerprint,
+    epoch: u64,
+    token: u64,
+    since_ms: u64,
+    lease_until_ms: u64,
+    holder: Bytes,
+    previous: Option<PreviousAttempt>,
+}
+
+impl PgConsumer {
+    /// Claims `key` for an external side effect, under a lease of `lease` held by `holder`
+    /// (an identity for operators). The in-progress record is committed before this returns.
+    /// A key whose holder's lease ran out is taken over: the claim's
+    /// [`PgExternalClaim::previous_attempt`] says so.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a key, lease or holder outside the limits; [`Error::Corrupt`];
+    /// [`Error::Postgres`] (nothing is written unless the commit's outcome is unknown).
+    pub async fn begin_external(
+        &self,
+        client: &mut Client,
+        key: impl AsRef<[u8]>,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        holder: impl AsRef<[u8]>,
+    ) -> Result<Outcome<PgExternalClaim>> {
+        let key = key.as_ref();
+        let lease_ms = lease_ms(lease)?;
+        let holder = holder.as_ref();
+        check(
+            idemdb::Limit::HolderBytes,
+            holder.len() as u64,
+            1,
+            HOLDER_BYTES_MAX as u64,
+        )?;
+        let stored_key = idemdb::format::encode_key(&self.id, key)?;
+        let inner = &self.store.inner;
+        let tx = client.transaction().await?;
+        let lock = tx
+            .query_one(
+                "SELECT pg_try_advisory_xact_lock($1), \
+                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                &[&lock_id(&inner.lock_namespace, &stored_key)],
+            )
+            .await?;
+        let now_ms = self.store.now_ms(lock.get(1));
+        if !lock.get::<_, bool>(0) {
+            tx.rollback().await?;
+            return Ok(Outcome::held_by_claim(now_ms));
+        }
+        let record = self.read(&tx, key).await?;
+        match inspect_record(record, fingerprint, now_ms) {
+            Found::Claimable {
+                replaces_epoch,
+                previous,
+            } => {
+                let claim = PgExternalClaim {
+                    consumer: self.clone(),
+                    key: key.to_vec(),
+                    stored_key,
+                    fingerprint,
+                    epoch: replaces_epoch.saturating_add(1),
+                    token: random_token(),
+                    since_ms: now_ms,
+                    lease_until_ms: now_ms.saturating_add(lease_ms),
+                    holder: Bytes::copy_from_slice(holder),
+                    previous,
+                };
+                let record = claim.record(claim.lease_until_ms);
+                let statement = if replaces_epoch == 0 {
+                    &inner.insert
+                } else {
+                    &inner.update
+                };
+                // In progress: never expires by itself (NULL), whatever the lease.
+                let written = tx
+                    .execute(
+                        statement,
+                        &[&self.id.as_ref(), &key, &record.encode(), &None::<i64>],
+                    )
+                    .await?;
+                if written != 1 {
+                    return Err(Error::LostKey { key: key.to_vec() });
+                }
+                tx.commit().await?;
+                Ok(Outcome::Fresh(claim))
+            }
+            Found::Settled(outcome) => {
+                tx.rollback().await?;
+                Ok(outcome.map_fresh(|never| match never {}))
+            }
+        }
+    }
+
+    /// Reads and decodes the key's record inside `tx`.
+    pub(crate) async fn read(&self, tx: &Transaction<'_>, key: &[u8]) -> Result<Option<Record>> {
+        let row = tx
+            .query_opt(&self.store.inner.read, &[&self.id.as_ref(), &key])
+            .await?;
+        row.map(|row| {
+            let bytes: &[u8] = row.get(0);
+            Record::decode(bytes).map_err(|error| Error::Corrupt {
+                key: key.to_vec(),
+                detail: error.to_string(),
+            })
+        })
+        .transpose()
+    }
+}
+
+impl PgExternalClaim {
+    /// This holder's fencing epoch.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Until when the lease runs, as last written by this holder (the store's clock).
+    #[must_use]
+    pub fn lease_until_ms(&self) -> u64 {
+        self.lease_until_ms
+    }
+
+    /// The attempt this claim took over, if any: its side effect may have been partly applied.
+    #[must_use]
+    pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
+        self.previous.as_ref()
+    }
+
+    /// The idempotency key to give the downstream call at `step`: the same for every attempt
+    /// at this message, with either backend.
+    #[must_use]
+    pub fn derive_key(&self, step: &str) -> String {
+        derive_key(&self.stored_key, step)
+    }
+
+    /// Extends the lease to `lease` from now. Returns the new deadline.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `LeaseLost` when another holder took the key over (nothing is
+    /// written), `KeyBusy` when the key's lock was not free within [`LEASE_STEP_LOCK_WAIT`],
+    /// `LimitExceeded` for a lease outside the limits; [`Error::Postgres`].
+    pub async fn renew(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
+        let lease_ms = lease_ms(lease)?;
+        let (tx, now_ms) = self.fenced(client).await?;
+        let until = now_ms.saturating_add(lease_ms);
+        let record = self.record(until);
+        let written = tx
+            .execute(
+                &self.consumer.store.inner.update,
+                &[
+                    &self.consumer.id.as_ref(),
+                    &self.key.as_slice(),
+                    &record.encode(),
+                    &None::<i64>,
+                ],
+            )
+            .await?;
+        if written != 1 {
+            return Err(Error::LostKey {
+                key: self.key.clone(),
+            });
+        }
+        tx.commit().await?;
+        self.lease_until_ms = until;
+        Ok(until)
+    }
+
+    /// Opens the transaction that completes this claim, once it is known to still hold the
+    /// key: run the business SQL in [`PgCompletion::transaction`], then
+    /// [`PgCompletion::commit`] with the result.
+    ///
+    /// # Errors
+    /// As [`PgExternalClaim::renew`].
+    pub async fn completion<'c>(&self, client: &'c mut Client) -> Result<PgCompletion<'c>> {
+        let (tx, _) = self.fenced(client).await?;
+        Ok(PgCompletion {
+            tx,
+            claim: self.clone(),
+        })
+    }
+
+    /// The in-progress record of this holder with a lease until `lease_until_ms`.
+    fn record(&self, lease_until_ms: u64) -> Record {
+        Record::in_progress(
+            self.epoch,
+            self.fingerprint,
+            self.since_ms,
+            lease_until_ms,
+            self.holder.clone(),
+            self.token,
+        )
+    }
+
+    /// A transaction holding the key's lock, in which the record is still this holder's.
+    async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(Transaction<'c>, u64)> {
+        let store: &PgStore = &self.consumer.store;
+        let tx = client.transaction().await?;
+        tx.execute(
+            "SELECT set_config('lock_timeout', $1, true)",
+            &[&format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis())],
+        )
+        .await?;
+        let locked = tx
+            .query_one(
+                "SELECT pg_advisory_xact_lock($1)::text, \
+                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                &[&lock_id(&store.inner.lock_namespace, &self.stored_key)],
+            )
+            .await;
+        let row = match locked {
+            Ok(row) => row,
+            Err(error)
+                if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                return Err(Error::Idemdb(idemdb::Error::KeyBusy));
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let now_ms = store.now_ms(row.get(1));
+        let record = self.consumer.read(&tx, &self.key).await?;
+        let still_ours = record.as_ref().is_some_and(|record| {
+            record.epoch == self.epoch
+                && matches!(record.state, RecordState::InProgress { token, .. } if token == self.token)
+        });
+        if !still_ours {
+            let current_epoch = record.map_or(0, |record| record.epoch);
+            tx.rollback().await?;
+            return Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch }));
+        }
+        Ok((tx, now_ms))
+    }
+}
+
+/// The transaction that completes an external claim: the record and the caller's SQL commit
+/// together. Dropped, it rolls back and the claim still holds the key.
+pub struct PgCompletion<'c> {
+    tx: Transaction<'c>,
+    claim: PgExternalClaim,
+}
+
+impl std::fmt::Debug for PgCompletion<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgCompletion")
+            .field("claim", &self.claim)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> PgCompletion<'c> {
+    /// The transaction, for the business SQL. Do not commit or roll it back yourself.
+    #[must_use]
+    pub fn transaction(&self) -> &Transaction<'c> {
+        &self.tx
+    }
+
+    /// Writes the completed record with `result` and commits, with the business SQL.
+    ///
+    /// # Errors
+    /// As [`crate::PgClaim::commit`].
+    pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
+        let claim = &self.claim;
+        crate::write_completed(
+            &self.tx,
+            &claim.consumer,
+            &claim.key,
+            claim.fingerprint,
+            claim.epoch,
+            true,
+            result.as_ref(),
+        )
+        .await?;
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+fn lease_ms(lease: Duration) -> Result<u64> {
+    let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+    check(idemdb::Limit::LeaseMs, ms, LEASE_MS_MIN, LEASE_MS_MAX)?;
+    Ok(ms)
+}
+
+fn check(limit: idemdb::Limit, actual: u64, min: u64, max: u64) -> Result<()> {
+    if (min..=max).contains(&actual) {
+        return Ok(());
+    }
+    Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+        limit,
+        actual,
+        min,
+        max,
+    }))
+}
+
+/// A token no other holder of the key will have: the standard library's per-process random
+/// hash keys over the time and a counter.
+fn random_token() -> u64 {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos()),
+    );
+    hasher.finish()
+}
