@@ -6,7 +6,8 @@
 //! the business row in the claim's transaction; a dropped claim and a failed business
 //! statement leave nothing; a held key is `InProgress` at once; expiry at the millisecond and
 //! the re-claim of an expired key; a race of many connections over the same keys, where every
-//! key has exactly one winner and one business row; external claims: leases, takeover after the
+//! key has exactly one winner and one business row, among connections of one process and among
+//! separate OS processes; external claims: leases, takeover after the
 //! lease ran out, and fencing of the stale holder.
 
 #[path = "support/server.rs"]
@@ -22,7 +23,23 @@ use tokio_postgres::{Client, NoTls};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
 
+/// Set in the processes the cross-process race starts: they run `race_worker` and exit.
+const RACE_CHILD_ENV: &str = "IDEMDB_PG_RACE_CHILD";
+
 fn main() {
+    if let Ok(url) = std::env::var(RACE_CHILD_ENV) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        match runtime.block_on(race_worker(&url)) {
+            Ok(()) => return,
+            Err(error) => {
+                eprintln!("race worker: {error}");
+                std::process::exit(1);
+            }
+        }
+    }
     let server = match server::Server::start() {
         Ok(server) => server,
         Err(why) => {
@@ -56,6 +73,7 @@ fn main() {
     scenario!(an_expired_key_is_claimable_again_at_its_expiry_millisecond);
     scenario!(many_connections_racing_for_the_same_keys_have_one_winner_each);
     scenario!(external_claims_are_leased_taken_over_and_fenced);
+    scenario!(processes_racing_for_the_same_keys_have_one_winner_each);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -64,7 +82,7 @@ fn main() {
         drop(server);
         std::process::exit(1);
     }
-    println!("test result: ok. 7 passed; 0 failed");
+    println!("test result: ok. 8 passed; 0 failed");
 }
 
 async fn connect(url: &str) -> Result<Client, Failure> {
@@ -584,5 +602,92 @@ async fn external_claims_are_leased_taken_over_and_fenced(url: &str) -> Result<(
         ),
         "empty holder: {no_holder:?}"
     );
+    Ok(())
+}
+
+const PROCESS_RACE_KEYS: usize = 400;
+
+/// One process of the cross-process race: claims every key in order, writes the business row
+/// of each key it wins, and prints `WON <key>` once the commit returned.
+async fn race_worker(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let store = PgStore::builder()
+        .names(Names::new("t_processes", "records")?)
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let mut held = 0;
+    for key in 0..PROCESS_RACE_KEYS {
+        let name = format!("k-{key}");
+        match consumer
+            .begin(&mut client, &name, Fingerprint::of(name.as_bytes()))
+            .await?
+        {
+            Outcome::Fresh(claim) => {
+                claim
+                    .transaction()
+                    .execute(
+                        "INSERT INTO t_processes.orders (id, body) VALUES ($1, $2)",
+                        &[&name, &std::process::id().to_string()],
+                    )
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                claim.commit(b"ok").await?;
+                println!("WON {key}");
+            }
+            Outcome::InProgress { .. } => held += 1,
+            Outcome::Duplicate { .. } => {}
+            other => return Err(format!("{name}: {other:?}").into()),
+        }
+    }
+    println!("HELD {held}");
+    Ok(())
+}
+
+async fn processes_racing_for_the_same_keys_have_one_winner_each(url: &str) -> Result<(), Failure> {
+    const PROCESSES: usize = 4;
+    let mut client = connect(url).await?;
+    fresh_schema(&mut client, "t_processes").await?;
+    let children: Vec<std::process::Child> = (0..PROCESSES)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe()?)
+                .env(RACE_CHILD_ENV, url)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+        })
+        .collect::<Result<_, _>>()?;
+    let mut wins: HashMap<usize, usize> = HashMap::new();
+    let mut held = 0usize;
+    for child in children {
+        let output = child.wait_with_output()?;
+        ensure!(
+            output.status.success(),
+            "a race process failed: {:?}",
+            output.status
+        );
+        for line in String::from_utf8(output.stdout)?.lines() {
+            if let Some(key) = line.strip_prefix("WON ") {
+                *wins.entry(key.parse()?).or_default() += 1;
+            } else if let Some(n) = line.strip_prefix("HELD ") {
+                held += n.parse::<usize>()?;
+            }
+        }
+    }
+    let twice: Vec<_> = wins.iter().filter(|(_, n)| **n > 1).collect();
+    ensure!(twice.is_empty(), "keys won by two processes: {twice:?}");
+    ensure!(
+        wins.len() == PROCESS_RACE_KEYS,
+        "{} of {PROCESS_RACE_KEYS} keys won (every key is claimable by someone)",
+        wins.len()
+    );
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_processes.orders", &[])
+        .await?
+        .get(0);
+    ensure!(rows as usize == PROCESS_RACE_KEYS, "{rows} business rows");
+    println!(
+        "    processes: {PROCESSES} processes x {PROCESS_RACE_KEYS} keys: every key won once, {held} in-progress answers"
+    );
+    ensure!(held > 0, "the processes never met on a key");
     Ok(())
 }
