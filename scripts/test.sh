@@ -71,6 +71,13 @@ bash scripts/rabbitmq-e2e.sh
 echo "== RabbitMQ partitioned fleet: handoffs, a zombie, online backups, the negative control"
 bash scripts/rabbitmq-handoff.sh
 
+echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
+if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    apt_install "the PostgreSQL backend's tests start a private server" postgresql ||
+        echo "   (could not install postgresql; the backend's tests skip)"
+fi
+cargo test --release -p idemdb-postgres
+
 # The power cuts of tests/crash.rs mount a FUSE file system (powercut/). As root it mounts
 # through /dev/fuse itself; fuse3's fusermount3 is what it falls back on elsewhere.
 if ! dpkg -s fuse3 >/dev/null 2>&1; then
