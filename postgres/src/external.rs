@@ -124,6 +124,63 @@ impl PgConsumer {
         }
     }
 
+    /// The external claims of this consumer in progress since at least `older_than` (on the
+    /// store's clock), at most `limit` of them, in key order: what a reconciler looks at, with
+    /// the holder and whether its lease ran out.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] for a stored record that does not decode; [`Error::Postgres`].
+    pub async fn in_progress(
+        &self,
+        client: &Client,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<Vec<PgInProgress>> {
+        let row = client
+            .query_one(
+                "SELECT floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                &[],
+            )
+            .await?;
+        let now_ms = self.store.now_ms(row.get(0));
+        let horizon_ms =
+            now_ms.saturating_sub(u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX));
+        // In-progress records are the ones with no expiry (with completed records that never
+        // expire, which the decode below skips).
+        let rows = client
+            .query(&self.store.inner.never_expiring, &[&self.id.as_ref()])
+            .await?;
+        let mut found = Vec::new();
+        for row in rows {
+            if found.len() >= limit {
+                break;
+            }
+            let key: &[u8] = row.get(0);
+            let record = Record::decode(row.get(1)).map_err(|error| Error::Corrupt {
+                key: key.to_vec(),
+                detail: error.to_string(),
+            })?;
+            if let RecordState::InProgress {
+                since_ms,
+                lease_until_ms,
+                holder,
+                ..
+            } = record.state
+            {
+                if since_ms <= horizon_ms {
+                    found.push(PgInProgress {
+                        message_key: Bytes::copy_from_slice(key),
+                        epoch: record.epoch,
+                        holder,
+                        since_ms,
+                        lease_until_ms,
+                    });
+                }
+            }
+        }
+        Ok(found)
+    }
+
     /// Reads and decodes the key's record inside `tx`.
     pub(crate) async fn read(&self, tx: &Transaction<'_>, key: &[u8]) -> Result<Option<Record>> {
         let row = tx
@@ -262,6 +319,22 @@ impl PgExternalClaim {
         }
         Ok((tx, now_ms))
     }
+}
+
+/// An external claim in progress, as [`PgConsumer::in_progress`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PgInProgress {
+    /// The message key.
+    pub message_key: Bytes,
+    /// The holder's epoch.
+    pub epoch: u64,
+    /// The holder's identity.
+    pub holder: Bytes,
+    /// When the holder took the key (the store's clock).
+    pub since_ms: u64,
+    /// Until when its lease runs (it may already have run out).
+    pub lease_until_ms: u64,
 }
 
 /// The transaction that completes an external claim: the record and the caller's SQL commit

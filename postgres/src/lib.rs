@@ -64,7 +64,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Transaction};
 
 pub use error::{Error, Result};
-pub use external::{LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim};
+pub use external::{LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim, PgInProgress};
 pub use schema::{Names, SCHEMA_VERSION, install};
 
 /// How long a completed record is kept when the builder is not told: 7 days, as in the
@@ -131,6 +131,10 @@ impl StoreBuilder {
                     "UPDATE {records} SET record = $3, expires_at_ms = $4 \
                      WHERE consumer = $1 AND message_key = $2"
                 ),
+                never_expiring: format!(
+                    "SELECT message_key, record FROM {records} \
+                     WHERE consumer = $1 AND expires_at_ms IS NULL ORDER BY message_key"
+                ),
                 lock_namespace: records,
                 retention_ms: self.retention_ms,
                 clock: self.clock,
@@ -144,6 +148,9 @@ pub(crate) struct Inner {
     pub(crate) read: String,
     pub(crate) insert: String,
     pub(crate) update: String,
+    /// A consumer's rows without expiry: in-progress records (and completed ones that never
+    /// expire).
+    pub(crate) never_expiring: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,

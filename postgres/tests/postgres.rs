@@ -512,6 +512,44 @@ async fn external_claims_are_leased_taken_over_and_fenced(url: &str) -> Result<(
         "the renewed lease holds: {outcome:?}"
     );
     drop(outcome);
+    // A reconciler sees the claim in progress, with its holder, once it is old enough.
+    let other = consumer
+        .begin_external(&mut b_client, "mail-0", body, lease, "worker-c")
+        .await?;
+    ensure!(matches!(other, Outcome::Fresh(_)), "second key: {other:?}");
+    let listed = consumer
+        .in_progress(&a_client, Duration::ZERO, usize::MAX)
+        .await?;
+    let keys: Vec<&[u8]> = listed
+        .iter()
+        .map(|entry| entry.message_key.as_ref())
+        .collect();
+    ensure!(
+        keys == [&b"mail-0"[..], b"mail-1"],
+        "in progress: {listed:?}"
+    );
+    ensure!(
+        listed[1].holder.as_ref() == b"worker-a"
+            && listed[1].since_ms == 1_000_000
+            && listed[1].lease_until_ms == 1_002_000,
+        "{:?}",
+        listed[1]
+    );
+    let old = consumer
+        .in_progress(&a_client, Duration::from_millis(1_000), usize::MAX)
+        .await?;
+    ensure!(
+        old.len() == 1 && old[0].message_key.as_ref() == b"mail-1",
+        "older than 1 s: {old:?}"
+    );
+    ensure!(
+        consumer
+            .in_progress(&a_client, Duration::ZERO, 1)
+            .await?
+            .len()
+            == 1,
+        "limit"
+    );
     // The lease runs out: worker-b takes over, and is told of worker-a's attempt.
     clock.set(1_002_000);
     let Outcome::Fresh(b) = consumer
@@ -579,6 +617,13 @@ async fn external_claims_are_leased_taken_over_and_fenced(url: &str) -> Result<(
         .await?
         .get(0);
     ensure!(body_row == "sent", "business rows: {body_row}");
+    let listed = consumer
+        .in_progress(&a_client, Duration::ZERO, usize::MAX)
+        .await?;
+    ensure!(
+        listed.len() == 1 && listed[0].message_key.as_ref() == b"mail-0",
+        "a completed claim is no longer in progress: {listed:?}"
+    );
     // Bad input.
     let zero = consumer
         .begin_external(&mut a_client, "mail-2", body, Duration::ZERO, "w")
