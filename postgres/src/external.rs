@@ -166,16 +166,15 @@ impl PgConsumer {
                 holder,
                 ..
             } = record.state
+                && since_ms <= horizon_ms
             {
-                if since_ms <= horizon_ms {
-                    found.push(PgInProgress {
-                        message_key: Bytes::copy_from_slice(key),
-                        epoch: record.epoch,
-                        holder,
-                        since_ms,
-                        lease_until_ms,
-                    });
-                }
+                found.push(PgInProgress {
+                    message_key: Bytes::copy_from_slice(key),
+                    epoch: record.epoch,
+                    holder,
+                    since_ms,
+                    lease_until_ms,
+                });
             }
         }
         Ok(found)
