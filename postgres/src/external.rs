@@ -13,7 +13,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use idemdb::decision::{Found, inspect_record};
 use idemdb::format::{Record, RecordState, derive_key};
-use idemdb::{Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome, PreviousAttempt};
+use idemdb::{
+    EXPIRES_NEVER_MS, Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome,
+    PreviousAttempt,
+};
 use tokio_postgres::{Client, Transaction};
 
 use crate::error::{Error, Result};
@@ -99,21 +102,16 @@ impl PgConsumer {
                     previous,
                 };
                 let record = claim.record(claim.lease_until_ms);
-                let statement = if replaces_epoch == 0 {
-                    &inner.insert
-                } else {
-                    &inner.update
-                };
-                // In progress: never expires by itself (NULL), whatever the lease.
-                let written = tx
-                    .execute(
-                        statement,
-                        &[&self.id.as_ref(), &key, &record.encode(), &None::<i64>],
-                    )
-                    .await?;
-                if written != 1 {
-                    return Err(Error::LostKey { key: key.to_vec() });
-                }
+                // In progress: never removable by itself, whatever the lease.
+                crate::write_record(
+                    &tx,
+                    self,
+                    key,
+                    &record,
+                    EXPIRES_NEVER_MS,
+                    replaces_epoch != 0,
+                )
+                .await?;
                 tx.commit().await?;
                 Ok(Outcome::Fresh(claim))
             }
@@ -233,22 +231,15 @@ impl PgExternalClaim {
         let (tx, now_ms) = self.fenced(client).await?;
         let until = now_ms.saturating_add(lease_ms);
         let record = self.record(until);
-        let written = tx
-            .execute(
-                &self.consumer.store.inner.update,
-                &[
-                    &self.consumer.id.as_ref(),
-                    &self.key.as_slice(),
-                    &record.encode(),
-                    &None::<i64>,
-                ],
-            )
-            .await?;
-        if written != 1 {
-            return Err(Error::LostKey {
-                key: self.key.clone(),
-            });
-        }
+        crate::write_record(
+            &tx,
+            &self.consumer,
+            &self.key,
+            &record,
+            EXPIRES_NEVER_MS,
+            true,
+        )
+        .await?;
         tx.commit().await?;
         self.lease_until_ms = until;
         Ok(until)
@@ -266,6 +257,60 @@ impl PgExternalClaim {
             tx,
             claim: self.clone(),
         })
+    }
+
+    /// Gives the key up without a result, after a transient failure: the next delivery
+    /// processes the message again, at a higher epoch.
+    ///
+    /// # Errors
+    /// As [`PgExternalClaim::renew`].
+    pub async fn release(self, client: &mut Client) -> Result<()> {
+        let (tx, now_ms) = self.fenced(client).await?;
+        let removable_at_ms = now_ms.saturating_add(self.consumer.store.inner.retention_ms);
+        let mut record = self.record(self.lease_until_ms);
+        // Kept, reading as absent, until the retention has passed, so that the key's epoch
+        // keeps increasing across the release.
+        record.state = RecordState::Released {
+            released_at_ms: now_ms,
+            removable_at_ms,
+        };
+        crate::write_record(
+            &tx,
+            &self.consumer,
+            &self.key,
+            &record,
+            removable_at_ms,
+            true,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records a permanent failure as the key's result: redeliveries get `Duplicate` with
+    /// `succeeded: false` and `result`, and replay it instead of retrying.
+    ///
+    /// # Errors
+    /// As [`PgExternalClaim::renew`], and a result over `RESULT_BYTES_MAX`.
+    pub async fn fail_permanently(
+        self,
+        client: &mut Client,
+        result: impl AsRef<[u8]>,
+    ) -> Result<()> {
+        let (tx, _) = self.fenced(client).await?;
+        crate::write_completed(
+            &tx,
+            &self.consumer,
+            &self.key,
+            self.fingerprint,
+            self.epoch,
+            true,
+            result.as_ref(),
+            false,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// The in-progress record of this holder with a lease until `lease_until_ms`.
@@ -372,6 +417,7 @@ impl<'c> PgCompletion<'c> {
             claim.epoch,
             true,
             result.as_ref(),
+            true,
         )
         .await?;
         self.tx.commit().await?;

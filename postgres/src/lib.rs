@@ -339,6 +339,7 @@ impl<'c> PgClaim<'c> {
             self.epoch(),
             self.replaces_epoch != 0,
             result.as_ref(),
+            true,
         )
         .await?;
         self.tx.commit().await?;
@@ -357,8 +358,10 @@ impl PgStore {
 }
 
 /// Writes the completed record of `key` at `epoch` in `tx`: an update of the row there is
-/// (`replaces`), else an insert. Errors come before any COMMIT is sent: PostgreSQL answers a
-/// COMMIT of a transaction a failed statement aborted with a rollback and no error.
+/// (`replaces`), else an insert. `succeeded` false records a failure as the result. Errors
+/// come before any COMMIT is sent: PostgreSQL answers a COMMIT of a transaction a failed
+/// statement aborted with a rollback and no error.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_completed(
     tx: &Transaction<'_>,
     consumer: &PgConsumer,
@@ -367,6 +370,7 @@ pub(crate) async fn write_completed(
     epoch: u64,
     replaces: bool,
     result: &[u8],
+    succeeded: bool,
 ) -> Result<()> {
     if result.len() > RESULT_BYTES_MAX {
         return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
@@ -390,13 +394,36 @@ pub(crate) async fn write_completed(
         }
     };
     let expires_at_ms = now_ms.saturating_add(inner.retention_ms);
-    let record = Record::new(
+    let mut record = Record::new(
         epoch,
         now_ms,
         expires_at_ms,
         fingerprint,
         Bytes::copy_from_slice(result),
     );
+    if !succeeded {
+        record.state = idemdb::format::RecordState::Completed {
+            committed_at_ms: now_ms,
+            expires_at_ms,
+            result: Bytes::copy_from_slice(result),
+            succeeded: false,
+        };
+    }
+    write_record(tx, consumer, key, &record, expires_at_ms, replaces).await
+}
+
+/// Writes `record` as the row of `key` (an update when `replaces`, else an insert), removable
+/// from `removable_at_ms` on.
+pub(crate) async fn write_record(
+    tx: &Transaction<'_>,
+    consumer: &PgConsumer,
+    key: &[u8],
+    record: &Record,
+    removable_at_ms: u64,
+    replaces: bool,
+) -> Result<()> {
+    let inner = &consumer.store.inner;
+    let expires_at_ms = removable_at_ms;
     // NULL: never expires (a retention past what int8 holds).
     let expires_column = i64::try_from(expires_at_ms)
         .ok()

@@ -74,6 +74,7 @@ fn main() {
     scenario!(many_connections_racing_for_the_same_keys_have_one_winner_each);
     scenario!(external_claims_are_leased_taken_over_and_fenced);
     scenario!(processes_racing_for_the_same_keys_have_one_winner_each);
+    scenario!(an_external_claim_is_released_or_its_failure_recorded);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -82,7 +83,7 @@ fn main() {
         drop(server);
         std::process::exit(1);
     }
-    println!("test result: ok. 8 passed; 0 failed");
+    println!("test result: ok. 9 passed; 0 failed");
 }
 
 async fn connect(url: &str) -> Result<Client, Failure> {
@@ -734,5 +735,83 @@ async fn processes_racing_for_the_same_keys_have_one_winner_each(url: &str) -> R
         "    processes: {PROCESSES} processes x {PROCESS_RACE_KEYS} keys: every key won once, {held} in-progress answers"
     );
     ensure!(held > 0, "the processes never met on a key");
+    Ok(())
+}
+
+async fn an_external_claim_is_released_or_its_failure_recorded(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_release").await?;
+    let clock = MockClock::new(5_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let lease = Duration::from_secs(1);
+    // A transient failure: released, the next delivery processes it again at a higher epoch.
+    let Outcome::Fresh(claim) = consumer
+        .begin_external(&mut client, "transient", body, lease, "w")
+        .await?
+    else {
+        return Err("transient: not fresh".into());
+    };
+    claim.release(&mut client).await?;
+    match consumer.begin(&mut client, "transient", body).await? {
+        Outcome::Fresh(claim) => {
+            ensure!(
+                claim.epoch() == 2,
+                "after the release: epoch {}",
+                claim.epoch()
+            );
+            claim.commit(b"done").await?;
+        }
+        other => return Err(format!("after the release: {other:?}").into()),
+    }
+    // A permanent failure: recorded, and replayed to redeliveries.
+    let Outcome::Fresh(claim) = consumer
+        .begin_external(&mut client, "permanent", body, lease, "w")
+        .await?
+    else {
+        return Err("permanent: not fresh".into());
+    };
+    claim.fail_permanently(&mut client, b"mailbox gone").await?;
+    match consumer.begin(&mut client, "permanent", body).await? {
+        Outcome::Duplicate {
+            result, succeeded, ..
+        } => ensure!(
+            result.as_ref() == b"mailbox gone" && !succeeded,
+            "{result:?} {succeeded}"
+        ),
+        other => return Err(format!("after the failure: {other:?}").into()),
+    }
+    // A holder taken over cannot release the new holder's claim.
+    let Outcome::Fresh(stale) = consumer
+        .begin_external(&mut client, "contested", body, lease, "old")
+        .await?
+    else {
+        return Err("contested: not fresh".into());
+    };
+    clock.advance(Duration::from_secs(2));
+    let Outcome::Fresh(_new) = consumer
+        .begin_external(&mut client, "contested", body, lease, "new")
+        .await?
+    else {
+        return Err("contested takeover: not fresh".into());
+    };
+    let released = stale.release(&mut client).await;
+    ensure!(
+        matches!(
+            released,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 2 }))
+        ),
+        "stale release: {released:?}"
+    );
+    let listed = consumer.in_progress(&client, Duration::ZERO, 10).await?;
+    ensure!(
+        listed.len() == 1 && listed[0].holder.as_ref() == b"new",
+        "the new holder still holds it: {listed:?}"
+    );
     Ok(())
 }
