@@ -215,24 +215,29 @@ impl PgConsumer {
     ) -> Result<Outcome<PgClaim<'c>>> {
         let key = key.as_ref();
         let stored_key = encode_key(&self.id, key)?;
-        let inner = &self.store.inner;
+        let lock_number = lock_id(&self.store.inner.lock_namespace, &stored_key);
         let tx = client.transaction().await?;
-        let lock = tx
-            .query_one(
-                "SELECT pg_try_advisory_xact_lock($1), \
-                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
-                &[&lock_id(&inner.lock_namespace, &stored_key)],
-            )
-            .await?;
+        // The lock and the read go out together (one round trip), as two statements: the
+        // server runs them in order, and the read's snapshot is taken when it starts, after
+        // the lock was granted, so it sees the commit of whoever held the lock before. (One
+        // statement would read with a snapshot taken before the lock.) Without the lock, the
+        // read's answer is not looked at.
+        let lock_params: [&(dyn ToSql + Sync); 1] = [&lock_number];
+        let lock_statement = tx.query_one(
+            "SELECT pg_try_advisory_xact_lock($1), \
+             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+            &lock_params,
+        );
+        let read_statement = self.read(&tx, key);
+        let (lock, record) = futures_util::future::join(lock_statement, read_statement).await;
+        let lock = lock?;
         let locked: bool = lock.get(0);
         let now_ms = self.store.now_ms(lock.get(1));
         if !locked {
             tx.rollback().await?;
             return Ok(Outcome::held_by_claim(now_ms));
         }
-        // A statement of its own: its snapshot is taken after the lock was granted, so it sees
-        // the commit of whoever held the lock before.
-        let record = self.read(&tx, key).await?;
+        let record = record?;
         match inspect_record(record, fingerprint, now_ms) {
             Found::Claimable {
                 replaces_epoch,
