@@ -70,7 +70,7 @@ impl PgConsumer {
         )?;
         let stored_key = idemdb::format::encode_key(&self.id, key)?;
         let inner = &self.store.inner;
-        let tx = client.transaction().await?;
+        let tx = crate::read_committed(client).await?;
         let lock = tx
             .query_one(
                 "SELECT pg_try_advisory_xact_lock($1), \
@@ -328,7 +328,7 @@ impl PgExternalClaim {
     /// A transaction holding the key's lock, in which the record is still this holder's.
     async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(Transaction<'c>, u64)> {
         let store: &PgStore = &self.consumer.store;
-        let tx = client.transaction().await?;
+        let tx = crate::read_committed(client).await?;
         tx.execute(
             "SELECT set_config('lock_timeout', $1, true)",
             &[&format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis())],

@@ -216,7 +216,7 @@ impl PgConsumer {
         let key = key.as_ref();
         let stored_key = encode_key(&self.id, key)?;
         let lock_number = lock_id(&self.store.inner.lock_namespace, &stored_key);
-        let tx = client.transaction().await?;
+        let tx = crate::read_committed(client).await?;
         // The lock and the read go out together (one round trip), as two statements: the
         // server runs them in order, and the read's snapshot is taken when it starts, after
         // the lock was granted, so it sees the commit of whoever held the lock before. (One
@@ -449,6 +449,18 @@ pub(crate) async fn write_record(
         return Err(Error::LostKey { key: key.to_vec() });
     }
     Ok(())
+}
+
+/// Opens a READ COMMITTED transaction whatever the database's default: the claim's read must
+/// take its snapshot after the key's lock was granted, which only READ COMMITTED does per
+/// statement (under REPEATABLE READ the first statement's snapshot would hide the previous
+/// holder's commit).
+pub(crate) async fn read_committed(client: &mut Client) -> Result<Transaction<'_>> {
+    Ok(client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+        .start()
+        .await?)
 }
 
 /// The advisory lock of a stored key in a table: a 64-bit hash of both.

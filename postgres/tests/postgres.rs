@@ -211,6 +211,20 @@ async fn outcomes_with_the_business_row_in_the_claims_transaction(
         }
         other => return Err(format!("redelivery: {other:?}").into()),
     }
+    // A database whose sessions default to another isolation level changes nothing: claims run
+    // READ COMMITTED.
+    client
+        .batch_execute("SET default_transaction_isolation = 'repeatable read'")
+        .await?;
+    let outcome = billing.begin(&mut client, "order-1", body).await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "under a repeatable-read default: {outcome:?}"
+    );
+    drop(outcome);
+    client
+        .batch_execute("SET default_transaction_isolation = 'read committed'")
+        .await?;
     let other_body = Fingerprint::of(b"order 1, changed");
     match billing.begin(&mut client, "order-1", other_body).await? {
         Outcome::Conflict {
@@ -402,6 +416,11 @@ async fn many_connections_racing_for_the_same_keys_have_one_winner_each(
         let (url, consumer, wins) = (url.to_owned(), consumer.clone(), wins.clone());
         workers.push(tokio::spawn(async move {
             let mut client = connect(&url).await?;
+            // Sessions defaulting to another isolation level: claims must still read after
+            // the lock (READ COMMITTED), or they miss the previous holder's commit.
+            client
+                .batch_execute("SET default_transaction_isolation = 'repeatable read'")
+                .await?;
             let mut in_progress = 0usize;
             for _ in 0..ROUNDS {
                 for key in 0..KEYS {
