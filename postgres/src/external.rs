@@ -17,10 +17,10 @@ use idemdb::{
     EXPIRES_NEVER_MS, Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome,
     PreviousAttempt,
 };
-use tokio_postgres::{Client, Transaction};
+use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::{Error, Result};
-use crate::{PgConsumer, PgStore, lock_id};
+use crate::{PgConsumer, PgStore, decode_record, lock_id};
 
 /// How long a lease step waits for the key's lock (another step of the same key, or a
 /// claimant's read of it, holds it only for a round trip or two).
@@ -154,10 +154,7 @@ impl PgConsumer {
                 break;
             }
             let key: &[u8] = row.get(0);
-            let record = Record::decode(row.get(1)).map_err(|error| Error::Corrupt {
-                key: key.to_vec(),
-                detail: error.to_string(),
-            })?;
+            let record = decode_record(key, row.get(1))?;
             if let RecordState::InProgress {
                 since_ms,
                 lease_until_ms,
@@ -178,19 +175,16 @@ impl PgConsumer {
         Ok(found)
     }
 
-    /// Reads and decodes the key's record inside `tx`.
-    pub(crate) async fn read(&self, tx: &Transaction<'_>, key: &[u8]) -> Result<Option<Record>> {
-        let row = tx
+    /// Reads and decodes the key's record, inside a claim's transaction or on a client.
+    pub(crate) async fn read(
+        &self,
+        client: &impl GenericClient,
+        key: &[u8],
+    ) -> Result<Option<Record>> {
+        let row = client
             .query_opt(&self.store.inner.read, &[&self.id.as_ref(), &key])
             .await?;
-        row.map(|row| {
-            let bytes: &[u8] = row.get(0);
-            Record::decode(bytes).map_err(|error| Error::Corrupt {
-                key: key.to_vec(),
-                detail: error.to_string(),
-            })
-        })
-        .transpose()
+        row.map(|row| decode_record(key, row.get(0))).transpose()
     }
 }
 

@@ -266,18 +266,16 @@ impl PgConsumer {
     pub async fn get(&self, client: &Client, key: impl AsRef<[u8]>) -> Result<Option<Record>> {
         let key = key.as_ref();
         encode_key(&self.id, key)?;
-        let row = client
-            .query_opt(&self.store.inner.read, &[&self.id.as_ref(), &key])
-            .await?;
-        row.map(|row| {
-            let bytes: &[u8] = row.get(0);
-            Record::decode(bytes).map_err(|error| Error::Corrupt {
-                key: key.to_vec(),
-                detail: error.to_string(),
-            })
-        })
-        .transpose()
+        self.read(client, key).await
     }
+}
+
+/// Decodes a stored record of `key`; one that does not decode is reported, never overwritten.
+pub(crate) fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
+    Record::decode(bytes).map_err(|error| Error::Corrupt {
+        key: key.to_vec(),
+        detail: error.to_string(),
+    })
 }
 
 /// A won claim: a live transaction that holds the key. Run the business SQL in
