@@ -6,13 +6,16 @@
 //! first takes the key's advisory lock (waiting at most [`LEASE_STEP_LOCK_WAIT`]) and checks that
 //! the record still carries this holder's epoch and token; otherwise it is `LeaseLost` and its
 //! transaction, the caller's SQL included, writes nothing.
+//!
+//! A reconciler resolves a key found in progress ([`PgConsumer::resolve`]) under the same lock,
+//! fenced on the record being in progress, whoever holds it.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 use bytes::Bytes;
 use idemdb::decision::{Found, inspect_record};
-use idemdb::format::{Record, RecordState, derive_key};
+use idemdb::format::{Record, RecordState, derive_key, encode_key};
 use idemdb::{
     EXPIRES_NEVER_MS, Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome,
     PreviousAttempt,
@@ -25,6 +28,19 @@ use crate::{PgConsumer, PgStore, decode_record, lock_id};
 /// How long a lease step waits for the key's lock (another step of the same key, or a
 /// claimant's read of it, holds it only for a round trip or two).
 pub const LEASE_STEP_LOCK_WAIT: Duration = Duration::from_millis(100);
+
+/// An operator's resolution of a key stuck in progress ([`PgConsumer::resolve`]).
+///
+/// The embedded engine's `idemdb::Resolution`, variant for variant; a type of its own because
+/// idemdb exports `Resolution` only with its RocksDB engine, which this crate does not compile.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PgResolution {
+    /// Mark it completed with this result (the side effect is known to have happened):
+    /// redeliveries get `Duplicate` with it.
+    Complete(Bytes),
+    /// Release it, so that the next delivery processes the message again (at a higher epoch).
+    Release,
+}
 
 /// A holder's durable claim on a key, for a side effect outside the database. Keep it (or its
 /// fields) while the side effect runs; renew the lease before it runs out.
@@ -175,6 +191,70 @@ impl PgConsumer {
         Ok(found)
     }
 
+    /// Resolves `key`, in progress under an external claim, by hand (a reconciler's answer to
+    /// [`PgConsumer::in_progress`]): completes it with a result, or releases it, whoever holds
+    /// it and whether its lease ran out or not. The record keeps its epoch, so that the
+    /// holder's next step finds its record gone and gets `LeaseLost`, its SQL unwritten.
+    /// Waits at most [`LEASE_STEP_LOCK_WAIT`] for the key's lock, like a lease step.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `NotInProgress` (the key's epoch, 0 for none) when the key has
+    /// no in-progress record: absent, completed (expired or not) or released, as the embedded
+    /// engine answers; with `KeyBusy` when the key's lock was not free in time (a claim holds
+    /// it: retry); with `LimitExceeded` for a key or result outside the limits. Nothing is
+    /// written then. [`Error::Postgres`] when the database fails.
+    pub async fn resolve(
+        &self,
+        client: &mut Client,
+        key: impl AsRef<[u8]>,
+        resolution: PgResolution,
+    ) -> Result<()> {
+        let key = key.as_ref();
+        let stored_key = encode_key(&self.id, key)?;
+        if let PgResolution::Complete(result) = &resolution {
+            crate::check_result(result)?;
+        }
+        let (tx, now_ms, record) = locked_record(self, client, key, &stored_key).await?;
+        let current = match record {
+            Some(record) if matches!(record.state, RecordState::InProgress { .. }) => record,
+            other => {
+                let current_epoch = other.map_or(0, |record| record.epoch);
+                tx.rollback().await?;
+                return Err(Error::Idemdb(idemdb::Error::NotInProgress {
+                    current_epoch,
+                }));
+            }
+        };
+        match resolution {
+            PgResolution::Complete(result) => {
+                crate::write_completed(
+                    &tx,
+                    self,
+                    key,
+                    current.fingerprint,
+                    current.epoch,
+                    true,
+                    &result,
+                    true,
+                )
+                .await?;
+            }
+            PgResolution::Release => {
+                let removable_at_ms = now_ms.saturating_add(self.store.inner.retention_ms);
+                let mut record = current;
+                // Kept, reading as absent, until the retention has passed, so that the key's
+                // epoch keeps increasing across the release (as `PgExternalClaim::release`).
+                record.state = RecordState::Released {
+                    released_at_ms: now_ms,
+                    removable_at_ms,
+                };
+                crate::write_record(&tx, self, key, &record, removable_at_ms, true).await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Reads and decodes the key's record, inside a claim's transaction or on a client.
     pub(crate) async fn read(
         &self,
@@ -321,31 +401,8 @@ impl PgExternalClaim {
 
     /// A transaction holding the key's lock, in which the record is still this holder's.
     async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(Transaction<'c>, u64)> {
-        let store: &PgStore = &self.consumer.store;
-        let tx = crate::read_committed(client).await?;
-        tx.execute(
-            "SELECT set_config('lock_timeout', $1, true)",
-            &[&format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis())],
-        )
-        .await?;
-        let locked = tx
-            .query_one(
-                "SELECT pg_advisory_xact_lock($1)::text, \
-                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
-                &[&lock_id(&store.inner.lock_namespace, &self.stored_key)],
-            )
-            .await;
-        let row = match locked {
-            Ok(row) => row,
-            Err(error)
-                if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
-            {
-                return Err(Error::Idemdb(idemdb::Error::KeyBusy));
-            }
-            Err(error) => return Err(error.into()),
-        };
-        let now_ms = store.now_ms(row.get(1));
-        let record = self.consumer.read(&tx, &self.key).await?;
+        let (tx, now_ms, record) =
+            locked_record(&self.consumer, client, &self.key, &self.stored_key).await?;
         let still_ours = record.as_ref().is_some_and(|record| {
             record.epoch == self.epoch
                 && matches!(record.state, RecordState::InProgress { token, .. } if token == self.token)
@@ -357,6 +414,43 @@ impl PgExternalClaim {
         }
         Ok((tx, now_ms))
     }
+}
+
+/// A transaction holding the lock of `key` (`stored_key` encoded), taken waiting at most
+/// [`LEASE_STEP_LOCK_WAIT`]; the store's time; and the key's record, read after the lock was
+/// granted. The lease steps and a resolution check the record before they write.
+async fn locked_record<'c>(
+    consumer: &PgConsumer,
+    client: &'c mut Client,
+    key: &[u8],
+    stored_key: &[u8],
+) -> Result<(Transaction<'c>, u64, Option<Record>)> {
+    let store: &PgStore = &consumer.store;
+    let tx = crate::read_committed(client).await?;
+    tx.execute(
+        "SELECT set_config('lock_timeout', $1, true)",
+        &[&format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis())],
+    )
+    .await?;
+    let locked = tx
+        .query_one(
+            "SELECT pg_advisory_xact_lock($1)::text, \
+             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+            &[&lock_id(&store.inner.lock_namespace, stored_key)],
+        )
+        .await;
+    let row = match locked {
+        Ok(row) => row,
+        Err(error)
+            if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+        {
+            return Err(Error::Idemdb(idemdb::Error::KeyBusy));
+        }
+        Err(error) => return Err(error.into()),
+    };
+    let now_ms = store.now_ms(row.get(1));
+    let record = consumer.read(&tx, key).await?;
+    Ok((tx, now_ms, record))
 }
 
 /// An external claim in progress, as [`PgConsumer::in_progress`] lists it.

@@ -18,6 +18,17 @@
 //! key fails instead of making a second record. Two keys whose hashes collide only get a
 //! spurious `InProgress` while the other is held.
 //!
+//! **Batches.** [`PgConsumer::begin_batch`] claims a broker batch in one transaction: one
+//! statement takes every key's lock, one reads every key's row, sent together; each message
+//! gets a [`PgBatchOutcome`] (a key repeated in the batch is a duplicate of, or a conflict with,
+//! its first copy), and [`PgClaimBatch::commit`] writes every winner's record in one statement
+//! with the business SQL of the whole batch. Every key the batch locked stays locked until it
+//! commits or drops (PostgreSQL frees transaction-level locks only then).
+//!
+//! **Reconciliation.** [`PgConsumer::in_progress`] lists external claims in progress;
+//! [`PgConsumer::resolve`] completes one with a known result or releases it, under the key's
+//! lock, whoever holds it: that holder's next step is `LeaseLost`.
+//!
 //! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
 //! be skewed against each other without effect.
@@ -49,6 +60,12 @@
 //! # }
 //! ```
 
+// The lints of the embedded crate that apply here (CI runs clippy with `-D warnings`).
+#![deny(unsafe_code)] // nothing here needs it
+#![warn(missing_docs)] // every public item says what it does and what it refuses
+#![warn(clippy::unwrap_used)] // bad input is an error value, never a panic (tests may unwrap)
+
+mod batch;
 mod error;
 mod external;
 mod schema;
@@ -63,8 +80,11 @@ use idemdb::{Clock, EXPIRES_NEVER_MS, Fingerprint, Outcome, PreviousAttempt, RES
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Transaction};
 
+pub use batch::{BATCH_MESSAGES_MAX, PgBatchOutcome, PgClaimBatch};
 pub use error::{Error, Result};
-pub use external::{LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim, PgInProgress};
+pub use external::{
+    LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim, PgInProgress, PgResolution,
+};
 pub use schema::{Names, SCHEMA_VERSION, install};
 
 /// How long a completed record is kept when the builder is not told: 7 days, as in the
@@ -131,6 +151,31 @@ impl StoreBuilder {
                     "UPDATE {records} SET record = $3, expires_at_ms = $4 \
                      WHERE consumer = $1 AND message_key = $2"
                 ),
+                read_many: format!(
+                    "SELECT message_key, record FROM {records} \
+                     WHERE consumer = $1 AND message_key = ANY($2::bytea[])"
+                ),
+                // New rows are inserted (the primary key refuses a second record of a key);
+                // replaced rows (expired, released, or an external claim whose lease ran out)
+                // are updated. Both in one statement: every key appears in one of the two
+                // lists only, and each returns the keys it wrote, so a key that was not
+                // written is named.
+                write_many: format!(
+                    "WITH inserted AS ( \
+                         INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                         SELECT $1, n.message_key, n.record, n.expires_at_ms \
+                         FROM unnest($2::bytea[], $3::bytea[], $4::int8[]) \
+                             AS n(message_key, record, expires_at_ms) \
+                         RETURNING message_key \
+                     ), updated AS ( \
+                         UPDATE {records} AS r SET record = u.record, expires_at_ms = u.expires_at_ms \
+                         FROM unnest($5::bytea[], $6::bytea[], $7::int8[]) \
+                             AS u(message_key, record, expires_at_ms) \
+                         WHERE r.consumer = $1 AND r.message_key = u.message_key \
+                         RETURNING r.message_key \
+                     ) \
+                     SELECT message_key FROM inserted UNION ALL SELECT message_key FROM updated"
+                ),
                 never_expiring: format!(
                     "SELECT message_key, record FROM {records} \
                      WHERE consumer = $1 AND expires_at_ms IS NULL ORDER BY message_key"
@@ -148,6 +193,10 @@ pub(crate) struct Inner {
     pub(crate) read: String,
     pub(crate) insert: String,
     pub(crate) update: String,
+    /// The rows of many keys of one consumer (a batch's read).
+    pub(crate) read_many: String,
+    /// Inserts and updates many rows of one consumer (a batch's commit).
+    pub(crate) write_many: String,
     /// A consumer's rows without expiry: in-progress records (and completed ones that never
     /// expire).
     pub(crate) never_expiring: String,
@@ -375,6 +424,22 @@ pub(crate) async fn write_completed(
     result: &[u8],
     succeeded: bool,
 ) -> Result<()> {
+    check_result(result)?;
+    let now_ms = commit_time_ms(tx, &consumer.store).await?;
+    let (record, expires_at_ms) = completed_record(
+        &consumer.store,
+        epoch,
+        fingerprint,
+        now_ms,
+        result,
+        succeeded,
+    );
+    write_record(tx, consumer, key, &record, expires_at_ms, replaces).await
+}
+
+/// Refuses a result over `RESULT_BYTES_MAX`, as the embedded engine does, before anything is
+/// written.
+pub(crate) fn check_result(result: &[u8]) -> Result<()> {
     if result.len() > RESULT_BYTES_MAX {
         return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
             limit: idemdb::Limit::ResultBytes,
@@ -383,8 +448,14 @@ pub(crate) async fn write_completed(
             max: RESULT_BYTES_MAX as u64,
         }));
     }
-    let inner = &consumer.store.inner;
-    let now_ms = match &inner.clock {
+    Ok(())
+}
+
+/// The commit time on the store's clock: the injected one, or the database's wall clock now
+/// (`clock_timestamp()`, not the transaction's start: a claim may be held a while before it
+/// commits, and its record's retention runs from the commit).
+pub(crate) async fn commit_time_ms(tx: &Transaction<'_>, store: &PgStore) -> Result<u64> {
+    Ok(match &store.inner.clock {
         Some(clock) => clock.now_ms(),
         None => {
             let row = tx
@@ -395,8 +466,20 @@ pub(crate) async fn write_completed(
                 .await?;
             u64::try_from(row.get::<_, i64>(0)).unwrap_or(0)
         }
-    };
-    let expires_at_ms = now_ms.saturating_add(inner.retention_ms);
+    })
+}
+
+/// The completed record committed at `now_ms`, and when it expires (after the store's
+/// retention).
+pub(crate) fn completed_record(
+    store: &PgStore,
+    epoch: u64,
+    fingerprint: Fingerprint,
+    now_ms: u64,
+    result: &[u8],
+    succeeded: bool,
+) -> (Record, u64) {
+    let expires_at_ms = now_ms.saturating_add(store.inner.retention_ms);
     let mut record = Record::new(
         epoch,
         now_ms,
@@ -412,7 +495,15 @@ pub(crate) async fn write_completed(
             succeeded: false,
         };
     }
-    write_record(tx, consumer, key, &record, expires_at_ms, replaces).await
+    (record, expires_at_ms)
+}
+
+/// The `expires_at_ms` column of a row removable from `removable_at_ms` on: NULL for never
+/// (and for a time past what int8 holds).
+pub(crate) fn expires_column(removable_at_ms: u64) -> Option<i64> {
+    i64::try_from(removable_at_ms)
+        .ok()
+        .filter(|_| removable_at_ms != EXPIRES_NEVER_MS)
 }
 
 /// Writes `record` as the row of `key` (an update when `replaces`, else an insert), removable
@@ -426,11 +517,7 @@ pub(crate) async fn write_record(
     replaces: bool,
 ) -> Result<()> {
     let inner = &consumer.store.inner;
-    let expires_at_ms = removable_at_ms;
-    // NULL: never expires (a retention past what int8 holds).
-    let expires_column = i64::try_from(expires_at_ms)
-        .ok()
-        .filter(|_| expires_at_ms != EXPIRES_NEVER_MS);
+    let expires_column = expires_column(removable_at_ms);
     let params: [&(dyn ToSql + Sync); 4] = [
         &consumer.id.as_ref(),
         &key,

@@ -1,0 +1,504 @@
+//! Batch claims: a broker batch of messages claimed in one transaction, and its winners'
+//! records committed in one statement with the business SQL of the whole batch.
+//!
+//! The claim is two statements sent together (one round trip): the first takes the advisory
+//! lock of every key with `pg_try_advisory_xact_lock`, the second reads the row of every key.
+//! They are two statements for the reason [`PgConsumer::begin`]'s are: under READ COMMITTED a
+//! statement's snapshot is taken when it starts, and the server starts the read only after the
+//! lock statement finished, so the read sees the commit of every earlier holder of each key it
+//! locked (PostgreSQL makes a commit visible before it frees the committer's locks). One
+//! statement would read with a snapshot taken before its own locks. The read's answer for a key
+//! whose lock was not granted is not looked at: that key is `InProgress`.
+//!
+//! Every key the batch locked stays locked until the batch commits or drops, the keys settled
+//! as duplicates or conflicts too: PostgreSQL frees a transaction-level advisory lock only at
+//! the transaction's end. A claimant of such a key meanwhile gets `InProgress`, and its
+//! redelivery after the batch the settled answer. (The embedded engine frees a settled key's
+//! latch at once.)
+
+use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
+
+use idemdb::decision::{Found, inspect_record};
+use idemdb::format::encode_key;
+use idemdb::{Fingerprint, Outcome, PreviousAttempt};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Transaction};
+
+use crate::error::{Error, Result};
+use crate::{PgConsumer, decode_record, lock_id};
+
+/// The most messages one batch claims: the embedded engine's `idemdb::BATCH_MESSAGES_MAX`,
+/// repeated here because idemdb exports it only with its RocksDB engine, which this crate does
+/// not compile.
+///
+/// Each distinct key of a batch holds one advisory lock until the batch ends, and advisory
+/// locks live in the server's shared lock table with every other lock, sized by
+/// `max_locks_per_transaction` × `max_connections` (64 × 100 by default, plus some slack: on
+/// a default PostgreSQL 15, three sessions holding 4 096 advisory locks each fit, and a fourth
+/// got "out of shared memory"). When the table is full no session of the server gets any new
+/// lock, table locks of ordinary queries included, until locks are freed: with large batches
+/// from many connections, raise `max_locks_per_transaction` or keep batches smaller. A claim
+/// that finds the table full fails with [`Error::Postgres`] and writes nothing.
+pub const BATCH_MESSAGES_MAX: usize = 4096;
+
+/// Takes the lock of every key of a batch, in ascending order of lock number, each once.
+///
+/// `pg_try_advisory_xact_lock` never waits, so no order of taking the locks can deadlock two
+/// batches: a lock another session holds is answered `false` at once. The order is fixed
+/// anyway (the caller sorts and deduplicates, and `ORDER BY` makes the server take them in
+/// that order: it evaluates a volatile output function after the sort) so that a later change
+/// to waiting locks cannot make two overlapping batches wait for each other in a cycle.
+/// Every row carries the statement's time, the claim's "now" on the database's clock.
+const LOCK_MANY: &str = "SELECT l.id, pg_try_advisory_xact_lock(l.id), \
+     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 \
+     FROM unnest($1::int8[]) AS l(id) ORDER BY l.id";
+
+/// What one message of a batch got.
+///
+/// The embedded engine's `idemdb::BatchOutcome`, variant for variant, so that a handler
+/// matches the same cases with either backend. It is a type of its own because idemdb exports
+/// `BatchOutcome` only with its RocksDB engine (it lives beside the engine's `ClaimBatch`),
+/// which this crate does not compile.
+#[derive(Debug)]
+pub enum PgBatchOutcome {
+    /// Claimed: run its business SQL in [`PgClaimBatch::transaction`];
+    /// [`PgClaimBatch::commit`] writes its record unless it was
+    /// [released](PgClaimBatch::release).
+    Fresh,
+    /// The same key, with the same fingerprint, appears earlier in this batch at index
+    /// `first`: this copy is a duplicate of that message. Acknowledge it with the batch.
+    DuplicateInBatch {
+        /// The index of the first copy.
+        first: usize,
+    },
+    /// The same key appears earlier in this batch, at index `first`, with another fingerprint,
+    /// and that first copy is [`PgBatchOutcome::Fresh`]: it will be committed with the batch,
+    /// so this copy's content conflicts with it. Route it like an [`Outcome::Conflict`]:
+    /// dead-letter and alert (or, if the first copy is [released](PgClaimBatch::release), let
+    /// the broker redeliver it). A repeat with another fingerprint whose first copy is not
+    /// fresh is decided on its own, after the first copy, as [`PgConsumer::begin`] would
+    /// decide it against the same lock answer and the same read: a duplicate of the stored
+    /// record or a conflict with it, or `InProgress` while the key is held.
+    ConflictInBatch {
+        /// The index of the first copy.
+        first: usize,
+        /// The first copy's fingerprint.
+        first_fingerprint: Fingerprint,
+        /// This copy's fingerprint.
+        new_fingerprint: Fingerprint,
+    },
+    /// Anything but fresh, exactly as [`PgConsumer::begin`] would report it.
+    Settled(Outcome<Infallible>),
+}
+
+/// The claim of one fresh message of a batch.
+#[derive(Debug)]
+struct BatchClaim {
+    key: Vec<u8>,
+    fingerprint: Fingerprint,
+    replaces_epoch: u64,
+    previous: Option<PreviousAttempt>,
+}
+
+impl BatchClaim {
+    fn epoch(&self) -> u64 {
+        self.replaces_epoch.saturating_add(1)
+    }
+}
+
+/// The claims of one batch of messages, in the order given: a live READ COMMITTED transaction
+/// that holds every key it locked. Run the business SQL of the fresh messages in
+/// [`PgClaimBatch::transaction`], then [`PgClaimBatch::commit`]: every winner's record and the
+/// business rows land together or not at all. Dropped instead, it rolls back: nothing of it
+/// lands, and every key is free again.
+///
+/// The transaction is the whole batch's: a failed statement aborts it, and the commit then
+/// fails and writes nothing. Run the SQL of a message that may fail on its own inside a
+/// savepoint (`SAVEPOINT m` ... `ROLLBACK TO SAVEPOINT m` through
+/// [`Transaction::batch_execute`]) and [release](PgClaimBatch::release) it.
+///
+/// Not the embedded engine's `idemdb::ClaimBatch`: that one holds RocksDB latches and stages
+/// writes for a RocksDB write batch; this one holds a PostgreSQL transaction.
+pub struct PgClaimBatch<'c> {
+    tx: Transaction<'c>,
+    consumer: PgConsumer,
+    outcomes: Vec<PgBatchOutcome>,
+    /// By message index: the claim of each fresh message not released.
+    claims: Vec<Option<BatchClaim>>,
+}
+
+impl PgConsumer {
+    /// Claims a whole broker batch, `(message key, fingerprint)` by message, in a new
+    /// transaction on `client`: one statement takes every key's lock and one reads every key's
+    /// record, sent together; each message gets a [`PgBatchOutcome`], in the order given. A key
+    /// repeated in the batch is decided once, by its first copy: a later copy is a
+    /// [`PgBatchOutcome::DuplicateInBatch`] of it, or with another fingerprint a
+    /// [`PgBatchOutcome::ConflictInBatch`]. Never waits for another holder. An empty batch is
+    /// an empty transaction.
+    ///
+    /// Pairs rather than `idemdb::Message`s: a `Message`'s fields are private to idemdb, and
+    /// this backend has neither the admission floor nor the ordering guard it can carry.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `LimitExceeded` for more than [`BATCH_MESSAGES_MAX`] messages or
+    /// a key outside the limits (every key is checked before any is taken);
+    /// [`Error::Corrupt`] for a stored record of a locked key that does not decode;
+    /// [`Error::Postgres`] when the database fails. On every error nothing is written and no
+    /// key stays locked.
+    pub async fn begin_batch<'c, K: AsRef<[u8]>>(
+        &self,
+        client: &'c mut Client,
+        messages: &[(K, Fingerprint)],
+    ) -> Result<PgClaimBatch<'c>> {
+        if messages.len() > BATCH_MESSAGES_MAX {
+            return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+                limit: idemdb::Limit::BatchMessages,
+                actual: messages.len() as u64,
+                min: 0,
+                max: BATCH_MESSAGES_MAX as u64,
+            }));
+        }
+        let namespace = &self.store.inner.lock_namespace;
+        let lock_numbers = messages
+            .iter()
+            .map(|(key, _)| Ok(lock_id(namespace, &encode_key(&self.id, key.as_ref())?)))
+            .collect::<Result<Vec<i64>>>()?;
+        let first_of = first_occurrences(messages);
+        let mut distinct_locks = lock_numbers.clone();
+        distinct_locks.sort_unstable();
+        distinct_locks.dedup();
+        let distinct_keys: Vec<&[u8]> = messages
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| first_of[*index] == *index)
+            .map(|(_, (key, _))| key.as_ref())
+            .collect();
+        let tx = crate::read_committed(client).await?;
+        // From here every error drops `tx`, which rolls back and frees every lock taken.
+        let taken = if messages.is_empty() {
+            Taken::default()
+        } else {
+            self.lock_and_read(&tx, &distinct_locks, &distinct_keys)
+                .await?
+        };
+        let mut batch = PgClaimBatch {
+            tx,
+            consumer: self.clone(),
+            outcomes: Vec::with_capacity(messages.len()),
+            claims: Vec::with_capacity(messages.len()),
+        };
+        let mut other_content = Vec::new();
+        for (index, (key, fingerprint)) in messages.iter().enumerate() {
+            let first = first_of[index];
+            let (outcome, claim) = if first == index {
+                let locked = taken.locked(lock_numbers[index]);
+                decide(key.as_ref(), *fingerprint, locked, &taken)?
+            } else {
+                if *fingerprint != messages[first].1 {
+                    other_content.push(index);
+                }
+                (PgBatchOutcome::DuplicateInBatch { first }, None)
+            };
+            batch.outcomes.push(outcome);
+            batch.claims.push(claim);
+        }
+        // A repeat with other content, after every first copy was decided (as the embedded
+        // engine decides it): a conflict with a fresh first copy, or else decided on its own.
+        let mut claimed_by_repeat: HashSet<&[u8]> = HashSet::new();
+        for index in other_content {
+            let first = first_of[index];
+            let (key, fingerprint) = (messages[index].0.as_ref(), messages[index].1);
+            let (outcome, claim) = if matches!(batch.outcomes[first], PgBatchOutcome::Fresh) {
+                let conflict = PgBatchOutcome::ConflictInBatch {
+                    first,
+                    first_fingerprint: messages[first].1,
+                    new_fingerprint: fingerprint,
+                };
+                (conflict, None)
+            } else if claimed_by_repeat.contains(key) {
+                // An earlier repeat of the key holds it in this batch: held by a claim, as the
+                // embedded engine's latch answers a second claimant.
+                let held = Outcome::held_by_claim(taken.now_ms);
+                (PgBatchOutcome::Settled(held), None)
+            } else {
+                decide(key, fingerprint, taken.locked(lock_numbers[index]), &taken)?
+            };
+            if claim.is_some() {
+                claimed_by_repeat.insert(key);
+            }
+            batch.outcomes[index] = outcome;
+            batch.claims[index] = claim;
+        }
+        Ok(batch)
+    }
+
+    /// Sends the lock statement and the read together and waits for both: the lock answer of
+    /// every lock number, the database's time, and the stored (undecoded) row of every key
+    /// that has one.
+    async fn lock_and_read(
+        &self,
+        tx: &Transaction<'_>,
+        lock_numbers: &[i64],
+        keys: &[&[u8]],
+    ) -> Result<Taken> {
+        // Typed statements: each goes out as parse, bind and execute in one message, with no
+        // separate prepare round trip, so both are on the wire before either is answered. The
+        // server runs them in the order sent (`join` polls the lock statement first), so the
+        // read's snapshot is taken after every lock was granted or refused.
+        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_numbers, Type::INT8_ARRAY)];
+        let lock_statement = tx.query_typed(LOCK_MANY, &lock_params);
+        let consumer: &[u8] = &self.id;
+        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&consumer, Type::BYTEA), (&keys, Type::BYTEA_ARRAY)];
+        let read_statement = tx.query_typed(&self.store.inner.read_many, &read_params);
+        let (locks, rows) = futures_util::future::join(lock_statement, read_statement).await;
+        let locks = locks?;
+        let rows = rows?;
+        let db_now_ms: i64 = locks.first().map_or(0, |row| row.get(2));
+        Ok(Taken {
+            locked: locks.iter().map(|row| (row.get(0), row.get(1))).collect(),
+            now_ms: self.store.now_ms(db_now_ms),
+            rows: rows
+                .iter()
+                .map(|row| {
+                    let key: &[u8] = row.get(0);
+                    let record: &[u8] = row.get(1);
+                    (key.to_vec(), record.to_vec())
+                })
+                .collect(),
+        })
+    }
+}
+
+/// What a batch's lock statement and read found.
+#[derive(Default)]
+struct Taken {
+    /// By lock number: whether this transaction holds it.
+    locked: HashMap<i64, bool>,
+    /// The claim's time on the store's clock.
+    now_ms: u64,
+    /// By message key: the stored record, not decoded yet (only locked keys' are).
+    rows: HashMap<Vec<u8>, Vec<u8>>,
+}
+
+impl Taken {
+    fn locked(&self, lock_number: i64) -> bool {
+        self.locked.get(&lock_number).copied().unwrap_or(false)
+    }
+}
+
+/// Decides one message of a batch as [`PgConsumer::begin`] decides a claim: `InProgress`
+/// without the key's lock, else from the key's record read after the lock.
+fn decide(
+    key: &[u8],
+    fingerprint: Fingerprint,
+    locked: bool,
+    taken: &Taken,
+) -> Result<(PgBatchOutcome, Option<BatchClaim>)> {
+    if !locked {
+        let held = Outcome::held_by_claim(taken.now_ms);
+        return Ok((PgBatchOutcome::Settled(held), None));
+    }
+    let record = taken
+        .rows
+        .get(key)
+        .map(|bytes| decode_record(key, bytes))
+        .transpose()?;
+    Ok(match inspect_record(record, fingerprint, taken.now_ms) {
+        Found::Claimable {
+            replaces_epoch,
+            previous,
+        } => {
+            let claim = BatchClaim {
+                key: key.to_vec(),
+                fingerprint,
+                replaces_epoch,
+                previous,
+            };
+            (PgBatchOutcome::Fresh, Some(claim))
+        }
+        Found::Settled(outcome) => (PgBatchOutcome::Settled(outcome), None),
+    })
+}
+
+/// For each message, the index of the first message with the same key (itself if none
+/// before).
+fn first_occurrences<K: AsRef<[u8]>>(messages: &[(K, Fingerprint)]) -> Vec<usize> {
+    let mut first_index: HashMap<&[u8], usize> = HashMap::with_capacity(messages.len());
+    messages
+        .iter()
+        .enumerate()
+        .map(|(index, (key, _))| *first_index.entry(key.as_ref()).or_insert(index))
+        .collect()
+}
+
+/// The rows a batch's commit writes with one of its two lists (inserted or updated), as the
+/// statement's parallel arrays.
+#[derive(Default)]
+struct Rows<'k> {
+    keys: Vec<&'k [u8]>,
+    records: Vec<Vec<u8>>,
+    expires_at_ms: Vec<Option<i64>>,
+}
+
+impl<'c> PgClaimBatch<'c> {
+    /// The batch's transaction, for the business SQL of its fresh messages. Do not commit or
+    /// roll it back yourself: [`PgClaimBatch::commit`] does, and dropping the batch rolls back.
+    #[must_use]
+    pub fn transaction(&self) -> &Transaction<'c> {
+        &self.tx
+    }
+
+    /// Each message's outcome, in the order the messages were given.
+    #[must_use]
+    pub fn outcomes(&self) -> &[PgBatchOutcome] {
+        &self.outcomes
+    }
+
+    /// The outcome of message `index`; `None` past the end of the batch.
+    #[must_use]
+    pub fn outcome(&self, index: usize) -> Option<&PgBatchOutcome> {
+        self.outcomes.get(index)
+    }
+
+    /// The number of messages in the batch.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.outcomes.len()
+    }
+
+    /// True for a batch of no messages.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.outcomes.is_empty()
+    }
+
+    /// The epoch the committed record of message `index` will have; `None` unless it is
+    /// fresh and not released.
+    #[must_use]
+    pub fn epoch(&self, index: usize) -> Option<u64> {
+        Some(self.claims.get(index)?.as_ref()?.epoch())
+    }
+
+    /// The external attempt the claim of message `index` took over after its lease ran out,
+    /// if any (its side effect may have been partly applied).
+    #[must_use]
+    pub fn previous_attempt(&self, index: usize) -> Option<&PreviousAttempt> {
+        self.claims.get(index)?.as_ref()?.previous.as_ref()
+    }
+
+    /// Leaves message `index` out of the commit (its handler failed): no record is written for
+    /// it, so its redelivery is fresh again. Its key stays locked until the batch ends, and
+    /// SQL already run for it in the batch's transaction stays in it: roll that back to a
+    /// savepoint first. Does nothing for a message that holds no claim.
+    pub fn release(&mut self, index: usize) {
+        if let Some(slot) = self.claims.get_mut(index) {
+            *slot = None;
+        }
+    }
+
+    /// Writes the completed record of every claim still held, with the result `result_of`
+    /// gives for its index (returned to duplicates), in **one** statement, and commits the
+    /// transaction: the records and the business SQL of the batch land together or not at
+    /// all. `result_of` is called for those indexes only, in order.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`; [`Error::LostKey`] if a
+    /// replaced row was gone (the key's lock should make it impossible); [`Error::Postgres`]
+    /// when a statement or the commit fails, a business statement of the batch included. Every
+    /// error but one during the COMMIT itself comes before the COMMIT is sent, and nothing is
+    /// written; if the connection dropped during the COMMIT its outcome is unknown: do not
+    /// acknowledge the batch, and its redelivery finds every message `Duplicate` or every
+    /// message `Fresh`, never half of the batch.
+    pub async fn commit<R: AsRef<[u8]>>(self, mut result_of: impl FnMut(usize) -> R) -> Result<()> {
+        let PgClaimBatch {
+            tx,
+            consumer,
+            claims,
+            ..
+        } = self;
+        let mut held = Vec::new();
+        for (index, claim) in claims.iter().enumerate() {
+            if let Some(claim) = claim {
+                let result = result_of(index);
+                crate::check_result(result.as_ref())?;
+                held.push((claim, result));
+            }
+        }
+        if held.is_empty() {
+            // No record to write, but maybe the caller's SQL: a statement on an aborted
+            // transaction fails, so a failed business statement is reported here rather than
+            // by a COMMIT that PostgreSQL answers with a silent rollback.
+            tx.batch_execute("SELECT 1").await?;
+        } else {
+            write_records(&tx, &consumer, &held).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// Writes the completed record of each claim in `held` with its result, in one statement:
+/// inserted where the key had no row, updated where the claim replaces one.
+async fn write_records<R: AsRef<[u8]>>(
+    tx: &Transaction<'_>,
+    consumer: &PgConsumer,
+    held: &[(&BatchClaim, R)],
+) -> Result<()> {
+    let store = &consumer.store;
+    let now_ms = crate::commit_time_ms(tx, store).await?;
+    let mut inserted = Rows::default();
+    let mut updated = Rows::default();
+    for (claim, result) in held {
+        let (record, expires_at_ms) = crate::completed_record(
+            store,
+            claim.epoch(),
+            claim.fingerprint,
+            now_ms,
+            result.as_ref(),
+            true,
+        );
+        let rows = if claim.replaces_epoch == 0 {
+            &mut inserted
+        } else {
+            &mut updated
+        };
+        rows.keys.push(&claim.key);
+        rows.records.push(record.encode());
+        rows.expires_at_ms
+            .push(crate::expires_column(expires_at_ms));
+    }
+    let consumer_id: &[u8] = &consumer.id;
+    let params: [(&(dyn ToSql + Sync), Type); 7] = [
+        (&consumer_id, Type::BYTEA),
+        (&inserted.keys, Type::BYTEA_ARRAY),
+        (&inserted.records, Type::BYTEA_ARRAY),
+        (&inserted.expires_at_ms, Type::INT8_ARRAY),
+        (&updated.keys, Type::BYTEA_ARRAY),
+        (&updated.records, Type::BYTEA_ARRAY),
+        (&updated.expires_at_ms, Type::INT8_ARRAY),
+    ];
+    let rows = tx.query_typed(&store.inner.write_many, &params).await?;
+    let written: HashSet<&[u8]> = rows.iter().map(|row| row.get(0)).collect();
+    // An insert either writes its row or fails on the primary key; an update of a row that is
+    // gone writes nothing, and says nothing: name the key.
+    if let Some((lost, _)) = held
+        .iter()
+        .find(|(claim, _)| !written.contains(claim.key.as_slice()))
+    {
+        return Err(Error::LostKey {
+            key: lost.key.clone(),
+        });
+    }
+    Ok(())
+}
+
+impl std::fmt::Debug for PgClaimBatch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgClaimBatch")
+            .field("consumer", &self.consumer.id)
+            .field("outcomes", &self.outcomes)
+            .finish_non_exhaustive()
+    }
+}
