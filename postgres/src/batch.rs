@@ -174,7 +174,7 @@ impl PgConsumer {
             .filter(|(index, _)| first_of[*index] == *index)
             .map(|(_, (key, _))| key.as_ref())
             .collect();
-        let tx = crate::read_committed(client).await?;
+        let tx = crate::claim_transaction(client, &self.store).await?;
         // From here every error drops `tx`, which rolls back and frees every lock taken.
         let taken = if messages.is_empty() {
             Taken::default()
@@ -339,7 +339,7 @@ fn first_occurrences<K: AsRef<[u8]>>(messages: &[(K, Fingerprint)]) -> Vec<usize
 struct Rows<'k> {
     keys: Vec<&'k [u8]>,
     records: Vec<Vec<u8>>,
-    expires_at_ms: Vec<Option<i64>>,
+    expires_at_ms: Vec<i64>,
 }
 
 impl<'c> PgClaimBatch<'c> {

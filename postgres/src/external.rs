@@ -86,7 +86,7 @@ impl PgConsumer {
         )?;
         let stored_key = idemdb::format::encode_key(&self.id, key)?;
         let inner = &self.store.inner;
-        let tx = crate::read_committed(client).await?;
+        let tx = crate::claim_transaction(client, &self.store).await?;
         let lock = tx
             .query_one(
                 "SELECT pg_try_advisory_xact_lock($1), \
@@ -426,7 +426,7 @@ async fn locked_record<'c>(
     stored_key: &[u8],
 ) -> Result<(Transaction<'c>, u64, Option<Record>)> {
     let store: &PgStore = &consumer.store;
-    let tx = crate::read_committed(client).await?;
+    let tx = crate::claim_transaction(client, store).await?;
     tx.execute(
         "SELECT set_config('lock_timeout', $1, true)",
         &[&format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis())],

@@ -29,6 +29,13 @@
 //! [`PgConsumer::resolve`] completes one with a known result or releases it, under the key's
 //! lock, whoever holds it: that holder's next step is `LeaseLost`.
 //!
+//! **Removal.** Records are range-partitioned by the day they become removable (schema
+//! version 2; `install` migrates version 1). Reads are exact at the expiry millisecond
+//! whatever is stored; [`PgStore::maintain`], run regularly, drops each day's partition once
+//! all of it has expired: no `DELETE`, no dead rows, the same cost at any number of records.
+//! Claims create the partitions of the days ahead before their transaction begins. Retention
+//! is at most [`RETENTION_MS_MAX`] (60 days: every read looks into each day's partition).
+//!
 //! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
 //! be skewed against each other without effect.
@@ -71,12 +78,14 @@ mod external;
 mod schema;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use idemdb::decision::{Found, inspect_record};
 use idemdb::format::{Record, encode_key};
 use idemdb::{Clock, EXPIRES_NEVER_MS, Fingerprint, Outcome, PreviousAttempt, RESULT_BYTES_MAX};
+use schema::NEVER_MS;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Transaction};
 
@@ -85,11 +94,16 @@ pub use error::{Error, Result};
 pub use external::{
     LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim, PgInProgress, PgResolution,
 };
-pub use schema::{Names, SCHEMA_VERSION, install};
+pub use schema::{DAY_MS, Names, SCHEMA_VERSION, install};
 
 /// How long a completed record is kept when the builder is not told: 7 days, as in the
 /// embedded engine.
 pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
+
+/// The longest retention: 60 days. Records are partitioned by the day they become removable,
+/// and every read looks into each partition, so the number of partitions (the retention in
+/// days, plus two) is kept small.
+pub const RETENTION_MS_MAX: u64 = 60 * DAY_MS as u64;
 
 /// Builds a [`PgStore`].
 #[derive(Debug)]
@@ -126,14 +140,15 @@ impl StoreBuilder {
     ///
     /// # Errors
     /// [`Error::SchemaMissing`], [`Error::SchemaTooNew`] or [`Error::SchemaTooOld`] when the
-    /// tables are not at [`SCHEMA_VERSION`]; [`Error::Idemdb`] for a retention of 0.
+    /// tables are not at [`SCHEMA_VERSION`]; [`Error::Idemdb`] for a retention of 0 or over
+    /// [`RETENTION_MS_MAX`].
     pub async fn open(self, client: &Client) -> Result<PgStore> {
-        if self.retention_ms == 0 {
+        if !(1..=RETENTION_MS_MAX).contains(&self.retention_ms) {
             return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
                 limit: idemdb::Limit::RetentionMs,
-                actual: 0,
+                actual: self.retention_ms,
                 min: 1,
-                max: u64::MAX,
+                max: RETENTION_MS_MAX,
             }));
         }
         schema::check(client, &self.names).await?;
@@ -178,9 +193,11 @@ impl StoreBuilder {
                 ),
                 never_expiring: format!(
                     "SELECT message_key, record FROM {records} \
-                     WHERE consumer = $1 AND expires_at_ms IS NULL ORDER BY message_key"
+                     WHERE consumer = $1 AND expires_at_ms = {NEVER_MS} ORDER BY message_key"
                 ),
                 lock_namespace: records,
+                names: self.names,
+                partitions_through_day: AtomicI64::new(i64::MIN),
                 retention_ms: self.retention_ms,
                 clock: self.clock,
             }),
@@ -203,6 +220,9 @@ pub(crate) struct Inner {
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,
+    names: Names,
+    /// The last day whose partition this process knows to exist (`i64::MIN`: none yet).
+    partitions_through_day: AtomicI64,
     retention_ms: u64,
     clock: Option<Arc<dyn Clock>>,
 }
@@ -265,7 +285,7 @@ impl PgConsumer {
         let key = key.as_ref();
         let stored_key = encode_key(&self.id, key)?;
         let lock_number = lock_id(&self.store.inner.lock_namespace, &stored_key);
-        let tx = crate::read_committed(client).await?;
+        let tx = crate::claim_transaction(client, &self.store).await?;
         // The lock and the read go out together (one round trip), as two statements: the
         // server runs them in order, and the read's snapshot is taken when it starts, after
         // the lock was granted, so it sees the commit of whoever held the lock before. (One
@@ -399,7 +419,81 @@ impl<'c> PgClaim<'c> {
     }
 }
 
+/// What [`PgStore::maintain`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Maintenance {
+    /// The last day (since 1970-01-01, UTC) whose partition now exists.
+    pub partitions_through_day: i64,
+    /// The day partitions dropped, every row of them expired.
+    pub dropped: Vec<String>,
+}
+
 impl PgStore {
+    /// Creates the partitions of the days ahead and drops those whose rows have all expired.
+    /// Run it regularly (hourly, say, from one process or several): removal is one dropped
+    /// partition per day, never a `DELETE` of rows, so it costs the same at any number of
+    /// records and leaves no dead rows behind. A dropped partition is first detached
+    /// concurrently (a lock that claims do not wait for), so claims go on meanwhile.
+    ///
+    /// Claims create the partitions they need on their own (before their transaction, once a
+    /// day per process); only removal needs this call. Without it, expired records stay
+    /// (reads treat them as absent, exactly at their expiry millisecond) and take space.
+    ///
+    /// # Errors
+    /// [`Error::Postgres`] when a statement fails. A detach interrupted by a lost connection is
+    /// finished by the next call.
+    pub async fn maintain(&self, client: &mut Client) -> Result<Maintenance> {
+        let through_day = self.ensure_partitions(client, true).await?;
+        let now_ms = match &self.inner.clock {
+            Some(clock) => i64::try_from(clock.now_ms()).unwrap_or(i64::MAX),
+            None => client
+                .query_one(
+                    "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+                    &[],
+                )
+                .await?
+                .get(0),
+        };
+        let mut dropped = Vec::new();
+        for partition in schema::day_partitions(client, &self.inner.names).await? {
+            // Every row of day d is removable from (d + 1) days on.
+            if (partition.day + 1).saturating_mul(DAY_MS) <= now_ms {
+                schema::drop_partition(client, &self.inner.names, &partition).await?;
+                dropped.push(partition.name);
+            }
+        }
+        Ok(Maintenance {
+            partitions_through_day: through_day,
+            dropped,
+        })
+    }
+
+    /// Makes sure the partitions from today through the day after the last a record written
+    /// now can expire on exist; skipped when this process already made sure, unless `always`.
+    /// Reads the local clock (or the injected one): the extra day covers a database clock
+    /// ahead of it.
+    async fn ensure_partitions(&self, client: &mut Client, always: bool) -> Result<i64> {
+        let now_ms = match &self.inner.clock {
+            Some(clock) => clock.now_ms(),
+            None => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| {
+                    u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+                }),
+        };
+        let day_of = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX) / DAY_MS;
+        let first_day = day_of(now_ms);
+        let last_day = day_of(now_ms.saturating_add(self.inner.retention_ms)) + 1;
+        let known = &self.inner.partitions_through_day;
+        if !always && known.load(Ordering::Acquire) >= last_day {
+            return Ok(known.load(Ordering::Acquire));
+        }
+        schema::ensure_partitions(client, &self.inner.names, first_day, last_day).await?;
+        known.fetch_max(last_day, Ordering::AcqRel);
+        Ok(last_day)
+    }
+
     /// Now, on the store's clock: the injected one, or the database's reading `db_now_ms`.
     pub(crate) fn now_ms(&self, db_now_ms: i64) -> u64 {
         match &self.inner.clock {
@@ -498,12 +592,13 @@ pub(crate) fn completed_record(
     (record, expires_at_ms)
 }
 
-/// The `expires_at_ms` column of a row removable from `removable_at_ms` on: NULL for never
-/// (and for a time past what int8 holds).
-pub(crate) fn expires_column(removable_at_ms: u64) -> Option<i64> {
-    i64::try_from(removable_at_ms)
-        .ok()
-        .filter(|_| removable_at_ms != EXPIRES_NEVER_MS)
+/// The `expires_at_ms` column of a row removable from `removable_at_ms` on: [`NEVER_MS`] for
+/// never (and for a time past what int8 holds), which puts the row in the open partition.
+pub(crate) fn expires_column(removable_at_ms: u64) -> i64 {
+    if removable_at_ms == EXPIRES_NEVER_MS {
+        return NEVER_MS;
+    }
+    i64::try_from(removable_at_ms).unwrap_or(NEVER_MS)
 }
 
 /// Writes `record` as the row of `key` (an update when `replaces`, else an insert), removable
@@ -536,11 +631,17 @@ pub(crate) async fn write_record(
     Ok(())
 }
 
-/// Opens a READ COMMITTED transaction whatever the database's default: the claim's read must
-/// take its snapshot after the key's lock was granted, which only READ COMMITTED does per
-/// statement (under REPEATABLE READ the first statement's snapshot would hide the previous
-/// holder's commit).
-pub(crate) async fn read_committed(client: &mut Client) -> Result<Transaction<'_>> {
+/// Opens the transaction of a claim or a lease step: READ COMMITTED whatever the database's
+/// default, as the claim's read must take its snapshot after the key's lock was granted,
+/// which only READ COMMITTED does per statement (under REPEATABLE READ the first statement's
+/// snapshot would hide the previous holder's commit). Before it, makes sure the partitions the
+/// transaction may write into exist (see [`PgStore::maintain`]): DDL never runs inside a
+/// claim.
+pub(crate) async fn claim_transaction<'c>(
+    client: &'c mut Client,
+    store: &PgStore,
+) -> Result<Transaction<'c>> {
+    store.ensure_partitions(client, false).await?;
     Ok(client
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)

@@ -1,15 +1,26 @@
 //! The tables idemdb keeps in PostgreSQL, their names, and their versioned installation.
 
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::{Error, Result};
 
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
-pub const SCHEMA_VERSION: i32 = 1;
+///
+/// Version 2 partitions the records by the day they become removable; version 1 was one plain
+/// table.
+pub const SCHEMA_VERSION: i32 = 2;
 
-/// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the suffix of the version table.
+/// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the longest suffix added to the
+/// table's name (`_version`; a day's partition adds `_d` and at most 6 digits, `_open` 5).
 const NAME_BYTES_MAX: usize = 63 - "_version".len();
+
+/// One day in milliseconds: the width of a partition of removable rows.
+pub const DAY_MS: i64 = 86_400_000;
+
+/// The `expires_at_ms` of a row that is never removable by time (in-progress records, and
+/// retentions past what `int8` holds): the first value of the open partition.
+pub(crate) const NEVER_MS: i64 = i64::MAX;
 
 /// Where the records live: `schema.table`, plus `schema.table_version`. Names are lower-case
 /// ASCII letters, digits and underscores, starting with a letter or underscore, so that they
@@ -64,6 +75,11 @@ impl Names {
     fn version(&self) -> String {
         format!("{}.{}_version", self.schema, self.table)
     }
+
+    /// The partition of the rows removable during `day` (days since 1970-01-01, UTC).
+    fn day_partition(&self, day: i64) -> String {
+        format!("{}.{}_d{day}", self.schema, self.table)
+    }
 }
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
@@ -100,29 +116,210 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
                 supported: SCHEMA_VERSION,
             });
         }
-        Some(_) => {}
+        Some(SCHEMA_VERSION) => {}
+        Some(1) => {
+            migrate_from_1(&tx, names).await?;
+        }
+        Some(other) => {
+            return Err(Error::SchemaTooOld {
+                found: other,
+                supported: SCHEMA_VERSION,
+            });
+        }
         None => {
-            // Version 1. One row per (consumer, message key): the advisory lock of the key
-            // decides who writes it, the primary key backs that up. `record` is the
-            // embedded format's record value (docs/design.md, section 4), so the decision core
-            // reads it as the embedded engine does; `expires_at_ms` (NULL: never) is the one
-            // field SQL needs, for removal.
-            tx.batch_execute(&format!(
-                "CREATE TABLE {records} (
-                     consumer bytea NOT NULL,
-                     message_key bytea NOT NULL,
-                     record bytea NOT NULL,
-                     expires_at_ms bigint,
-                     PRIMARY KEY (consumer, message_key)
-                 );
-                 INSERT INTO {version} (version) VALUES ({SCHEMA_VERSION});",
-                records = names.records(),
-                version = names.version(),
-            ))
+            create_records(&tx, names).await?;
+            tx.execute(
+                &format!(
+                    "INSERT INTO {} (version) VALUES ({SCHEMA_VERSION})",
+                    names.version()
+                ),
+                &[],
+            )
             .await?;
         }
     }
     tx.commit().await?;
+    Ok(())
+}
+
+/// Creates the records table at [`SCHEMA_VERSION`], without its day partitions.
+///
+/// One row per (consumer, message key): the advisory lock of the key decides who writes it.
+/// `record` is the embedded format's record value (docs/design.md, section 4), so the decision
+/// core reads it as the embedded engine does. `expires_at_ms` is when the row may be removed
+/// ([`NEVER_MS`]: not by time), and the partition key: rows are range-partitioned by the day
+/// they become removable, so that removal drops a whole day's partition once all of it has
+/// expired, instead of deleting rows one by one. Rows that are not removable by time (records
+/// in progress) live in the open-ended partition `_open`. (A DEFAULT partition would do the
+/// same, but `DETACH PARTITION ... CONCURRENTLY` refuses a table that has one.) The primary key
+/// must hold the partition key, so it is unique per partition only; one row per key across
+/// partitions is the key's lock's doing: every writer holds it, and an update that moves a row
+/// to another day moves it, not copies it.
+async fn create_records(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.batch_execute(&format!(
+        "CREATE TABLE {records} (
+             consumer bytea NOT NULL,
+             message_key bytea NOT NULL,
+             record bytea NOT NULL,
+             expires_at_ms bigint NOT NULL,
+             PRIMARY KEY (consumer, message_key, expires_at_ms)
+         ) PARTITION BY RANGE (expires_at_ms);
+         CREATE TABLE {records}_open PARTITION OF {records}
+             FOR VALUES FROM ({NEVER_MS}) TO (MAXVALUE);",
+        records = names.records(),
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Version 1 to 2: the plain table becomes the partitioned one. Rows already expired are
+/// dropped (every read treats them as absent, and removal would drop them next); the others
+/// are copied with their days' partitions.
+async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    let records = names.records();
+    let old_name = format!("{}_v1", names.table);
+    tx.batch_execute(&format!("ALTER TABLE {records} RENAME TO {old_name}"))
+        .await?;
+    let old = format!("{}.{old_name}", names.schema);
+    create_records(tx, names).await?;
+    let now_ms: i64 = tx
+        .query_one(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+            &[],
+        )
+        .await?
+        .get(0);
+    let days = tx
+        .query(
+            &format!(
+                "SELECT DISTINCT expires_at_ms / {DAY_MS} FROM {old} \
+                 WHERE expires_at_ms IS NOT NULL AND expires_at_ms > $1"
+            ),
+            &[&now_ms],
+        )
+        .await?;
+    for row in days {
+        create_day_partition(tx, names, row.get(0)).await?;
+    }
+    tx.execute(
+        &format!(
+            "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+             SELECT consumer, message_key, record, coalesce(expires_at_ms, {NEVER_MS}) \
+             FROM {old} WHERE expires_at_ms IS NULL OR expires_at_ms > $1"
+        ),
+        &[&now_ms],
+    )
+    .await?;
+    tx.batch_execute(&format!(
+        "DROP TABLE {old}; UPDATE {} SET version = {SCHEMA_VERSION};",
+        names.version()
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Creates the partition of `day` unless it exists: made apart and then attached, which takes
+/// a lock on the records table that claims do not wait for (SHARE UPDATE EXCLUSIVE), where
+/// `CREATE TABLE ... PARTITION OF` would take one that stops them (ACCESS EXCLUSIVE).
+async fn create_day_partition(client: &impl GenericClient, names: &Names, day: i64) -> Result<()> {
+    let partition = names.day_partition(day);
+    let exists: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&partition])
+        .await?
+        .get(0);
+    if exists {
+        return Ok(());
+    }
+    let (from, to) = (day * DAY_MS, (day + 1) * DAY_MS);
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {partition} (LIKE {records} INCLUDING ALL);
+             ALTER TABLE {records} ATTACH PARTITION {partition} FOR VALUES FROM ({from}) TO ({to});",
+            records = names.records(),
+        ))
+        .await?;
+    Ok(())
+}
+
+/// Makes sure the partitions of every day from `first_day` through `last_day` exist. Safe to
+/// run from several processes at once: they take turns under the installers' lock.
+pub(crate) async fn ensure_partitions(
+    client: &mut Client,
+    names: &Names,
+    first_day: i64,
+    last_day: i64,
+) -> Result<()> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
+        .await?;
+    for day in first_day..=last_day {
+        create_day_partition(&tx, names, day).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The day partitions of the records table, as (day, qualified name), oldest first.
+pub(crate) async fn day_partitions(client: &Client, names: &Names) -> Result<Vec<DayPartition>> {
+    let prefix = format!("{}_d", names.table);
+    let rows = client
+        .query(
+            "SELECT c.relname::text, i.inhdetachpending FROM pg_inherits i \
+             JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = to_regclass($1)",
+            &[&names.records()],
+        )
+        .await?;
+    let mut found: Vec<DayPartition> = rows
+        .iter()
+        .filter_map(|row| {
+            let name: String = row.get(0);
+            let day = name.strip_prefix(&prefix)?.parse().ok()?;
+            Some(DayPartition {
+                day,
+                name: format!("{}.{name}", names.schema),
+                detach_pending: row.get(1),
+            })
+        })
+        .collect();
+    found.sort_by_key(|partition| partition.day);
+    Ok(found)
+}
+
+/// A partition of one day's removable rows.
+pub(crate) struct DayPartition {
+    pub(crate) day: i64,
+    /// Qualified: `schema.table_dN`.
+    pub(crate) name: String,
+    /// A concurrent detach began and did not finish (its session was lost): it is finished
+    /// with `DETACH PARTITION ... FINALIZE`.
+    pub(crate) detach_pending: bool,
+}
+
+/// Detaches and drops the partition `partition` (qualified): `DETACH ... CONCURRENTLY` takes
+/// only a lock claims do not wait for, and waits itself for the transactions that may still
+/// read the partition; the drop then touches a table nobody reads. Runs outside any
+/// transaction block (PostgreSQL refuses a concurrent detach inside one).
+pub(crate) async fn drop_partition(
+    client: &Client,
+    names: &Names,
+    partition: &DayPartition,
+) -> Result<()> {
+    let how = if partition.detach_pending {
+        "FINALIZE"
+    } else {
+        "CONCURRENTLY"
+    };
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {} DETACH PARTITION {} {how}",
+            names.records(),
+            partition.name
+        ))
+        .await?;
+    client
+        .batch_execute(&format!("DROP TABLE {}", partition.name))
+        .await?;
     Ok(())
 }
 

@@ -97,6 +97,8 @@ fn main() {
     scenario!(batch_size_is_bounded_by_a_typed_error);
     scenario!(connections_racing_with_overlapping_batches_have_one_winner_each);
     scenario!(resolve_completes_or_releases_an_in_progress_key_only);
+    scenario!(expired_records_are_removed_by_dropping_whole_day_partitions);
+    scenario!(a_version_1_table_is_migrated_by_install);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -1587,5 +1589,281 @@ async fn resolve_completes_or_releases_an_in_progress_key_only(url: &str) -> Res
         ),
         "a huge result: {resolved:?}"
     );
+    Ok(())
+}
+
+/// The day partitions of `schema.records`, by day.
+async fn day_partitions(client: &Client, schema: &str) -> Result<Vec<i64>, Failure> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = to_regclass($1)",
+            &[&format!("{schema}.records")],
+        )
+        .await?;
+    let mut days: Vec<i64> = rows
+        .iter()
+        .filter_map(|row| {
+            row.get::<_, String>(0)
+                .strip_prefix("records_d")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    days.sort_unstable();
+    Ok(days)
+}
+
+async fn count_rows(client: &Client, table: &str) -> Result<i64, Failure> {
+    Ok(client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await?
+        .get(0))
+}
+
+async fn expired_records_are_removed_by_dropping_whole_day_partitions(
+    url: &str,
+) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_removal").await?;
+    // A retention past the longest is refused, typed.
+    let too_long = PgStore::builder()
+        .names(names.clone())
+        .retention(Duration::from_millis(idemdb_postgres::RETENTION_MS_MAX + 1))
+        .open(&client)
+        .await;
+    ensure!(
+        matches!(
+            too_long,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "retention over the maximum: {too_long:?}"
+    );
+    // Day 100, at noon; records live one day.
+    let clock = MockClock::new(100 * DAY + DAY / 2);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(DAY))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    for key in ["a", "b", "c"] {
+        commit_one(&consumer, &mut client, key, key, key).await?;
+    }
+    // An external claim in progress: its row has no expiry, in the open partition.
+    let holder = consumer
+        .begin_external(
+            &mut client,
+            "held",
+            Fingerprint::of(b"held"),
+            Duration::from_secs(3600),
+            "worker-1",
+        )
+        .await?;
+    ensure!(
+        matches!(holder, Outcome::Fresh(_)),
+        "external claim: {holder:?}"
+    );
+    // The first claim made the partitions from today through the day after the last expiry.
+    let days = day_partitions(&client, "t_removal").await?;
+    ensure!(days == vec![100, 101, 102], "partitions: {days:?}");
+    ensure!(
+        count_rows(&client, "t_removal.records_d101").await? == 3,
+        "the three records expire on day 101"
+    );
+    // One millisecond before the records' expiry: they answer Duplicate, and maintenance
+    // drops only the partition of day 100, past and empty, not day 101's.
+    clock.set(101 * DAY + DAY / 2 - 1);
+    let done = store.maintain(&mut client).await?;
+    ensure!(
+        done.dropped == vec!["t_removal.records_d100"],
+        "only what is wholly expired: {done:?}"
+    );
+    let outcome = consumer
+        .begin(&mut client, "a", Fingerprint::of(b"a"))
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "before expiry: {outcome:?}"
+    );
+    drop(outcome);
+    // Expired at their millisecond, before any removal: claimable again.
+    clock.set(101 * DAY + DAY / 2);
+    let outcome = consumer
+        .begin(&mut client, "b", Fingerprint::of(b"b"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Fresh(claim) if claim.epoch() == 2),
+        "at expiry: {outcome:?}"
+    );
+    drop(outcome);
+    // Day 102: every row of day 101 has expired; its partition goes whole.
+    clock.set(102 * DAY);
+    let done = store.maintain(&mut client).await?;
+    ensure!(
+        done.dropped == vec!["t_removal.records_d101"],
+        "dropped: {done:?}"
+    );
+    ensure!(
+        done.partitions_through_day == 104,
+        "partitions ahead: {done:?}"
+    );
+    let days = day_partitions(&client, "t_removal").await?;
+    ensure!(days == vec![102, 103, 104], "partitions after: {days:?}");
+    ensure!(
+        count_rows(&client, "t_removal.records").await? == 1,
+        "only the record in progress is left"
+    );
+    let in_progress = consumer.in_progress(&client, Duration::ZERO, 10).await?;
+    ensure!(
+        in_progress.len() == 1,
+        "the external claim survives removal: {in_progress:?}"
+    );
+    // Removed records are gone for good: the keys start over at epoch 1.
+    match consumer
+        .begin(&mut client, "a", Fingerprint::of(b"other"))
+        .await?
+    {
+        Outcome::Fresh(claim) => {
+            ensure!(claim.epoch() == 1, "a removed key starts over");
+            claim.commit(b"again").await?;
+        }
+        other => return Err(format!("after removal: {other:?}").into()),
+    }
+    ensure!(
+        count_rows(&client, "t_removal.records_d103").await? == 1,
+        "the new record lands in its day's partition"
+    );
+    Ok(())
+}
+
+async fn a_version_1_table_is_migrated_by_install(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    client
+        .batch_execute(
+            "DROP SCHEMA IF EXISTS t_migrate CASCADE; CREATE SCHEMA t_migrate;
+             CREATE TABLE t_migrate.records_version (
+                 singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+                 version integer NOT NULL
+             );
+             INSERT INTO t_migrate.records_version (version) VALUES (1);
+             CREATE TABLE t_migrate.records (
+                 consumer bytea NOT NULL,
+                 message_key bytea NOT NULL,
+                 record bytea NOT NULL,
+                 expires_at_ms bigint,
+                 PRIMARY KEY (consumer, message_key)
+             );",
+        )
+        .await?;
+    let names = Names::new("t_migrate", "records")?;
+    // Version 1 as the previous release wrote it: a live record, an expired one, and one
+    // without expiry.
+    let now_ms: i64 = client
+        .query_one(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+            &[],
+        )
+        .await?
+        .get(0);
+    let now = u64::try_from(now_ms)?;
+    let live = idemdb::format::Record::new(
+        1,
+        now,
+        now + 3_600_000,
+        Fingerprint::of(b"live"),
+        bytes::Bytes::from_static(b"kept"),
+    );
+    let expired = idemdb::format::Record::new(
+        1,
+        now - 7_200_000,
+        now - 3_600_000,
+        Fingerprint::of(b"expired"),
+        bytes::Bytes::new(),
+    );
+    let never = idemdb::format::Record::new(
+        3,
+        now,
+        idemdb::EXPIRES_NEVER_MS,
+        Fingerprint::of(b"never"),
+        bytes::Bytes::from_static(b"forever"),
+    );
+    for (key, record, expires) in [
+        ("live", &live, Some(now_ms + 3_600_000)),
+        ("expired", &expired, Some(now_ms - 3_600_000)),
+        ("never", &never, None),
+    ] {
+        client
+            .execute(
+                "INSERT INTO t_migrate.records VALUES ($1, $2, $3, $4)",
+                &[
+                    &b"c".as_slice(),
+                    &key.as_bytes(),
+                    &record.encode(),
+                    &expires,
+                ],
+            )
+            .await?;
+    }
+    // This release refuses to use it until it is migrated.
+    let refused = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(refused, Err(Error::SchemaTooOld { found: 1, .. })),
+        "version 1 before install: {refused:?}"
+    );
+    install(&mut client, &names).await?;
+    let version: i32 = client
+        .query_one("SELECT version FROM t_migrate.records_version", &[])
+        .await?
+        .get(0);
+    ensure!(version == SCHEMA_VERSION, "migrated to {version}");
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    match consumer
+        .begin(&mut client, "live", Fingerprint::of(b"live"))
+        .await?
+    {
+        Outcome::Duplicate { result, .. } => {
+            ensure!(result.as_ref() == b"kept", "live record: {result:?}")
+        }
+        other => return Err(format!("live record after migration: {other:?}").into()),
+    }
+    match consumer
+        .begin(&mut client, "never", Fingerprint::of(b"never"))
+        .await?
+    {
+        Outcome::Duplicate { result, epoch, .. } => {
+            ensure!(
+                result.as_ref() == b"forever" && epoch == 3,
+                "{result:?} {epoch}"
+            )
+        }
+        other => return Err(format!("never-expiring record: {other:?}").into()),
+    }
+    let expired_gone = consumer.get(&client, "expired").await?;
+    ensure!(
+        expired_gone.is_none(),
+        "the expired record is not carried over"
+    );
+    let open_rows: i64 = client
+        .query_one("SELECT count(*) FROM t_migrate.records_open", &[])
+        .await?
+        .get(0);
+    ensure!(
+        open_rows == 1,
+        "the never-expiring record is in the open partition"
+    );
+    // A second install leaves it as it is.
+    install(&mut client, &names).await?;
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_migrate.records", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 2, "install is idempotent: {rows} rows");
     Ok(())
 }
