@@ -78,6 +78,8 @@ if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
         echo "   (could not install postgresql; the backend's tests skip)"
 fi
 cargo test --release -p idemdb-postgres
+echo "== PostgreSQL fleet: one queue, 3 competing consumers, SIGKILLs, primary failovers, the negative control"
+bash scripts/postgres-fleet.sh
 
 # The power cuts of tests/crash.rs mount a FUSE file system (powercut/). As root it mounts
 # through /dev/fuse itself; fuse3's fusermount3 is what it falls back on elsewhere.

@@ -252,21 +252,14 @@ impl Verdict {
     }
 }
 
-/// Checks every planned order against all `stores` (name, engine) and the dead letters: each
-/// order applied exactly once over all stores together, with content that was published;
-/// every other content dead-lettered with the right fingerprints; nothing dead-lettered
-/// without a conflict; each store's running total equal to the amounts of the orders it
+/// Checks every planned order against all `stores` (name, engine) and the dead letters (see
+/// [`check_applied`]), and each store's running total against the amounts of the orders it
 /// applied.
 pub fn verify(
     stores: &[(String, Engine)],
     plan: &Plan,
     dead_letters: &[DeadLetter],
 ) -> Result<Verdict, BoxError> {
-    let mut verdict = Verdict::default();
-    let dead: HashSet<(&str, &str)> = dead_letters
-        .iter()
-        .map(|letter| (letter.order_id.as_str(), letter.received.as_str()))
-        .collect();
     let mut tables = Vec::new();
     for (_, engine) in stores {
         tables.push((
@@ -274,11 +267,9 @@ pub fn verify(
             engine.business_table("orders")?,
         ));
     }
-    let mut applied_fingerprint: HashMap<&str, String> = HashMap::new();
+    let mut applied: HashMap<String, Applied> = HashMap::new();
     let mut expected_totals = vec![0u64; stores.len()];
-    for (order_id, variants) in &plan.contents {
-        let mut applied = 0;
-        let mut body = None;
+    for order_id in plan.contents.keys() {
         for (index, (effects, orders)) in tables.iter().enumerate() {
             let here = effects
                 .get(order_id)?
@@ -287,34 +278,73 @@ pub fn verify(
             if here == 0 {
                 continue;
             }
-            applied += here;
             let stored = orders.get(order_id)?.unwrap_or_default();
             let stored = String::from_utf8_lossy(&stored).into_owned();
             expected_totals[index] += here * parse_amount(stored.as_bytes()).unwrap_or(0);
-            body.get_or_insert(stored);
+            let entry = applied.entry(order_id.clone()).or_insert(Applied {
+                times: 0,
+                body: stored,
+            });
+            entry.times += here;
         }
-        verdict.effects_applied += applied;
-        match applied {
-            0 => {
-                verdict.lost += 1;
-                eprintln!("LOST: {order_id}");
-                continue;
-            }
-            1 => {}
-            _ => {
-                verdict.applied_twice += 1;
-                eprintln!("APPLIED {applied} TIMES: {order_id}");
-            }
+    }
+    let mut verdict = check_applied(plan, dead_letters, &applied);
+    for (index, (effects, _)) in tables.iter().enumerate() {
+        let total = effects
+            .get(TOTAL_AMOUNT_KEY)?
+            .and_then(|value| merge_ops::read_u64(&value))
+            .unwrap_or(0);
+        if total != expected_totals[index] {
+            verdict.total_mismatches += 1;
+            eprintln!(
+                "TOTAL MISMATCH in {}: stored {total}, orders applied sum to {}",
+                stores[index].0, expected_totals[index]
+            );
         }
-        let body = body.unwrap_or_default();
-        if !variants.contains(&body) {
+    }
+    Ok(verdict)
+}
+
+/// How often an order's effect was applied, over every store, and the content it was applied
+/// with (the first store's, when it was applied in several).
+pub struct Applied {
+    pub times: u64,
+    pub body: String,
+}
+
+/// Checks every planned order against what was `applied` and the dead letters: each order
+/// applied exactly once, with content that was published; every other content dead-lettered
+/// with the right fingerprints; nothing dead-lettered without a conflict.
+pub fn check_applied(
+    plan: &Plan,
+    dead_letters: &[DeadLetter],
+    applied: &HashMap<String, Applied>,
+) -> Verdict {
+    let mut verdict = Verdict::default();
+    let dead: HashSet<(&str, &str)> = dead_letters
+        .iter()
+        .map(|letter| (letter.order_id.as_str(), letter.received.as_str()))
+        .collect();
+    let mut applied_fingerprint: HashMap<&str, String> = HashMap::new();
+    for (order_id, variants) in &plan.contents {
+        let Some(Applied { times, body }) = applied.get(order_id).filter(|a| a.times > 0) else {
+            verdict.lost += 1;
+            eprintln!("LOST: {order_id}");
+            continue;
+        };
+        verdict.effects_applied += times;
+        if *times > 1 {
+            verdict.applied_twice += 1;
+            eprintln!("APPLIED {times} TIMES: {order_id}");
+        }
+        if !variants.contains(body) {
             verdict.wrong_content += 1;
             eprintln!("WRONG CONTENT: {order_id}: {body:?}");
             continue;
         }
-        let winner = Fingerprint::of(&body).to_string();
+        let winner = Fingerprint::of(body).to_string();
         // Every other content published under this id must have been dead-lettered.
-        for other in variants.iter().filter(|variant| **variant != body) {
+        for other in variants.iter().filter(|variant| *variant != body) {
             let fingerprint = Fingerprint::of(other).to_string();
             if !dead.contains(&(order_id.as_str(), fingerprint.as_str())) {
                 verdict.missing_conflicts += 1;
@@ -340,20 +370,7 @@ pub fn verify(
         }
     }
     verdict.conflicts_dead_lettered = distinct_conflicts.len() as u64;
-    for (index, (effects, _)) in tables.iter().enumerate() {
-        let total = effects
-            .get(TOTAL_AMOUNT_KEY)?
-            .and_then(|value| merge_ops::read_u64(&value))
-            .unwrap_or(0);
-        if total != expected_totals[index] {
-            verdict.total_mismatches += 1;
-            eprintln!(
-                "TOTAL MISMATCH in {}: stored {total}, orders applied sum to {}",
-                stores[index].0, expected_totals[index]
-            );
-        }
-    }
-    Ok(verdict)
+    verdict
 }
 
 /// The consumer processes of a run, by slot (a shard, or a fleet member). Every one still

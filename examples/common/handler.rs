@@ -33,6 +33,17 @@ use crate::orders::{
 
 pub use crate::orders::BoxError;
 
+/// An error with its sources (a database error's message is in its source).
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    message
+}
+
 /// The system-wide monotonic clock in nanoseconds: the same in every process of the machine,
 /// and never stepped, so the checkers can order events of several processes.
 pub fn monotonic_ns() -> u64 {
@@ -230,8 +241,6 @@ impl Handler {
         Ok(())
     }
 
-    /// Publishes the delivery to the dead-letter queue and waits for the broker's confirm, so
-    /// that the ack that follows never drops a message the DLQ does not hold.
     async fn dead_letter(
         &self,
         delivery: &lapin::message::Delivery,
@@ -239,40 +248,52 @@ impl Handler {
         stored: Option<Fingerprint>,
         received: Fingerprint,
     ) -> Result<(), BoxError> {
-        let mut headers = FieldTable::default();
-        headers.insert(
-            HEADER_ORDER_ID.into(),
-            AMQPValue::LongString(LongString::from(order_id)),
-        );
-        headers.insert(
-            HEADER_RECEIVED_FINGERPRINT.into(),
-            AMQPValue::LongString(LongString::from(received.to_string())),
-        );
-        if let Some(stored) = stored {
-            headers.insert(
-                HEADER_STORED_FINGERPRINT.into(),
-                AMQPValue::LongString(LongString::from(stored.to_string())),
-            );
-        }
-        let properties = BasicProperties::default()
-            .with_message_id(ShortString::from(order_id))
-            .with_headers(headers);
-        let confirm = self
-            .publisher
-            .basic_publish(
-                "".into(),
-                DEAD_LETTER_QUEUE.into(),
-                BasicPublishOptions::default(),
-                &delivery.data,
-                properties,
-            )
-            .await?
-            .await?;
-        if !confirm.is_ack() {
-            return Err("the broker refused the dead-letter publish".into());
-        }
-        Ok(())
+        dead_letter(&self.publisher, delivery, order_id, stored, received).await
     }
+}
+
+/// Publishes the delivery to the dead-letter queue through `publisher` (a channel in confirm
+/// mode) with the order id and both fingerprints in headers, and waits for the broker's
+/// confirm, so that the ack that follows never drops a message the DLQ does not hold.
+pub async fn dead_letter(
+    publisher: &Channel,
+    delivery: &lapin::message::Delivery,
+    order_id: &str,
+    stored: Option<Fingerprint>,
+    received: Fingerprint,
+) -> Result<(), BoxError> {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        HEADER_ORDER_ID.into(),
+        AMQPValue::LongString(LongString::from(order_id)),
+    );
+    headers.insert(
+        HEADER_RECEIVED_FINGERPRINT.into(),
+        AMQPValue::LongString(LongString::from(received.to_string())),
+    );
+    if let Some(stored) = stored {
+        headers.insert(
+            HEADER_STORED_FINGERPRINT.into(),
+            AMQPValue::LongString(LongString::from(stored.to_string())),
+        );
+    }
+    let properties = BasicProperties::default()
+        .with_message_id(ShortString::from(order_id))
+        .with_headers(headers);
+    let confirm = publisher
+        .basic_publish(
+            "".into(),
+            DEAD_LETTER_QUEUE.into(),
+            BasicPublishOptions::default(),
+            &delivery.data,
+            properties,
+        )
+        .await?
+        .await?;
+    if !confirm.is_ack() {
+        return Err("the broker refused the dead-letter publish".into());
+    }
+    Ok(())
 }
 
 pub fn requeue() -> BasicNackOptions {
