@@ -2,8 +2,8 @@
 //! (`postgres_fleet`): Debian's server binaries, 127.0.0.1 only, ports picked free, data folders
 //! of their own, every process stopped by pid.
 //!
-//! A failover is what a lost host looks like: the primary's whole process group is SIGKILLed,
-//! the standby is promoted, and a new standby is copied from the new primary
+//! A failover is what a lost host looks like: the primary's postmaster and every process it
+//! started are SIGKILLed, the standby is promoted, and a new standby is copied from the new primary
 //! (`pg_basebackup -R`) onto the old primary's port, so the consumers' two-host connection
 //! string stays valid. Commits are synchronous (`synchronous_commit = on`, and the primary names
 //! every standby in `synchronous_standby_names`): an acknowledged commit is on both servers
