@@ -66,3 +66,42 @@ pub enum Error {
     #[error("PostgreSQL: {0}")]
     Postgres(#[from] tokio_postgres::Error),
 }
+
+impl Error {
+    /// True when the same message may be handled again later with success: nothing of the
+    /// failed call was written, or (a commit whose connection dropped) its outcome is unknown
+    /// and the redelivery finds out. The connection's loss, a server shutting down or starting
+    /// up, too many connections, a deadlock or serialization failure of the caller's SQL, a
+    /// lock wait that timed out, and `KeyBusy`. Nack the message (or retry on a new
+    /// connection); anything else needs a fix, not a retry.
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Idemdb(error) => error.is_retryable(),
+            Error::Postgres(error) => {
+                if error.is_closed() {
+                    return true;
+                }
+                let Some(code) = error.code() else {
+                    // No SQLSTATE: the connection or the protocol failed, not a statement.
+                    return true;
+                };
+                use tokio_postgres::error::SqlState;
+                // Class 08: connection exceptions.
+                code.code().starts_with("08")
+                    || [
+                        SqlState::T_R_SERIALIZATION_FAILURE,
+                        SqlState::T_R_DEADLOCK_DETECTED,
+                        SqlState::LOCK_NOT_AVAILABLE,
+                        SqlState::ADMIN_SHUTDOWN,
+                        SqlState::CRASH_SHUTDOWN,
+                        SqlState::CANNOT_CONNECT_NOW,
+                        SqlState::TOO_MANY_CONNECTIONS,
+                        SqlState::READ_ONLY_SQL_TRANSACTION,
+                    ]
+                    .contains(code)
+            }
+            _ => false,
+        }
+    }
+}

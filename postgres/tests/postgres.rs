@@ -12,6 +12,11 @@
 //! with its business rows, a dropped or failed batch leaves nothing, the batch-size limit, and
 //! racing connections claiming overlapping batches have one winner per key. Resolution of an
 //! in-progress key by hand: completed or released, refused for a key not in progress.
+//! Removal: whole day partitions dropped once expired, nothing before; the migration of a
+//! version 1 table. Faults: a connection lost before the commit (nothing lands, the key is
+//! free) and during it (the COMMIT waits for a standby, its server process is terminated: the
+//! redelivery finds `Duplicate` and the business row once); a deadlock in the business SQL
+//! (retryable, nothing of the victim lands, its key is free).
 
 #[path = "support/server.rs"]
 mod server;
@@ -99,6 +104,8 @@ fn main() {
     scenario!(resolve_completes_or_releases_an_in_progress_key_only);
     scenario!(expired_records_are_removed_by_dropping_whole_day_partitions);
     scenario!(a_version_1_table_is_migrated_by_install);
+    scenario!(a_connection_lost_mid_claim_or_mid_commit_leaves_all_or_nothing);
+    scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -1865,5 +1872,206 @@ async fn a_version_1_table_is_migrated_by_install(url: &str) -> Result<(), Failu
         .await?
         .get(0);
     ensure!(rows == 2, "install is idempotent: {rows} rows");
+    Ok(())
+}
+
+/// The server process of a connection.
+async fn backend_pid(client: &Client) -> Result<i32, Failure> {
+    Ok(client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .get(0))
+}
+
+async fn a_connection_lost_mid_claim_or_mid_commit_leaves_all_or_nothing(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_lost").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let admin = connect(url).await?;
+
+    // Lost before the commit: the claim's server process is terminated while the claim holds
+    // the key and its business row is written but not committed.
+    let mut victim = connect(url).await?;
+    let pid = backend_pid(&victim).await?;
+    match consumer
+        .begin(&mut victim, "k1", Fingerprint::of(b"one"))
+        .await?
+    {
+        Outcome::Fresh(claim) => {
+            claim
+                .transaction()
+                .execute("INSERT INTO t_lost.orders VALUES ('k1', 'one')", &[])
+                .await?;
+            admin
+                .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                .await?;
+            let result = claim.commit(b"one").await;
+            ensure!(
+                matches!(&result, Err(error @ Error::Postgres(_)) if error.is_retryable()),
+                "commit on a lost connection: {result:?}"
+            );
+        }
+        other => return Err(format!("k1: {other:?}").into()),
+    }
+    ensure!(
+        count_rows(&admin, "t_lost.orders").await? == 0,
+        "nothing of the lost claim landed"
+    );
+    // The key is free at once (the server rolled back and released the lock with the process).
+    commit_one(&consumer, &mut client, "k1", "one", "one").await?;
+    ensure!(
+        count_rows(&admin, "t_lost.orders").await? == 0,
+        "commit_one writes no order"
+    );
+
+    // Lost during the commit: commits wait for a synchronous standby that never comes, and the
+    // claim's server process is terminated while its COMMIT waits. The transaction is committed
+    // on the server, the client never hears so: the redelivery must find Duplicate, with the
+    // business row there once.
+    admin
+        .batch_execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+        .await?;
+    admin.batch_execute("SELECT pg_reload_conf()").await?;
+    let mut victim = connect(url).await?;
+    let pid = backend_pid(&victim).await?;
+    let outcome = consumer
+        .begin(&mut victim, "k2", Fingerprint::of(b"two"))
+        .await;
+    let waited = async {
+        // Until the COMMIT waits for the standby, then terminate it.
+        for _ in 0..500 {
+            let waiting: bool = admin
+                .query_one(
+                    "SELECT coalesce(wait_event = 'SyncRep', false) FROM pg_stat_activity \
+                     WHERE pid = $1",
+                    &[&pid],
+                )
+                .await?
+                .get(0);
+            if waiting {
+                admin
+                    .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                    .await?;
+                return Ok::<bool, Failure>(true);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(false)
+    };
+    let committed = async {
+        match outcome? {
+            Outcome::Fresh(claim) => {
+                claim
+                    .transaction()
+                    .execute("INSERT INTO t_lost.orders VALUES ('k2', 'two')", &[])
+                    .await?;
+                Ok::<_, Failure>(claim.commit(b"two").await)
+            }
+            other => Err(format!("k2: {other:?}").into()),
+        }
+    };
+    let (waited, committed) = futures_util::future::join(waited, committed).await;
+    // Restore commits before anything can fail.
+    admin
+        .batch_execute("ALTER SYSTEM RESET synchronous_standby_names")
+        .await?;
+    admin.batch_execute("SELECT pg_reload_conf()").await?;
+    ensure!(waited?, "the COMMIT never waited for the standby");
+    let committed = committed?;
+    ensure!(
+        matches!(&committed, Err(error) if error.is_retryable()),
+        "a commit cut off while it waited: {committed:?}"
+    );
+    let outcome = consumer
+        .begin(&mut client, "k2", Fingerprint::of(b"two"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"two"),
+        "the redelivery after an unknown commit: {outcome:?}"
+    );
+    drop(outcome);
+    let orders: i64 = admin
+        .query_one("SELECT count(*) FROM t_lost.orders WHERE id = 'k2'", &[])
+        .await?
+        .get(0);
+    ensure!(
+        orders == 1,
+        "the business row landed with its marker, once: {orders}"
+    );
+    Ok(())
+}
+
+async fn a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut first = connect(url).await?;
+    let names = fresh_schema(&mut first, "t_deadlock").await?;
+    let store = PgStore::builder().names(names).open(&first).await?;
+    let consumer = store.consumer("c")?;
+    first
+        .batch_execute(
+            "CREATE TABLE t_deadlock.stock (item text PRIMARY KEY, count int NOT NULL);
+             INSERT INTO t_deadlock.stock VALUES ('x', 0), ('y', 0);",
+        )
+        .await?;
+    let mut second = connect(url).await?;
+    let (Outcome::Fresh(a), Outcome::Fresh(b)) = (
+        consumer
+            .begin(&mut first, "a", Fingerprint::of(b"a"))
+            .await?,
+        consumer
+            .begin(&mut second, "b", Fingerprint::of(b"b"))
+            .await?,
+    ) else {
+        return Err("both claims are fresh".into());
+    };
+    let bump = "UPDATE t_deadlock.stock SET count = count + 1 WHERE item = $1";
+    a.transaction().execute(bump, &[&"x"]).await?;
+    b.transaction().execute(bump, &[&"y"]).await?;
+    // Each now waits for the other's row: PostgreSQL aborts one of them (deadlock_timeout).
+    let (left, right) = futures_util::future::join(
+        a.transaction().execute(bump, &[&"y"]),
+        b.transaction().execute(bump, &[&"x"]),
+    )
+    .await;
+    let (winner, loser, loser_key, victim_error) = match (left, right) {
+        (Ok(_), Err(error)) => (a, b, "b", error),
+        (Err(error), Ok(_)) => (b, a, "a", error),
+        other => return Err(format!("one deadlock victim expected: {other:?}").into()),
+    };
+    let victim_error = Error::from(victim_error);
+    ensure!(
+        victim_error.is_retryable(),
+        "a deadlock is worth a retry: {victim_error:?}"
+    );
+    // Committing the aborted transaction anyway fails, and writes nothing.
+    let lost = loser.commit(b"lost").await;
+    ensure!(
+        matches!(&lost, Err(Error::Postgres(_))),
+        "the victim's commit fails: {lost:?}"
+    );
+    winner.commit(b"won").await?;
+    let stock: i64 = first
+        .query_one("SELECT sum(count)::int8 FROM t_deadlock.stock", &[])
+        .await?
+        .get(0);
+    ensure!(stock == 2, "only the winner's two updates landed: {stock}");
+    let records = count_rows(&first, "t_deadlock.records").await?;
+    ensure!(records == 1, "only the winner's marker: {records}");
+    // The victim's key is free: its redelivery is fresh.
+    let again = consumer
+        .begin(
+            &mut second,
+            loser_key,
+            Fingerprint::of(loser_key.as_bytes()),
+        )
+        .await?;
+    ensure!(
+        matches!(again, Outcome::Fresh(_)),
+        "the victim's key: {again:?}"
+    );
     Ok(())
 }
