@@ -390,6 +390,18 @@ impl<'c> PgClaim<'c> {
         self.previous.as_ref()
     }
 
+    /// Rolls the claim back, business SQL included, and returns once the server has: the key
+    /// is free for the next claimant then. (Dropping the claim rolls back too, but without
+    /// waiting: the key is free a moment later.)
+    ///
+    /// # Errors
+    /// [`Error::Postgres`] when the connection failed; the server then rolls back on its own
+    /// when it notices.
+    pub async fn abort(self) -> Result<()> {
+        self.tx.rollback().await?;
+        Ok(())
+    }
+
     /// Writes the completed record with `result` (returned to duplicates) and commits the
     /// transaction: the record and the business SQL land together or not at all.
     ///

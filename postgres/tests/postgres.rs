@@ -21,6 +21,11 @@
 #[path = "support/server.rs"]
 mod server;
 
+// The embedded engine's model: the same operations, model and comparisons.
+#[macro_use]
+#[path = "../../tests/it/model_spec.rs"]
+mod model_spec;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,6 +111,7 @@ fn main() {
     scenario!(a_version_1_table_is_migrated_by_install);
     scenario!(a_connection_lost_mid_claim_or_mid_commit_leaves_all_or_nothing);
     scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
+    scenario!(random_sequences_agree_with_the_embedded_engines_model);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -2073,5 +2079,510 @@ async fn a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser(
         matches!(again, Outcome::Fresh(_)),
         "the victim's key: {again:?}"
     );
+    Ok(())
+}
+
+// ---- The model checker, on PostgreSQL ----------------------------------------------------
+
+/// An open transactional claim: a task that owns its connection and its claim, and commits
+/// (with a result) or drops it (`None`) on command.
+struct OpenClaim {
+    key: u8,
+    content: u8,
+    command: tokio::sync::oneshot::Sender<Option<u8>>,
+    done: tokio::sync::oneshot::Receiver<Result<(), String>>,
+}
+
+/// Adds one to the business counter of `key`, in the transaction given: what a commit of the
+/// model stages with its marker.
+const COUNT: &str = "INSERT INTO t_model.counters (key, n) VALUES ($1, 1) \
+                     ON CONFLICT (key) DO UPDATE SET n = t_model.counters.n + 1";
+
+/// Claims `key` on a connection of its own, in a task; reports the outcome (with whether a
+/// fresh claim took over an earlier attempt) and, when fresh, the handle that ends it.
+async fn begin_claim(
+    url: &str,
+    consumer: &idemdb_postgres::PgConsumer,
+    counter: String,
+    key: u8,
+    content: u8,
+) -> Result<(Outcome<bool>, Option<OpenClaim>), Failure> {
+    let mut client = connect(url).await?;
+    let consumer = consumer.clone();
+    let (report, reported) = tokio::sync::oneshot::channel();
+    let (command, commanded) = tokio::sync::oneshot::channel::<Option<u8>>();
+    let (finish, done) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let outcome = match consumer
+            .begin(
+                &mut client,
+                model_spec::message_key(key),
+                model_spec::fingerprint(content),
+            )
+            .await
+        {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                let _ = report.send(Err(error.to_string()));
+                return;
+            }
+        };
+        let Outcome::Fresh(claim) = outcome else {
+            let _ = report.send(Ok(outcome.map_fresh(|_| false)));
+            return;
+        };
+        let takeover = claim.previous_attempt().is_some();
+        let _ = report.send(Ok(Outcome::Fresh(takeover)));
+        // A dropped sender (a reopen) drops the claim too.
+        let result = match commanded.await {
+            Ok(Some(result)) => async {
+                claim.transaction().execute(COUNT, &[&counter]).await?;
+                claim.commit([result]).await
+            }
+            .await
+            .map_err(|error| error.to_string()),
+            // Rolled back before the step ends, as the engine's abort and drop are.
+            _ => claim.abort().await.map_err(|error| error.to_string()),
+        };
+        let _ = finish.send(result);
+    });
+    let outcome = reported.await??;
+    let open = matches!(outcome, Outcome::Fresh(_)).then_some(OpenClaim {
+        key,
+        content,
+        command,
+        done,
+    });
+    Ok((outcome, open))
+}
+
+struct PgExternal {
+    key: u8,
+    content: u8,
+    holder: u32,
+    claim: idemdb_postgres::PgExternalClaim,
+}
+
+/// A step of an external claim on a key held by an open claim: the lease step waits for the
+/// key's lock in vain.
+fn key_busy<T: std::fmt::Debug>(result: &Result<T, Error>) -> bool {
+    matches!(result, Err(Error::Idemdb(idemdb::Error::KeyBusy)))
+}
+
+fn lease_lost<T: std::fmt::Debug>(result: &Result<T, Error>) -> bool {
+    matches!(result, Err(Error::Idemdb(idemdb::Error::LeaseLost { .. })))
+}
+
+/// Runs one sequence against the PostgreSQL backend under consumer id `id`, comparing it with
+/// the model after every step, as `tests/it/model_core.rs` does against the embedded engine.
+async fn run_model(
+    url: &str,
+    client: &mut Client,
+    names: &Names,
+    id: &str,
+    ops: Vec<model_spec::Op>,
+) -> Result<(), String> {
+    use idemdb::Clock as _;
+    use model_spec::{Expected, LEASE_MS, Model, ModelRecord, Op, RETENTION_MS, check_outcome};
+    let fail = |error: &dyn std::fmt::Display| error.to_string();
+    // 2026-01-01T00:00:00Z, as the engine's checker.
+    let clock = MockClock::new(1_767_225_600_000);
+    let builder = || {
+        PgStore::builder()
+            .names(names.clone())
+            .retention(Duration::from_millis(RETENTION_MS))
+            .clock(clock.clone())
+    };
+    let mut store = builder().open(client).await.map_err(|e| fail(&e))?;
+    let mut consumer = store.consumer(id).map_err(|e| fail(&e))?;
+    let counter = |key: u8| format!("{id}/{}", model_spec::message_key(key));
+    let mut model = Model::default();
+    let mut claims: Vec<OpenClaim> = Vec::new();
+    let mut externals: Vec<PgExternal> = Vec::new();
+    let lease = Duration::from_millis(LEASE_MS);
+    for op in ops {
+        let now_ms = clock.now_ms();
+        let latched = |claims: &[OpenClaim], key: u8| claims.iter().any(|c| c.key == key);
+        match op {
+            Op::Begin { key, content } => {
+                let expected = model.expect(key, content, latched(&claims, key), now_ms);
+                let (outcome, opened) = begin_claim(url, &consumer, counter(key), key, content)
+                    .await
+                    .map_err(|e| fail(&*e))?;
+                let takeover = match &outcome {
+                    Outcome::Fresh(takeover) => Some(*takeover),
+                    _ => None,
+                };
+                check_outcome("begin", &outcome, &expected, takeover)?;
+                claims.extend(opened);
+            }
+            Op::Commit { claim, result } => {
+                if claims.is_empty() {
+                    continue;
+                }
+                let open = claims.remove(claim % claims.len());
+                let _ = open.command.send(Some(result));
+                open.done.await.map_err(|e| fail(&e))??;
+                model.commits += 1;
+                model.complete(open.key, open.content, result, true, now_ms);
+            }
+            Op::Abort { claim } => {
+                if claims.is_empty() {
+                    continue;
+                }
+                let open = claims.remove(claim % claims.len());
+                let _ = open.command.send(None);
+                open.done.await.map_err(|e| fail(&e))??;
+            }
+            Op::BeginExternal { key, content } => {
+                let expected = model.expect(key, content, latched(&claims, key), now_ms);
+                let outcome = consumer
+                    .begin_external(
+                        client,
+                        model_spec::message_key(key),
+                        model_spec::fingerprint(content),
+                        lease,
+                        "model",
+                    )
+                    .await
+                    .map_err(|e| fail(&e))?;
+                let takeover = match &outcome {
+                    Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
+                    _ => None,
+                };
+                check_outcome("begin_external", &outcome, &expected, takeover)?;
+                if let Outcome::Fresh(claim) = outcome {
+                    model.next_holder += 1;
+                    let holder = model.next_holder;
+                    model.records.insert(
+                        key,
+                        ModelRecord::InProgress {
+                            content,
+                            holder,
+                            lease_until_ms: now_ms + LEASE_MS,
+                        },
+                    );
+                    externals.push(PgExternal {
+                        key,
+                        content,
+                        holder,
+                        claim,
+                    });
+                }
+            }
+            Op::Renew { claim } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let index = claim % externals.len();
+                let (key, holder) = (externals[index].key, externals[index].holder);
+                let result = externals[index].claim.renew(client, lease).await;
+                if latched(&claims, key) {
+                    ensure!(key_busy(&result), "renew of a held key: {result:?}");
+                } else if model.holds(key, holder) {
+                    ensure_eq!(result.map_err(|e| fail(&e))?, now_ms + LEASE_MS);
+                    if let Some(ModelRecord::InProgress { lease_until_ms, .. }) =
+                        model.records.get_mut(&key)
+                    {
+                        *lease_until_ms = now_ms + LEASE_MS;
+                    }
+                } else {
+                    ensure!(lease_lost(&result), "renew: {result:?}");
+                }
+            }
+            Op::Complete { claim, result } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let external = externals.remove(claim % externals.len());
+                let completion = external.claim.completion(client).await;
+                if latched(&claims, external.key) {
+                    ensure!(
+                        key_busy(&completion),
+                        "completion of a held key: {completion:?}"
+                    );
+                } else if model.holds(external.key, external.holder) {
+                    let completion = completion.map_err(|e| fail(&e))?;
+                    completion
+                        .transaction()
+                        .execute(COUNT, &[&counter(external.key)])
+                        .await
+                        .map_err(|e| fail(&e))?;
+                    completion.commit([result]).await.map_err(|e| fail(&e))?;
+                    model.commits += 1;
+                    model.complete(external.key, external.content, result, true, now_ms);
+                } else {
+                    ensure!(lease_lost(&completion), "completion: {completion:?}");
+                }
+            }
+            Op::Fail { claim, record } => {
+                if externals.is_empty() {
+                    continue;
+                }
+                let external = externals.remove(claim % externals.len());
+                let (key, content, holder) = (external.key, external.content, external.holder);
+                let failed = if record {
+                    external.claim.fail_permanently(client, [0xee]).await
+                } else {
+                    external.claim.release(client).await
+                };
+                if latched(&claims, key) {
+                    ensure!(key_busy(&failed), "failure of a held key: {failed:?}");
+                } else if model.holds(key, holder) {
+                    failed.map_err(|e| fail(&e))?;
+                    if record {
+                        model.complete(key, content, 0xee, false, now_ms);
+                    } else {
+                        model.records.insert(key, ModelRecord::Released);
+                    }
+                } else {
+                    ensure!(lease_lost(&failed), "failure: {failed:?}");
+                }
+            }
+            Op::Batch { messages, result } => {
+                let batch_messages: Vec<(String, Fingerprint)> = messages
+                    .iter()
+                    .map(|&(key, content)| {
+                        (
+                            model_spec::message_key(key),
+                            model_spec::fingerprint(content),
+                        )
+                    })
+                    .collect();
+                let batch = consumer
+                    .begin_batch(client, &batch_messages)
+                    .await
+                    .map_err(|e| fail(&e))?;
+                let mut first_seen: HashMap<u8, usize> = HashMap::new();
+                let mut claimed_in_batch: Vec<u8> = Vec::new();
+                let mut fresh = Vec::new();
+                for (index, &(key, content)) in messages.iter().enumerate() {
+                    let outcome = &batch.outcomes()[index];
+                    if let Some(&first) = first_seen.get(&key) {
+                        let first_content = messages[first].1;
+                        if content == first_content {
+                            ensure!(
+                                matches!(outcome, idemdb_postgres::PgBatchOutcome::DuplicateInBatch { first: f } if *f == first),
+                                "message {index}: {outcome:?}"
+                            );
+                            continue;
+                        }
+                        if matches!(
+                            batch.outcomes()[first],
+                            idemdb_postgres::PgBatchOutcome::Fresh
+                        ) {
+                            ensure!(
+                                matches!(outcome, idemdb_postgres::PgBatchOutcome::ConflictInBatch { first: f, .. } if *f == first),
+                                "message {index}: {outcome:?}"
+                            );
+                            continue;
+                        }
+                    } else {
+                        first_seen.insert(key, index);
+                    }
+                    let held = latched(&claims, key) || claimed_in_batch.contains(&key);
+                    let expected = model.expect(key, content, held, now_ms);
+                    match outcome {
+                        idemdb_postgres::PgBatchOutcome::Fresh => {
+                            let takeover = batch.previous_attempt(index).is_some();
+                            ensure_eq!(&expected, &Expected::Fresh { takeover });
+                            claimed_in_batch.push(key);
+                            fresh.push(index);
+                        }
+                        idemdb_postgres::PgBatchOutcome::Settled(settled) => {
+                            check_outcome("batch", settled, &expected, None)?;
+                        }
+                        other => return Err(format!("message {index}: unexpected {other:?}")),
+                    }
+                }
+                for &index in &fresh {
+                    batch
+                        .transaction()
+                        .execute(COUNT, &[&counter(messages[index].0)])
+                        .await
+                        .map_err(|e| fail(&e))?;
+                }
+                batch.commit(|_| [result]).await.map_err(|e| fail(&e))?;
+                for index in fresh {
+                    let (key, content) = messages[index];
+                    model.commits += 1;
+                    model.complete(key, content, result, true, now_ms);
+                }
+            }
+            Op::AdvanceClock { ms } => clock.advance(Duration::from_millis(ms)),
+            // The engine compacts; here removal runs (it drops only whole past days).
+            Op::Compact => {
+                store.maintain(client).await.map_err(|e| fail(&e))?;
+            }
+            Op::Reopen => {
+                // A restart of the consumer process: its open claims roll back with their
+                // connections; external holders keep their claims.
+                for open in claims.drain(..) {
+                    drop(open.command);
+                    open.done.await.map_err(|e| fail(&e))??;
+                }
+                store = builder().open(client).await.map_err(|e| fail(&e))?;
+                consumer = store.consumer(id).map_err(|e| fail(&e))?;
+            }
+        }
+        check_model(client, &consumer, &model, clock.now_ms(), id).await?;
+    }
+    for open in claims {
+        drop(open.command);
+        open.done.await.map_err(|e| fail(&e))??;
+    }
+    Ok(())
+}
+
+/// After every step: each key reads as the model says, and the business counters committed
+/// with the markers add up to the number of commits.
+async fn check_model(
+    client: &Client,
+    consumer: &idemdb_postgres::PgConsumer,
+    model: &model_spec::Model,
+    now_ms: u64,
+    id: &str,
+) -> Result<(), String> {
+    use idemdb::format::RecordState;
+    use model_spec::{KEYS, ModelRecord};
+    for key in 0..KEYS {
+        let stored = consumer
+            .get(client, model_spec::message_key(key))
+            .await
+            .map_err(|e| e.to_string())?;
+        let expected = match model.records.get(&key) {
+            Some(ModelRecord::Completed { expires_at_ms, .. }) if *expires_at_ms <= now_ms => None,
+            Some(ModelRecord::Released) | None => None,
+            Some(record) => Some(record),
+        };
+        // A stored record the reads treat as absent (expired, released) is absent here too.
+        let stored = stored.filter(|record| !record.is_absent_at(now_ms));
+        match (stored.as_ref().map(|r| &r.state), expected) {
+            (None, None) => {}
+            (
+                Some(RecordState::Completed {
+                    result,
+                    expires_at_ms,
+                    succeeded,
+                    ..
+                }),
+                Some(ModelRecord::Completed {
+                    content,
+                    result: expected_result,
+                    expires_at_ms: expected_expiry,
+                    succeeded: expected_succeeded,
+                    ..
+                }),
+            ) => {
+                ensure_eq!(&result[..], &[*expected_result][..]);
+                ensure_eq!(
+                    stored.as_ref().map(|r| r.fingerprint),
+                    Some(model_spec::fingerprint(*content))
+                );
+                ensure_eq!(expires_at_ms, expected_expiry);
+                ensure_eq!(succeeded, expected_succeeded);
+            }
+            (
+                Some(RecordState::InProgress { lease_until_ms, .. }),
+                Some(ModelRecord::InProgress {
+                    lease_until_ms: expected_lease,
+                    ..
+                }),
+            ) => {
+                ensure_eq!(lease_until_ms, expected_lease);
+            }
+            (stored, expected) => {
+                return Err(format!("key {key}: stored {stored:?}, model {expected:?}"));
+            }
+        }
+    }
+    let applied: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(n), 0)::int8 FROM t_model.counters WHERE key LIKE $1",
+            &[&format!("{id}/%")],
+        )
+        .await
+        .map_err(|e| e.to_string())?
+        .get(0);
+    ensure_eq!(u64::try_from(applied).unwrap_or(u64::MAX), model.commits);
+    Ok(())
+}
+
+/// A random sequence with the operation mix of the engine's proptest (`tests/it/model.rs`).
+fn random_ops(rng: &mut u64, len: usize) -> Vec<model_spec::Op> {
+    use model_spec::{KEYS, Op, RETENTION_MS};
+    let mut next = || {
+        // splitmix64
+        *rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    (0..len)
+        .map(|_| {
+            let pick = next() % 24;
+            let key = (next() % u64::from(KEYS)) as u8;
+            let content = (next() % 2) as u8;
+            let index = next() as usize;
+            let byte = next() as u8;
+            match pick {
+                0..=4 => Op::Begin { key, content },
+                5..=7 => Op::Commit {
+                    claim: index,
+                    result: byte,
+                },
+                8 => Op::Abort { claim: index },
+                9..=11 => Op::BeginExternal { key, content },
+                12 => Op::Renew { claim: index },
+                13..=15 => Op::Complete {
+                    claim: index,
+                    result: byte,
+                },
+                16 => Op::Fail {
+                    claim: index,
+                    record: byte.is_multiple_of(2),
+                },
+                17..=18 => {
+                    let messages = (0..1 + next() % 4)
+                        .map(|_| ((next() % u64::from(KEYS)) as u8, (next() % 2) as u8))
+                        .collect();
+                    Op::Batch {
+                        messages,
+                        result: byte,
+                    }
+                }
+                19..=21 => Op::AdvanceClock {
+                    ms: next() % (2 * RETENTION_MS),
+                },
+                22 => Op::Compact,
+                _ => Op::Reopen,
+            }
+        })
+        .collect()
+}
+
+async fn random_sequences_agree_with_the_embedded_engines_model(url: &str) -> Result<(), Failure> {
+    let cases: usize = std::env::var("IDEMDB_PG_MODEL_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(64);
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_model").await?;
+    client
+        .batch_execute("CREATE TABLE t_model.counters (key text PRIMARY KEY, n int8 NOT NULL)")
+        .await?;
+    let mut rng = 0x1de3_db00_u64;
+    let mut steps = 0;
+    for case in 0..cases {
+        let len = 1 + (rng % 40) as usize;
+        let ops = random_ops(&mut rng, len);
+        steps += ops.len();
+        let shown = format!("{ops:?}");
+        if let Err(error) = run_model(url, &mut client, &names, &format!("m{case}"), ops).await {
+            return Err(format!("case {case}: {error}\n  ops: {shown}").into());
+        }
+    }
+    println!("    model: {cases} sequences, {steps} steps, no disagreement");
     Ok(())
 }
