@@ -2443,58 +2443,15 @@ async fn check_model(
     now_ms: u64,
     id: &str,
 ) -> Result<(), String> {
-    use idemdb::format::RecordState;
-    use model_spec::{KEYS, ModelRecord};
+    use model_spec::KEYS;
     for key in 0..KEYS {
         let stored = consumer
             .get(client, model_spec::message_key(key))
             .await
             .map_err(|e| e.to_string())?;
-        let expected = match model.records.get(&key) {
-            Some(ModelRecord::Completed { expires_at_ms, .. }) if *expires_at_ms <= now_ms => None,
-            Some(ModelRecord::Released) | None => None,
-            Some(record) => Some(record),
-        };
         // A stored record the reads treat as absent (expired, released) is absent here too.
         let stored = stored.filter(|record| !record.is_absent_at(now_ms));
-        match (stored.as_ref().map(|r| &r.state), expected) {
-            (None, None) => {}
-            (
-                Some(RecordState::Completed {
-                    result,
-                    expires_at_ms,
-                    succeeded,
-                    ..
-                }),
-                Some(ModelRecord::Completed {
-                    content,
-                    result: expected_result,
-                    expires_at_ms: expected_expiry,
-                    succeeded: expected_succeeded,
-                    ..
-                }),
-            ) => {
-                ensure_eq!(&result[..], &[*expected_result][..]);
-                ensure_eq!(
-                    stored.as_ref().map(|r| r.fingerprint),
-                    Some(model_spec::fingerprint(*content))
-                );
-                ensure_eq!(expires_at_ms, expected_expiry);
-                ensure_eq!(succeeded, expected_succeeded);
-            }
-            (
-                Some(RecordState::InProgress { lease_until_ms, .. }),
-                Some(ModelRecord::InProgress {
-                    lease_until_ms: expected_lease,
-                    ..
-                }),
-            ) => {
-                ensure_eq!(lease_until_ms, expected_lease);
-            }
-            (stored, expected) => {
-                return Err(format!("key {key}: stored {stored:?}, model {expected:?}"));
-            }
-        }
+        model_spec::check_record(key, stored.as_ref(), model, now_ms)?;
     }
     let applied: i64 = client
         .query_one(

@@ -7,7 +7,9 @@
 #[macro_use]
 #[path = "model_spec.rs"]
 mod spec;
-use spec::{Expected, LEASE_MS, Model, ModelRecord, check_outcome, fingerprint, message_key};
+use spec::{
+    Expected, LEASE_MS, Model, ModelRecord, check_outcome, check_record, fingerprint, message_key,
+};
 pub use spec::{KEYS, Op, RETENTION_MS};
 
 use std::collections::HashMap;
@@ -15,7 +17,7 @@ use std::time::Duration;
 
 use idemdb::{
     BatchOutcome, Claim, Clock, Durability, Engine, Error, ExternalClaim, FailurePolicy,
-    LeaseTicket, Message, MockClock, Outcome, RecordState, TableOptions, merge_ops,
+    LeaseTicket, Message, MockClock, Outcome, TableOptions, merge_ops,
 };
 
 /// A temporary store on a mock clock, with the tables the model writes.
@@ -320,46 +322,7 @@ fn check(engine: &Engine, model: &Model, now_ms: u64, open_claims: usize) -> Res
     let mut applied = 0;
     for key in 0..KEYS {
         let stored = consumer.get(message_key(key)).unwrap();
-        let expected = match model.records.get(&key) {
-            Some(ModelRecord::Completed { expires_at_ms, .. }) if *expires_at_ms <= now_ms => None,
-            Some(ModelRecord::Released) | None => None,
-            Some(record) => Some(record),
-        };
-        match (stored.as_ref().map(|r| &r.state), expected) {
-            (None, None) => {}
-            (
-                Some(RecordState::Completed {
-                    result,
-                    expires_at_ms,
-                    succeeded,
-                    ..
-                }),
-                Some(ModelRecord::Completed {
-                    content,
-                    result: expected_result,
-                    expires_at_ms: expected_expiry,
-                    succeeded: expected_succeeded,
-                    ..
-                }),
-            ) => {
-                ensure_eq!(&result[..], &[*expected_result][..]);
-                ensure_eq!(stored.as_ref().unwrap().fingerprint, fingerprint(*content));
-                ensure_eq!(expires_at_ms, expected_expiry);
-                ensure_eq!(succeeded, expected_succeeded);
-            }
-            (
-                Some(RecordState::InProgress { lease_until_ms, .. }),
-                Some(ModelRecord::InProgress {
-                    lease_until_ms: expected_lease,
-                    ..
-                }),
-            ) => {
-                ensure_eq!(lease_until_ms, expected_lease);
-            }
-            (stored, expected) => {
-                return Err(format!("key {key}: stored {stored:?}, model {expected:?}"));
-            }
-        }
+        check_record(key, stored.as_ref(), model, now_ms)?;
         applied += counter(engine, &message_key(key));
     }
     ensure_eq!(applied, model.commits);

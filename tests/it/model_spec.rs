@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use idemdb::format::{Record, RecordState};
 use idemdb::{Fingerprint, Outcome};
 
 /// Fails the run with a message unless `cond` holds. (Unused where the includer has its own.)
@@ -211,4 +212,58 @@ pub fn message_key(key: u8) -> String {
 
 pub fn fingerprint(content: u8) -> Fingerprint {
     Fingerprint::of([content])
+}
+
+/// Compares what a backend stores under `key` (`None`: nothing a read would find) with what
+/// the model says at `now_ms`.
+pub fn check_record(
+    key: u8,
+    stored: Option<&Record>,
+    model: &Model,
+    now_ms: u64,
+) -> Result<(), String> {
+    let expected = match model.records.get(&key) {
+        Some(ModelRecord::Completed { expires_at_ms, .. }) if *expires_at_ms <= now_ms => None,
+        Some(ModelRecord::Released) | None => None,
+        Some(record) => Some(record),
+    };
+    match (stored.map(|r| (&r.state, r.fingerprint)), expected) {
+        (None, None) => {}
+        (
+            Some((
+                RecordState::Completed {
+                    result,
+                    expires_at_ms,
+                    succeeded,
+                    ..
+                },
+                stored_fingerprint,
+            )),
+            Some(ModelRecord::Completed {
+                content,
+                result: expected_result,
+                expires_at_ms: expected_expiry,
+                succeeded: expected_succeeded,
+                ..
+            }),
+        ) => {
+            ensure_eq!(&result[..], &[*expected_result][..]);
+            ensure_eq!(stored_fingerprint, fingerprint(*content));
+            ensure_eq!(expires_at_ms, expected_expiry);
+            ensure_eq!(succeeded, expected_succeeded);
+        }
+        (
+            Some((RecordState::InProgress { lease_until_ms, .. }, _)),
+            Some(ModelRecord::InProgress {
+                lease_until_ms: expected_lease,
+                ..
+            }),
+        ) => {
+            ensure_eq!(lease_until_ms, expected_lease);
+        }
+        (stored, expected) => {
+            return Err(format!("key {key}: stored {stored:?}, model {expected:?}"));
+        }
+    }
+    Ok(())
 }
