@@ -190,8 +190,11 @@ impl Cluster {
         // acknowledged commit.
         self.primary.require_sync_standby().await?;
         let standby = self.standby.take().ok_or("no standby to promote")?;
-        let killed_ns = monotonic_ns();
         self.primary.kill()?;
+        // Taken once every process of the primary has been sent its SIGKILL: until then its
+        // backends still serve (the kill stops the postmaster, then lists its children), and
+        // a commit they acknowledge is not one of the new primary's.
+        let killed_ns = monotonic_ns();
         standby.promote().await?;
         let promoted_ns = monotonic_ns();
         let old = std::mem::replace(&mut self.primary, standby);
