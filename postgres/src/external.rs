@@ -20,6 +20,7 @@ use idemdb::{
     EXPIRES_NEVER_MS, Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome,
     PreviousAttempt,
 };
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::{Error, Result};
@@ -261,8 +262,12 @@ impl PgConsumer {
         client: &impl GenericClient,
         key: &[u8],
     ) -> Result<Option<Record>> {
+        let id: &[u8] = &self.id;
         let row = client
-            .query_opt(&self.store.inner.read, &[&self.id.as_ref(), &key])
+            .query_typed_opt(
+                &self.store.inner.read,
+                &[(&id, Type::BYTEA), (&key, Type::BYTEA)],
+            )
             .await?;
         row.map(|row| decode_record(key, row.get(0))).transpose()
     }

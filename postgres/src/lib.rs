@@ -86,7 +86,7 @@ use idemdb::decision::{Found, inspect_record};
 use idemdb::format::{Record, encode_key};
 use idemdb::{Clock, EXPIRES_NEVER_MS, Fingerprint, Outcome, PreviousAttempt, RESULT_BYTES_MAX};
 use schema::NEVER_MS;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Transaction};
 
 pub use batch::{BATCH_MESSAGES_MAX, PgBatchOutcome, PgClaimBatch};
@@ -291,8 +291,10 @@ impl PgConsumer {
         // the lock was granted, so it sees the commit of whoever held the lock before. (One
         // statement would read with a snapshot taken before the lock.) Without the lock, the
         // read's answer is not looked at.
-        let lock_params: [&(dyn ToSql + Sync); 1] = [&lock_number];
-        let lock_statement = tx.query_one(
+        // Typed statements go out whole (no prepare step first), so both are on the wire
+        // before either is answered.
+        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
+        let lock_statement = tx.query_typed_one(
             "SELECT pg_try_advisory_xact_lock($1), \
              floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
             &lock_params,
