@@ -185,9 +185,17 @@ async fn run() -> Result<(), BoxError> {
     }
     eprintln!("postgres_orders: workers done");
     // Everything in hand was acked or nacked: a failed close loses nothing (the broker
-    // requeues what a closed connection held).
-    if let Err(error) = connection.close(200, "stopping".into()).await {
-        eprintln!("postgres_orders: closing the broker connection: {error}");
+    // requeues what a closed connection held). Bounded: the close has been seen to hang after
+    // the subscriptions were cancelled, and the process's exit closes the socket anyway.
+    match tokio::time::timeout(
+        Duration::from_secs(5),
+        connection.close(200, "stopping".into()),
+    )
+    .await
+    {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => eprintln!("postgres_orders: closing the broker connection: {error}"),
+        Err(_) => eprintln!("postgres_orders: the broker connection did not close within 5 s"),
     }
     Ok(())
 }
