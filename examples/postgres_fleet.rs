@@ -47,7 +47,7 @@ use checker::{
 };
 use handler::{chain, monotonic_ns};
 use orders::DEAD_LETTER_QUEUE;
-use pg_cluster::{Binaries, Node};
+use pg_cluster::{Binaries, Node, free_port};
 
 /// The one queue every consumer of the fleet reads.
 const QUEUE: &str = "orders.fleet";
@@ -793,9 +793,4 @@ async fn run() -> Result<bool, BoxError> {
         );
     }
     Ok(passed)
-}
-
-fn free_port() -> Result<u16, BoxError> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }

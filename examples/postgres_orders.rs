@@ -229,12 +229,7 @@ impl Worker {
             if client.is_closed() {
                 client = connect(&self.pg, &self.ledger).await;
             }
-            let order_id = delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|id| id.as_str().to_owned())
-                .unwrap_or_default();
+            let order_id = handler::order_id(&delivery);
             match self.handle(&mut client, &delivery, &order_id).await {
                 Ok(()) => {}
                 Err(Failure::Database(error)) => {

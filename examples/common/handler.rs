@@ -141,12 +141,7 @@ impl Handler {
     }
 
     pub async fn handle(&self, delivery: lapin::message::Delivery) -> Result<(), BoxError> {
-        let order_id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.as_str().to_owned())
-            .unwrap_or_default();
+        let order_id = order_id(&delivery);
         if delivery.redelivered {
             // Evidence that the kills bite: the broker hands over what a dead consumer held.
             self.event("redelivered", &order_id);
@@ -294,6 +289,16 @@ pub async fn dead_letter(
         return Err("the broker refused the dead-letter publish".into());
     }
     Ok(())
+}
+
+/// The delivery's order id: its AMQP `message_id` (empty when it has none).
+pub fn order_id(delivery: &lapin::message::Delivery) -> String {
+    delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str().to_owned())
+        .unwrap_or_default()
 }
 
 pub fn requeue() -> BasicNackOptions {

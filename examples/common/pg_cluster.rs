@@ -352,7 +352,8 @@ fn system_user(name: &str) -> Result<(u32, u32), BoxError> {
         .ok_or_else(|| format!("no system user {name:?}").into())
 }
 
-fn free_port() -> Result<u16, BoxError> {
+/// A port nothing listens on now, on 127.0.0.1.
+pub fn free_port() -> Result<u16, BoxError> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
 }

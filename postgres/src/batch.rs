@@ -447,7 +447,7 @@ async fn write_records<R: AsRef<[u8]>>(
     held: &[(&BatchClaim, R)],
 ) -> Result<()> {
     let store = &consumer.store;
-    let now_ms = crate::commit_time_ms(tx, store).await?;
+    let now_ms = crate::now_on_store_clock(tx, store).await?;
     let mut inserted = Rows::default();
     let mut updated = Rows::default();
     for (claim, result) in held {

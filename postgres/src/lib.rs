@@ -459,16 +459,7 @@ impl PgStore {
     /// finished by the next call.
     pub async fn maintain(&self, client: &mut Client) -> Result<Maintenance> {
         let through_day = self.ensure_partitions(client, true).await?;
-        let now_ms = match &self.inner.clock {
-            Some(clock) => i64::try_from(clock.now_ms()).unwrap_or(i64::MAX),
-            None => client
-                .query_one(
-                    "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
-                    &[],
-                )
-                .await?
-                .get(0),
-        };
+        let now_ms = i64::try_from(now_on_store_clock(&*client, self).await?).unwrap_or(i64::MAX);
         let mut dropped = Vec::new();
         for partition in schema::day_partitions(client, &self.inner.names).await? {
             // Every row of day d is removable from (d + 1) days on.
@@ -533,7 +524,7 @@ pub(crate) async fn write_completed(
     succeeded: bool,
 ) -> Result<()> {
     check_result(result)?;
-    let now_ms = commit_time_ms(tx, &consumer.store).await?;
+    let now_ms = now_on_store_clock(tx, &consumer.store).await?;
     let (record, expires_at_ms) = completed_record(
         &consumer.store,
         epoch,
@@ -559,14 +550,17 @@ pub(crate) fn check_result(result: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// The commit time on the store's clock: the injected one, or the database's wall clock now
+/// Now on the store's clock: the injected one, or the database's wall clock at this statement
 /// (`clock_timestamp()`, not the transaction's start: a claim may be held a while before it
-/// commits, and its record's retention runs from the commit).
-pub(crate) async fn commit_time_ms(tx: &Transaction<'_>, store: &PgStore) -> Result<u64> {
+/// commits, and its record's retention runs from the commit). Commits and removal read it.
+pub(crate) async fn now_on_store_clock(
+    client: &impl tokio_postgres::GenericClient,
+    store: &PgStore,
+) -> Result<u64> {
     Ok(match &store.inner.clock {
         Some(clock) => clock.now_ms(),
         None => {
-            let row = tx
+            let row = client
                 .query_one(
                     "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
                     &[],
