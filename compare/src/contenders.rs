@@ -27,6 +27,9 @@ pub enum Kind {
     Postgres {
         synchronous_commit: bool,
     },
+    /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
+    /// business row in its transaction, the commit.
+    IdemdbPostgres,
     /// 4 KiB write + fdatasync of a preallocated file: the disk's own durable-write latency.
     Fdatasync,
 }
@@ -56,7 +59,7 @@ impl Spec {
     }
 
     pub fn needs_postgres(&self) -> bool {
-        matches!(self.kind, Kind::Postgres { .. })
+        matches!(self.kind, Kind::Postgres { .. } | Kind::IdemdbPostgres)
     }
 }
 
@@ -238,12 +241,29 @@ pub fn all() -> Vec<Spec> {
         Kind::Redis { fsync_always: true },
         50,
     ));
+    // The PostgreSQL backend beside the raw inserts of the sweep and the 64-row batches.
+    for threads in POSTGRES_BACKEND_CLIENTS {
+        specs.push(sweep("idemdb-postgres", Kind::IdemdbPostgres, threads));
+    }
+    specs.push(Spec::new(
+        "idemdb-postgres, 8 clients, batch 64",
+        Kind::IdemdbPostgres,
+        8,
+        64,
+        1,
+    ));
     specs
 }
 
+/// Client counts of the PostgreSQL backend's runs (each against the raw insert's).
+pub const POSTGRES_BACKEND_CLIENTS: [usize; 3] = [1, 8, 32];
+
 /// A point of the durable sweep: `"{label}, {threads} threads"`.
 pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
-    let unit = if matches!(kind, Kind::Redis { .. } | Kind::Postgres { .. }) {
+    let unit = if matches!(
+        kind,
+        Kind::Redis { .. } | Kind::Postgres { .. } | Kind::IdemdbPostgres
+    ) {
         "clients"
     } else {
         "threads"
@@ -367,6 +387,15 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 Ok(Box::new(PostgresSession::connect(
                     ports.postgres,
                     synchronous_commit,
+                )?))
+            })
+        }
+        Kind::IdemdbPostgres => {
+            crate::pg_backend::reset(ports.postgres)?;
+            Prepared::connected(threads, || {
+                Ok(Box::new(crate::pg_backend::IdemdbPgSession::connect(
+                    ports.postgres,
+                    true,
                 )?))
             })
         }

@@ -10,6 +10,8 @@ mod contenders;
 mod embedded;
 mod machine;
 mod peers;
+mod pg_backend;
+mod pg_expiry;
 mod profile;
 mod report;
 mod scale;
@@ -45,10 +47,12 @@ enum Command {
     WalOptions(tuning::WalArgs),
     /// RocksDB's read-path options on the lookups of new and duplicate keys.
     ReadOptions(tuning::ReadArgs),
+    /// Commit latency of the PostgreSQL backend while millions of expired records are removed.
+    PgExpiry(pg_expiry::PgExpiryArgs),
     /// One embedded contender's deliveries on this thread, for callgrind (scripts/profile.sh).
     Profile(profile::ProfileArgs),
     /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
-    /// wal-options and read-options with their defaults.
+    /// wal-options, read-options and pg-expiry with their defaults.
     All(PeersArgs),
 }
 
@@ -98,6 +102,10 @@ fn main() -> Result<()> {
             let rows = tuning::read_options(&args)?;
             report::write_read_options(&args.out, &args, &rows)?;
         }
+        Command::PgExpiry(args) => {
+            let runs = pg_expiry::run(&args)?;
+            report::write_pg_expiry(&args.out, &args, &runs)?;
+        }
         Command::Profile(args) => profile::run(&args)?,
         Command::All(args) => {
             let results = peers(&args)?;
@@ -116,6 +124,9 @@ fn main() -> Result<()> {
             let read_args = tuning::ReadArgs::defaults(args.out.clone());
             let rows = tuning::read_options(&read_args)?;
             report::write_read_options(&args.out, &read_args, &rows)?;
+            let expiry_args = pg_expiry::PgExpiryArgs::defaults(args.out.clone());
+            let runs = pg_expiry::run(&expiry_args)?;
+            report::write_pg_expiry(&args.out, &expiry_args, &runs)?;
         }
     }
     Ok(())

@@ -42,6 +42,7 @@ fn durable(kind: Kind) -> bool {
         Kind::Redis { fsync_always } => fsync_always,
         Kind::Sqlite(sync) => sync == SqliteSync::Full,
         Kind::Postgres { synchronous_commit } => synchronous_commit,
+        Kind::IdemdbPostgres => true,
         Kind::Fdatasync => true,
     }
 }
@@ -111,7 +112,7 @@ impl Figure {
 
 /// The ratio targets: (id, idemdb's contender, the peer, figure, goal, whether the ratio must
 /// be at least the goal rather than at most).
-const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 7] = [
+const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 11] = [
     (
         "P1",
         "idemdb buffered, batch 64",
@@ -158,6 +159,40 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 7] = [
         "postgres sync on, 8 clients, 64 rows/txn",
         Figure::Throughput,
         1.0,
+        true,
+    ),
+    // The PostgreSQL backend (claim, business row, commit: one transaction) against the raw
+    // dedup insert, which writes no business row.
+    (
+        "PG",
+        "idemdb-postgres, 1 client",
+        "postgres sync on, 1 client",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
+    (
+        "PG",
+        "idemdb-postgres, 8 clients",
+        "postgres sync on, 8 clients",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
+    (
+        "PG",
+        "idemdb-postgres, 32 clients",
+        "postgres sync on, 32 clients",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
+    (
+        "PG",
+        "idemdb-postgres, 8 clients, batch 64",
+        "postgres sync on, 8 clients, 64 rows/txn",
+        Figure::Throughput,
+        0.8,
         true,
     ),
     (
@@ -437,4 +472,74 @@ pub fn write_read_options(out_dir: &Path, args: &ReadArgs, rows: &[ReadRow]) -> 
         writeln!(md, "| {} | {} |", row.name, cells.join(" | "))?;
     }
     publish(out_dir, "read-options.md", &md)
+}
+
+pub fn write_pg_expiry(
+    out_dir: &Path,
+    args: &crate::pg_expiry::PgExpiryArgs,
+    runs: &[crate::pg_expiry::ExpiryRun],
+) -> Result<()> {
+    let mut md = document(
+        "PostgreSQL backend: commits during removal",
+        Some(&machine_here()),
+    )?;
+    writeln!(
+        md,
+        "Command: `./scripts/compare.sh pg-expiry --records {} --clients {} --seconds {}`. \
+         {} expired records are written into the day partitions of three days ago, then {} \
+         clients claim and commit new messages (business row in the claim's transaction, \
+         `synchronous_commit` on) for {} s before the removal starts on its own connection and \
+         at least {} s after. Each removal method runs on a fresh server. Latency is per commit \
+         call (claim, business row, commit), by when the call started.\n",
+        args.records,
+        args.clients,
+        args.seconds,
+        args.records,
+        args.clients,
+        args.seconds,
+        args.seconds
+    )?;
+    writeln!(
+        md,
+        "| removal | removal s | commits before | p50 us | p99 us | commits during | p50 us | p99 us | p99 during / before | commits in the {} s after start | p99 us | expired rows left |",
+        args.seconds
+    )?;
+    writeln!(
+        md,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )?;
+    for run in runs {
+        writeln!(
+            md,
+            "| {} | {:.2} | {} | {:.0} | {:.0} | {} | {:.0} | {:.0} | {:.2} | {} | {:.0} | {} |",
+            run.removal.name(),
+            run.removal_seconds,
+            run.quiet_commits,
+            run.quiet_p50_us,
+            run.quiet_p99_us,
+            run.during_commits,
+            run.during_p50_us,
+            run.during_p99_us,
+            run.during_p99_us / run.quiet_p99_us,
+            run.after_commits,
+            run.after_p99_us,
+            run.rows_left
+        )?;
+    }
+    if let Some(run) = runs
+        .iter()
+        .find(|run| run.removal == crate::pg_expiry::Removal::DropPartitions)
+    {
+        let ratio = run.during_p99_us / run.quiet_p99_us;
+        writeln!(
+            md,
+            "\nTarget: p99 during removal by `maintain` / p99 before <= 1.5: {ratio:.2}, {}.",
+            if ratio <= 1.5 {
+                "holds"
+            } else {
+                "**does not hold**"
+            }
+        )?;
+    }
+    publish(out_dir, "pg-expiry.md", &md)
 }

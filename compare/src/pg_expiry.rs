@@ -1,0 +1,277 @@
+//! Commit latency of idemdb's PostgreSQL backend while millions of expired records are removed:
+//! by [`PgStore::maintain`], which drops whole day partitions, and, for contrast, by the
+//! `DELETE ... WHERE expires_at_ms < now` that an inbox table without partitions needs.
+//!
+//! One continuous run per removal method, on a fresh server: the expired records are written
+//! straight into the day partitions of three days ago (one SQL statement, real encoded records),
+//! then clients claim and commit new messages (the business row in the claim's transaction, as
+//! in the peers run) for a quiet window, then the removal starts on its own connection while
+//! they go on. Reported: the p99 of the commits started in the quiet window, and of those
+//! started while the removal ran.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use idemdb::format::Record;
+use idemdb::{Fingerprint, MockClock};
+use idemdb_postgres::{DAY_MS, PgStore};
+
+use crate::pg_backend::{self, IdemdbPgSession};
+use crate::workload::{Generator, Session, quantile};
+
+#[derive(Args, Clone)]
+pub struct PgExpiryArgs {
+    /// Expired records present when the removal starts.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub records: u64,
+    /// Concurrent clients claiming and committing throughout.
+    #[arg(long, default_value_t = 8)]
+    pub clients: usize,
+    /// Seconds of the quiet window before the removal starts (and the least the run goes on
+    /// after it started).
+    #[arg(long, default_value_t = 20.0)]
+    pub seconds: f64,
+    /// The port of the private PostgreSQL server.
+    #[arg(long, default_value_t = 16381)]
+    pub port: u16,
+    /// Where the results go.
+    #[arg(long, default_value = "docs/bench")]
+    pub out: std::path::PathBuf,
+}
+
+impl PgExpiryArgs {
+    pub fn defaults(out: std::path::PathBuf) -> PgExpiryArgs {
+        PgExpiryArgs {
+            records: 10_000_000,
+            clients: 8,
+            seconds: 20.0,
+            port: 16381,
+            out,
+        }
+    }
+}
+
+/// How the expired records are removed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// `PgStore::maintain`: detach and drop the expired day partitions.
+    DropPartitions,
+    /// One `DELETE` of every expired row.
+    Delete,
+}
+
+impl Removal {
+    pub fn name(self) -> &'static str {
+        match self {
+            Removal::DropPartitions => "maintain (drops day partitions)",
+            Removal::Delete => "DELETE WHERE expires_at_ms < now",
+        }
+    }
+}
+
+/// One removal method's run.
+pub struct ExpiryRun {
+    pub removal: Removal,
+    pub removal_seconds: f64,
+    pub quiet_commits: usize,
+    pub quiet_p50_us: f64,
+    pub quiet_p99_us: f64,
+    pub during_commits: usize,
+    pub during_p50_us: f64,
+    pub during_p99_us: f64,
+    /// Commits started in the `--seconds` after the removal started (its aftermath too).
+    pub after_commits: usize,
+    pub after_p99_us: f64,
+    pub rows_left: i64,
+}
+
+pub fn run(args: &PgExpiryArgs) -> Result<Vec<ExpiryRun>> {
+    let mut runs = Vec::new();
+    for removal in [Removal::DropPartitions, Removal::Delete] {
+        let dir = tempfile::Builder::new()
+            .prefix("idemdb-pg-expiry-")
+            .tempdir()
+            .context("temporary directory")?;
+        eprintln!("starting postgres on 127.0.0.1:{}", args.port);
+        let _server = crate::servers::postgres(dir.path(), args.port)?;
+        runs.push(one(args, removal, dir.path())?);
+    }
+    Ok(runs)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// (start since the run began, latency) of one commit, in nanoseconds.
+type Call = (u64, u64);
+
+fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> {
+    let port = args.port;
+    pg_backend::reset(port)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // The day partitions of three days ago onward, made by a store whose clock is then.
+    let filled_from_ms = now_ms() - 3 * DAY_MS as u64;
+    let fill_started = Instant::now();
+    runtime.block_on(async {
+        let mut client = pg_backend::connect(port, true).await?;
+        let past = PgStore::builder()
+            .names(pg_backend::names()?)
+            .clock(MockClock::new(filled_from_ms))
+            .open(&client)
+            .await?;
+        past.maintain(&mut client).await?;
+        // Committed three days ago, expired two days ago (the default retention is 7 days,
+        // but what matters is when the row is removable): half in each of two day partitions.
+        let day0 = filled_from_ms as i64 / DAY_MS * DAY_MS;
+        let record = Record::new(
+            1,
+            filled_from_ms,
+            day0 as u64 + 1,
+            Fingerprint::of(b"expired"),
+            bytes::Bytes::new(),
+        )
+        .encode();
+        eprintln!("writing {} expired records", args.records);
+        client
+            .execute(
+                "INSERT INTO bench_idemdb.records (consumer, message_key, record, expires_at_ms) \
+                 SELECT 'bench'::bytea, convert_to('x' || lpad(i::text, 15, '0'), 'UTF8'), $1, \
+                        $2 + (i % 2) * $3 + (i % 1000) \
+                 FROM generate_series(1, $4::int8) AS i",
+                &[&record, &(day0 + 1), &DAY_MS, &(args.records as i64)],
+            )
+            .await?;
+        // Nothing left for autovacuum to do during the measurement, and no dirty buffers.
+        client
+            .batch_execute("VACUUM (ANALYZE) bench_idemdb.records")
+            .await?;
+        client.batch_execute("CHECKPOINT").await?;
+        anyhow::Ok(())
+    })?;
+    let fill_seconds = fill_started.elapsed().as_secs_f64();
+    eprintln!(
+        "filled in {fill_seconds:.0} s; {} clients start",
+        args.clients
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..args.clients)
+        .map(|thread| {
+            let stop = stop.clone();
+            let mut session = IdemdbPgSession::connect(port, true)?;
+            Ok(std::thread::spawn(move || -> Result<Vec<Call>> {
+                let mut generator = Generator::new(thread, 0x5eed, 0.1);
+                let mut calls = Vec::with_capacity(1 << 16);
+                while !stop.load(Ordering::Relaxed) {
+                    let delivery = generator.next_delivery();
+                    let at = started.elapsed().as_nanos() as u64;
+                    let call = Instant::now();
+                    session.deliver(&[delivery])?;
+                    calls.push((at, call.elapsed().as_nanos() as u64));
+                }
+                Ok(calls)
+            }))
+        })
+        .collect::<Result<_>>()?;
+    let quiet = Duration::from_secs_f64(args.seconds);
+    std::thread::sleep(quiet);
+    let removal_start = started.elapsed();
+    let (removal_end, rows_left) = runtime.block_on(async {
+        let mut client = pg_backend::connect(port, true).await?;
+        match removal {
+            Removal::DropPartitions => {
+                let store = PgStore::builder()
+                    .names(pg_backend::names()?)
+                    .open(&client)
+                    .await?;
+                let done = store.maintain(&mut client).await?;
+                eprintln!("maintain dropped {:?}", done.dropped);
+            }
+            Removal::Delete => {
+                let deleted = client
+                    .execute(
+                        "DELETE FROM bench_idemdb.records \
+                         WHERE expires_at_ms < floor(extract(epoch FROM now()) * 1000)::int8",
+                        &[],
+                    )
+                    .await?;
+                eprintln!("DELETE removed {deleted} rows");
+            }
+        }
+        let end = started.elapsed();
+        let left: i64 = client
+            .query_one(
+                "SELECT count(*) FROM bench_idemdb.records WHERE message_key >= 'x' AND message_key < 'y'",
+                &[],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok((end, left))
+    })?;
+    // At least `quiet` after the removal started, so that a short removal's aftermath counts.
+    let until = removal_start + quiet;
+    if let Some(rest) = until.checked_sub(started.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut calls = Vec::new();
+    for client in clients {
+        calls.extend(
+            client
+                .join()
+                .map_err(|_| anyhow::anyhow!("a client thread panicked"))??,
+        );
+    }
+    let window = |from: Duration, to: Duration| -> Vec<u32> {
+        let (from, to) = (from.as_nanos() as u64, to.as_nanos() as u64);
+        let mut latencies: Vec<u32> = calls
+            .iter()
+            .filter(|(at, _)| (from..to).contains(at))
+            .map(|(_, latency)| u32::try_from(*latency).unwrap_or(u32::MAX))
+            .collect();
+        latencies.sort_unstable();
+        latencies
+    };
+    // The quiet window skips the first second (connections warming up).
+    let quiet_calls = window(Duration::from_secs(1), removal_start);
+    let during_calls = window(
+        removal_start,
+        removal_end.max(removal_start + Duration::from_millis(1)),
+    );
+    let after_calls = window(removal_start, until);
+    let us = |sorted: &[u32], q: f64| quantile(sorted, q) / 1000.0;
+    let result = ExpiryRun {
+        removal,
+        removal_seconds: (removal_end - removal_start).as_secs_f64(),
+        quiet_commits: quiet_calls.len(),
+        quiet_p50_us: us(&quiet_calls, 0.5),
+        quiet_p99_us: us(&quiet_calls, 0.99),
+        during_commits: during_calls.len(),
+        during_p50_us: us(&during_calls, 0.5),
+        during_p99_us: us(&during_calls, 0.99),
+        after_commits: after_calls.len(),
+        after_p99_us: us(&after_calls, 0.99),
+        rows_left,
+    };
+    eprintln!(
+        "{}: removal {:.2} s; p99 quiet {:.0} us ({} commits), during {:.0} us ({} commits); {} expired rows left",
+        removal.name(),
+        result.removal_seconds,
+        result.quiet_p99_us,
+        result.quiet_commits,
+        result.during_p99_us,
+        result.during_commits,
+        rows_left
+    );
+    Ok(result)
+}
