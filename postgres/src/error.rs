@@ -60,6 +60,12 @@ pub enum Error {
         /// The message key.
         key: Vec<u8>,
     },
+    /// Bytes given to [`crate::PgLeaseTicket::from_bytes`] that are not a ticket.
+    #[error("not a lease ticket: {detail}")]
+    MalformedTicket {
+        /// What is wrong with them.
+        detail: String,
+    },
     /// PostgreSQL or the connection failed. During a commit, the outcome may be unknown (the
     /// connection dropped after COMMIT was sent): do not acknowledge; the redelivery finds
     /// either `Duplicate` or `Fresh`, never half of the commit.

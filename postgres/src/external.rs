@@ -24,6 +24,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::{Error, Result};
+use crate::ticket::PgLeaseTicket;
 use crate::{PgConsumer, PgStore, decode_record, lock_id};
 
 /// How long a lease step waits for the key's lock (another step of the same key, or a
@@ -43,8 +44,9 @@ pub enum PgResolution {
     Release,
 }
 
-/// A holder's durable claim on a key, for a side effect outside the database. Keep it (or its
-/// fields) while the side effect runs; renew the lease before it runs out.
+/// A holder's durable claim on a key, for a side effect outside the database. Keep it while
+/// the side effect runs, and its [ticket](PgExternalClaim::ticket) where a restart finds it;
+/// renew the lease before it runs out.
 #[derive(Clone, Debug)]
 pub struct PgExternalClaim {
     consumer: PgConsumer,
@@ -515,6 +517,51 @@ impl<'c> PgCompletion<'c> {
         .await?;
         self.tx.commit().await?;
         Ok(())
+    }
+}
+
+impl PgExternalClaim {
+    /// What to keep to resume this claim after a restart ([`PgConsumer::resume`]).
+    #[must_use]
+    pub fn ticket(&self) -> PgLeaseTicket {
+        PgLeaseTicket {
+            consumer: self.consumer.id.clone(),
+            key: self.key.clone(),
+            epoch: self.epoch,
+            token: self.token,
+        }
+    }
+
+    /// The claim `ticket` names, from its in-progress `record` (checked by the caller to carry
+    /// the ticket's epoch and token). The attempt it took over is not known any more.
+    pub(crate) fn resumed(
+        consumer: &PgConsumer,
+        ticket: &PgLeaseTicket,
+        record: Record,
+    ) -> PgExternalClaim {
+        let (since_ms, lease_until_ms, holder) = match record.state {
+            RecordState::InProgress {
+                since_ms,
+                lease_until_ms,
+                holder,
+                ..
+            } => (since_ms, lease_until_ms, holder),
+            // Not reached (the caller matched the state); a claim that fails its first fenced
+            // step is the safe answer anyway.
+            _ => (0, 0, Bytes::new()),
+        };
+        PgExternalClaim {
+            consumer: consumer.clone(),
+            key: ticket.key.clone(),
+            stored_key: encode_key(&consumer.id, &ticket.key).unwrap_or_default(),
+            fingerprint: record.fingerprint,
+            epoch: ticket.epoch,
+            token: ticket.token,
+            since_ms,
+            lease_until_ms,
+            holder,
+            previous: None,
+        }
     }
 }
 

@@ -32,8 +32,8 @@ use std::time::Duration;
 
 use idemdb::{Fingerprint, MockClock, Outcome};
 use idemdb_postgres::{
-    BATCH_MESSAGES_MAX, Error, Names, PgBatchOutcome, PgResolution, PgStore, SCHEMA_VERSION,
-    install,
+    BATCH_MESSAGES_MAX, Error, Names, PgBatchOutcome, PgLeaseTicket, PgResolution, PgStore,
+    SCHEMA_VERSION, install,
 };
 use tokio_postgres::{Client, NoTls};
 
@@ -112,6 +112,7 @@ fn main() {
     scenario!(a_connection_lost_mid_claim_or_mid_commit_leaves_all_or_nothing);
     scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
     scenario!(random_sequences_agree_with_the_embedded_engines_model);
+    scenario!(an_external_claim_is_resumed_from_its_ticket);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -2541,5 +2542,179 @@ async fn random_sequences_agree_with_the_embedded_engines_model(url: &str) -> Re
         }
     }
     println!("    model: {cases} sequences, {steps} steps, no disagreement");
+    Ok(())
+}
+
+async fn an_external_claim_is_resumed_from_its_ticket(url: &str) -> Result<(), Failure> {
+    let mut a_client = connect(url).await?;
+    let names = fresh_schema(&mut a_client, "t_ticket").await?;
+    let clock = MockClock::new(1_000_000);
+    let open = |client: Client| {
+        let names = names.clone();
+        let clock = clock.clone();
+        async move {
+            let store = PgStore::builder()
+                .names(names)
+                .clock(clock)
+                .open(&client)
+                .await?;
+            Ok::<_, Failure>((client, store))
+        }
+    };
+    let (mut a_client, store) = open(a_client).await?;
+    let consumer = store.consumer("mailer")?;
+    let body = Fingerprint::of(b"receipt");
+    let lease = Duration::from_secs(1);
+    let Outcome::Fresh(a) = consumer
+        .begin_external(&mut a_client, "mail-1", body, lease, "worker-a")
+        .await?
+    else {
+        return Err("external claim not fresh".into());
+    };
+    let saved = a.ticket().to_bytes();
+    let saved_derived = a.derive_key("charge");
+    let (epoch, lease_until_ms) = (a.epoch(), a.lease_until_ms());
+    // The holder restarts: its claim, connection and store handle are gone.
+    drop((a, a_client, store, consumer));
+
+    let (mut b_client, store) = open(connect(url).await?).await?;
+    let consumer = store.consumer("mailer")?;
+    let ticket = PgLeaseTicket::from_bytes(&saved)?;
+    ensure!(
+        ticket.key() == b"mail-1" && ticket.epoch() == epoch,
+        "{ticket:?}"
+    );
+    ensure!(
+        PgLeaseTicket::from_bytes(&ticket.to_bytes())? == ticket,
+        "bytes round trip"
+    );
+    let mut resumed = consumer.resume(&b_client, &ticket).await?;
+    ensure!(
+        resumed.epoch() == epoch && resumed.lease_until_ms() == lease_until_ms,
+        "resumed: {resumed:?}"
+    );
+    ensure!(
+        resumed.derive_key("charge") == saved_derived,
+        "the resumed claim derives the same keys"
+    );
+    // The resumed claim is the holder's own: it renews and completes, fenced as before.
+    ensure!(
+        resumed.renew(&mut b_client, lease).await? == 1_001_000,
+        "renewed"
+    );
+    let completion = resumed.completion(&mut b_client).await?;
+    completion
+        .transaction()
+        .execute(
+            "INSERT INTO t_ticket.orders (id, body) VALUES ('mail-1', 'sent')",
+            &[],
+        )
+        .await?;
+    completion.commit(b"sent").await?;
+    let again = consumer.begin(&mut b_client, "mail-1", body).await?;
+    ensure!(
+        matches!(&again, Outcome::Duplicate { result, .. } if result.as_ref() == b"sent"),
+        "after completion: {again:?}"
+    );
+    drop(again);
+    // Once the key is completed, the ticket resumes nothing.
+    let done = consumer.resume(&b_client, &ticket).await;
+    ensure!(
+        matches!(
+            done,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 1 }))
+        ),
+        "resume after completion: {done:?}"
+    );
+
+    // A ticket whose holder's lease ran out and was taken over resumes nothing either.
+    let Outcome::Fresh(old) = consumer
+        .begin_external(&mut b_client, "mail-2", body, lease, "worker-a")
+        .await?
+    else {
+        return Err("mail-2 not fresh".into());
+    };
+    let old_ticket = old.ticket();
+    clock.set(1_002_000);
+    let Outcome::Fresh(_new) = consumer
+        .begin_external(&mut b_client, "mail-2", body, lease, "worker-b")
+        .await?
+    else {
+        return Err("mail-2 not taken over".into());
+    };
+    let lost = consumer.resume(&b_client, &old_ticket).await;
+    ensure!(
+        matches!(
+            lost,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 2 }))
+        ),
+        "resume after a take-over: {lost:?}"
+    );
+    // The same key and epoch with another token: not this holder's.
+    let Outcome::Fresh(live) = consumer
+        .begin_external(&mut b_client, "mail-3", body, lease, "worker-a")
+        .await?
+    else {
+        return Err("mail-3 not fresh".into());
+    };
+    let mut forged = live.ticket().to_bytes();
+    let last = forged.len() - 1;
+    forged[last] ^= 1;
+    let wrong_token = consumer
+        .resume(&b_client, &PgLeaseTicket::from_bytes(&forged)?)
+        .await;
+    ensure!(
+        matches!(
+            wrong_token,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 1 }))
+        ),
+        "another token: {wrong_token:?}"
+    );
+    ensure!(
+        consumer.resume(&b_client, &live.ticket()).await?.epoch() == 1,
+        "the true ticket of a live claim resumes"
+    );
+    // A ticket of another consumer is refused as such.
+    let foreign = store.consumer("billing")?.resume(&b_client, &ticket).await;
+    ensure!(
+        matches!(foreign, Err(Error::Idemdb(idemdb::Error::ForeignTicket))),
+        "foreign: {foreign:?}"
+    );
+    // Bytes that are not a ticket are a typed error, never a panic.
+    let good = ticket.to_bytes();
+    let mut other_version = good.clone();
+    other_version[0] = 2;
+    let mut trailing = good.clone();
+    trailing.push(0);
+    let mut epoch_zero = good.clone();
+    let at = epoch_zero.len() - 16;
+    epoch_zero[at..at + 8].copy_from_slice(&0u64.to_be_bytes());
+    for (what, bytes) in [
+        ("empty", Vec::new()),
+        ("another version", other_version),
+        ("cut short", good[..good.len() - 1].to_vec()),
+        ("trailing bytes", trailing),
+        ("epoch 0", epoch_zero),
+    ] {
+        let read = PgLeaseTicket::from_bytes(&bytes);
+        ensure!(
+            matches!(read, Err(Error::MalformedTicket { .. })),
+            "{what}: {read:?}"
+        );
+    }
+    let mut empty_key = vec![1u8];
+    empty_key.extend_from_slice(&6u16.to_be_bytes());
+    empty_key.extend_from_slice(b"mailer");
+    empty_key.extend_from_slice(&0u16.to_be_bytes());
+    empty_key.extend_from_slice(&1u64.to_be_bytes());
+    empty_key.extend_from_slice(&7u64.to_be_bytes());
+    let read = PgLeaseTicket::from_bytes(&empty_key);
+    ensure!(
+        matches!(
+            read,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "an empty key: {read:?}"
+    );
     Ok(())
 }
