@@ -16,7 +16,15 @@
 //! version 1 table. Faults: a connection lost before the commit (nothing lands, the key is
 //! free) and during it (the COMMIT waits for a standby, its server process is terminated: the
 //! redelivery finds `Duplicate` and the business row once); a deadlock in the business SQL
-//! (retryable, nothing of the victim lands, its key is free).
+//! (retryable, nothing of the victim lands, its key is free); a serialization failure raised by
+//! the business SQL (retryable, nothing lands); claims stay READ COMMITTED in a database whose
+//! default is SERIALIZABLE; tables dropped under an open store (typed errors) and installed
+//! again. On a second server of their own (so that the others are never disturbed), a restart
+//! after a fast shutdown and after a crash (SIGKILL of every server process) with a claim, a
+//! batch and an external claim held: retryable errors, nothing uncommitted lands, the store
+//! goes on; and commits in flight at a crash land whole or not at all.
+//!
+//! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
 #[path = "support/server.rs"]
 mod server;
@@ -38,6 +46,12 @@ use idemdb_postgres::{
 use tokio_postgres::{Client, NoTls};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+/// The scenarios that restart their server (the second one `main` starts).
+const RESTART_SCENARIOS: [&str; 2] = [
+    "claims_held_across_a_server_restart_fail_typed_and_leave_nothing",
+    "a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all",
+];
 
 /// Set in the processes the cross-process race starts: they run `race_worker` and exit.
 const RACE_CHILD_ENV: &str = "IDEMDB_PG_RACE_CHILD";
@@ -71,24 +85,50 @@ fn main() {
     let url = server.url();
     let mut failed = 0;
     let mut passed = 0;
+    // IDEMDB_PG_SCENARIO=<part of a name> runs only the scenarios whose name holds it.
+    let only = std::env::var("IDEMDB_PG_SCENARIO").ok();
+    let selected = |name: &str| only.as_deref().is_none_or(|only| name.contains(only));
+    // The restart scenarios stop and start a server of their own, so that a restart never
+    // disturbs the scenarios sharing the first one. Started here, on the main thread, which
+    // outlives it (the kernel stops a server whose starting thread ended).
+    let mut spare = None;
+    if RESTART_SCENARIOS.iter().any(|name| selected(name)) {
+        match server::Server::start() {
+            Ok(started) => spare = Some(started),
+            Err(why) => {
+                failed += 1;
+                println!("test restart scenarios ... FAILED: no second server: {why}");
+            }
+        }
+    }
     macro_rules! scenario {
         ($name:ident) => {
-            let result = runtime.block_on($name(&url));
-            match result {
-                Ok(()) => {
-                    passed += 1;
-                    println!("test {} ... ok", stringify!($name));
-                }
-                Err(error) => {
-                    failed += 1;
-                    // With the causes: a database error says only "db error" by itself.
-                    let mut why = error.to_string();
-                    let mut source = error.source();
-                    while let Some(cause) = source {
-                        why = format!("{why}: {cause}");
-                        source = cause.source();
+            scenario!($name, &url)
+        };
+        ($name:ident, spare) => {
+            if let Some(server) = spare.as_mut() {
+                scenario!($name, server)
+            }
+        };
+        ($name:ident, $argument:expr) => {
+            if selected(stringify!($name)) {
+                let result = runtime.block_on($name($argument));
+                match result {
+                    Ok(()) => {
+                        passed += 1;
+                        println!("test {} ... ok", stringify!($name));
                     }
-                    println!("test {} ... FAILED: {why}", stringify!($name));
+                    Err(error) => {
+                        failed += 1;
+                        // With the causes: a database error says only "db error" by itself.
+                        let mut why = error.to_string();
+                        let mut source = error.source();
+                        while let Some(cause) = source {
+                            why = format!("{why}: {cause}");
+                            source = cause.source();
+                        }
+                        println!("test {} ... FAILED: {why}", stringify!($name));
+                    }
                 }
             }
         };
@@ -113,11 +153,26 @@ fn main() {
     scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
     scenario!(random_sequences_agree_with_the_embedded_engines_model);
     scenario!(an_external_claim_is_resumed_from_its_ticket);
+    scenario!(missing_tables_are_typed_errors_and_a_reinstall_is_used_again);
+    scenario!(claims_are_read_committed_under_a_serializable_default);
+    scenario!(a_serialization_failure_in_the_business_sql_is_retryable_and_leaves_nothing);
+    scenario!(
+        claims_held_across_a_server_restart_fail_typed_and_leave_nothing,
+        spare
+    );
+    scenario!(
+        a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all,
+        spare
+    );
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
             server.log().display()
         );
+        if let Some(spare) = &spare {
+            eprintln!("restart scenarios' server log: {}", spare.log().display());
+        }
+        drop(spare);
         drop(server);
         std::process::exit(1);
     }
@@ -2715,6 +2770,725 @@ async fn an_external_claim_is_resumed_from_its_ticket(url: &str) -> Result<(), F
             Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
         ),
         "an empty key: {read:?}"
+    );
+    Ok(())
+}
+
+// ---- Faults: missing tables, isolation, serialization failures, server restarts ----------
+
+/// Whether `result` is an `Error::Postgres` with SQLSTATE `state`.
+fn postgres_error<T>(result: &Result<T, Error>, state: &tokio_postgres::error::SqlState) -> bool {
+    matches!(result, Err(Error::Postgres(error)) if error.code() == Some(state))
+}
+
+async fn missing_tables_are_typed_errors_and_a_reinstall_is_used_again(
+    url: &str,
+) -> Result<(), Failure> {
+    use tokio_postgres::error::SqlState;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_missing").await?;
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    // A claim first, so that the store knows its partitions exist.
+    commit_one(&consumer, &mut client, "before", "before", "done").await?;
+    client
+        .batch_execute("DROP SCHEMA t_missing CASCADE")
+        .await?;
+    // Every call of the open store is a typed error: undefined_table, not worth a retry.
+    let body = Fingerprint::of(b"body");
+    let claimed = consumer.begin(&mut client, "k", body).await.map(|_| ());
+    ensure!(
+        postgres_error(&claimed, &SqlState::UNDEFINED_TABLE)
+            && !claimed.as_ref().is_err_and(Error::is_retryable),
+        "a claim without the tables: {claimed:?}"
+    );
+    let read = consumer.get(&client, "k").await;
+    ensure!(
+        postgres_error(&read, &SqlState::UNDEFINED_TABLE),
+        "a read without the tables: {read:?}"
+    );
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("k", "body")]))
+        .await
+        .map(|_| ());
+    ensure!(
+        postgres_error(&batch, &SqlState::UNDEFINED_TABLE),
+        "a batch without the tables: {batch:?}"
+    );
+    let external = consumer
+        .begin_external(&mut client, "k", body, Duration::from_secs(5), "w")
+        .await
+        .map(|_| ());
+    ensure!(
+        postgres_error(&external, &SqlState::UNDEFINED_TABLE),
+        "an external claim without the tables: {external:?}"
+    );
+    let listed = consumer
+        .in_progress(&client, Duration::ZERO, usize::MAX)
+        .await;
+    ensure!(
+        postgres_error(&listed, &SqlState::UNDEFINED_TABLE),
+        "in_progress without the tables: {listed:?}"
+    );
+    // A new store is refused at open.
+    let reopened = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(reopened, Err(Error::SchemaMissing { .. })),
+        "open without the tables: {reopened:?}"
+    );
+    // The connection is usable after all of it.
+    client.batch_execute("SELECT 1").await?;
+    // Installed again under the store that was open all along. The store remembers having
+    // made the partitions of the days ahead, and they went with the drop: its first commit
+    // may fail (check_violation: no partition for the row; not retryable), writing nothing.
+    // `maintain` makes them again; claims work from then on.
+    install(&mut client, &names).await?;
+    client
+        .batch_execute("CREATE TABLE t_missing.orders (id text PRIMARY KEY, body text NOT NULL)")
+        .await?;
+    let order = "INSERT INTO t_missing.orders VALUES ('after', 'x')";
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "after", body).await? else {
+        return Err("after the reinstall: not fresh".into());
+    };
+    claim.transaction().execute(order, &[]).await?;
+    let committed = claim.commit(b"after").await;
+    if committed.is_err() {
+        ensure!(
+            postgres_error(&committed, &SqlState::CHECK_VIOLATION),
+            "the first commit after the reinstall: {committed:?}"
+        );
+        ensure!(
+            count_rows(&client, "t_missing.orders").await? == 0
+                && count_rows(&client, "t_missing.records").await? == 0,
+            "nothing of the refused commit landed"
+        );
+        println!("  the store's first commit after a reinstall failed: {committed:?}");
+        store.maintain(&mut client).await?;
+        let Outcome::Fresh(claim) = consumer.begin(&mut client, "after", body).await? else {
+            return Err("after maintain: not fresh".into());
+        };
+        claim.transaction().execute(order, &[]).await?;
+        claim.commit(b"after").await?;
+    }
+    let again = consumer.begin(&mut client, "after", body).await?;
+    ensure!(
+        matches!(&again, Outcome::Duplicate { result, .. } if result.as_ref() == b"after"),
+        "after the reinstall, committed: {again:?}"
+    );
+    Ok(())
+}
+
+/// The URL of `database` on the server of `url`.
+fn database_url(url: &str, database: &str) -> String {
+    url.replace("dbname=postgres", &format!("dbname={database}"))
+}
+
+/// A database of its own, whose sessions default to SERIALIZABLE (set on the database, as an
+/// operator would).
+async fn serializable_database(url: &str, database: &str) -> Result<String, Failure> {
+    let admin = connect(url).await?;
+    // One statement a call: DROP and CREATE DATABASE refuse to run in a transaction block,
+    // which several statements in one call make.
+    for statement in [
+        format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"),
+        format!("CREATE DATABASE {database}"),
+        format!("ALTER DATABASE {database} SET default_transaction_isolation = 'serializable'"),
+    ] {
+        admin.batch_execute(&statement).await?;
+    }
+    let url = database_url(url, database);
+    let check = connect(&url).await?;
+    let default: String = check
+        .query_one("SHOW default_transaction_isolation", &[])
+        .await?
+        .get(0);
+    ensure!(
+        default == "serializable",
+        "the database's default: {default}"
+    );
+    Ok(url)
+}
+
+async fn claims_are_read_committed_under_a_serializable_default(url: &str) -> Result<(), Failure> {
+    const KEYS: usize = 60;
+    const CONNECTIONS: usize = 6;
+    let db_url = serializable_database(url, "t_serializable").await?;
+    let mut client = connect(&db_url).await?;
+    let names = fresh_schema(&mut client, "t_isolation").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let isolation = "SHOW transaction_isolation";
+    // Every transaction the backend opens for a key is READ COMMITTED: the claim's, an
+    // external claim's completion, a batch's.
+    let Outcome::Fresh(claim) = consumer
+        .begin(&mut client, "probe", Fingerprint::of(b"p"))
+        .await?
+    else {
+        return Err("probe not fresh".into());
+    };
+    let level: String = claim.transaction().query_one(isolation, &[]).await?.get(0);
+    ensure!(level == "read committed", "the claim's isolation: {level}");
+    claim.abort().await?;
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("probe", "p")]))
+        .await?;
+    let level: String = batch.transaction().query_one(isolation, &[]).await?.get(0);
+    ensure!(level == "read committed", "the batch's isolation: {level}");
+    drop(batch);
+    let Outcome::Fresh(external) = consumer
+        .begin_external(
+            &mut client,
+            "probe-x",
+            Fingerprint::of(b"p"),
+            Duration::from_secs(5),
+            "w",
+        )
+        .await?
+    else {
+        return Err("external probe not fresh".into());
+    };
+    let completion = external.completion(&mut client).await?;
+    let level: String = completion
+        .transaction()
+        .query_one(isolation, &[])
+        .await?
+        .get(0);
+    ensure!(
+        level == "read committed",
+        "the completion's isolation: {level}"
+    );
+    drop(completion);
+    // A race of connections over the same keys: every claim answers (no serialization
+    // failure), and every key has one winner, one record and one business row.
+    let mut racers = Vec::new();
+    for racer in 0..CONNECTIONS {
+        let db_url = db_url.clone();
+        let consumer = consumer.clone();
+        racers.push(tokio::spawn(async move {
+            let mut client = connect(&db_url).await?;
+            let mut won = 0usize;
+            for step in 0..KEYS {
+                // Each racer walks the keys from its own start.
+                let key = format!("k{}", (step + racer * 7) % KEYS);
+                if let Outcome::Fresh(claim) = consumer
+                    .begin(&mut client, &key, Fingerprint::of(key.as_bytes()))
+                    .await?
+                {
+                    claim
+                        .transaction()
+                        .execute("INSERT INTO t_isolation.orders VALUES ($1, 'won')", &[&key])
+                        .await?;
+                    claim.commit(b"won").await?;
+                    won += 1;
+                }
+            }
+            Ok::<usize, Failure>(won)
+        }));
+    }
+    let mut won = 0;
+    for racer in racers {
+        won += racer.await??;
+    }
+    let orders = count_rows(&client, "t_isolation.orders").await?;
+    ensure!(
+        won == KEYS && orders == KEYS as i64,
+        "{won} wins and {orders} business rows for {KEYS} keys"
+    );
+    drop(client);
+    connect(url)
+        .await?
+        .batch_execute("DROP DATABASE t_serializable WITH (FORCE)")
+        .await?;
+    Ok(())
+}
+
+async fn a_serialization_failure_in_the_business_sql_is_retryable_and_leaves_nothing(
+    url: &str,
+) -> Result<(), Failure> {
+    use tokio_postgres::error::SqlState;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_serialization").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    // Under READ COMMITTED no ordinary statement fails with 40001; a function of the caller's
+    // may raise it (as a retry signal of its own): injected here.
+    let raise = "DO $$ BEGIN RAISE SQLSTATE '40001'; END $$";
+    let body = Fingerprint::of(b"body");
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "k", body).await? else {
+        return Err("k not fresh".into());
+    };
+    claim
+        .transaction()
+        .execute(
+            "INSERT INTO t_serialization.orders VALUES ('k', 'first')",
+            &[],
+        )
+        .await?;
+    let failed = claim.transaction().batch_execute(raise).await;
+    let failed = Error::from(failed.err().ok_or("the raise did not fail")?);
+    ensure!(
+        matches!(&failed, Error::Postgres(error) if error.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE))
+            && failed.is_retryable(),
+        "a serialization failure is worth a retry: {failed:?}"
+    );
+    // The claim's commit after it fails, typed, and writes nothing.
+    let committed = claim.commit(b"first").await;
+    ensure!(
+        matches!(&committed, Err(Error::Postgres(_))),
+        "the commit after a serialization failure: {committed:?}"
+    );
+    ensure!(
+        count_rows(&client, "t_serialization.orders").await? == 0
+            && count_rows(&client, "t_serialization.records").await? == 0,
+        "nothing of the failed claim landed"
+    );
+    // The same in a batch.
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("b1", "b1"), ("b2", "b2")]))
+        .await?;
+    batch
+        .transaction()
+        .execute(
+            "INSERT INTO t_serialization.orders VALUES ('b1', 'b1')",
+            &[],
+        )
+        .await?;
+    let failed = batch.transaction().batch_execute(raise).await;
+    ensure!(
+        failed.is_err_and(|error| Error::from(error).is_retryable()),
+        "the batch's serialization failure"
+    );
+    let committed = batch.commit(|_| b"b".to_vec()).await;
+    ensure!(
+        matches!(&committed, Err(Error::Postgres(_))),
+        "the batch's commit after it: {committed:?}"
+    );
+    ensure!(
+        count_rows(&client, "t_serialization.orders").await? == 0
+            && count_rows(&client, "t_serialization.records").await? == 0,
+        "nothing of the failed batch landed"
+    );
+    // The keys are free: the retries are fresh and land.
+    commit_one(&consumer, &mut client, "k", "body", "second").await?;
+    commit_one(&consumer, &mut client, "b1", "b1", "b").await?;
+    ensure!(
+        count_rows(&client, "t_serialization.records").await? == 2,
+        "the retries' records"
+    );
+    Ok(())
+}
+
+/// Whether `result` is an `Error::Postgres` worth a retry (the connection was lost, the server
+/// shut down).
+fn retryable_postgres<T>(result: &Result<T, Error>) -> bool {
+    matches!(result, Err(error @ Error::Postgres(_)) if error.is_retryable())
+}
+
+async fn claims_held_across_a_server_restart_fail_typed_and_leave_nothing(
+    server: &mut server::Server,
+) -> Result<(), Failure> {
+    for (how, schema) in [
+        (server::Stop::Fast, "t_restart_fast"),
+        (server::Stop::Crash, "t_restart_crash"),
+    ] {
+        claims_held_across_one_restart(server, how, schema)
+            .await
+            .map_err(|error| {
+                // With the causes: a database error says only "db error" by itself.
+                let mut why = format!("{how:?}: {error}");
+                let mut source = error.source();
+                while let Some(cause) = source {
+                    why = format!("{why}: {cause}");
+                    source = cause.source();
+                }
+                why
+            })?;
+    }
+    Ok(())
+}
+
+async fn claims_held_across_one_restart(
+    server: &mut server::Server,
+    how: server::Stop,
+    schema: &str,
+) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    let url = server.url();
+    let mut client = connect(&url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let start_ms = 20_000 * DAY + 1_000;
+    let clock = MockClock::new(start_ms);
+    let store = PgStore::builder()
+        .names(names)
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let order = format!("INSERT INTO {schema}.orders VALUES ($1, $2)");
+    let fingerprint = |key: &str| Fingerprint::of(key.as_bytes());
+    // Committed before the restart.
+    match consumer
+        .begin(&mut client, "done", fingerprint("done"))
+        .await?
+    {
+        Outcome::Fresh(claim) => {
+            claim
+                .transaction()
+                .execute(&order, &[&"done", &"done"])
+                .await?;
+            claim.commit(b"done").await?;
+        }
+        other => return Err(format!("done: {other:?}").into()),
+    }
+    // Held at the restart: a claim with its business row staged, ...
+    let mut claim_client = connect(&url).await?;
+    let Outcome::Fresh(claim) = consumer
+        .begin(&mut claim_client, "held", fingerprint("held"))
+        .await?
+    else {
+        return Err("held not fresh".into());
+    };
+    claim
+        .transaction()
+        .execute(&order, &[&"held", &"held"])
+        .await?;
+    // ... an external claim in progress (its record committed), ...
+    let lease = Duration::from_secs(10);
+    let mut external_client = connect(&url).await?;
+    let Outcome::Fresh(mut external) = consumer
+        .begin_external(
+            &mut external_client,
+            "ext",
+            fingerprint("ext"),
+            lease,
+            "worker-a",
+        )
+        .await?
+    else {
+        return Err("ext not fresh".into());
+    };
+    // ... and a batch with its business rows staged.
+    let mut batch_client = connect(&url).await?;
+    let batch = consumer
+        .begin_batch(
+            &mut batch_client,
+            &messages(&[("b1", "b1"), ("b2", "b2"), ("done", "done")]),
+        )
+        .await?;
+    ensure!(
+        matches!(
+            batch.outcomes(),
+            [
+                PgBatchOutcome::Fresh,
+                PgBatchOutcome::Fresh,
+                PgBatchOutcome::Settled(Outcome::Duplicate { .. })
+            ]
+        ),
+        "the batch: {:?}",
+        batch.outcomes()
+    );
+    for key in ["b1", "b2"] {
+        batch.transaction().execute(&order, &[&key, &key]).await?;
+    }
+
+    server.restart(how)?;
+
+    // Every operation in flight is a typed error worth a retry.
+    let committed = claim.commit(b"held").await;
+    ensure!(
+        retryable_postgres(&committed),
+        "the held claim's commit: {committed:?}"
+    );
+    let committed = batch.commit(|_| b"b".to_vec()).await;
+    ensure!(
+        retryable_postgres(&committed),
+        "the batch's commit: {committed:?}"
+    );
+    let renewed = external.renew(&mut external_client, lease).await;
+    ensure!(
+        retryable_postgres(&renewed),
+        "a renew on the lost connection: {renewed:?}"
+    );
+    // Nothing of the uncommitted claims landed; what was committed survived.
+    let mut client = connect(&url).await?;
+    let orders: Vec<String> = client
+        .query(&format!("SELECT id FROM {schema}.orders ORDER BY id"), &[])
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    ensure!(
+        orders == ["done"],
+        "business rows after the restart: {orders:?}"
+    );
+    let stored: Vec<Vec<u8>> = client
+        .query(
+            &format!("SELECT message_key FROM {schema}.records ORDER BY message_key"),
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    ensure!(
+        stored == [b"done".to_vec(), b"ext".to_vec()],
+        "records after the restart: {stored:?}"
+    );
+    // The store opened before the restart serves new connections: the committed key is a
+    // duplicate, the held ones are free, the external claim is still held.
+    let again = consumer
+        .begin(&mut client, "done", fingerprint("done"))
+        .await?;
+    ensure!(
+        matches!(&again, Outcome::Duplicate { result, .. } if result.as_ref() == b"done"),
+        "done after the restart: {again:?}"
+    );
+    drop(again);
+    match consumer
+        .begin(&mut client, "held", fingerprint("held"))
+        .await?
+    {
+        Outcome::Fresh(claim) => {
+            claim
+                .transaction()
+                .execute(&order, &[&"held", &"held again"])
+                .await?;
+            claim.commit(b"held").await?;
+        }
+        other => return Err(format!("held after the restart: {other:?}").into()),
+    }
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("b1", "b1"), ("b2", "b2")]))
+        .await?;
+    ensure!(
+        batch
+            .outcomes()
+            .iter()
+            .all(|outcome| matches!(outcome, PgBatchOutcome::Fresh)),
+        "the batch after the restart: {:?}",
+        batch.outcomes()
+    );
+    for key in ["b1", "b2"] {
+        batch.transaction().execute(&order, &[&key, &key]).await?;
+    }
+    batch.commit(|_| b"b".to_vec()).await?;
+    let held = consumer
+        .begin_external(&mut client, "ext", fingerprint("ext"), lease, "worker-b")
+        .await?;
+    ensure!(
+        matches!(&held, Outcome::InProgress { holder, .. } if holder.as_deref() == Some(&b"worker-a"[..])),
+        "the external claim after the restart: {held:?}"
+    );
+    drop(held);
+    // Its holder goes on, on a new connection.
+    let mut external_client = connect(&url).await?;
+    external.renew(&mut external_client, lease).await?;
+    // Its lease runs out: another worker takes it over, told of the first attempt, and the
+    // first holder is fenced.
+    clock.set(start_ms + 11_000);
+    let Outcome::Fresh(takeover) = consumer
+        .begin_external(&mut client, "ext", fingerprint("ext"), lease, "worker-b")
+        .await?
+    else {
+        return Err("no takeover after the lease".into());
+    };
+    ensure!(
+        takeover
+            .previous_attempt()
+            .is_some_and(|previous| previous.holder.as_ref() == b"worker-a"),
+        "the takeover: {takeover:?}"
+    );
+    let stale = external.completion(&mut external_client).await.map(|_| ());
+    ensure!(lease_lost(&stale), "the first holder: {stale:?}");
+    let completion = takeover.completion(&mut client).await?;
+    completion
+        .transaction()
+        .execute(&order, &[&"ext", &"sent"])
+        .await?;
+    completion.commit(b"sent").await?;
+    // Days later, the same store makes the partitions of the new days on its connections.
+    clock.set(start_ms + 3 * DAY);
+    commit_one(&consumer, &mut client, "later", "later", "later").await?;
+    let days = day_partitions(&client, schema).await?;
+    let last_needed = (start_ms + 3 * DAY + idemdb_postgres::RETENTION_MS_DEFAULT) / DAY + 1;
+    ensure!(
+        days.last() == Some(&(last_needed as i64)),
+        "partitions through {:?}, needed through {last_needed}",
+        days.last()
+    );
+    let orders = count_rows(&client, &format!("{schema}.orders")).await?;
+    let records = count_rows(&client, &format!("{schema}.records")).await?;
+    ensure!(
+        orders == 5 && records == 6,
+        "{orders} business rows (done, held, b1, b2, ext), {records} records (and later)"
+    );
+    Ok(())
+}
+
+async fn a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all(
+    server: &mut server::Server,
+) -> Result<(), Failure> {
+    const WORKERS: usize = 6;
+    let url = server.url();
+    let mut client = connect(&url).await?;
+    let names = fresh_schema(&mut client, "t_crash").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let order = "INSERT INTO t_crash.orders VALUES ($1, 'body')";
+    // The partitions first: their creation commits too, and would be the one waiting below.
+    commit_one(&consumer, &mut client, "first", "first", "first").await?;
+
+    // A COMMIT on the server, waiting for a synchronous standby that never comes, when the
+    // server is killed: its commit record is in the WAL, so recovery makes it committed, and
+    // the redelivery is a duplicate with the business row once.
+    client
+        .batch_execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+        .await?;
+    client.batch_execute("SELECT pg_reload_conf()").await?;
+    let committing = {
+        let url = url.clone();
+        let consumer = consumer.clone();
+        tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            match consumer
+                .begin(&mut client, "sync", Fingerprint::of(b"sync"))
+                .await?
+            {
+                Outcome::Fresh(claim) => {
+                    claim.transaction().execute(order, &[&"sync"]).await?;
+                    Ok::<_, Failure>(claim.commit(b"sync").await)
+                }
+                other => Err(format!("sync: {other:?}").into()),
+            }
+        })
+    };
+    let mut waiting = false;
+    for _ in 0..500 {
+        waiting = client
+            .query_one(
+                "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.restart(server::Stop::Crash)?;
+    let mut client = connect(&url).await?;
+    client
+        .batch_execute("ALTER SYSTEM RESET synchronous_standby_names")
+        .await?;
+    client.batch_execute("SELECT pg_reload_conf()").await?;
+    ensure!(waiting, "the COMMIT never waited for the standby");
+    let committed = committing.await??;
+    ensure!(
+        retryable_postgres(&committed),
+        "a commit cut off by the crash: {committed:?}"
+    );
+    let redelivery = consumer
+        .begin(&mut client, "sync", Fingerprint::of(b"sync"))
+        .await?;
+    ensure!(
+        matches!(&redelivery, Outcome::Duplicate { result, .. } if result.as_ref() == b"sync"),
+        "the redelivery of a commit in the WAL: {redelivery:?}"
+    );
+    drop(redelivery);
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_crash.orders WHERE id = 'sync'", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 1, "its business row, once: {rows}");
+
+    // Workers commit claim after claim when the server is killed, at whatever step each is:
+    // every key is afterwards a duplicate with its business row, or fresh without it.
+    let mut workers = Vec::new();
+    for worker in 0..WORKERS {
+        let url = url.clone();
+        let consumer = consumer.clone();
+        workers.push(tokio::spawn(async move {
+            // (key, whether its commit returned Ok)
+            let mut tried: Vec<(String, bool)> = Vec::new();
+            let Ok(mut client) = connect(&url).await else {
+                return tried;
+            };
+            for n in 0.. {
+                let key = format!("w{worker}-{n}");
+                tried.push((key.clone(), false));
+                let done = async {
+                    match consumer
+                        .begin(&mut client, &key, Fingerprint::of(key.as_bytes()))
+                        .await?
+                    {
+                        Outcome::Fresh(claim) => {
+                            claim.transaction().execute(order, &[&key]).await?;
+                            claim.commit(b"ok").await?;
+                            Ok::<(), Failure>(())
+                        }
+                        other => Err(format!("{key}: {other:?}").into()),
+                    }
+                }
+                .await;
+                match done {
+                    Ok(()) => tried.last_mut().expect("pushed").1 = true,
+                    Err(_) => break,
+                }
+            }
+            tried
+        }));
+    }
+    // Until some commits landed.
+    for _ in 0..500 {
+        if count_rows(&client, "t_crash.orders").await? > 1 + 5 * WORKERS as i64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(client);
+    server.restart(server::Stop::Crash)?;
+    let mut client = connect(&url).await?;
+    let (mut acknowledged, mut unknown, mut landed_unknown) = (0, 0, 0);
+    for worker in workers {
+        for (key, acked) in worker.await? {
+            let rows: i64 = client
+                .query_one("SELECT count(*) FROM t_crash.orders WHERE id = $1", &[&key])
+                .await?
+                .get(0);
+            let outcome = consumer
+                .begin(&mut client, &key, Fingerprint::of(key.as_bytes()))
+                .await?;
+            match (&outcome, rows) {
+                (Outcome::Duplicate { .. }, 1) => {
+                    if !acked {
+                        landed_unknown += 1;
+                    }
+                }
+                (Outcome::Fresh(_), 0) if !acked => {}
+                _ => {
+                    return Err(format!(
+                        "{key} (commit acknowledged: {acked}): {outcome:?} with {rows} business rows"
+                    )
+                    .into());
+                }
+            }
+            if acked {
+                acknowledged += 1;
+            } else {
+                unknown += 1;
+            }
+        }
+    }
+    ensure!(
+        acknowledged > 0 && unknown >= WORKERS,
+        "{acknowledged} acknowledged commits, {unknown} cut off"
+    );
+    println!(
+        "  crash: {acknowledged} acknowledged commits survived; of {unknown} cut off, {landed_unknown} had landed"
     );
     Ok(())
 }
