@@ -76,6 +76,7 @@ mod batch;
 mod error;
 mod external;
 mod schema;
+mod transfer;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -95,6 +96,7 @@ pub use external::{
     LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim, PgInProgress, PgResolution,
 };
 pub use schema::{DAY_MS, Names, SCHEMA_VERSION, install};
+pub use transfer::{CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts};
 
 /// How long a completed record is kept when the builder is not told: 7 days, as in the
 /// embedded engine.
