@@ -222,7 +222,7 @@ impl ExportLine {
     ///
     /// # Errors
     /// What `out` returns.
-    pub fn write_to(&self, out: &mut impl Write) -> io::Result<()> {
+    pub fn write_to(&self, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
         serde_json::to_writer(&mut *out, self).map_err(io::Error::from)?;
         out.write_all(b"\n")
     }
@@ -438,7 +438,7 @@ mod tests {
         assert!(
             text.starts_with(
                 "{\"table\":\"idemdb.records\",\"consumer\":\"c\",\"consumer_hex\":\"63\",\
-                 \"key\":\"k\\\\x00\",\"key_hex\":\"6b00\",\"state\":\"completed\",\"epoch\":3,"
+                 \"key\":\"0x6b00\",\"key_hex\":\"6b00\",\"state\":\"completed\",\"epoch\":3,"
             ),
             "{text}"
         );
