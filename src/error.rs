@@ -251,7 +251,7 @@ impl Error {
         }
     }
 
-    #[cfg(feature = "engine")]
+    #[cfg(any(feature = "engine", feature = "transfer"))]
     pub(crate) fn invalid_argument(reason: impl Into<String>) -> Error {
         Error::InvalidArgument {
             reason: reason.into(),

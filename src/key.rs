@@ -37,6 +37,10 @@ pub(crate) fn check_message_key(message_key: &[u8]) -> Result<()> {
     )
 }
 
+/// The column family holding every consumer's dedup records (the table named in export lines).
+#[cfg(any(feature = "engine", feature = "transfer"))]
+pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
+
 /// The stored-key prefix shared by every key of one consumer: `[len][id]`.
 pub(crate) fn consumer_prefix(consumer_id: &[u8]) -> Result<Vec<u8>> {
     check_consumer_id(consumer_id)?;

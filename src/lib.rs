@@ -425,6 +425,9 @@ mod message;
 mod operand;
 mod printable;
 mod record;
+// Feature `transfer`: the export line every backend's export writes and import reads.
+#[cfg(feature = "transfer")]
+pub mod transfer;
 mod ttl;
 
 // Storage, operations and handles on RocksDB.

@@ -47,7 +47,7 @@ const PAYLOAD_BYTES_MAX: usize = RESULT_BYTES_MAX;
 ///
 /// # Errors
 /// [`crate::Error::LimitExceeded`] for a larger one.
-#[cfg(feature = "engine")]
+#[cfg(any(feature = "engine", feature = "transfer"))]
 pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
     crate::error::check_limit(
         crate::error::Limit::ResultBytes,
@@ -55,6 +55,31 @@ pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
         0,
         RESULT_BYTES_MAX,
     )
+}
+
+/// Checks a record given from outside (an import) before it is encoded: an epoch from 1 (epochs
+/// start at 1), a result and a holder within their limits (`Record::encode` asserts those).
+///
+/// # Errors
+/// [`crate::Error::InvalidArgument`] for epoch 0; [`crate::Error::LimitExceeded`] for a result
+/// or holder over its limit.
+#[cfg(any(feature = "engine", feature = "transfer"))]
+pub(crate) fn check_given_record(epoch: u64, state: &RecordState) -> crate::error::Result<()> {
+    if epoch == 0 {
+        return Err(crate::error::Error::invalid_argument(
+            "a record's epoch is 0; epochs start at 1",
+        ));
+    }
+    match state {
+        RecordState::Completed { result, .. } => check_result(result),
+        RecordState::InProgress { holder, .. } => crate::error::check_limit(
+            crate::error::Limit::HolderBytes,
+            holder.len(),
+            0,
+            HOLDER_BYTES_MAX,
+        ),
+        RecordState::Released { .. } => Ok(()),
+    }
 }
 
 /// Decodes an entry of the versions table (the ordering guard's highest applied version of an

@@ -17,8 +17,7 @@ use rocksdb::{DB, IteratorMode};
 use crate::error::{Error, Result};
 use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
 
-/// The column family holding every consumer's dedup records.
-pub(crate) const RECORDS_TABLE: &str = "idemdb.records";
+pub(crate) use crate::key::RECORDS_TABLE;
 /// The column family holding the ordering guard's highest applied version per entity.
 pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
 /// Meta key (default column family) holding the store format marker.

@@ -2,15 +2,18 @@
 //! its exit codes, read commands on a live store, write commands refused on one, the repairs
 //! (resolve, release, invalidate, purge, export/import round trip) checked through the library,
 //! and backup / restore (round trip with unflushed merge operands, busy and existing targets
-//! refused, the backup never changed, a copy to another file system).
+//! refused, the backup never changed, a copy to another file system), and a store moved to
+//! PostgreSQL and back through `idemdb export`, `idemdb-pg import`, `idemdb-pg export` and
+//! `idemdb import`, every record exact (needs PostgreSQL and the idemdb-pg binary; skipped
+//! without them unless `IDEMDB_PG_BIN` is set).
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use idemdb::{
-    Durability, Engine, EngineBuilder, Fingerprint, MockClock, Outcome, TableOptions, format,
-    merge_ops,
+    Durability, Engine, EngineBuilder, Expiry, FailurePolicy, Fingerprint, MockClock, Outcome,
+    TableOptions, format, merge_ops,
 };
 use serde_json::Value;
 
@@ -845,4 +848,154 @@ fn stats_shows_a_full_disk() {
     std::fs::remove_file(&ballast_path).unwrap();
     let freed = json(&idemdb(&["stats", store, "--json"]));
     assert_eq!(freed["space"]["full"], false, "{freed}");
+}
+
+// The PostgreSQL backend's private server (skipped where PostgreSQL is not installed).
+#[path = "../postgres/tests/support/server.rs"]
+mod pg_server;
+
+/// The `idemdb-pg` binary: `IDEMDB_PG_BIN` (required to exist when set: scripts/test.sh sets
+/// it), else beside this test's directory in the build cache, where the postgres crate's tests
+/// leave it.
+fn idemdb_pg_binary() -> Option<std::path::PathBuf> {
+    if let Ok(path) = std::env::var("IDEMDB_PG_BIN") {
+        let path = std::path::PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "IDEMDB_PG_BIN={} is no file",
+            path.display()
+        );
+        return Some(path);
+    }
+    let exe = std::env::current_exe().ok()?;
+    let beside = exe.parent()?.parent()?.join("idemdb-pg");
+    beside.is_file().then_some(beside)
+}
+
+fn idemdb_pg(binary: &Path, args: &[&str], stdin: &[u8]) -> Output {
+    use std::io::Write as _;
+    let mut child = Command::new(binary)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
+    let Some(pg_tool) = idemdb_pg_binary() else {
+        eprintln!(
+            "skipped: no idemdb-pg binary (cargo build --release -p idemdb-postgres, or set \
+             IDEMDB_PG_BIN)"
+        );
+        return;
+    };
+    let server = match pg_server::Server::start() {
+        Ok(server) => server,
+        Err(why) => {
+            eprintln!("skipped: cannot start PostgreSQL ({why})");
+            return;
+        }
+    };
+    let url = server.url();
+    // Consumers' records in every state: completed (one expired, one binary key, one never
+    // expiring), a recorded failure, in progress (external claims), released.
+    let now_ms = real_now_ms();
+    let store = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: MockClock::new(now_ms - 10 * DAY_MS),
+    };
+    let engine = store.open();
+    commit(&engine, "billing", b"old-order", "accepted old-order");
+    store.clock.set(now_ms - 60 * MINUTE_MS);
+    let payments = engine.consumer("payments").unwrap();
+    let external = |key: &str, holder: &str| match payments
+        .begin_external(key, Fingerprint::of(key), Duration::from_secs(3600), holder)
+        .unwrap()
+    {
+        Outcome::Fresh(claim) => claim,
+        other => panic!("{key}: expected fresh, got {other:?}"),
+    };
+    drop(external("charge-stuck", "worker-1"));
+    store.clock.set(now_ms);
+    drop(external("charge-fresh", "worker-2"));
+    external("charge-failed", "worker-3")
+        .fail(FailurePolicy::RecordFailure("card declined".into()))
+        .unwrap();
+    external("charge-released", "worker-4").release().unwrap();
+    commit(&engine, "billing", b"order-1", "accepted order-1");
+    commit(&engine, "billing", b"\x00\xffbin", "bin");
+    let audit = engine.consumer("audit").unwrap();
+    let Outcome::Fresh(mut claim) = audit.begin("entry-1", Fingerprint::of("e")).unwrap() else {
+        panic!("entry-1: expected fresh");
+    };
+    claim.set_expiry(Expiry::Never).unwrap();
+    claim.commit("kept").unwrap();
+    drop(engine);
+
+    let output = idemdb(&["export", store.path()]);
+    expect_code(&output, 0);
+    let first = output.stdout;
+    assert_eq!(String::from_utf8_lossy(&first).lines().count(), 8);
+
+    let connection = ["--url", url.as_str(), "--schema", "moved"];
+    let with = |command: &str, extra: &[&str]| -> Vec<String> {
+        let mut args = vec![command.to_owned()];
+        args.extend(connection.iter().chain(extra).map(|arg| (*arg).to_owned()));
+        args
+    };
+    let run = |args: Vec<String>, stdin: &[u8]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        idemdb_pg(&pg_tool, &args, stdin)
+    };
+    expect_code(&run(with("install", &[]), b""), 0);
+    let output = run(with("import", &[]), &first);
+    expect_code(&output, 0);
+    assert!(
+        stdout(&output).contains("imported 8, overwritten 0, skipped 0"),
+        "{}",
+        stdout(&output)
+    );
+    let output = run(with("export", &[]), b"");
+    expect_code(&output, 0);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&first),
+        "PostgreSQL's export is the embedded store's, byte for byte and in its order"
+    );
+    let from_postgres = output.stdout;
+
+    let back = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: MockClock::new(now_ms),
+    };
+    drop(back.open());
+    let output = idemdb_with_input(&["import", back.path(), "--json"], Some(&from_postgres));
+    expect_code(&output, 0);
+    assert_eq!(json(&output)["imported"], 8);
+    let output = idemdb(&["export", back.path()]);
+    expect_code(&output, 0);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&first),
+        "embedded -> PostgreSQL -> embedded keeps every record exactly"
+    );
+
+    // An entity table's record has no place in PostgreSQL: refused, nothing written.
+    let (entities, engine) = fixture();
+    drop(engine);
+    let output = idemdb(&["export", entities.path()]);
+    let output = run(with("import", &["--overwrite"]), &output.stdout);
+    expect_code(&output, 2);
+    assert!(stderr(&output).contains("customers"), "{}", stderr(&output));
+    let output = run(with("export", &[]), b"");
+    assert_eq!(
+        output.stdout, from_postgres,
+        "nothing of the refused input was written"
+    );
+    drop(server);
 }

@@ -23,6 +23,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "operand",
             "printable",
             "record",
+            "transfer",
             "ttl",
         ],
     ),

@@ -66,6 +66,23 @@ pub enum Error {
         /// What is wrong with them.
         detail: String,
     },
+    /// An import's input is not export lines (a line is malformed, or reading it failed);
+    /// nothing was written.
+    #[error("{0}; nothing was imported")]
+    ImportInput(#[from] idemdb::transfer::ReadError),
+    /// An import's record that PostgreSQL does not keep (an entity table's, or one without a
+    /// consumer) or a key given twice; nothing was written.
+    #[error("import record {position}: {reason}; nothing was imported")]
+    NotImportable {
+        /// Where it is in the input, from 1: its line number in lines read, its index + 1 in
+        /// records given.
+        position: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Writing an export failed.
+    #[error("writing the export: {0}")]
+    ExportOutput(#[source] std::io::Error),
     /// PostgreSQL or the connection failed. During a commit, the outcome may be unknown (the
     /// connection dropped after COMMIT was sent): do not acknowledge; the redelivery finds
     /// either `Duplicate` or `Fresh`, never half of the commit.

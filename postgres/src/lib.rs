@@ -77,6 +77,7 @@ mod error;
 mod external;
 mod schema;
 mod ticket;
+mod transfer;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -97,6 +98,7 @@ pub use external::{
 };
 pub use schema::{DAY_MS, Names, SCHEMA_VERSION, install};
 pub use ticket::PgLeaseTicket;
+pub use transfer::{CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts};
 
 /// How long a completed record is kept when the builder is not told: 7 days, as in the
 /// embedded engine.

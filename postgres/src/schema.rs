@@ -18,6 +18,11 @@ const NAME_BYTES_MAX: usize = 63 - "_version".len();
 /// One day in milliseconds: the width of a partition of removable rows.
 pub const DAY_MS: i64 = 86_400_000;
 
+/// The last day with a partition of its own: its name (`_d` and the day) must fit
+/// [`NAME_BYTES_MAX`]'s allowance of 6 digits. Rows removable later (after the year 4707) go to
+/// the open partition, as rows that are never removable do.
+pub(crate) const DAY_PARTITION_LAST: i64 = 999_999;
+
 /// The `expires_at_ms` of a row that is never removable by time (in-progress records, and
 /// retentions past what `int8` holds): the first value of the open partition.
 pub(crate) const NEVER_MS: i64 = i64::MAX;
@@ -253,6 +258,23 @@ pub(crate) async fn ensure_partitions(
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
         .await?;
     for day in first_day..=last_day {
+        create_day_partition(&tx, names, day).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Makes sure the partition of each of `days` exists (an import's rows, whatever their days).
+/// Safe to run from several processes at once: they take turns under the installers' lock.
+pub(crate) async fn ensure_day_partitions(
+    client: &mut Client,
+    names: &Names,
+    days: impl IntoIterator<Item = i64>,
+) -> Result<()> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
+        .await?;
+    for day in days {
         create_day_partition(&tx, names, day).await?;
     }
     tx.commit().await?;

@@ -22,7 +22,10 @@
 //! again. On a second server of their own (so that the others are never disturbed), a restart
 //! after a fast shutdown and after a crash (SIGKILL of every server process) with a claim, a
 //! batch and an external claim held: retryable errors, nothing uncommitted lands, the store
-//! goes on; and commits in flight at a crash land whole or not at all.
+//! goes on; and commits in flight at a crash land whole or not at all. Moving records: export
+//! lines imported and exported back exactly, a held key skipped or replaced, bad input refused
+//! with nothing written, an import waiting for a live claim of its key. Lease tickets: an
+//! external claim resumed after its holder's restart, refused once taken over or completed.
 //!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
@@ -164,6 +167,7 @@ fn main() {
         a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all,
         spare
     );
+    scenario!(export_lines_import_and_export_back_exactly_under_each_keys_lock);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -3490,5 +3494,209 @@ async fn a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all(
     println!(
         "  crash: {acknowledged} acknowledged commits survived; of {unknown} cut off, {landed_unknown} had landed"
     );
+    Ok(())
+}
+
+/// The export lines of records in every state, in the order exports write them.
+fn transfer_lines(result: &str) -> Vec<u8> {
+    use idemdb::format::{Record, RecordState};
+    use idemdb::transfer::{CONSUMERS_TABLE, ExportLine};
+    let day_ms = idemdb_postgres::DAY_MS as u64;
+    let now_ms = 1_700_000_000_000u64;
+    let mut records: Vec<(&[u8], &[u8], Record)> = Vec::new();
+    let mut record = |consumer: &'static [u8], key: &'static [u8], epoch, state| {
+        let mut made = Record::new(
+            epoch,
+            now_ms,
+            now_ms + day_ms,
+            Fingerprint::of(key),
+            result.to_owned().into(),
+        );
+        made.state = state;
+        records.push((consumer, key, made));
+    };
+    let done = |expires_at_ms, succeeded| RecordState::Completed {
+        committed_at_ms: now_ms,
+        expires_at_ms,
+        result: result.to_owned().into(),
+        succeeded,
+    };
+    // Consumer ids shorter first, then keys byte by byte: the order of every export.
+    record(
+        b"audit",
+        b"entry-1",
+        1,
+        done(idemdb::EXPIRES_NEVER_MS, true),
+    );
+    record(
+        b"billing",
+        b"\x00\xffbin",
+        2,
+        done(now_ms + 3 * day_ms, true),
+    );
+    record(b"billing", b"order-1", 1, done(now_ms + day_ms, true));
+    record(b"billing", b"order-2", 4, done(now_ms + 2 * day_ms, false));
+    record(
+        b"payments",
+        b"charge-1",
+        1,
+        RecordState::InProgress {
+            since_ms: now_ms,
+            lease_until_ms: now_ms + 60_000,
+            holder: "worker-1".into(),
+            token: 77,
+        },
+    );
+    record(
+        b"payments",
+        b"charge-2",
+        3,
+        RecordState::Released {
+            released_at_ms: now_ms,
+            removable_at_ms: now_ms + day_ms,
+        },
+    );
+    let mut text = Vec::new();
+    for (consumer, key, record) in &records {
+        ExportLine::of(CONSUMERS_TABLE, Some(consumer), key, record)
+            .write_to(&mut text)
+            .expect("to memory");
+    }
+    text
+}
+
+async fn export_text(store: &PgStore, client: &Client) -> Result<Vec<u8>, Failure> {
+    let mut text = Vec::new();
+    let report = store.export(client, &mut text).await?;
+    assert!(report.corrupt.is_empty());
+    Ok(text)
+}
+
+async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "transfer").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let lines = transfer_lines("first");
+    let counts = store.import_lines(&mut client, &lines[..], false).await?;
+    assert_eq!(
+        (counts.imported, counts.overwritten, counts.skipped),
+        (6, 0, 0)
+    );
+    assert_eq!(
+        export_text(&store, &client).await?,
+        lines,
+        "export gives back the lines"
+    );
+    let mut one = Vec::new();
+    store.consumer("billing")?.export(&client, &mut one).await?;
+    assert_eq!(String::from_utf8(one)?.lines().count(), 3);
+    // The rows sit in their days' partitions, and claims read the imported records.
+    assert_eq!(count_rows(&client, "transfer.records_open").await?, 2);
+    // The imported in-progress record's lease ran out long ago (2023): the key is taken over
+    // at the next epoch, with the imported attempt as the previous one.
+    match store
+        .consumer("payments")?
+        .begin(&mut client, "charge-1", Fingerprint::of("x"))
+        .await?
+    {
+        Outcome::Fresh(claim) if claim.epoch() == 2 && claim.previous_attempt().is_some() => {
+            claim.abort().await?;
+        }
+        other => return Err(format!("charge-1: {other:?}").into()),
+    }
+
+    // Keys that hold a record keep it without overwrite, and get the new one with it.
+    let second = transfer_lines("second");
+    let counts = store.import_lines(&mut client, &second[..], false).await?;
+    assert_eq!(
+        (counts.imported, counts.overwritten, counts.skipped),
+        (0, 0, 6)
+    );
+    assert_eq!(export_text(&store, &client).await?, lines);
+    let counts = store.import_lines(&mut client, &second[..], true).await?;
+    assert_eq!(
+        (counts.imported, counts.overwritten, counts.skipped),
+        (0, 6, 0)
+    );
+    assert_eq!(export_text(&store, &client).await?, second);
+
+    // Bad input is a typed error and writes nothing, not even the good lines before it.
+    let mut fresh_key = Vec::new();
+    idemdb::transfer::ExportLine::of(
+        idemdb::transfer::CONSUMERS_TABLE,
+        Some(b"billing"),
+        b"order-new",
+        &idemdb::format::Record::new(1, 1, u64::MAX, Fingerprint::of("n"), "r".into()),
+    )
+    .write_to(&mut fresh_key)?;
+    let mut malformed = fresh_key.clone();
+    malformed.extend_from_slice(b"{\"table\":\"idemdb.records\"}\n");
+    match store.import_lines(&mut client, &malformed[..], true).await {
+        Err(Error::ImportInput(idemdb::transfer::ReadError::Line { line: 2, .. })) => {}
+        other => return Err(format!("malformed line: {other:?}").into()),
+    }
+    let mut entity = fresh_key.clone();
+    let entity_line = String::from_utf8(fresh_key.clone())?
+        .replace("\"idemdb.records\"", "\"customers\"")
+        .replace(
+            "\"consumer\":\"billing\",\"consumer_hex\":\"62696c6c696e67\",",
+            "\"consumer\":null,\"consumer_hex\":null,",
+        );
+    entity.extend_from_slice(entity_line.as_bytes());
+    match store.import_lines(&mut client, &entity[..], true).await {
+        Err(Error::NotImportable { position: 2, .. }) => {}
+        other => return Err(format!("entity line: {other:?}").into()),
+    }
+    let twice = [fresh_key.clone(), fresh_key.clone()].concat();
+    match store.import_lines(&mut client, &twice[..], true).await {
+        Err(Error::NotImportable { position: 2, .. }) => {}
+        other => return Err(format!("a key twice: {other:?}").into()),
+    }
+    assert_eq!(
+        export_text(&store, &client).await?,
+        second,
+        "nothing written"
+    );
+
+    // A live claim of a key holds its lock: the import waits for its commit, then finds the
+    // record and leaves it (no second record of the key).
+    let mut claimant = connect(url).await?;
+    let billing = store.consumer("billing")?;
+    let Outcome::Fresh(claim) = billing
+        .begin(&mut claimant, "order-new", Fingerprint::of("c"))
+        .await?
+    else {
+        return Err("order-new: expected fresh".into());
+    };
+    let importer = {
+        let (store, url, input) = (store.clone(), url.to_owned(), fresh_key.clone());
+        tokio::spawn(async move {
+            let mut client = connect(&url).await.expect("connect");
+            store.import_lines(&mut client, &input[..], false).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !importer.is_finished(),
+        "the import waits for the claim's lock"
+    );
+    claim.commit(b"claimed").await?;
+    let counts = importer.await??;
+    assert_eq!((counts.imported, counts.skipped), (0, 1));
+    let kept = billing
+        .get(&client, "order-new")
+        .await?
+        .ok_or("order-new is gone")?;
+    assert_eq!(kept.result().map(|r| r.as_ref()), Some(&b"claimed"[..]));
+    let rows: i64 = client
+        .query_one(
+            "SELECT count(*) FROM transfer.records WHERE message_key = 'order-new'::bytea",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(rows, 1, "one record of the key");
     Ok(())
 }

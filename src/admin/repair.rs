@@ -8,12 +8,12 @@ use rocksdb::WriteBatch;
 
 use crate::claim::Expiry;
 use crate::engine::Engine;
-use crate::error::{Error, Limit, Result, check_limit};
+use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
 use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::lease::{LATCH_WAIT, Resolution};
 use crate::operand::Operand;
-use crate::record::{HOLDER_BYTES_MAX, Record, RecordState, is_expired};
+use crate::record::{Record, RecordState, check_given_record, is_expired};
 use crate::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableKind};
@@ -76,21 +76,7 @@ impl ImportRecord {
                 key.to_vec()
             }
         };
-        if epoch == 0 {
-            return Err(Error::invalid_argument(
-                "a record's epoch is 0; epochs start at 1",
-            ));
-        }
-        // Record::encode asserts these bounds; bad input must be an error instead.
-        match &state {
-            RecordState::Completed { result, .. } => {
-                crate::record::check_result(result)?;
-            }
-            RecordState::InProgress { holder, .. } => {
-                check_limit(Limit::HolderBytes, holder.len(), 0, HOLDER_BYTES_MAX)?;
-            }
-            RecordState::Released { .. } => {}
-        }
+        check_given_record(epoch, &state)?;
         Ok(ImportRecord {
             table: table.into(),
             consumer: consumer.map(<[u8]>::to_vec),
@@ -336,7 +322,7 @@ impl Store {
 mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
-    use crate::record::RecordState;
+    use crate::record::{HOLDER_BYTES_MAX, RecordState};
     use bytes::Bytes;
 
     #[test]

@@ -1,200 +1,52 @@
-//! What `--json` prints: the record type export writes and import reads back, and the documents
-//! of the other commands.
+//! What `--json` prints: the documents of the commands. Export lines are the library's
+//! (`idemdb::transfer`), shared with the other backends.
 
 use std::io::{self, Write};
 use std::path::Path;
 use std::time::Duration;
 
-use bytes::Bytes;
-use hex::FromHex;
 use idemdb::admin::{
-    Entry, ImportCounts, ImportRecord, Page, PurgeReport, StateCounts, Store, StoreStats, Transfer,
+    Entry, ImportCounts, Page, PurgeReport, StateCounts, Store, StoreStats, Transfer,
     TransferReport, VerifyReport,
 };
 use idemdb::format::printable;
-use idemdb::{Fingerprint, Record, RecordState};
-use serde::{Deserialize, Serialize};
+use idemdb::transfer::{LineKey, LineRecord};
+use serde::Serialize;
 use serde_json::Value;
 
 use crate::Failure;
 use crate::render::stored_key_labels;
 
-/// One record as JSON: an `export` line (read back by `import`, from the exact `*_hex` fields),
-/// or a `get` / `list` entry (with `status`; corrupt entries with `error`).
-#[derive(Default, Serialize, Deserialize)]
+/// One entry of `get` and `list`: an export line's fields (the shared [`LineKey`] and
+/// [`LineRecord`]) with what the record means now (`status`) after the key, and for a corrupt
+/// entry (state `corrupt`) the reason after the rest. Export lines themselves are
+/// [`idemdb::transfer::ExportLine`]s.
+#[derive(Serialize)]
 pub struct RecordJson {
-    table: String,
-    consumer: Option<String>,
-    consumer_hex: Option<String>,
-    key: String,
-    key_hex: String,
-    /// What the record means now (not in export lines, which hold stored facts only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(flatten)]
+    key: LineKey,
+    #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<String>,
-    /// `completed`, `in_progress`, `released`, or `corrupt`.
-    state: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    epoch: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    fingerprint: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    committed_at_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    expires_at_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    succeeded: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    result: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    result_hex: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    since_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    lease_until_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    holder: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    holder_hex: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    token: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    released_at_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    removable_at_ms: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(flatten)]
+    record: LineRecord,
+    #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
 
 impl RecordJson {
-    /// `now_ms` adds the `status` (get, list); export leaves it out.
-    pub fn of(entry: &Entry, now_ms: Option<u64>) -> RecordJson {
-        let json = RecordJson {
-            table: entry.table.clone(),
-            consumer: entry.consumer.as_deref().map(printable),
-            consumer_hex: entry.consumer.as_deref().map(hex::encode),
-            key: printable(&entry.key),
-            key_hex: hex::encode(&entry.key),
-            status: now_ms.map(|now_ms| entry.state_at(now_ms).to_string()),
-            ..RecordJson::default()
+    /// `now_ms` adds the `status`.
+    pub fn of(entry: &Entry, now_ms: u64) -> RecordJson {
+        let (record, error) = match &entry.record {
+            Ok(record) => (LineRecord::of(record), None),
+            Err(reason) => (LineRecord::corrupt(), Some(reason.to_string())),
         };
-        match &entry.record {
-            Ok(record) => json.with_record(record),
-            Err(reason) => RecordJson {
-                state: "corrupt".to_owned(),
-                error: Some(reason.to_string()),
-                ..json
-            },
+        RecordJson {
+            key: LineKey::new(&entry.table, entry.consumer.as_deref(), &entry.key),
+            status: Some(entry.state_at(now_ms).to_string()),
+            record,
+            error,
         }
     }
-
-    /// These fields with the ones of a decoded record.
-    fn with_record(mut self, record: &Record) -> RecordJson {
-        self.epoch = Some(record.epoch);
-        self.fingerprint = Some(record.fingerprint.to_string());
-        let state = match &record.state {
-            RecordState::Completed {
-                committed_at_ms,
-                expires_at_ms,
-                result,
-                succeeded,
-            } => {
-                self.committed_at_ms = Some(*committed_at_ms);
-                self.expires_at_ms = Some(*expires_at_ms);
-                self.succeeded = Some(*succeeded);
-                self.result = Some(printable(result));
-                self.result_hex = Some(hex::encode(result));
-                "completed"
-            }
-            RecordState::InProgress {
-                since_ms,
-                lease_until_ms,
-                holder,
-                token,
-            } => {
-                self.holder = Some(printable(holder));
-                self.holder_hex = Some(hex::encode(holder));
-                self.token = Some(*token);
-                self.since_ms = Some(*since_ms);
-                self.lease_until_ms = Some(*lease_until_ms);
-                "in_progress"
-            }
-            RecordState::Released {
-                released_at_ms,
-                removable_at_ms,
-            } => {
-                self.released_at_ms = Some(*released_at_ms);
-                self.removable_at_ms = Some(*removable_at_ms);
-                "released"
-            }
-            // A state this CLI does not know (a newer library): say so rather than guess.
-            _ => "unknown",
-        };
-        self.state = state.to_owned();
-        self
-    }
-
-    /// The record an export line describes, from its exact fields (`*_hex`, numbers).
-    pub fn into_import(self) -> Result<ImportRecord, String> {
-        let key = unhex_field(&self.key_hex, "key_hex")?;
-        let consumer = match &self.consumer_hex {
-            Some(consumer) => Some(unhex_field(consumer, "consumer_hex")?),
-            None => None,
-        };
-        let epoch = required(self.epoch, "epoch")?;
-        let fingerprint = required(self.fingerprint.as_deref(), "fingerprint")?;
-        // Export writes the fingerprint's Display form: 32 hex digits, most significant first.
-        let fingerprint = <[u8; 16]>::from_hex(fingerprint)
-            .map(|bytes| Fingerprint::from_u128(u128::from_be_bytes(bytes)))
-            .map_err(|_| "\"fingerprint\" is not 32 hex digits")?;
-        let state = self.stored_state()?;
-        ImportRecord::new(
-            self.table,
-            consumer.as_deref(),
-            &key,
-            epoch,
-            fingerprint,
-            state,
-        )
-        .map_err(|error| error.to_string())
-    }
-
-    /// The state an export line describes, from its `state` and that state's fields.
-    fn stored_state(&self) -> Result<RecordState, String> {
-        Ok(match self.state.as_str() {
-            "completed" => RecordState::Completed {
-                committed_at_ms: required(self.committed_at_ms, "committed_at_ms")?,
-                expires_at_ms: required(self.expires_at_ms, "expires_at_ms")?,
-                result: required_bytes(self.result_hex.as_deref(), "result_hex")?,
-                succeeded: required(self.succeeded, "succeeded")?,
-            },
-            "in_progress" => RecordState::InProgress {
-                since_ms: required(self.since_ms, "since_ms")?,
-                lease_until_ms: required(self.lease_until_ms, "lease_until_ms")?,
-                holder: required_bytes(self.holder_hex.as_deref(), "holder_hex")?,
-                token: required(self.token, "token")?,
-            },
-            "released" => RecordState::Released {
-                released_at_ms: required(self.released_at_ms, "released_at_ms")?,
-                removable_at_ms: required(self.removable_at_ms, "removable_at_ms")?,
-            },
-            other => return Err(format!("state {other:?} cannot be imported")),
-        })
-    }
-}
-
-/// A field an import line must have for its state.
-fn required<T>(value: Option<T>, name: &str) -> Result<T, String> {
-    value.ok_or_else(|| format!("missing {name:?}"))
-}
-
-/// The bytes of a `*_hex` field an import line must have.
-fn required_bytes(value: Option<&str>, name: &str) -> Result<Bytes, String> {
-    unhex_field(required(value, name)?, name).map(Bytes::from)
-}
-
-/// The bytes a `*_hex` field spells.
-fn unhex_field(digits: &str, name: &str) -> Result<Vec<u8>, String> {
-    hex::decode(digits).map_err(|_| format!("{name:?} is not hex"))
 }
 
 pub fn write_json(out: &mut impl Write, value: &impl Serialize) -> Result<(), Failure> {
@@ -254,7 +106,7 @@ pub fn page_json(page: &Page, now_ms: u64) -> Value {
     let entries: Vec<_> = page
         .entries
         .iter()
-        .map(|entry| RecordJson::of(entry, Some(now_ms)))
+        .map(|entry| RecordJson::of(entry, now_ms))
         .collect();
     let next = page.next.as_ref().map(ToString::to_string);
     serde_json::json!({"entries": entries, "next": next})

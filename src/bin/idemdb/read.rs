@@ -8,6 +8,7 @@ use std::path::Path;
 
 use idemdb::admin::{Filter, Store};
 use idemdb::format::printable;
+use idemdb::transfer::ExportLine;
 
 use crate::args::{ExportArgs, InProgressArgs, KeyArgs, ListArgs, PageArgs, StoreArg};
 use crate::json::{RecordJson, page_json, stats_json, verify_json, write_json};
@@ -47,7 +48,7 @@ pub fn get(path: &Path, key: KeyArgs, json: bool, out: &mut impl Write) -> Resul
     };
     let now_ms = store.now_ms();
     if json {
-        write_json(out, &RecordJson::of(&entry, Some(now_ms)))?;
+        write_json(out, &RecordJson::of(&entry, now_ms))?;
     } else {
         write_record(out, &entry, now_ms)?;
     }
@@ -111,19 +112,21 @@ pub fn export(args: &ExportArgs, out: &mut impl Write) -> Result<u8, Failure> {
     let mut failed: Option<io::Error> = None;
     let mut skipped = 0u64;
     store.scan(&args.scope.filter(), None, |entry| {
-        if let Err(reason) = &entry.record {
-            skipped += 1;
-            eprintln!(
-                "idemdb: skipped corrupt entry: table {}, consumer {}, key {}: {reason}",
-                entry.table,
-                consumer_label(entry.consumer.as_deref(), &entry.table),
-                printable(&entry.key)
-            );
-            return ControlFlow::Continue(());
-        }
-        let line = serde_json::to_writer(&mut *writer, &RecordJson::of(&entry, None))
-            .map_err(io::Error::from)
-            .and_then(|()| writer.write_all(b"\n"));
+        let record = match &entry.record {
+            Ok(record) => record,
+            Err(reason) => {
+                skipped += 1;
+                eprintln!(
+                    "idemdb: skipped corrupt entry: table {}, consumer {}, key {}: {reason}",
+                    entry.table,
+                    consumer_label(entry.consumer.as_deref(), &entry.table),
+                    printable(&entry.key)
+                );
+                return ControlFlow::Continue(());
+            }
+        };
+        let line = ExportLine::of(&entry.table, entry.consumer.as_deref(), &entry.key, record)
+            .write_to(&mut *writer);
         match line {
             Ok(()) => ControlFlow::Continue(()),
             Err(error) => {

@@ -8,13 +8,12 @@ use std::time::{Duration, Instant};
 
 use idemdb::admin::{ImportRecord, Invalidation, Store};
 use idemdb::format::printable;
+use idemdb::transfer::{ReadError, read_lines};
 use idemdb::{Error, Resolution};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{ImportArgs, InProgressKeyArgs, KeyArgs, ResolveOpenArgs, WaitArg};
-use crate::json::{
-    RecordJson, import_json, invalidated_json, purge_json, resolved_json, write_json,
-};
+use crate::json::{import_json, invalidated_json, purge_json, resolved_json, write_json};
 use crate::render::{write_import, write_invalidated, write_purge, write_resolved};
 use crate::{EXIT_OK, EXIT_PROBLEM, Failure};
 
@@ -168,24 +167,31 @@ pub fn import(args: &ImportArgs, json: bool, out: &mut impl Write) -> Result<u8,
     })
 }
 
-/// The records of export's JSON lines in `input` (standard input for `-` or none); blank lines
-/// are passed over, a malformed one is an input error naming its line number.
+/// The records of export's JSON lines in `input` (standard input for `-` or none), all read and
+/// checked before any is written: blank lines are passed over, a malformed one is an input error
+/// naming its line number.
 fn read_import_lines(input: Option<&Path>) -> Result<Vec<ImportRecord>, Failure> {
     let input: Box<dyn BufRead> = match input {
         Some(path) if path.as_os_str() != "-" => Box::new(io::BufReader::new(File::open(path)?)),
         _ => Box::new(io::stdin().lock()),
     };
-    let mut records = Vec::new();
-    for (index, line) in input.lines().enumerate() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let record = serde_json::from_str::<RecordJson>(&line)
-            .map_err(|error| error.to_string())
-            .and_then(RecordJson::into_import)
-            .map_err(|reason| Failure::Input(format!("import line {}: {reason}", index + 1)))?;
-        records.push(record);
-    }
-    Ok(records)
+    let lines = read_lines(input).map_err(|error| match error {
+        ReadError::Io(error) => Failure::from(error),
+        line => Failure::Input(line.to_string()),
+    })?;
+    lines
+        .into_iter()
+        .map(|(line, record)| {
+            let stored = record.record();
+            ImportRecord::new(
+                record.table(),
+                record.consumer(),
+                record.key(),
+                stored.epoch,
+                stored.fingerprint,
+                stored.state.clone(),
+            )
+            .map_err(|error| Failure::Input(format!("import line {line}: {error}")))
+        })
+        .collect()
 }
