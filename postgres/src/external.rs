@@ -443,7 +443,12 @@ impl PgExternalClaim {
     /// Counts and logs a lease step as the embedded engine does: `complete` (a commit) is
     /// counted with the commits, a step refused with `LeaseLost` with the lost leases, and
     /// every written or refused step is logged.
-    fn observed(&self, step: &'static str, result: std::result::Result<(), &Error>, started: Instant) {
+    fn observed(
+        &self,
+        step: &'static str,
+        result: std::result::Result<(), &Error>,
+        started: Instant,
+    ) {
         let metrics = &self.consumer.metrics;
         match result {
             Ok(()) => {
@@ -454,7 +459,13 @@ impl PgExternalClaim {
             }
             Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch })) => {
                 metrics.lease_lost();
-                metrics.log_step(step, &self.stored_key, self.epoch, Some(*current_epoch), None);
+                metrics.log_step(
+                    step,
+                    &self.stored_key,
+                    self.epoch,
+                    Some(*current_epoch),
+                    None,
+                );
             }
             Err(_) => {}
         }

@@ -363,7 +363,7 @@ impl PgConsumer {
     ///     .correlation_id("req-9f2c");
     /// match customers.begin_message(client, &message).await? {
     ///     Outcome::Fresh(claim) => claim.commit(b"applied").await?, // records version 12 too
-    ///     Outcome::Stale { current_version } => { /* 12 or newer applied already: acknowledge */ }
+    ///     Outcome::Stale { .. } => { /* 12 or newer applied already: acknowledge */ }
     ///     _ => { /* as for begin */ }
     /// }
     /// # Ok(())
@@ -930,7 +930,10 @@ const LOCK_KEY_AND_ENTITY: &str = "SELECT pg_try_advisory_xact_lock($1), \
 pub(crate) fn entity_lock_id(namespace: &str, stored_entity: &[u8]) -> (i32, i32) {
     let hash = lock_id(namespace, stored_entity).to_be_bytes();
     let [a, b, c, d, e, f, g, h] = hash;
-    (i32::from_be_bytes([a, b, c, d]), i32::from_be_bytes([e, f, g, h]))
+    (
+        i32::from_be_bytes([a, b, c, d]),
+        i32::from_be_bytes([e, f, g, h]),
+    )
 }
 
 /// The advisory lock of a stored key in a table: a 64-bit hash of both.
