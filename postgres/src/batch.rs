@@ -141,8 +141,9 @@ impl PgConsumer {
     /// [`PgBatchOutcome::ConflictInBatch`]. Never waits for another holder. An empty batch is
     /// an empty transaction.
     ///
-    /// Pairs rather than `idemdb::Message`s: a `Message`'s fields are private to idemdb, and
-    /// this backend has neither the admission floor nor the ordering guard it can carry.
+    /// Pairs rather than `idemdb::Message`s: batches on this backend take neither the admission
+    /// floor nor the ordering guard a message can carry (single claims do:
+    /// [`PgConsumer::begin_message`]).
     ///
     /// # Errors
     /// [`Error::Idemdb`] with `LimitExceeded` for more than [`BATCH_MESSAGES_MAX`] messages or

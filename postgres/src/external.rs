@@ -432,7 +432,7 @@ impl PgExternalClaim {
             self.fingerprint,
             self.epoch,
             true,
-            result.as_ref(),
+            result,
             false,
         )
         .await?;

@@ -29,8 +29,29 @@
 //! [`PgConsumer::resolve`] completes one with a known result or releases it, under the key's
 //! lock, whoever holds it: that holder's next step is `LeaseLost`.
 //!
+//! **Admission floor and ordering guard**, as the embedded engine's, through
+//! [`PgConsumer::begin_message`] and an [`idemdb::Message`]: with
+//! [`StoreBuilder::admission_floor`] on, a message produced longer ago than the retention is
+//! `TooLate`; a message carrying `version(entity, v)` is claimed only if `v` is newer than the
+//! entity's highest applied version (kept in the versions table, schema version 3, written by
+//! the commit in the claim's transaction), else `Stale`, and `InProgress` at once while another
+//! claim of the entity is open (the entity's own advisory lock).
+//!
+//! **Downstream keys.** [`PgClaim::derive_key`] (and the external and batch claims') is the
+//! embedded derivation: the same key for the same consumer, message key and step on both
+//! backends.
+//!
+//! **Observability.** The embedded engine's metric names, labels and `tracing` events (see
+//! idemdb's crate docs, Observability), with the label `backend="postgres"` on every series
+//! (the embedded engine's carry `backend="rocksdb"`): `idemdb_outcomes_total`,
+//! `idemdb_commits_total`, `idemdb_lease_lost_total`, `idemdb_claim_seconds`,
+//! `idemdb_commit_seconds`, `idemdb_duplicate_age_seconds`. The handles are registered when a
+//! consumer's handle is made ([`PgStore::consumer`]): install the recorder first. Not here:
+//! the `idemdb_in_progress` gauge (an external claim here is a cloneable value, not a handle
+//! whose drop can be counted) and the opener's extra labels.
+//!
 //! **Removal.** Records are range-partitioned by the day they become removable (schema
-//! version 2; `install` migrates version 1). Reads are exact at the expiry millisecond
+//! version 2 on; `install` migrates versions 1 and 2). Reads are exact at the expiry millisecond
 //! whatever is stored; [`PgStore::maintain`], run regularly, drops each day's partition once
 //! all of it has expired: no `DELETE`, no dead rows, the same cost at any number of records.
 //! Claims create the partitions of the days ahead before their transaction begins. Retention

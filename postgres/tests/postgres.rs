@@ -16,7 +16,11 @@
 //! version 1 table. Faults: a connection lost before the commit (nothing lands, the key is
 //! free) and during it (the COMMIT waits for a standby, its server process is terminated: the
 //! redelivery finds `Duplicate` and the business row once); a deadlock in the business SQL
-//! (retryable, nothing of the victim lands, its key is free).
+//! (retryable, nothing of the victim lands, its key is free). Parity with the embedded engine:
+//! the admission floor, the ordering guard (stale versions, the entity held by an open claim,
+//! versions recorded only by commits), the migration of a version 2 schema, derived keys equal
+//! to the embedded engine's, and the metrics under the embedded names with
+//! `backend="postgres"`.
 
 #[path = "support/server.rs"]
 mod server;
