@@ -2636,7 +2636,7 @@ async fn the_ordering_guard_applies_only_newer_versions_of_an_entity(
     let clock = MockClock::new(3_600_000);
     let store = mock_store(&client, names, &clock, false).await?;
     let consumer = store.consumer("c")?;
-    let body = |n: u64| Fingerprint::of(&n.to_be_bytes());
+    let body = |n: u64| Fingerprint::of(n.to_be_bytes());
     let event = |key: &'static str, version: u64| {
         Message::new(key, body(version)).version("customer-7", version)
     };
