@@ -201,7 +201,8 @@ pub(crate) fn decide(
     }
 }
 
-/// The ordering guard: takes the latch of the entity's version and compares. Returns the
+/// The ordering guard: takes the latch of the entity's version and compares (the decision
+/// core's `guard_order`). Returns the
 /// outcome to report instead of a claim (stale, or the entity busy), or `None` with the version
 /// latch held by the caller's claim.
 fn guard_order(
@@ -221,12 +222,12 @@ fn guard_order(
             return Err(error);
         }
     };
-    match current {
-        Some(current_version) if version <= current_version => {
+    match crate::decision::guard_order(current, version) {
+        Some(stale) => {
             inner.version_latches.release(version_key);
-            Ok(Some(Outcome::Stale { current_version }))
+            Ok(Some(stale))
         }
-        _ => Ok(None),
+        None => Ok(None),
     }
 }
 

@@ -274,6 +274,30 @@ fn held_under_lease(
     })
 }
 
+/// The ordering guard: a message carrying `version` of an entity whose highest applied version
+/// is `current_version` (`None`: none recorded) is applied only if it is newer; otherwise the
+/// outcome is [`Outcome::Stale`]. `None` means go on (the claim then records `version`).
+///
+/// ```
+/// use idemdb::Outcome;
+/// use idemdb::decision::guard_order;
+/// assert!(guard_order(None, 1).is_none());
+/// assert!(guard_order(Some(4), 5).is_none());
+/// assert!(matches!(guard_order(Some(5), 5), Some(Outcome::Stale { current_version: 5 })));
+/// ```
+#[must_use]
+pub fn guard_order(
+    current_version: Option<u64>,
+    version: u64,
+) -> Option<Outcome<std::convert::Infallible>> {
+    match current_version {
+        Some(current_version) if version <= current_version => {
+            Some(Outcome::Stale { current_version })
+        }
+        _ => None,
+    }
+}
+
 /// The admission floor: with it on (`floor_retention_ms` is then the retention), a claimable
 /// message produced longer ago than the retention is too late (its record may have expired
 /// already), not new.

@@ -58,4 +58,45 @@ impl<'a> Message<'a> {
         self.correlation_id = Some(correlation_id);
         self
     }
+
+    /// The message key, as given to [`Message::new`]. (The getters let a backend outside this
+    /// crate, idemdb-postgres, read a message the way the engine does.)
+    ///
+    /// ```
+    /// use idemdb::{Fingerprint, Message};
+    /// let message = Message::new(b"order-42", Fingerprint::of(b"body")).version(b"customer-7", 12);
+    /// assert_eq!(message.key(), b"order-42");
+    /// assert_eq!(message.fingerprint(), Fingerprint::of(b"body"));
+    /// assert_eq!(message.entity_version(), Some((&b"customer-7"[..], 12)));
+    /// assert_eq!(message.production_time_ms(), None);
+    /// ```
+    #[must_use]
+    pub fn key(&self) -> &'a [u8] {
+        self.key
+    }
+
+    /// The fingerprint of the message's content.
+    #[must_use]
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// When the producer created the message (ms since the Unix epoch), if given with
+    /// [`Message::produced_at_ms`].
+    #[must_use]
+    pub fn production_time_ms(&self) -> Option<u64> {
+        self.produced_at_ms
+    }
+
+    /// The ordering guard's (entity key, version), if given with [`Message::version`].
+    #[must_use]
+    pub fn entity_version(&self) -> Option<(&'a [u8], u64)> {
+        self.version
+    }
+
+    /// The correlation id, if given with [`Message::correlation_id`].
+    #[must_use]
+    pub fn correlation(&self) -> Option<&'a str> {
+        self.correlation_id
+    }
 }

@@ -94,13 +94,15 @@ pub(crate) struct ConsumerMetrics {
 }
 
 impl ConsumerMetrics {
-    /// `extra` are the opener's labels, added after `consumer` (and `outcome`).
+    /// `extra` are the opener's labels, added after `consumer` (and `outcome`) and `backend`.
     pub(crate) fn new(consumer: &str, extra: &[(String, String)]) -> ConsumerMetrics {
         let labels = |outcome: Option<OutcomeKind>| {
             let mut labels = vec![Label::new("consumer", consumer.to_owned())];
             if let Some(kind) = outcome {
                 labels.push(Label::new("outcome", kind.label()));
             }
+            // Told apart from idemdb-postgres's series (`backend="postgres"`) in one process.
+            labels.push(Label::new("backend", "rocksdb"));
             labels.extend(
                 extra
                     .iter()

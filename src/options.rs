@@ -257,7 +257,7 @@ impl EngineBuilder {
     }
 
     /// Adds the label `name="value"` to every metric this engine reports through the
-    /// `metrics` facade, beside `consumer` (and `outcome`). A process that owns several stores,
+    /// `metrics` facade, beside `consumer` (and `outcome`) and `backend="rocksdb"`. A process that owns several stores,
     /// one per partition, tells their numbers apart this way:
     ///
     /// ```
@@ -269,8 +269,8 @@ impl EngineBuilder {
     /// ```
     ///
     /// At most [`METRICS_LABELS_MAX`] labels. `name` is a Prometheus label name (an ASCII
-    /// letter or `_`, then letters, digits or `_`; not starting with `__`), neither `consumer`
-    /// nor `outcome`, and not given twice; `value` has at most [`METRICS_LABEL_VALUE_BYTES_MAX`]
+    /// letter or `_`, then letters, digits or `_`; not starting with `__`), none of `consumer`,
+    /// `outcome` and `backend`, and not given twice; `value` has at most [`METRICS_LABEL_VALUE_BYTES_MAX`]
     /// bytes. Otherwise the open fails with [`Error::InvalidOption`]. The labels are not
     /// stored: each open declares its own.
     pub fn metrics_label(mut self, name: &str, value: &str) -> EngineBuilder {
@@ -358,7 +358,7 @@ impl EngineBuilder {
                 )));
             }
             // The engine sets these itself; a second one would make the series ambiguous.
-            if name == "consumer" || name == "outcome" {
+            if ["consumer", "outcome", "backend"].contains(&name.as_str()) {
                 return Err(Error::invalid_option(format!(
                     "metrics label {name:?} is set by the engine"
                 )));

@@ -18,6 +18,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
+use std::time::Instant;
 
 use idemdb::decision::{Found, inspect_record};
 use idemdb::format::encode_key;
@@ -26,6 +27,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Transaction};
 
 use crate::error::{Error, Result};
+use crate::observe::{self, OutcomeKind};
 use crate::{PgConsumer, decode_record, lock_id};
 
 /// The most messages one batch claims: the embedded engine's `idemdb::BATCH_MESSAGES_MAX`,
@@ -96,6 +98,8 @@ pub enum PgBatchOutcome {
 #[derive(Debug)]
 struct BatchClaim {
     key: Vec<u8>,
+    /// The key as the embedded engine stores it: what downstream keys are derived from.
+    stored_key: Vec<u8>,
     fingerprint: Fingerprint,
     replaces_epoch: u64,
     previous: Option<PreviousAttempt>,
@@ -137,8 +141,9 @@ impl PgConsumer {
     /// [`PgBatchOutcome::ConflictInBatch`]. Never waits for another holder. An empty batch is
     /// an empty transaction.
     ///
-    /// Pairs rather than `idemdb::Message`s: a `Message`'s fields are private to idemdb, and
-    /// this backend has neither the admission floor nor the ordering guard it can carry.
+    /// Pairs rather than `idemdb::Message`s: batches on this backend take neither the admission
+    /// floor nor the ordering guard a message can carry (single claims do:
+    /// [`PgConsumer::begin_message`]).
     ///
     /// # Errors
     /// [`Error::Idemdb`] with `LimitExceeded` for more than [`BATCH_MESSAGES_MAX`] messages or
@@ -151,6 +156,7 @@ impl PgConsumer {
         client: &'c mut Client,
         messages: &[(K, Fingerprint)],
     ) -> Result<PgClaimBatch<'c>> {
+        let started = Instant::now();
         if messages.len() > BATCH_MESSAGES_MAX {
             return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
                 limit: idemdb::Limit::BatchMessages,
@@ -193,7 +199,7 @@ impl PgConsumer {
             let first = first_of[index];
             let (outcome, claim) = if first == index {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(key.as_ref(), *fingerprint, locked, &taken)?
+                decide(&self.id, key.as_ref(), *fingerprint, locked, &taken)?
             } else {
                 if *fingerprint != messages[first].1 {
                     other_content.push(index);
@@ -222,7 +228,8 @@ impl PgConsumer {
                 let held = Outcome::held_by_claim(taken.now_ms);
                 (PgBatchOutcome::Settled(held), None)
             } else {
-                decide(key, fingerprint, taken.locked(lock_numbers[index]), &taken)?
+                let locked = taken.locked(lock_numbers[index]);
+                decide(&self.id, key, fingerprint, locked, &taken)?
             };
             if claim.is_some() {
                 claimed_by_repeat.insert(key);
@@ -230,7 +237,37 @@ impl PgConsumer {
             batch.outcomes[index] = outcome;
             batch.claims[index] = claim;
         }
+        self.observe_batch(&batch, messages, taken.now_ms, started);
         Ok(batch)
+    }
+
+    /// Counts and logs every message's outcome as the embedded engine does: a settled one with
+    /// an equal share of the batch's time (and its duplicate age), the others counted only; a
+    /// conflict within the batch is a conflict.
+    fn observe_batch<K: AsRef<[u8]>>(
+        &self,
+        batch: &PgClaimBatch<'_>,
+        messages: &[(K, Fingerprint)],
+        now_ms: u64,
+        started: Instant,
+    ) {
+        let share = started.elapsed() / u32::try_from(messages.len().max(1)).unwrap_or(u32::MAX);
+        for (outcome, (key, _)) in batch.outcomes.iter().zip(messages) {
+            let kind = match outcome {
+                PgBatchOutcome::Fresh => OutcomeKind::Fresh,
+                PgBatchOutcome::DuplicateInBatch { .. } => OutcomeKind::DuplicateInBatch,
+                PgBatchOutcome::ConflictInBatch { .. } => OutcomeKind::Conflict,
+                PgBatchOutcome::Settled(outcome) => {
+                    let kind = OutcomeKind::of(outcome);
+                    let age_ms = observe::duplicate_age_ms(outcome, now_ms);
+                    self.metrics.outcome(kind, share, age_ms);
+                    self.metrics.log_begin(key.as_ref(), kind, None);
+                    continue;
+                }
+            };
+            self.metrics.count(kind);
+            self.metrics.log_begin(key.as_ref(), kind, None);
+        }
     }
 
     /// Sends the lock statement and the read together and waits for both: the lock answer of
@@ -291,6 +328,7 @@ impl Taken {
 /// Decides one message of a batch as [`PgConsumer::begin`] decides a claim: `InProgress`
 /// without the key's lock, else from the key's record read after the lock.
 fn decide(
+    consumer_id: &[u8],
     key: &[u8],
     fingerprint: Fingerprint,
     locked: bool,
@@ -312,6 +350,7 @@ fn decide(
         } => {
             let claim = BatchClaim {
                 key: key.to_vec(),
+                stored_key: encode_key(consumer_id, key)?,
                 fingerprint,
                 replaces_epoch,
                 previous,
@@ -388,6 +427,16 @@ impl<'c> PgClaimBatch<'c> {
         self.claims.get(index)?.as_ref()?.previous.as_ref()
     }
 
+    /// The idempotency key to give a downstream call made for message `index` at `step`: the
+    /// embedded engine's derivation ([`idemdb::format::derive_key`]), as
+    /// [`crate::PgClaim::derive_key`] gives it. `None` unless the message is fresh and not
+    /// released.
+    #[must_use]
+    pub fn derive_key(&self, index: usize, step: &str) -> Option<String> {
+        let claim = self.claims.get(index)?.as_ref()?;
+        Some(idemdb::format::derive_key(&claim.stored_key, step))
+    }
+
     /// Leaves message `index` out of the commit (its handler failed): no record is written for
     /// it, so its redelivery is fresh again. Its key stays locked until the batch ends, and
     /// SQL already run for it in the batch's transaction stays in it: roll that back to a
@@ -412,6 +461,7 @@ impl<'c> PgClaimBatch<'c> {
     /// acknowledge the batch, and its redelivery finds every message `Duplicate` or every
     /// message `Fresh`, never half of the batch.
     pub async fn commit<R: AsRef<[u8]>>(self, mut result_of: impl FnMut(usize) -> R) -> Result<()> {
+        let started = Instant::now();
         let PgClaimBatch {
             tx,
             consumer,
@@ -435,6 +485,13 @@ impl<'c> PgClaimBatch<'c> {
             write_records(&tx, &consumer, &held).await?;
         }
         tx.commit().await?;
+        // Each claim's commit is counted and logged, as the embedded batch reports its claims.
+        for (claim, _) in &held {
+            consumer.metrics.commit(started.elapsed());
+            consumer
+                .metrics
+                .log_step("commit", &claim.stored_key, claim.epoch(), None, None);
+        }
         Ok(())
     }
 }

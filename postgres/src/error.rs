@@ -53,8 +53,10 @@ pub enum Error {
         /// What is wrong with it.
         detail: String,
     },
-    /// The commit's marker write touched no row: another writer changed the key, which the key's
-    /// lock should make impossible. Nothing was committed.
+    /// The commit's marker write touched no row (another writer changed the key), or its
+    /// ordering-guard write found the entity's version as new already (`key` is then the
+    /// entity key): what the key's and the entity's locks should make impossible. Nothing was
+    /// committed.
     #[error("the record of {key:?} changed under the claim; nothing was committed")]
     LostKey {
         /// The message key.

@@ -11,7 +11,7 @@
 //! fenced on the record being in progress, whoever holds it.
 
 use std::hash::{BuildHasher, Hasher};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idemdb::decision::{Found, inspect_record};
@@ -24,6 +24,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::{Error, Result};
+use crate::observe::{self, OutcomeKind};
 use crate::ticket::PgLeaseTicket;
 use crate::{PgConsumer, PgStore, decode_record, lock_id};
 
@@ -78,9 +79,28 @@ impl PgConsumer {
         lease: Duration,
         holder: impl AsRef<[u8]>,
     ) -> Result<Outcome<PgExternalClaim>> {
+        let started = Instant::now();
         let key = key.as_ref();
+        let (now_ms, outcome) = self
+            .claim_external(client, key, fingerprint, lease, holder.as_ref())
+            .await?;
+        let kind = OutcomeKind::of(&outcome);
+        let age_ms = observe::duplicate_age_ms(&outcome, now_ms);
+        self.metrics.outcome(kind, started.elapsed(), age_ms);
+        self.metrics.log_begin(key, kind, None);
+        Ok(outcome)
+    }
+
+    /// `begin_external` without its metrics and log, with the time it decided at.
+    async fn claim_external(
+        &self,
+        client: &mut Client,
+        key: &[u8],
+        fingerprint: Fingerprint,
+        lease: Duration,
+        holder: &[u8],
+    ) -> Result<(u64, Outcome<PgExternalClaim>)> {
         let lease_ms = lease_ms(lease)?;
-        let holder = holder.as_ref();
         check(
             idemdb::Limit::HolderBytes,
             holder.len() as u64,
@@ -100,7 +120,7 @@ impl PgConsumer {
         let now_ms = self.store.now_ms(lock.get(1));
         if !lock.get::<_, bool>(0) {
             tx.rollback().await?;
-            return Ok(Outcome::held_by_claim(now_ms));
+            return Ok((now_ms, Outcome::held_by_claim(now_ms)));
         }
         let record = self.read(&tx, key).await?;
         match inspect_record(record, fingerprint, now_ms) {
@@ -132,11 +152,11 @@ impl PgConsumer {
                 )
                 .await?;
                 tx.commit().await?;
-                Ok(Outcome::Fresh(claim))
+                Ok((now_ms, Outcome::Fresh(claim)))
             }
             Found::Settled(outcome) => {
                 tx.rollback().await?;
-                Ok(outcome.map_fresh(|never| match never {}))
+                Ok((now_ms, outcome.map_fresh(|never| match never {})))
             }
         }
     }
@@ -308,6 +328,13 @@ impl PgExternalClaim {
     /// written), `KeyBusy` when the key's lock was not free within [`LEASE_STEP_LOCK_WAIT`],
     /// `LimitExceeded` for a lease outside the limits; [`Error::Postgres`].
     pub async fn renew(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
+        let started = Instant::now();
+        let renewed = self.renew_unobserved(client, lease).await;
+        self.observed("renew", renewed.as_ref().map(|_| ()), started);
+        renewed
+    }
+
+    async fn renew_unobserved(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
         let lease_ms = lease_ms(lease)?;
         let (tx, now_ms) = self.fenced(client).await?;
         let until = now_ms.saturating_add(lease_ms);
@@ -333,7 +360,14 @@ impl PgExternalClaim {
     /// # Errors
     /// As [`PgExternalClaim::renew`].
     pub async fn completion<'c>(&self, client: &'c mut Client) -> Result<PgCompletion<'c>> {
-        let (tx, _) = self.fenced(client).await?;
+        let (tx, _) = match self.fenced(client).await {
+            Ok(fenced) => fenced,
+            Err(error) => {
+                // The completion's step is refused here; a written one is counted at its commit.
+                self.observed("complete", Err(&error), Instant::now());
+                return Err(error);
+            }
+        };
         Ok(PgCompletion {
             tx,
             claim: self.clone(),
@@ -346,6 +380,13 @@ impl PgExternalClaim {
     /// # Errors
     /// As [`PgExternalClaim::renew`].
     pub async fn release(self, client: &mut Client) -> Result<()> {
+        let started = Instant::now();
+        let released = self.release_unobserved(client).await;
+        self.observed("release", released.as_ref().copied(), started);
+        released
+    }
+
+    async fn release_unobserved(&self, client: &mut Client) -> Result<()> {
         let (tx, now_ms) = self.fenced(client).await?;
         let removable_at_ms = now_ms.saturating_add(self.consumer.store.inner.retention_ms);
         let mut record = self.record(self.lease_until_ms);
@@ -378,6 +419,13 @@ impl PgExternalClaim {
         client: &mut Client,
         result: impl AsRef<[u8]>,
     ) -> Result<()> {
+        let started = Instant::now();
+        let failed = self.fail_unobserved(client, result.as_ref()).await;
+        self.observed("fail", failed.as_ref().copied(), started);
+        failed
+    }
+
+    async fn fail_unobserved(&self, client: &mut Client, result: &[u8]) -> Result<()> {
         let (tx, _) = self.fenced(client).await?;
         crate::write_completed(
             &tx,
@@ -386,12 +434,43 @@ impl PgExternalClaim {
             self.fingerprint,
             self.epoch,
             true,
-            result.as_ref(),
+            result,
             false,
         )
         .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// Counts and logs a lease step as the embedded engine does: `complete` (a commit) is
+    /// counted with the commits, a step refused with `LeaseLost` with the lost leases, and
+    /// every written or refused step is logged.
+    fn observed(
+        &self,
+        step: &'static str,
+        result: std::result::Result<(), &Error>,
+        started: Instant,
+    ) {
+        let metrics = &self.consumer.metrics;
+        match result {
+            Ok(()) => {
+                if step == "complete" {
+                    metrics.commit(started.elapsed());
+                }
+                metrics.log_step(step, &self.stored_key, self.epoch, None, None);
+            }
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch })) => {
+                metrics.lease_lost();
+                metrics.log_step(
+                    step,
+                    &self.stored_key,
+                    self.epoch,
+                    Some(*current_epoch),
+                    None,
+                );
+            }
+            Err(_) => {}
+        }
     }
 
     /// The in-progress record of this holder with a lease until `lease_until_ms`.
@@ -503,6 +582,7 @@ impl<'c> PgCompletion<'c> {
     /// # Errors
     /// As [`crate::PgClaim::commit`].
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
+        let started = Instant::now();
         let claim = &self.claim;
         crate::write_completed(
             &self.tx,
@@ -516,6 +596,7 @@ impl<'c> PgCompletion<'c> {
         )
         .await?;
         self.tx.commit().await?;
+        self.claim.observed("complete", Ok(()), started);
         Ok(())
     }
 }

@@ -29,8 +29,29 @@
 //! [`PgConsumer::resolve`] completes one with a known result or releases it, under the key's
 //! lock, whoever holds it: that holder's next step is `LeaseLost`.
 //!
+//! **Admission floor and ordering guard**, as the embedded engine's, through
+//! [`PgConsumer::begin_message`] and an [`idemdb::Message`]: with
+//! [`StoreBuilder::admission_floor`] on, a message produced longer ago than the retention is
+//! `TooLate`; a message carrying `version(entity, v)` is claimed only if `v` is newer than the
+//! entity's highest applied version (kept in the versions table, schema version 3, written by
+//! the commit in the claim's transaction), else `Stale`, and `InProgress` at once while another
+//! claim of the entity is open (the entity's own advisory lock).
+//!
+//! **Downstream keys.** [`PgClaim::derive_key`] (and the external and batch claims') is the
+//! embedded derivation: the same key for the same consumer, message key and step on both
+//! backends.
+//!
+//! **Observability.** The embedded engine's metric names, labels and `tracing` events (see
+//! idemdb's crate docs, Observability), with the label `backend="postgres"` on every series
+//! (the embedded engine's carry `backend="rocksdb"`): `idemdb_outcomes_total`,
+//! `idemdb_commits_total`, `idemdb_lease_lost_total`, `idemdb_claim_seconds`,
+//! `idemdb_commit_seconds`, `idemdb_duplicate_age_seconds`. The handles are registered when a
+//! consumer's handle is made ([`PgStore::consumer`]): install the recorder first. Not here:
+//! the `idemdb_in_progress` gauge (an external claim here is a cloneable value, not a handle
+//! whose drop can be counted) and the opener's extra labels.
+//!
 //! **Removal.** Records are range-partitioned by the day they become removable (schema
-//! version 2; `install` migrates version 1). Reads are exact at the expiry millisecond
+//! version 2 on; `install` migrates versions 1 and 2). Reads are exact at the expiry millisecond
 //! whatever is stored; [`PgStore::maintain`], run regularly, drops each day's partition once
 //! all of it has expired: no `DELETE`, no dead rows, the same cost at any number of records.
 //! Claims create the partitions of the days ahead before their transaction begins. Retention
@@ -75,18 +96,22 @@
 mod batch;
 mod error;
 mod external;
+mod observe;
 mod schema;
 mod ticket;
 mod transfer;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idemdb::decision::{Found, inspect_record};
-use idemdb::format::{Record, encode_key};
-use idemdb::{Clock, EXPIRES_NEVER_MS, Fingerprint, Outcome, PreviousAttempt, RESULT_BYTES_MAX};
+use idemdb::decision::{Found, admit, guard_order, inspect_record};
+use idemdb::format::{Record, derive_key, encode_key};
+use idemdb::{
+    Clock, EXPIRES_NEVER_MS, Fingerprint, Message, Outcome, PreviousAttempt, RESULT_BYTES_MAX,
+};
+use observe::{ConsumerMetrics, OutcomeKind};
 use schema::NEVER_MS;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Transaction};
@@ -114,6 +139,7 @@ pub const RETENTION_MS_MAX: u64 = 60 * DAY_MS as u64;
 pub struct StoreBuilder {
     names: Names,
     retention_ms: u64,
+    admission_floor: bool,
     clock: Option<Arc<dyn Clock>>,
 }
 
@@ -130,6 +156,29 @@ impl StoreBuilder {
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> StoreBuilder {
         self.retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// The admission floor, as the embedded engine's: when on, a message whose production time
+    /// ([`Message::produced_at_ms`]) is at or before now minus the retention, and whose key
+    /// is claimable (no live record), is [`Outcome::TooLate`] instead of new: its record may
+    /// have expired already. "Now" is the store's clock (the database's). A key with a live
+    /// record is reported as usual. Default off (such a message is treated as new).
+    ///
+    /// ```no_run
+    /// # async fn example(client: &tokio_postgres::Client) -> Result<(), idemdb_postgres::Error> {
+    /// let store = idemdb_postgres::PgStore::builder()
+    ///     .retention(std::time::Duration::from_secs(3 * 24 * 3600))
+    ///     .admission_floor(true) // messages produced over 3 days ago are TooLate
+    ///     .open(client)
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn admission_floor(mut self, on: bool) -> StoreBuilder {
+        self.admission_floor = on;
         self
     }
 
@@ -157,6 +206,7 @@ impl StoreBuilder {
         }
         schema::check(client, &self.names).await?;
         let records = self.names.records();
+        let entity = self.names.entity_versions();
         Ok(PgStore {
             inner: Arc::new(Inner {
                 read: format!(
@@ -199,10 +249,23 @@ impl StoreBuilder {
                     "SELECT message_key, record FROM {records} \
                      WHERE consumer = $1 AND expires_at_ms = {NEVER_MS} ORDER BY message_key"
                 ),
+                read_version: format!(
+                    "SELECT version FROM {entity} WHERE consumer = $1 AND entity_key = $2"
+                ),
+                // Under the entity's lock the version is always newer; the condition backs the
+                // lock up, and a row it leaves unwritten is reported.
+                write_version: format!(
+                    "INSERT INTO {entity} AS e (consumer, entity_key, version) \
+                     VALUES ($1, $2, $3) \
+                     ON CONFLICT (consumer, entity_key) DO UPDATE SET version = excluded.version \
+                     WHERE e.version < excluded.version"
+                ),
                 lock_namespace: records,
+                entity_lock_namespace: entity,
                 names: self.names,
                 partitions_through_day: AtomicI64::new(i64::MIN),
                 retention_ms: self.retention_ms,
+                admission_floor: self.admission_floor,
                 clock: self.clock,
             }),
         })
@@ -221,13 +284,21 @@ pub(crate) struct Inner {
     /// A consumer's rows without expiry: in-progress records (and completed ones that never
     /// expire).
     pub(crate) never_expiring: String,
+    /// The ordering guard's read of an entity's highest applied version.
+    pub(crate) read_version: String,
+    /// The ordering guard's write of an entity's new version (at a claim's commit).
+    pub(crate) write_version: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,
+    /// The versions table's name, hashed into every entity's lock (see [`entity_lock_id`]).
+    pub(crate) entity_lock_namespace: String,
     names: Names,
     /// The last day whose partition this process knows to exist (`i64::MIN`: none yet).
     partitions_through_day: AtomicI64,
     retention_ms: u64,
+    /// The admission floor is on: [`StoreBuilder::admission_floor`].
+    admission_floor: bool,
     clock: Option<Arc<dyn Clock>>,
 }
 
@@ -246,11 +317,14 @@ impl PgStore {
         StoreBuilder {
             names: Names::default(),
             retention_ms: RETENTION_MS_DEFAULT,
+            admission_floor: false,
             clock: None,
         }
     }
 
-    /// The handle of one consumer's records.
+    /// The handle of one consumer's records. Its metric handles are registered now, with the
+    /// `metrics` recorder installed at this moment (install it first), as the embedded engine
+    /// does.
     ///
     /// # Errors
     /// [`Error::Idemdb`] with `LimitExceeded` for an id outside
@@ -261,6 +335,7 @@ impl PgStore {
         Ok(PgConsumer {
             store: self.clone(),
             id: Bytes::copy_from_slice(id),
+            metrics: Arc::new(ConsumerMetrics::new(id)),
         })
     }
 }
@@ -270,12 +345,14 @@ impl PgStore {
 pub struct PgConsumer {
     pub(crate) store: PgStore,
     pub(crate) id: Bytes,
+    pub(crate) metrics: Arc<ConsumerMetrics>,
 }
 
 impl PgConsumer {
     /// Claims `key` for a message with `fingerprint`, in a new transaction on `client`. Never
     /// waits for another holder. `Fresh` hands out the transaction in its claim; every other
-    /// outcome has rolled it back.
+    /// outcome has rolled it back. The same as [`PgConsumer::begin_message`] with a message of
+    /// only a key and a fingerprint.
     ///
     /// # Errors
     /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`] for a stored record
@@ -286,50 +363,176 @@ impl PgConsumer {
         key: impl AsRef<[u8]>,
         fingerprint: Fingerprint,
     ) -> Result<Outcome<PgClaim<'c>>> {
-        let key = key.as_ref();
+        self.begin_message(client, &Message::new(key.as_ref(), fingerprint))
+            .await
+    }
+
+    /// Like [`PgConsumer::begin`], for an [`idemdb::Message`] that may carry its production
+    /// time (the admission floor: [`StoreBuilder::admission_floor`]), an entity version (the
+    /// ordering guard) and a correlation id (carried into the log events).
+    ///
+    /// **Ordering guard.** A message with `version(entity, v)` is claimed only if `v` is newer
+    /// than the entity's highest applied version, which the claim's commit records in the same
+    /// transaction; otherwise it is [`Outcome::Stale`] with that version. The claim holds the
+    /// entity's own advisory lock until it ends, so another message of the same entity meanwhile
+    /// gets `InProgress` at once (never a wait), whatever its key. The entity key follows the
+    /// message-key limits. The entity is looked at only when the key is claimable: a duplicate
+    /// stays a duplicate whatever its version.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &mut tokio_postgres::Client, customers: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// use idemdb::{Fingerprint, Message, Outcome};
+    /// let message = Message::new("event-981", Fingerprint::of(b"address changed"))
+    ///     .version("customer-7", 12) // the 12th change of customer 7
+    ///     .correlation_id("req-9f2c");
+    /// match customers.begin_message(client, &message).await? {
+    ///     Outcome::Fresh(claim) => claim.commit(b"applied").await?, // records version 12 too
+    ///     Outcome::Stale { .. } => { /* 12 or newer applied already: acknowledge */ }
+    ///     _ => { /* as for begin */ }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`PgConsumer::begin`]; [`Error::Idemdb`] with `LimitExceeded` for an entity key
+    /// outside the message-key limits; [`Error::Corrupt`] for a stored version that is not 8
+    /// bytes.
+    pub async fn begin_message<'c>(
+        &self,
+        client: &'c mut Client,
+        message: &Message<'_>,
+    ) -> Result<Outcome<PgClaim<'c>>> {
+        let started = Instant::now();
+        let (now_ms, outcome) = self.claim_message(client, message).await?;
+        let kind = OutcomeKind::of(&outcome);
+        let age_ms = observe::duplicate_age_ms(&outcome, now_ms);
+        self.metrics.outcome(kind, started.elapsed(), age_ms);
+        self.metrics
+            .log_begin(message.key(), kind, message.correlation());
+        Ok(outcome)
+    }
+
+    /// `begin_message` without its metrics and log: the locks, the reads and the decision, and
+    /// the time it was decided at (the store's clock).
+    async fn claim_message<'c>(
+        &self,
+        client: &'c mut Client,
+        message: &Message<'_>,
+    ) -> Result<(u64, Outcome<PgClaim<'c>>)> {
+        let key = message.key();
         let stored_key = encode_key(&self.id, key)?;
-        let lock_number = lock_id(&self.store.inner.lock_namespace, &stored_key);
-        let tx = crate::claim_transaction(client, &self.store).await?;
-        // The lock and the read go out together (one round trip), as two statements: the
-        // server runs them in order, and the read's snapshot is taken when it starts, after
-        // the lock was granted, so it sees the commit of whoever held the lock before. (One
-        // statement would read with a snapshot taken before the lock.) Without the lock, the
-        // read's answer is not looked at.
-        // Typed statements go out whole (no prepare step first), so both are on the wire
-        // before either is answered.
-        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
-        let lock_statement = tx.query_typed_one(
-            "SELECT pg_try_advisory_xact_lock($1), \
-             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
-            &lock_params,
-        );
-        let read_statement = self.read(&tx, key);
-        let (lock, record) = futures_util::future::join(lock_statement, read_statement).await;
-        let lock = lock?;
-        let locked: bool = lock.get(0);
-        let now_ms = self.store.now_ms(lock.get(1));
-        if !locked {
-            tx.rollback().await?;
-            return Ok(Outcome::held_by_claim(now_ms));
-        }
-        let record = record?;
-        match inspect_record(record, fingerprint, now_ms) {
-            Found::Claimable {
-                replaces_epoch,
-                previous,
-            } => Ok(Outcome::Fresh(PgClaim {
-                tx,
-                store: self.store.clone(),
-                consumer: self.id.clone(),
-                key: key.to_vec(),
-                fingerprint,
-                replaces_epoch,
-                previous,
-            })),
-            Found::Settled(outcome) => {
-                tx.rollback().await?;
-                Ok(outcome.map_fresh(|never| match never {}))
+        let inner = &self.store.inner;
+        let lock_number = lock_id(&inner.lock_namespace, &stored_key);
+        // The ordering guard's entity, checked before anything is sent.
+        let entity = match message.entity_version() {
+            Some((entity_key, version)) => {
+                let stored_entity = encode_key(&self.id, entity_key)?;
+                let (high, low) = entity_lock_id(&inner.entity_lock_namespace, &stored_entity);
+                Some((entity_key, version, high, low))
             }
+            None => None,
+        };
+        let tx = crate::claim_transaction(client, &self.store).await?;
+        // The locks and the reads go out together (one round trip), as separate statements:
+        // the server runs them in order, and each read's snapshot is taken when it starts,
+        // after the locks were granted, so it sees the commit of whoever held the lock before.
+        // (One statement would read with a snapshot taken before the lock.) Without its lock, a
+        // read's answer is not looked at. Typed statements go out whole (no prepare step
+        // first), so all are on the wire before any is answered.
+        let (high, low) = entity.map_or((0, 0), |(_, _, high, low)| (high, low));
+        let with_entity: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&lock_number, Type::INT8),
+            (&high, Type::INT4),
+            (&low, Type::INT4),
+        ];
+        let lock_statement = if entity.is_some() {
+            tx.query_typed_one(LOCK_KEY_AND_ENTITY, &with_entity)
+        } else {
+            tx.query_typed_one(LOCK_KEY, &with_entity[..1])
+        };
+        let read_statement = self.read(&tx, key);
+        let version_statement = async {
+            match entity {
+                Some((entity_key, ..)) => self.read_version(&tx, entity_key).await,
+                None => Ok(None),
+            }
+        };
+        let (lock, record, current_version) =
+            futures_util::future::join3(lock_statement, read_statement, version_statement).await;
+        let lock = lock?;
+        let now_ms = self.store.now_ms(lock.get(1));
+        let settled = |outcome: Outcome<std::convert::Infallible>| {
+            (now_ms, outcome.map_fresh(|never| match never {}))
+        };
+        if !lock.get::<_, bool>(0) {
+            tx.rollback().await?;
+            return Ok(settled(Outcome::held_by_claim(now_ms)));
+        }
+        let found = inspect_record(record?, message.fingerprint(), now_ms);
+        let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
+        let (replaces_epoch, previous) =
+            match admit(found, message.production_time_ms(), now_ms, floor_ms) {
+                Found::Claimable {
+                    replaces_epoch,
+                    previous,
+                } => (replaces_epoch, previous),
+                Found::Settled(outcome) => {
+                    tx.rollback().await?;
+                    return Ok(settled(outcome));
+                }
+            };
+        let mut version = None;
+        if let Some((entity_key, new_version, ..)) = entity {
+            if !lock.get::<_, bool>(2) {
+                // Another claim of the same entity is in flight.
+                tx.rollback().await?;
+                return Ok(settled(Outcome::held_by_claim(now_ms)));
+            }
+            if let Some(stale) = guard_order(current_version?, new_version) {
+                tx.rollback().await?;
+                return Ok(settled(stale));
+            }
+            version = Some((entity_key.to_vec(), new_version));
+        }
+        let claim = PgClaim {
+            tx,
+            consumer: self.clone(),
+            key: key.to_vec(),
+            stored_key,
+            fingerprint: message.fingerprint(),
+            replaces_epoch,
+            previous,
+            version,
+            correlation_id: message.correlation().map(Into::into),
+        };
+        Ok((now_ms, Outcome::Fresh(claim)))
+    }
+
+    /// The ordering guard's highest applied version of `entity_key`, if one was recorded.
+    pub(crate) async fn read_version(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        entity_key: &[u8],
+    ) -> Result<Option<u64>> {
+        let id: &[u8] = &self.id;
+        let row = client
+            .query_typed_opt(
+                &self.store.inner.read_version,
+                &[(&id, Type::BYTEA), (&entity_key, Type::BYTEA)],
+            )
+            .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let bytes: &[u8] = row.get(0);
+        match <[u8; 8]>::try_from(bytes) {
+            Ok(be) => Ok(Some(u64::from_be_bytes(be))),
+            Err(_) => Err(Error::Corrupt {
+                key: entity_key.to_vec(),
+                detail: format!("an entity version of {} bytes, not 8", bytes.len()),
+            }),
         }
     }
 
@@ -358,18 +561,25 @@ pub(crate) fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
 /// of it lands, and the key is free again.
 pub struct PgClaim<'c> {
     tx: Transaction<'c>,
-    store: PgStore,
-    consumer: Bytes,
+    consumer: PgConsumer,
     key: Vec<u8>,
+    /// The key as the embedded engine stores it (consumer and message key): what downstream
+    /// keys are derived from.
+    stored_key: Vec<u8>,
     fingerprint: Fingerprint,
     replaces_epoch: u64,
     previous: Option<PreviousAttempt>,
+    /// The ordering guard's (entity key, version), whose entity lock this claim holds; the
+    /// commit records the version.
+    version: Option<(Vec<u8>, u64)>,
+    /// The message's correlation id, for the commit's log event.
+    correlation_id: Option<Box<str>>,
 }
 
 impl std::fmt::Debug for PgClaim<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgClaim")
-            .field("consumer", &self.consumer)
+            .field("consumer", &self.consumer.id)
             .field("key", &idemdb::format::printable(&self.key))
             .field("epoch", &self.epoch())
             .finish_non_exhaustive()
@@ -396,6 +606,32 @@ impl<'c> PgClaim<'c> {
         self.previous.as_ref()
     }
 
+    /// The idempotency key to give a downstream call made for this message at `step`: the
+    /// same message and step give the same key across redeliveries, takeovers and restarts,
+    /// and the same as the embedded engine's `Claim::derive_key` for the same consumer and
+    /// message key ([`idemdb::format::derive_key`]), so a handler moved from one backend to the
+    /// other keeps its downstream keys.
+    ///
+    /// ```no_run
+    /// # async fn example(claim: idemdb_postgres::PgClaim<'_>) {
+    /// let payment_key = claim.derive_key("charge-card"); // the payment API's Idempotency-Key
+    /// # let _ = payment_key;
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn derive_key(&self, step: &str) -> String {
+        derive_key(&self.stored_key, step)
+    }
+
+    /// The ordering guard's (entity key, version) this claim records at its commit, if its
+    /// message carried one.
+    #[must_use]
+    pub fn entity_version(&self) -> Option<(&[u8], u64)> {
+        self.version
+            .as_ref()
+            .map(|(entity, version)| (entity.as_slice(), *version))
+    }
+
     /// Rolls the claim back, business SQL included, and returns once the server has: the key
     /// is free for the next claimant then. (Dropping the claim rolls back too, but without
     /// waiting: the key is free a moment later.)
@@ -417,13 +653,10 @@ impl<'c> PgClaim<'c> {
     /// connection dropped during the commit its outcome is unknown: do not acknowledge the
     /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
-        let consumer = PgConsumer {
-            store: self.store.clone(),
-            id: self.consumer.clone(),
-        };
+        let started = Instant::now();
         write_completed(
             &self.tx,
-            &consumer,
+            &self.consumer,
             &self.key,
             self.fingerprint,
             self.epoch(),
@@ -432,7 +665,20 @@ impl<'c> PgClaim<'c> {
             true,
         )
         .await?;
+        if let Some((entity_key, version)) = &self.version {
+            write_version(&self.tx, &self.consumer, entity_key, *version).await?;
+        }
+        let epoch = self.epoch();
         self.tx.commit().await?;
+        let metrics = &self.consumer.metrics;
+        metrics.commit(started.elapsed());
+        metrics.log_step(
+            "commit",
+            &self.stored_key,
+            epoch,
+            None,
+            self.correlation_id.as_deref(),
+        );
         Ok(())
     }
 }
@@ -659,6 +905,60 @@ pub(crate) async fn claim_transaction<'c>(
         .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
         .start()
         .await?)
+}
+
+/// Records `version` as the highest applied version of `entity_key` (the ordering guard), in
+/// the claim's transaction; the caller holds the entity's lock.
+pub(crate) async fn write_version(
+    tx: &Transaction<'_>,
+    consumer: &PgConsumer,
+    entity_key: &[u8],
+    version: u64,
+) -> Result<()> {
+    let id: &[u8] = &consumer.id;
+    let value = version.to_be_bytes();
+    let value: &[u8] = &value;
+    let params: [(&(dyn ToSql + Sync), Type); 3] = [
+        (&id, Type::BYTEA),
+        (&entity_key, Type::BYTEA),
+        (&value, Type::BYTEA),
+    ];
+    let written = tx
+        .execute_typed(&consumer.store.inner.write_version, &params)
+        .await?;
+    if written != 1 {
+        // A version as new or newer is there: another writer passed the entity's lock.
+        return Err(Error::LostKey {
+            key: entity_key.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// A claim's lock statement: the key's lock, and the statement's time (the claim's "now" on
+/// the database's clock).
+const LOCK_KEY: &str = "SELECT pg_try_advisory_xact_lock($1), \
+     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8";
+
+/// A claim's lock statement with the ordering guard: the key's lock, the time, and the
+/// entity's lock (two `int4`s: see [`entity_lock_id`]).
+const LOCK_KEY_AND_ENTITY: &str = "SELECT pg_try_advisory_xact_lock($1), \
+     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
+     pg_try_advisory_xact_lock($2, $3)";
+
+/// The advisory lock of an entity's version (the ordering guard): a 64-bit hash of the
+/// versions table's name and the stored entity key, as the two `int4` keys of PostgreSQL's
+/// two-key form. Advisory locks on one `int8` key and on two `int4` keys are separate key
+/// spaces in PostgreSQL's lock table, so an entity's lock is never a key's lock (those take
+/// the `int8` form), whatever the hashes; two entities whose hashes collide only cost a
+/// spurious `InProgress` while the other is held.
+pub(crate) fn entity_lock_id(namespace: &str, stored_entity: &[u8]) -> (i32, i32) {
+    let hash = lock_id(namespace, stored_entity).to_be_bytes();
+    let [a, b, c, d, e, f, g, h] = hash;
+    (
+        i32::from_be_bytes([a, b, c, d]),
+        i32::from_be_bytes([e, f, g, h]),
+    )
 }
 
 /// The advisory lock of a stored key in a table: a 64-bit hash of both.

@@ -7,12 +7,13 @@ use crate::error::{Error, Result};
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 2 partitions the records by the day they become removable; version 1 was one plain
-/// table.
-pub const SCHEMA_VERSION: i32 = 2;
+/// Version 3 adds the ordering guard's table of entity versions (`<table>_entity`); version 2
+/// partitioned the records by the day they become removable; version 1 was one plain table.
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the longest suffix added to the
-/// table's name (`_version`; a day's partition adds `_d` and at most 6 digits, `_open` 5).
+/// table's name (`_version`; a day's partition adds `_d` and at most 6 digits, `_entity` 7,
+/// `_open` 5).
 const NAME_BYTES_MAX: usize = 63 - "_version".len();
 
 /// One day in milliseconds: the width of a partition of removable rows.
@@ -76,6 +77,11 @@ impl Names {
         format!("{}.{}", self.schema, self.table)
     }
 
+    /// `schema.table_entity`: the ordering guard's highest applied version of each entity.
+    pub(crate) fn entity_versions(&self) -> String {
+        format!("{}.{}_entity", self.schema, self.table)
+    }
+
     /// `schema.table_version`.
     fn version(&self) -> String {
         format!("{}.{}_version", self.schema, self.table)
@@ -124,6 +130,12 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
         Some(SCHEMA_VERSION) => {}
         Some(1) => {
             migrate_from_1(&tx, names).await?;
+            create_entity_versions(&tx, names).await?;
+            set_version(&tx, names).await?;
+        }
+        Some(2) => {
+            create_entity_versions(&tx, names).await?;
+            set_version(&tx, names).await?;
         }
         Some(other) => {
             return Err(Error::SchemaTooOld {
@@ -133,6 +145,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
         }
         None => {
             create_records(&tx, names).await?;
+            create_entity_versions(&tx, names).await?;
             tx.execute(
                 &format!(
                     "INSERT INTO {} (version) VALUES ({SCHEMA_VERSION})",
@@ -177,6 +190,36 @@ async fn create_records(tx: &Transaction<'_>, names: &Names) -> Result<()> {
     Ok(())
 }
 
+/// Records the tables as at [`SCHEMA_VERSION`], after a migration.
+async fn set_version(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.execute(
+        &format!("UPDATE {} SET version = {SCHEMA_VERSION}", names.version()),
+        &[],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Creates the ordering guard's table (new at version 3): the highest applied version of each
+/// (consumer, entity key), written by the commit of a claim that carried a version, in the
+/// claim's transaction. `version` is the embedded engine's value byte for byte (a u64,
+/// big-endian: 8 bytes, so byte order is numeric order). One small row per entity, never
+/// removed, so not partitioned. Writers of a row hold the entity's advisory lock, as writers of
+/// a record hold the key's; the primary key backs it up.
+async fn create_entity_versions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.batch_execute(&format!(
+        "CREATE TABLE {entity} (
+             consumer bytea NOT NULL,
+             entity_key bytea NOT NULL,
+             version bytea NOT NULL CHECK (length(version) = 8),
+             PRIMARY KEY (consumer, entity_key)
+         );",
+        entity = names.entity_versions(),
+    ))
+    .await?;
+    Ok(())
+}
+
 /// Version 1 to 2: the plain table becomes the partitioned one. Rows already expired are
 /// dropped (every read treats them as absent, and removal would drop them next); the others
 /// are copied with their days' partitions.
@@ -215,11 +258,7 @@ async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
         &[&now_ms],
     )
     .await?;
-    tx.batch_execute(&format!(
-        "DROP TABLE {old}; UPDATE {} SET version = {SCHEMA_VERSION};",
-        names.version()
-    ))
-    .await?;
+    tx.batch_execute(&format!("DROP TABLE {old}")).await?;
     Ok(())
 }
 

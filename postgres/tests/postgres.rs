@@ -26,6 +26,10 @@
 //! lines imported and exported back exactly, a held key skipped or replaced, bad input refused
 //! with nothing written, an import waiting for a live claim of its key. Lease tickets: an
 //! external claim resumed after its holder's restart, refused once taken over or completed.
+//! Parity with the embedded engine: the admission floor, the ordering guard (stale
+//! versions, the entity held by an open claim, versions recorded only by commits), the
+//! migration of a version 2 schema, derived keys equal to the embedded engine's, and the
+//! metrics under the embedded names with `backend="postgres"`.
 //!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
@@ -41,7 +45,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemdb::{Fingerprint, MockClock, Outcome};
+use idemdb::{Fingerprint, Message, MockClock, Outcome};
 use idemdb_postgres::{
     BATCH_MESSAGES_MAX, Error, Names, PgBatchOutcome, PgLeaseTicket, PgResolution, PgStore,
     SCHEMA_VERSION, install,
@@ -168,6 +172,11 @@ fn main() {
         spare
     );
     scenario!(export_lines_import_and_export_back_exactly_under_each_keys_lock);
+    scenario!(the_admission_floor_makes_messages_older_than_the_retention_too_late);
+    scenario!(the_ordering_guard_applies_only_newer_versions_of_an_entity);
+    scenario!(a_version_2_schema_is_migrated_by_install);
+    scenario!(derived_keys_are_the_embedded_engines);
+    scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -3698,5 +3707,489 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
         .await?
         .get(0);
     assert_eq!(rows, 1, "one record of the key");
+    Ok(())
+}
+
+/// A store of `names` on a mock clock at `now_ms`, with an hour's retention.
+async fn mock_store(
+    client: &Client,
+    names: Names,
+    clock: &MockClock,
+    admission_floor: bool,
+) -> Result<PgStore, Failure> {
+    Ok(PgStore::builder()
+        .names(names)
+        .retention(Duration::from_secs(3600))
+        .admission_floor(admission_floor)
+        .clock(clock.clone())
+        .open(client)
+        .await?)
+}
+
+async fn the_admission_floor_makes_messages_older_than_the_retention_too_late(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_floor").await?;
+    let now_ms = 10 * 3_600_000;
+    let clock = MockClock::new(now_ms);
+    let store = mock_store(&client, names.clone(), &clock, true).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let horizon_ms = now_ms - 3_600_000;
+    // Produced at the horizon or before, on a key without a live record: too late.
+    for produced_at_ms in [horizon_ms, horizon_ms - 1, 0] {
+        let old = Message::new("old", body).produced_at_ms(produced_at_ms);
+        let outcome = consumer.begin_message(&mut client, &old).await?;
+        ensure!(
+            matches!(
+                outcome,
+                Outcome::TooLate { produced_at_ms: p, horizon_ms: h, .. } if p == produced_at_ms && h == horizon_ms
+            ),
+            "produced at {produced_at_ms}: {outcome:?}"
+        );
+    }
+    ensure!(
+        consumer.get(&client, "old").await?.is_none(),
+        "a message too late leaves no record"
+    );
+    // Newer than the horizon: claimed; its redelivery long after is still a duplicate (a key
+    // with a live record is answered as usual).
+    let recent = Message::new("recent", body).produced_at_ms(horizon_ms + 1);
+    match consumer.begin_message(&mut client, &recent).await? {
+        Outcome::Fresh(claim) => claim.commit(b"done").await?,
+        other => return Err(format!("recent: {other:?}").into()),
+    }
+    let late_redelivery = Message::new("recent", body).produced_at_ms(0);
+    let outcome = consumer
+        .begin_message(&mut client, &late_redelivery)
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "a recorded key stays a duplicate: {outcome:?}"
+    );
+    drop(outcome);
+    // Without a production time the floor has nothing to go by.
+    match consumer.begin(&mut client, "untimed", body).await? {
+        Outcome::Fresh(claim) => claim.abort().await?,
+        other => return Err(format!("untimed: {other:?}").into()),
+    }
+    // The floor is off by default: the same old message is new.
+    let off = mock_store(&client, names, &clock, false).await?;
+    let old = Message::new("old", body).produced_at_ms(0);
+    match off.consumer("c")?.begin_message(&mut client, &old).await? {
+        Outcome::Fresh(claim) => claim.abort().await?,
+        other => return Err(format!("floor off: {other:?}").into()),
+    }
+    Ok(())
+}
+
+async fn the_ordering_guard_applies_only_newer_versions_of_an_entity(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let mut other_client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_order").await?;
+    let clock = MockClock::new(3_600_000);
+    let store = mock_store(&client, names, &clock, false).await?;
+    let consumer = store.consumer("c")?;
+    let body = |n: u64| Fingerprint::of(n.to_be_bytes());
+    let event = |key: &'static str, version: u64| {
+        Message::new(key, body(version)).version("customer-7", version)
+    };
+    match consumer.begin_message(&mut client, &event("e5", 5)).await? {
+        Outcome::Fresh(claim) => {
+            ensure!(
+                claim.entity_version() == Some((&b"customer-7"[..], 5)),
+                "{:?}",
+                claim.entity_version()
+            );
+            claim
+                .transaction()
+                .execute("INSERT INTO t_order.orders VALUES ('e5', 'v5')", &[])
+                .await?;
+            claim.commit(b"applied").await?;
+        }
+        other => return Err(format!("version 5: {other:?}").into()),
+    }
+    // Not newer, on keys never seen: stale, with the applied version.
+    for (key, version) in [("e5-again", 5), ("e4", 4), ("e1", 1)] {
+        let outcome = consumer
+            .begin_message(&mut client, &event(key, version))
+            .await?;
+        ensure!(
+            matches!(
+                outcome,
+                Outcome::Stale {
+                    current_version: 5,
+                    ..
+                }
+            ),
+            "version {version}: {outcome:?}"
+        );
+    }
+    // A redelivery of the applied message is a duplicate, not stale.
+    let outcome = consumer.begin_message(&mut client, &event("e5", 5)).await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "redelivery of version 5: {outcome:?}"
+    );
+    drop(outcome);
+    // While version 6 is claimed, version 7 of the same entity (another key, another
+    // connection) is in progress at once, not waited for.
+    let Outcome::Fresh(six) = consumer.begin_message(&mut client, &event("e6", 6)).await? else {
+        return Err("version 6 not fresh".into());
+    };
+    let started = std::time::Instant::now();
+    let outcome = consumer
+        .begin_message(&mut other_client, &event("e7", 7))
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::InProgress { holder: None, .. }),
+        "version 7 while 6 is held: {outcome:?}"
+    );
+    ensure!(
+        started.elapsed() < Duration::from_secs(2),
+        "the entity's lock was waited for ({:?})",
+        started.elapsed()
+    );
+    drop(outcome);
+    // Another entity, and the same entity of another consumer, are not held by it.
+    let other_entity = Message::new("x1", body(1)).version("customer-8", 1);
+    match consumer
+        .begin_message(&mut other_client, &other_entity)
+        .await?
+    {
+        Outcome::Fresh(claim) => claim.abort().await?,
+        other => return Err(format!("another entity: {other:?}").into()),
+    }
+    match store
+        .consumer("other")?
+        .begin_message(&mut other_client, &event("e1", 1))
+        .await?
+    {
+        Outcome::Fresh(claim) => claim.abort().await?,
+        other => return Err(format!("another consumer's entity: {other:?}").into()),
+    }
+    six.commit(b"applied").await?;
+    let outcome = consumer
+        .begin_message(&mut other_client, &event("e6-again", 6))
+        .await?;
+    ensure!(
+        matches!(
+            outcome,
+            Outcome::Stale {
+                current_version: 6,
+                ..
+            }
+        ),
+        "after 6 committed: {outcome:?}"
+    );
+    drop(outcome);
+    // A dropped claim records nothing: 7 is still newer afterwards.
+    let Outcome::Fresh(seven) = consumer.begin_message(&mut client, &event("e7", 7)).await? else {
+        return Err("version 7 not fresh".into());
+    };
+    seven.abort().await?;
+    let stored: Vec<u8> = client
+        .query_one(
+            "SELECT version FROM t_order.records_entity WHERE consumer = 'c' AND entity_key = 'customer-7'",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        stored == 6u64.to_be_bytes(),
+        "the stored version is the embedded format's: {stored:?}"
+    );
+    match consumer.begin_message(&mut client, &event("e7", 7)).await? {
+        Outcome::Fresh(claim) => claim.commit(b"applied").await?,
+        other => return Err(format!("version 7 after the abort: {other:?}").into()),
+    }
+    let rows = count_rows(&client, "t_order.orders").await?;
+    ensure!(rows == 1, "the business row of version 5 only: {rows}");
+    // Entity keys follow the message-key limits: typed errors, nothing taken.
+    let long = "e".repeat(idemdb::MESSAGE_KEY_BYTES_MAX + 1);
+    for entity in ["", long.as_str()] {
+        let bad = Message::new("k", body(9)).version(entity, 9);
+        let refused = consumer.begin_message(&mut client, &bad).await.map(|_| ());
+        ensure!(
+            matches!(
+                refused,
+                Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+                    limit: idemdb::Limit::MessageKeyBytes,
+                    ..
+                }))
+            ),
+            "entity of {} bytes: {refused:?}",
+            entity.len()
+        );
+    }
+    // A stored version that is not 8 bytes is reported, not overwritten.
+    client
+        .batch_execute(
+            "ALTER TABLE t_order.records_entity DROP CONSTRAINT records_entity_version_check;
+             UPDATE t_order.records_entity SET version = '\\x0102' WHERE entity_key = 'customer-7'",
+        )
+        .await?;
+    let corrupt = consumer
+        .begin_message(&mut client, &event("e8", 8))
+        .await
+        .map(|_| ());
+    ensure!(
+        matches!(corrupt, Err(Error::Corrupt { .. })),
+        "a corrupt version: {corrupt:?}"
+    );
+    Ok(())
+}
+
+async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_migrate2").await?;
+    let clock = MockClock::new(3_600_000);
+    {
+        let store = mock_store(&client, names.clone(), &clock, false).await?;
+        match store
+            .consumer("c")?
+            .begin(&mut client, "kept", Fingerprint::of(b"m"))
+            .await?
+        {
+            Outcome::Fresh(claim) => claim.commit(b"before").await?,
+            other => return Err(format!("before the migration: {other:?}").into()),
+        }
+    }
+    // Version 2 as the previous release left it: no versions table.
+    client
+        .batch_execute(
+            "DROP TABLE t_migrate2.records_entity;
+             UPDATE t_migrate2.records_version SET version = 2;",
+        )
+        .await?;
+    let refused = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(refused, Err(Error::SchemaTooOld { found: 2, .. })),
+        "version 2 before install: {refused:?}"
+    );
+    install(&mut client, &names).await?;
+    let version: i32 = client
+        .query_one("SELECT version FROM t_migrate2.records_version", &[])
+        .await?
+        .get(0);
+    ensure!(
+        version == SCHEMA_VERSION && version == 3,
+        "migrated to {version}"
+    );
+    let store = mock_store(&client, names.clone(), &clock, false).await?;
+    let consumer = store.consumer("c")?;
+    let outcome = consumer
+        .begin(&mut client, "kept", Fingerprint::of(b"m"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"before"),
+        "the record survives the migration: {outcome:?}"
+    );
+    drop(outcome);
+    let versioned = Message::new("v", Fingerprint::of(b"v")).version("entity", 3);
+    match consumer.begin_message(&mut client, &versioned).await? {
+        Outcome::Fresh(claim) => claim.commit(b"").await?,
+        other => return Err(format!("versioned after the migration: {other:?}").into()),
+    }
+    let outcome = consumer.begin_message(&mut client, &versioned).await?;
+    ensure!(matches!(outcome, Outcome::Duplicate { .. }), "{outcome:?}");
+    drop(outcome);
+    let older = Message::new("w", Fingerprint::of(b"w")).version("entity", 2);
+    let outcome = consumer.begin_message(&mut client, &older).await?;
+    ensure!(
+        matches!(
+            outcome,
+            Outcome::Stale {
+                current_version: 3,
+                ..
+            }
+        ),
+        "the migrated store keeps versions: {outcome:?}"
+    );
+    drop(outcome);
+    install(&mut client, &names).await?; // a second install changes nothing
+    ensure!(
+        count_rows(&client, "t_migrate2.records_entity").await? == 1,
+        "install keeps the versions"
+    );
+    Ok(())
+}
+
+async fn derived_keys_are_the_embedded_engines(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_derive").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let billing = store.consumer("billing")?;
+    let embedded = |key: &str, step: &str| -> Result<String, Failure> {
+        let stored = idemdb::format::encode_key(b"billing", key.as_bytes())?;
+        Ok(idemdb::format::derive_key(&stored, step))
+    };
+    let body = Fingerprint::of(b"m");
+    match billing.begin(&mut client, "order-42", body).await? {
+        Outcome::Fresh(claim) => {
+            for step in ["charge", "refund", ""] {
+                ensure!(
+                    claim.derive_key(step) == embedded("order-42", step)?,
+                    "step {step:?}: {} differs from the embedded engine's",
+                    claim.derive_key(step)
+                );
+            }
+            // The value the embedded engine's own test pins.
+            ensure!(
+                claim.derive_key("charge") == "idk1-71e4434e507f3c213144d05999a08f34",
+                "{}",
+                claim.derive_key("charge")
+            );
+            claim.abort().await?;
+        }
+        other => return Err(format!("claim: {other:?}").into()),
+    }
+    match billing
+        .begin_external(&mut client, "order-43", body, Duration::from_secs(30), "w")
+        .await?
+    {
+        Outcome::Fresh(claim) => {
+            ensure!(
+                claim.derive_key("charge") == embedded("order-43", "charge")?,
+                "external claim"
+            );
+            claim.release(&mut client).await?;
+        }
+        other => return Err(format!("external: {other:?}").into()),
+    }
+    let batch = billing
+        .begin_batch(
+            &mut client,
+            &messages(&[("order-44", "m"), ("order-44", "m")]),
+        )
+        .await?;
+    ensure!(
+        batch.derive_key(0, "charge") == Some(embedded("order-44", "charge")?),
+        "batch claim"
+    );
+    ensure!(
+        batch.derive_key(1, "charge").is_none(),
+        "a duplicate in the batch holds no claim"
+    );
+    drop(batch);
+    Ok(())
+}
+
+async fn metrics_count_outcomes_and_commits_with_the_embedded_names(
+    url: &str,
+) -> Result<(), Failure> {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let mut client = connect(url).await?;
+    let mut other_client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_metrics").await?;
+    let clock = MockClock::new(3_600_000);
+    let store = mock_store(&client, names, &clock, false).await?;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // The handles are registered with the consumer, under the recorder installed then.
+    let consumer = metrics::with_local_recorder(&recorder, || store.consumer("billing"))?;
+    let body = Fingerprint::of(b"m");
+    match consumer.begin(&mut client, "a", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"").await?,
+        other => return Err(format!("fresh: {other:?}").into()),
+    }
+    clock.advance(Duration::from_secs(90));
+    let duplicate = consumer.begin(&mut client, "a", body).await?;
+    ensure!(
+        matches!(duplicate, Outcome::Duplicate { .. }),
+        "{duplicate:?}"
+    );
+    drop(duplicate);
+    let conflict = consumer
+        .begin(&mut client, "a", Fingerprint::of(b"x"))
+        .await?;
+    ensure!(matches!(conflict, Outcome::Conflict { .. }), "{conflict:?}");
+    drop(conflict);
+    let Outcome::Fresh(held) = consumer.begin(&mut client, "b", body).await? else {
+        return Err("b not fresh".into());
+    };
+    let in_progress = consumer.begin(&mut other_client, "b", body).await?;
+    ensure!(
+        matches!(in_progress, Outcome::InProgress { .. }),
+        "{in_progress:?}"
+    );
+    drop(in_progress);
+    held.abort().await?;
+    let first = Message::new("v2", body).version("entity", 2);
+    match consumer.begin_message(&mut client, &first).await? {
+        Outcome::Fresh(claim) => claim.commit(b"").await?,
+        other => return Err(format!("versioned: {other:?}").into()),
+    }
+    let older = Message::new("v1", body).version("entity", 1);
+    let stale = consumer.begin_message(&mut client, &older).await?;
+    ensure!(matches!(stale, Outcome::Stale { .. }), "{stale:?}");
+    drop(stale);
+
+    let mut outcomes = HashMap::new();
+    let mut commits = 0;
+    let mut duplicate_ages = Vec::new();
+    let mut claim_latencies = 0;
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let labels: HashMap<String, String> = key
+            .key()
+            .labels()
+            .map(|label| (label.key().to_owned(), label.value().to_owned()))
+            .collect();
+        let name = key.key().name();
+        ensure!(
+            labels.get("backend").map(String::as_str) == Some("postgres"),
+            "{name} without backend=\"postgres\": {labels:?}"
+        );
+        ensure!(
+            labels.get("consumer").map(String::as_str) == Some("billing"),
+            "{name}: {labels:?}"
+        );
+        match (name, value) {
+            ("idemdb_outcomes_total", DebugValue::Counter(count)) => {
+                outcomes.insert(labels["outcome"].clone(), count);
+            }
+            ("idemdb_commits_total", DebugValue::Counter(count)) => commits = count,
+            ("idemdb_duplicate_age_seconds", DebugValue::Histogram(values)) => {
+                duplicate_ages.extend(values.into_iter().map(|v| v.into_inner()));
+            }
+            ("idemdb_claim_seconds", DebugValue::Histogram(values)) => {
+                claim_latencies = values.len();
+            }
+            _ => {}
+        }
+    }
+    let count = |outcome: &str| outcomes.get(outcome).copied().unwrap_or(0);
+    let counted: Vec<(&str, u64)> = [
+        "fresh",
+        "duplicate",
+        "in_progress",
+        "conflict",
+        "stale",
+        "too_late",
+    ]
+    .into_iter()
+    .map(|outcome| (outcome, count(outcome)))
+    .collect();
+    ensure!(
+        counted
+            == [
+                ("fresh", 3),
+                ("duplicate", 1),
+                ("in_progress", 1),
+                ("conflict", 1),
+                ("stale", 1),
+                ("too_late", 0)
+            ],
+        "outcomes: {counted:?}"
+    );
+    ensure!(commits == 2, "commits: {commits}");
+    ensure!(
+        duplicate_ages == [90.0],
+        "duplicate ages: {duplicate_ages:?}"
+    );
+    ensure!(claim_latencies == 7, "claim latencies: {claim_latencies}");
     Ok(())
 }

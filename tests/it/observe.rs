@@ -1,5 +1,6 @@
 //! Guards observability: the metrics facade receives outcome counts per consumer, commit
-//! counts and duplicate ages, and `Engine::stats` reports the same numbers in process.
+//! counts and duplicate ages, every series labelled `backend="rocksdb"`, and `Engine::stats`
+//! reports the same numbers in process.
 
 use std::time::Duration;
 
@@ -68,6 +69,12 @@ fn outcomes_commits_and_duplicate_age_are_recorded() {
             .labels()
             .map(|label| (label.key().to_owned(), label.value().to_owned()))
             .collect();
+        assert_eq!(
+            labels.get("backend").map(String::as_str),
+            Some("rocksdb"),
+            "{} is labelled with its backend",
+            key.key().name()
+        );
         match (key.key().name(), value) {
             ("idemdb_outcomes_total", DebugValue::Counter(count)) => {
                 outcomes.insert(
@@ -156,9 +163,21 @@ fn metrics_labels_tell_two_stores_apart() {
     assert_eq!(
         commits,
         [
-            (label(&[("consumer", "orders"), ("partition", "0")]), 2),
             (
-                label(&[("consumer", "orders"), ("partition", "1"), ("region", "eu")]),
+                label(&[
+                    ("consumer", "orders"),
+                    ("backend", "rocksdb"),
+                    ("partition", "0")
+                ]),
+                2
+            ),
+            (
+                label(&[
+                    ("consumer", "orders"),
+                    ("backend", "rocksdb"),
+                    ("partition", "1"),
+                    ("region", "eu")
+                ]),
                 3
             ),
         ]
@@ -179,6 +198,7 @@ fn a_bad_metrics_label_is_refused_at_open() {
         ("reserved prefix", vec![("__name", "x")]),
         ("set by the engine", vec![("consumer", "x")]),
         ("set by the engine", vec![("outcome", "x")]),
+        ("set by the engine", vec![("backend", "x")]),
         ("twice", vec![("partition", "1"), ("partition", "2")]),
         ("too long a value", vec![("partition", long.as_str())]),
     ];
