@@ -23,11 +23,12 @@ use std::time::Instant;
 use idemdb::decision::{Found, inspect_record};
 use idemdb::format::encode_key;
 use idemdb::{Fingerprint, Outcome, PreviousAttempt};
+use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Transaction};
 
 use crate::error::{Error, Result};
 use crate::observe::{self, OutcomeKind};
+use crate::txn::{ClaimTransaction, Statement};
 use crate::{PgConsumer, decode_record, lock_id};
 
 /// The most messages one batch claims: the embedded engine's `idemdb::BATCH_MESSAGES_MAX`,
@@ -120,12 +121,15 @@ impl BatchClaim {
 /// The transaction is the whole batch's: a failed statement aborts it, and the commit then
 /// fails and writes nothing. Run the SQL of a message that may fail on its own inside a
 /// savepoint (`SAVEPOINT m` ... `ROLLBACK TO SAVEPOINT m` through
-/// [`Transaction::batch_execute`]) and [release](PgClaimBatch::release) it.
+/// `batch_execute` on [`PgClaimBatch::transaction`]) and [release](PgClaimBatch::release) it.
 ///
 /// Not the embedded engine's `idemdb::ClaimBatch`: that one holds RocksDB latches and stages
 /// writes for a RocksDB write batch; this one holds a PostgreSQL transaction.
 pub struct PgClaimBatch<'c> {
-    tx: Transaction<'c>,
+    tx: ClaimTransaction<'c>,
+    /// When the batch was decided: the database's clock in its lock statement, and this
+    /// process's monotonic clock then (see `PgClaim`'s field of the same name).
+    decided_at: (i64, Instant),
     consumer: PgConsumer,
     outcomes: Vec<PgBatchOutcome>,
     /// By message index: the claim of each fresh message not released.
@@ -180,16 +184,35 @@ impl PgConsumer {
             .filter(|(index, _)| first_of[*index] == *index)
             .map(|(_, (key, _))| key.as_ref())
             .collect();
-        let tx = crate::claim_transaction(client, &self.store).await?;
-        // From here every error drops `tx`, which rolls back and frees every lock taken.
+        self.store.ensure_partitions(client, false).await?;
+        // BEGIN, the lock statement and the read go out together (one round trip). The
+        // server runs them in the order sent, so the read's snapshot is taken after every lock
+        // was granted or refused. From here every error drops `tx`, which rolls back and frees
+        // every lock taken.
+        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&distinct_locks, Type::INT8_ARRAY)];
+        let consumer: &[u8] = &self.id;
+        let read_params: [(&(dyn ToSql + Sync), Type); 2] = [
+            (&consumer, Type::BYTEA),
+            (&distinct_keys, Type::BYTEA_ARRAY),
+        ];
+        let statements: [Statement<'_>; 2] = [
+            (LOCK_MANY, &lock_params),
+            (&self.store.inner.read_many, &read_params),
+        ];
+        let statements: &[Statement<'_>] = if messages.is_empty() {
+            &[]
+        } else {
+            &statements
+        };
+        let (tx, answers) = ClaimTransaction::begin_with(client, statements).await?;
         let taken = if messages.is_empty() {
             Taken::default()
         } else {
-            self.lock_and_read(&tx, &distinct_locks, &distinct_keys)
-                .await?
+            self.taken(answers)?
         };
         let mut batch = PgClaimBatch {
             tx,
+            decided_at: (taken.db_now_ms, Instant::now()),
             consumer: self.clone(),
             outcomes: Vec::with_capacity(messages.len()),
             claims: Vec::with_capacity(messages.len()),
@@ -270,30 +293,16 @@ impl PgConsumer {
         }
     }
 
-    /// Sends the lock statement and the read together and waits for both: the lock answer of
-    /// every lock number, the database's time, and the stored (undecoded) row of every key
-    /// that has one.
-    async fn lock_and_read(
-        &self,
-        tx: &Transaction<'_>,
-        lock_numbers: &[i64],
-        keys: &[&[u8]],
-    ) -> Result<Taken> {
-        // Typed statements: each goes out as parse, bind and execute in one message, with no
-        // separate prepare round trip, so both are on the wire before either is answered. The
-        // server runs them in the order sent (`join` polls the lock statement first), so the
-        // read's snapshot is taken after every lock was granted or refused.
-        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_numbers, Type::INT8_ARRAY)];
-        let lock_statement = tx.query_typed(LOCK_MANY, &lock_params);
-        let consumer: &[u8] = &self.id;
-        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
-            [(&consumer, Type::BYTEA), (&keys, Type::BYTEA_ARRAY)];
-        let read_statement = tx.query_typed(&self.store.inner.read_many, &read_params);
-        let (locks, rows) = futures_util::future::join(lock_statement, read_statement).await;
-        let locks = locks?;
-        let rows = rows?;
+    /// What the lock statement and the read answered: the lock answer of every lock number,
+    /// the database's time, and the stored (undecoded) row of every key that has one.
+    fn taken(&self, answers: crate::txn::Answers) -> Result<Taken> {
+        let mut answers = answers.into_iter();
+        let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+        let locks = next_rows()?;
+        let rows = next_rows()?;
         let db_now_ms: i64 = locks.first().map_or(0, |row| row.get(2));
         Ok(Taken {
+            db_now_ms,
             locked: locks.iter().map(|row| (row.get(0), row.get(1))).collect(),
             now_ms: self.store.now_ms(db_now_ms),
             rows: rows
@@ -315,6 +324,8 @@ struct Taken {
     locked: HashMap<i64, bool>,
     /// The claim's time on the store's clock.
     now_ms: u64,
+    /// The claim's time on the database's clock.
+    db_now_ms: i64,
     /// By message key: the stored record, not decoded yet (only locked keys' are).
     rows: HashMap<Vec<u8>, Vec<u8>>,
 }
@@ -385,8 +396,8 @@ impl<'c> PgClaimBatch<'c> {
     /// The batch's transaction, for the business SQL of its fresh messages. Do not commit or
     /// roll it back yourself: [`PgClaimBatch::commit`] does, and dropping the batch rolls back.
     #[must_use]
-    pub fn transaction(&self) -> &Transaction<'c> {
-        &self.tx
+    pub fn transaction(&self) -> &Client {
+        self.tx.client()
     }
 
     /// Each message's outcome, in the order the messages were given.
@@ -466,6 +477,7 @@ impl<'c> PgClaimBatch<'c> {
             tx,
             consumer,
             claims,
+            decided_at: (db_ms, decided),
             ..
         } = self;
         let mut held = Vec::new();
@@ -480,9 +492,13 @@ impl<'c> PgClaimBatch<'c> {
             // No record to write, but maybe the caller's SQL: a statement on an aborted
             // transaction fails, so a failed business statement is reported here rather than
             // by a COMMIT that PostgreSQL answers with a silent rollback.
-            tx.batch_execute("SELECT 1").await?;
+            tx.client().batch_execute("SELECT 1").await?;
         } else {
-            write_records(&tx, &consumer, &held).await?;
+            let now_ms =
+                consumer.store.now_ms(db_ms.saturating_add(
+                    i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX),
+                ));
+            write_records(tx.client(), &consumer, &held, now_ms).await?;
         }
         tx.commit().await?;
         // Each claim's commit is counted and logged, as the embedded batch reports its claims.
@@ -499,12 +515,12 @@ impl<'c> PgClaimBatch<'c> {
 /// Writes the completed record of each claim in `held` with its result, in one statement:
 /// inserted where the key had no row, updated where the claim replaces one.
 async fn write_records<R: AsRef<[u8]>>(
-    tx: &Transaction<'_>,
+    tx: &Client,
     consumer: &PgConsumer,
     held: &[(&BatchClaim, R)],
+    now_ms: u64,
 ) -> Result<()> {
     let store = &consumer.store;
-    let now_ms = crate::now_on_store_clock(tx, store).await?;
     let mut inserted = Rows::default();
     let mut updated = Rows::default();
     for (claim, result) in held {
@@ -536,7 +552,15 @@ async fn write_records<R: AsRef<[u8]>>(
         (&updated.records, Type::BYTEA_ARRAY),
         (&updated.expires_at_ms, Type::INT8_ARRAY),
     ];
-    let rows = tx.query_typed(&store.inner.write_many, &params).await?;
+    let rows = match tx.query_typed(&store.inner.write_many, &params).await {
+        Ok(rows) => rows,
+        Err(error) => {
+            let key = held
+                .first()
+                .map_or(&[][..], |(claim, _)| claim.key.as_slice());
+            return Err(store.write_failed(error, key));
+        }
+    };
     let written: HashSet<&[u8]> = rows.iter().map(|row| row.get(0)).collect();
     // An insert either writes its row or fails on the primary key; an update of a row that is
     // gone writes nothing, and says nothing: name the key.

@@ -85,6 +85,13 @@ pub enum Error {
     /// Writing an export failed.
     #[error("writing the export: {0}")]
     ExportOutput(#[source] std::io::Error),
+    /// The server answered one of this crate's statements in a way it cannot (a statement that
+    /// always returns a row returned none). Nothing was committed.
+    #[error("unexpected answer from PostgreSQL: {detail}")]
+    UnexpectedAnswer {
+        /// What was unexpected.
+        detail: &'static str,
+    },
     /// PostgreSQL or the connection failed. During a commit, the outcome may be unknown (the
     /// connection dropped after COMMIT was sent): do not acknowledge; the redelivery finds
     /// either `Duplicate` or `Fresh`, never half of the commit.

@@ -20,12 +20,13 @@ use idemdb::{
     EXPIRES_NEVER_MS, Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome,
     PreviousAttempt,
 };
-use tokio_postgres::types::Type;
-use tokio_postgres::{Client, GenericClient, Transaction};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
 use crate::observe::{self, OutcomeKind};
 use crate::ticket::PgLeaseTicket;
+use crate::txn::ClaimTransaction;
 use crate::{PgConsumer, PgStore, decode_record, lock_id};
 
 /// How long a lease step waits for the key's lock (another step of the same key, or a
@@ -109,20 +110,38 @@ impl PgConsumer {
         )?;
         let stored_key = idemdb::format::encode_key(&self.id, key)?;
         let inner = &self.store.inner;
-        let tx = crate::claim_transaction(client, &self.store).await?;
-        let lock = tx
-            .query_one(
-                "SELECT pg_try_advisory_xact_lock($1), \
-                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
-                &[&lock_id(&inner.lock_namespace, &stored_key)],
-            )
-            .await?;
+        self.store.ensure_partitions(client, false).await?;
+        // BEGIN, the lock and the read in one round trip, as a claim's (see `begin_message`).
+        let lock_number = lock_id(&inner.lock_namespace, &stored_key);
+        let id: &[u8] = &self.id;
+        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
+        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&id, Type::BYTEA), (&key, Type::BYTEA)];
+        let (tx, answers) = ClaimTransaction::begin_with(
+            client,
+            &[
+                (
+                    "SELECT pg_try_advisory_xact_lock($1), \
+                     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                    &lock_params,
+                ),
+                (&inner.read, &read_params),
+            ],
+        )
+        .await?;
+        let mut answers = answers.into_iter();
+        let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+        let lock = crate::txn::single_row(next_rows()?)?;
+        let read = next_rows();
         let now_ms = self.store.now_ms(lock.get(1));
         if !lock.get::<_, bool>(0) {
             tx.rollback().await?;
             return Ok((now_ms, Outcome::held_by_claim(now_ms)));
         }
-        let record = self.read(&tx, key).await?;
+        let record = read?
+            .first()
+            .map(|row| decode_record(key, row.get(0)))
+            .transpose()?;
         match inspect_record(record, fingerprint, now_ms) {
             Found::Claimable {
                 replaces_epoch,
@@ -143,7 +162,7 @@ impl PgConsumer {
                 let record = claim.record(claim.lease_until_ms);
                 // In progress: never removable by itself, whatever the lease.
                 crate::write_record(
-                    &tx,
+                    tx.client(),
                     self,
                     key,
                     &record,
@@ -251,7 +270,7 @@ impl PgConsumer {
         match resolution {
             PgResolution::Complete(result) => {
                 crate::write_completed(
-                    &tx,
+                    tx.client(),
                     self,
                     key,
                     current.fingerprint,
@@ -271,7 +290,7 @@ impl PgConsumer {
                     released_at_ms: now_ms,
                     removable_at_ms,
                 };
-                crate::write_record(&tx, self, key, &record, removable_at_ms, true).await?;
+                crate::write_record(tx.client(), self, key, &record, removable_at_ms, true).await?;
             }
         }
         tx.commit().await?;
@@ -340,7 +359,7 @@ impl PgExternalClaim {
         let until = now_ms.saturating_add(lease_ms);
         let record = self.record(until);
         crate::write_record(
-            &tx,
+            tx.client(),
             &self.consumer,
             &self.key,
             &record,
@@ -397,7 +416,7 @@ impl PgExternalClaim {
             removable_at_ms,
         };
         crate::write_record(
-            &tx,
+            tx.client(),
             &self.consumer,
             &self.key,
             &record,
@@ -428,7 +447,7 @@ impl PgExternalClaim {
     async fn fail_unobserved(&self, client: &mut Client, result: &[u8]) -> Result<()> {
         let (tx, _) = self.fenced(client).await?;
         crate::write_completed(
-            &tx,
+            tx.client(),
             &self.consumer,
             &self.key,
             self.fingerprint,
@@ -486,7 +505,7 @@ impl PgExternalClaim {
     }
 
     /// A transaction holding the key's lock, in which the record is still this holder's.
-    async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(Transaction<'c>, u64)> {
+    async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(ClaimTransaction<'c>, u64)> {
         let (tx, now_ms, record) =
             locked_record(&self.consumer, client, &self.key, &self.stored_key).await?;
         let still_ours = record.as_ref().is_some_and(|record| {
@@ -510,23 +529,45 @@ async fn locked_record<'c>(
     client: &'c mut Client,
     key: &[u8],
     stored_key: &[u8],
-) -> Result<(Transaction<'c>, u64, Option<Record>)> {
+) -> Result<(ClaimTransaction<'c>, u64, Option<Record>)> {
     let store: &PgStore = &consumer.store;
-    let tx = crate::claim_transaction(client, store).await?;
-    tx.execute(
-        "SELECT set_config('lock_timeout', $1, true)",
-        &[&format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis())],
+    store.ensure_partitions(client, false).await?;
+    // BEGIN, the lock wait's bound, the lock and the read in one round trip: the server runs
+    // them in order, so the read's snapshot is taken once the lock is granted.
+    let timeout = format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis());
+    let lock_number = lock_id(&store.inner.lock_namespace, stored_key);
+    let id: &[u8] = &consumer.id;
+    let timeout_params: [(&(dyn ToSql + Sync), Type); 1] = [(&timeout, Type::TEXT)];
+    let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
+    let read_params: [(&(dyn ToSql + Sync), Type); 2] = [(&id, Type::BYTEA), (&key, Type::BYTEA)];
+    let (tx, answers) = ClaimTransaction::begin_with(
+        client,
+        &[
+            (
+                "SELECT set_config('lock_timeout', $1, true)",
+                &timeout_params,
+            ),
+            (
+                "SELECT pg_advisory_xact_lock($1)::text, \
+                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
+                &lock_params,
+            ),
+            (&store.inner.read, &read_params),
+        ],
     )
     .await?;
-    let locked = tx
-        .query_one(
-            "SELECT pg_advisory_xact_lock($1)::text, \
-             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8",
-            &[&lock_id(&store.inner.lock_namespace, stored_key)],
-        )
-        .await;
+    let mut answers = answers.into_iter();
+    let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+    next_rows()?;
+    let locked = next_rows().map(|rows| rows.into_iter().next());
+    let read = next_rows();
     let row = match locked {
-        Ok(row) => row,
+        Ok(Some(row)) => row,
+        Ok(None) => {
+            return Err(Error::UnexpectedAnswer {
+                detail: "the lock statement returned no row",
+            });
+        }
         Err(error)
             if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
         {
@@ -535,7 +576,10 @@ async fn locked_record<'c>(
         Err(error) => return Err(error.into()),
     };
     let now_ms = store.now_ms(row.get(1));
-    let record = consumer.read(&tx, key).await?;
+    let record = read?
+        .first()
+        .map(|row| decode_record(key, row.get(0)))
+        .transpose()?;
     Ok((tx, now_ms, record))
 }
 
@@ -558,7 +602,7 @@ pub struct PgInProgress {
 /// The transaction that completes an external claim: the record and the caller's SQL commit
 /// together. Dropped, it rolls back and the claim still holds the key.
 pub struct PgCompletion<'c> {
-    tx: Transaction<'c>,
+    tx: ClaimTransaction<'c>,
     claim: PgExternalClaim,
 }
 
@@ -571,10 +615,11 @@ impl std::fmt::Debug for PgCompletion<'_> {
 }
 
 impl<'c> PgCompletion<'c> {
-    /// The transaction, for the business SQL. Do not commit or roll it back yourself.
+    /// The connection of the open transaction, for the business SQL. Do not commit or roll it
+    /// back yourself.
     #[must_use]
-    pub fn transaction(&self) -> &Transaction<'c> {
-        &self.tx
+    pub fn transaction(&self) -> &Client {
+        self.tx.client()
     }
 
     /// Writes the completed record with `result` and commits, with the business SQL.
@@ -585,7 +630,7 @@ impl<'c> PgCompletion<'c> {
         let started = Instant::now();
         let claim = &self.claim;
         crate::write_completed(
-            &self.tx,
+            self.tx.client(),
             &claim.consumer,
             &claim.key,
             claim.fingerprint,

@@ -14,9 +14,13 @@
 //! lock gets `InProgress` at once. One that gets it reads the row in a second statement: under
 //! READ COMMITTED each statement takes a fresh snapshot, and PostgreSQL makes a transaction's
 //! commit visible before it releases its locks, so that read sees every earlier holder's
-//! commit. The primary key on (consumer, message key) backs the lock up: a second insert of a
-//! key fails instead of making a second record. Two keys whose hashes collide only get a
-//! spurious `InProgress` while the other is held.
+//! commit. Two keys whose hashes collide only get a spurious `InProgress` while the other is
+//! held.
+//!
+//! **Two round trips.** `BEGIN`, the lock and the read go out together, and so do the record's
+//! write and `COMMIT`: a claim and its commit cost two round trips besides the caller's SQL.
+//! The commit's time is the database's clock read by the claim's lock statement, advanced by
+//! this process's monotonic clock since.
 //!
 //! **Batches.** [`PgConsumer::begin_batch`] claims a broker batch in one transaction: one
 //! statement takes every key's lock, one reads every key's row, sent together; each message
@@ -100,6 +104,7 @@ mod observe;
 mod schema;
 mod ticket;
 mod transfer;
+mod txn;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -113,8 +118,9 @@ use idemdb::{
 };
 use observe::{ConsumerMetrics, OutcomeKind};
 use schema::NEVER_MS;
+use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Transaction};
+use txn::{ClaimTransaction, LOST_ROW, Statement};
 
 pub use batch::{BATCH_MESSAGES_MAX, PgBatchOutcome, PgClaimBatch};
 pub use error::{Error, Result};
@@ -216,9 +222,14 @@ impl StoreBuilder {
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      VALUES ($1, $2, $3, $4)"
                 ),
+                // An update of a row that is gone writes nothing and says nothing; this one
+                // divides by the rows it wrote, so that it fails instead (`LOST_ROW`): the
+                // COMMIT sent behind it then rolls back.
                 update: format!(
-                    "UPDATE {records} SET record = $3, expires_at_ms = $4 \
-                     WHERE consumer = $1 AND message_key = $2"
+                    "WITH updated AS ( \
+                         UPDATE {records} SET record = $3, expires_at_ms = $4 \
+                         WHERE consumer = $1 AND message_key = $2 RETURNING 1 \
+                     ) SELECT 1 / count(*)::int4 FROM updated"
                 ),
                 read_many: format!(
                     "SELECT message_key, record FROM {records} \
@@ -253,12 +264,15 @@ impl StoreBuilder {
                     "SELECT version FROM {entity} WHERE consumer = $1 AND entity_key = $2"
                 ),
                 // Under the entity's lock the version is always newer; the condition backs the
-                // lock up, and a row it leaves unwritten is reported.
+                // lock up, and a row it leaves unwritten fails the statement (`LOST_ROW`), as
+                // the update of a record does.
                 write_version: format!(
-                    "INSERT INTO {entity} AS e (consumer, entity_key, version) \
-                     VALUES ($1, $2, $3) \
-                     ON CONFLICT (consumer, entity_key) DO UPDATE SET version = excluded.version \
-                     WHERE e.version < excluded.version"
+                    "WITH written AS ( \
+                         INSERT INTO {entity} AS e (consumer, entity_key, version) \
+                         VALUES ($1, $2, $3) \
+                         ON CONFLICT (consumer, entity_key) DO UPDATE SET version = excluded.version \
+                         WHERE e.version < excluded.version RETURNING 1 \
+                     ) SELECT 1 / count(*)::int4 FROM written"
                 ),
                 lock_namespace: records,
                 entity_lock_namespace: entity,
@@ -434,35 +448,44 @@ impl PgConsumer {
             }
             None => None,
         };
-        let tx = crate::claim_transaction(client, &self.store).await?;
-        // The locks and the reads go out together (one round trip), as separate statements:
-        // the server runs them in order, and each read's snapshot is taken when it starts,
-        // after the locks were granted, so it sees the commit of whoever held the lock before.
-        // (One statement would read with a snapshot taken before the lock.) Without its lock, a
-        // read's answer is not looked at. Typed statements go out whole (no prepare step
-        // first), so all are on the wire before any is answered.
+        self.store.ensure_partitions(client, false).await?;
+        // BEGIN, the locks and the reads go out together (one round trip), as separate
+        // statements: the server runs them in order, and each read's snapshot is taken when it
+        // starts, after the locks were granted, so it sees the commit of whoever held the lock
+        // before. (One statement would read with a snapshot taken before the lock.) Without
+        // its lock, a read's answer is not looked at.
         let (high, low) = entity.map_or((0, 0), |(_, _, high, low)| (high, low));
-        let with_entity: [(&(dyn ToSql + Sync), Type); 3] = [
+        let lock_params: [(&(dyn ToSql + Sync), Type); 3] = [
             (&lock_number, Type::INT8),
             (&high, Type::INT4),
             (&low, Type::INT4),
         ];
-        let lock_statement = if entity.is_some() {
-            tx.query_typed_one(LOCK_KEY_AND_ENTITY, &with_entity)
-        } else {
-            tx.query_typed_one(LOCK_KEY, &with_entity[..1])
-        };
-        let read_statement = self.read(&tx, key);
-        let version_statement = async {
-            match entity {
-                Some((entity_key, ..)) => self.read_version(&tx, entity_key).await,
-                None => Ok(None),
-            }
-        };
-        let (lock, record, current_version) =
-            futures_util::future::join3(lock_statement, read_statement, version_statement).await;
-        let lock = lock?;
-        let now_ms = self.store.now_ms(lock.get(1));
+        let id: &[u8] = &self.id;
+        let entity_key: &[u8] = entity.map_or(&[], |(entity_key, ..)| entity_key);
+        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&id, Type::BYTEA), (&key, Type::BYTEA)];
+        let version_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&id, Type::BYTEA), (&entity_key, Type::BYTEA)];
+        let mut statements: Vec<Statement<'_>> = vec![
+            if entity.is_some() {
+                (LOCK_KEY_AND_ENTITY, &lock_params[..])
+            } else {
+                (LOCK_KEY, &lock_params[..1])
+            },
+            (&inner.read, &read_params),
+        ];
+        if entity.is_some() {
+            statements.push((&inner.read_version, &version_params));
+        }
+        let (tx, answers) = ClaimTransaction::begin_with(client, &statements).await?;
+        let decided_at = Instant::now();
+        let mut answers = answers.into_iter();
+        let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+        let lock = txn::single_row(next_rows()?)?;
+        let record = next_rows();
+        let current_version = next_rows();
+        let db_now_ms: i64 = lock.get(1);
+        let now_ms = self.store.now_ms(db_now_ms);
         let settled = |outcome: Outcome<std::convert::Infallible>| {
             (now_ms, outcome.map_fresh(|never| match never {}))
         };
@@ -470,7 +493,11 @@ impl PgConsumer {
             tx.rollback().await?;
             return Ok(settled(Outcome::held_by_claim(now_ms)));
         }
-        let found = inspect_record(record?, message.fingerprint(), now_ms);
+        let record = record?
+            .first()
+            .map(|row| decode_record(key, row.get(0)))
+            .transpose()?;
+        let found = inspect_record(record, message.fingerprint(), now_ms);
         let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
         let (replaces_epoch, previous) =
             match admit(found, message.production_time_ms(), now_ms, floor_ms) {
@@ -490,7 +517,11 @@ impl PgConsumer {
                 tx.rollback().await?;
                 return Ok(settled(Outcome::held_by_claim(now_ms)));
             }
-            if let Some(stale) = guard_order(current_version?, new_version) {
+            let current_version = current_version?
+                .first()
+                .map(|row| decode_version(entity_key, row.get(0)))
+                .transpose()?;
+            if let Some(stale) = guard_order(current_version, new_version) {
                 tx.rollback().await?;
                 return Ok(settled(stale));
             }
@@ -498,6 +529,7 @@ impl PgConsumer {
         }
         let claim = PgClaim {
             tx,
+            decided_at: (db_now_ms, decided_at),
             consumer: self.clone(),
             key: key.to_vec(),
             stored_key,
@@ -510,32 +542,6 @@ impl PgConsumer {
         Ok((now_ms, Outcome::Fresh(claim)))
     }
 
-    /// The ordering guard's highest applied version of `entity_key`, if one was recorded.
-    pub(crate) async fn read_version(
-        &self,
-        client: &impl tokio_postgres::GenericClient,
-        entity_key: &[u8],
-    ) -> Result<Option<u64>> {
-        let id: &[u8] = &self.id;
-        let row = client
-            .query_typed_opt(
-                &self.store.inner.read_version,
-                &[(&id, Type::BYTEA), (&entity_key, Type::BYTEA)],
-            )
-            .await?;
-        let Some(row) = row else {
-            return Ok(None);
-        };
-        let bytes: &[u8] = row.get(0);
-        match <[u8; 8]>::try_from(bytes) {
-            Ok(be) => Ok(Some(u64::from_be_bytes(be))),
-            Err(_) => Err(Error::Corrupt {
-                key: entity_key.to_vec(),
-                detail: format!("an entity version of {} bytes, not 8", bytes.len()),
-            }),
-        }
-    }
-
     /// The record stored under `key`, as it is (it may be expired; see
     /// [`Record::is_absent_at`]).
     ///
@@ -545,6 +551,17 @@ impl PgConsumer {
         let key = key.as_ref();
         encode_key(&self.id, key)?;
         self.read(client, key).await
+    }
+}
+
+/// Decodes a stored version of `entity_key` (8 bytes, big-endian).
+pub(crate) fn decode_version(entity_key: &[u8], bytes: &[u8]) -> Result<u64> {
+    match <[u8; 8]>::try_from(bytes) {
+        Ok(be) => Ok(u64::from_be_bytes(be)),
+        Err(_) => Err(Error::Corrupt {
+            key: entity_key.to_vec(),
+            detail: format!("an entity version of {} bytes, not 8", bytes.len()),
+        }),
     }
 }
 
@@ -560,7 +577,11 @@ pub(crate) fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
 /// [`PgClaim::transaction`], then [`PgClaim::commit`]. Dropped instead, it rolls back: nothing
 /// of it lands, and the key is free again.
 pub struct PgClaim<'c> {
-    tx: Transaction<'c>,
+    tx: ClaimTransaction<'c>,
+    /// When the claim was decided: the database's clock in its lock statement, and this
+    /// process's monotonic clock when the answer came. The commit's time is the first advanced
+    /// by the second's elapsed time: no extra round trip to read the database's clock again.
+    decided_at: (i64, Instant),
     consumer: PgConsumer,
     key: Vec<u8>,
     /// The key as the embedded engine stores it (consumer and message key): what downstream
@@ -587,11 +608,11 @@ impl std::fmt::Debug for PgClaim<'_> {
 }
 
 impl<'c> PgClaim<'c> {
-    /// The claim's transaction, for the business SQL. Do not commit or roll it back yourself:
-    /// [`PgClaim::commit`] does, and dropping the claim rolls back.
+    /// The connection of the claim's open transaction, for the business SQL. Do not commit or
+    /// roll it back yourself: [`PgClaim::commit`] does, and dropping the claim rolls back.
     #[must_use]
-    pub fn transaction(&self) -> &Transaction<'c> {
-        &self.tx
+    pub fn transaction(&self) -> &Client {
+        self.tx.client()
     }
 
     /// The epoch the committed record will have.
@@ -654,23 +675,45 @@ impl<'c> PgClaim<'c> {
     /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
         let started = Instant::now();
-        write_completed(
-            &self.tx,
-            &self.consumer,
-            &self.key,
-            self.fingerprint,
-            self.epoch(),
-            self.replaces_epoch != 0,
-            result.as_ref(),
-            true,
-        )
-        .await?;
-        if let Some((entity_key, version)) = &self.version {
-            write_version(&self.tx, &self.consumer, entity_key, *version).await?;
-        }
+        let result = result.as_ref();
+        check_result(result)?;
+        let consumer = &self.consumer;
+        let store = &consumer.store;
+        let (db_ms, decided) = self.decided_at;
+        let now_ms = store.now_ms(
+            db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
+        );
         let epoch = self.epoch();
-        self.tx.commit().await?;
-        let metrics = &self.consumer.metrics;
+        let (record, expires_at_ms) =
+            completed_record(store, epoch, self.fingerprint, now_ms, result, true);
+        let row = RecordRow::new(
+            consumer,
+            &self.key,
+            &record,
+            expires_at_ms,
+            self.replaces_epoch != 0,
+        );
+        let row_params = row.params();
+        let id: &[u8] = &consumer.id;
+        let (entity_key, version_bytes) = match &self.version {
+            Some((entity_key, version)) => (entity_key.as_slice(), version.to_be_bytes()),
+            None => (&[][..], [0; 8]),
+        };
+        let version_value: &[u8] = &version_bytes;
+        let version_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&id, Type::BYTEA),
+            (&entity_key, Type::BYTEA),
+            (&version_value, Type::BYTEA),
+        ];
+        let mut writes: Vec<Statement<'_>> = vec![(row.sql, &row_params)];
+        if self.version.is_some() {
+            writes.push((&store.inner.write_version, &version_params));
+        }
+        // The record (and the entity's version) and COMMIT in one round trip.
+        if let Err(error) = self.tx.commit_with(&writes).await {
+            return Err(store.write_failed(error, &self.key));
+        }
+        let metrics = &consumer.metrics;
         metrics.commit(started.elapsed());
         metrics.log_step(
             "commit",
@@ -764,7 +807,7 @@ impl PgStore {
 /// statement aborted with a rollback and no error.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_completed(
-    tx: &Transaction<'_>,
+    tx: &Client,
     consumer: &PgConsumer,
     key: &[u8],
     fingerprint: Fingerprint,
@@ -859,80 +902,82 @@ pub(crate) fn expires_column(removable_at_ms: u64) -> i64 {
     i64::try_from(removable_at_ms).unwrap_or(NEVER_MS)
 }
 
+/// The row of a record, for the statement that writes it: an update of the key's row when the
+/// record replaces one, else an insert.
+pub(crate) struct RecordRow<'a> {
+    pub(crate) sql: &'a str,
+    id: &'a [u8],
+    key: &'a [u8],
+    record: Vec<u8>,
+    expires_column: i64,
+}
+
+impl<'a> RecordRow<'a> {
+    /// `record` of `key`, removable from `removable_at_ms` on.
+    pub(crate) fn new(
+        consumer: &'a PgConsumer,
+        key: &'a [u8],
+        record: &Record,
+        removable_at_ms: u64,
+        replaces: bool,
+    ) -> RecordRow<'a> {
+        let inner = &consumer.store.inner;
+        RecordRow {
+            sql: if replaces {
+                &inner.update
+            } else {
+                &inner.insert
+            },
+            id: &consumer.id,
+            key,
+            record: record.encode(),
+            expires_column: expires_column(removable_at_ms),
+        }
+    }
+
+    pub(crate) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 4] {
+        [
+            (&self.id, Type::BYTEA),
+            (&self.key, Type::BYTEA),
+            (&self.record, Type::BYTEA),
+            (&self.expires_column, Type::INT8),
+        ]
+    }
+}
+
+impl PgStore {
+    /// The error of a failed write of `key`'s record (or of its entity's version). A write that
+    /// found no row to update is [`Error::LostKey`]. A row with no partition to go to means the
+    /// day partitions this process made sure of are gone (the tables were dropped and
+    /// installed again under it): the next claim makes sure again.
+    pub(crate) fn write_failed(&self, error: tokio_postgres::Error, key: &[u8]) -> Error {
+        if error.code() == Some(LOST_ROW) {
+            return Error::LostKey { key: key.to_vec() };
+        }
+        if error.code() == Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION) {
+            self.inner
+                .partitions_through_day
+                .store(i64::MIN, Ordering::Release);
+        }
+        Error::Postgres(error)
+    }
+}
+
 /// Writes `record` as the row of `key` (an update when `replaces`, else an insert), removable
 /// from `removable_at_ms` on.
 pub(crate) async fn write_record(
-    tx: &Transaction<'_>,
+    tx: &Client,
     consumer: &PgConsumer,
     key: &[u8],
     record: &Record,
     removable_at_ms: u64,
     replaces: bool,
 ) -> Result<()> {
-    let inner = &consumer.store.inner;
-    let expires_column = expires_column(removable_at_ms);
-    let params: [&(dyn ToSql + Sync); 4] = [
-        &consumer.id.as_ref(),
-        &key,
-        &record.encode(),
-        &expires_column,
-    ];
-    let statement = if replaces {
-        &inner.update
-    } else {
-        &inner.insert
-    };
-    let written = tx.execute(statement, &params).await?;
-    if written != 1 {
-        return Err(Error::LostKey { key: key.to_vec() });
+    let row = RecordRow::new(consumer, key, record, removable_at_ms, replaces);
+    match tx.query_typed(row.sql, &row.params()).await {
+        Ok(_) => Ok(()),
+        Err(error) => Err(consumer.store.write_failed(error, key)),
     }
-    Ok(())
-}
-
-/// Opens the transaction of a claim or a lease step: READ COMMITTED whatever the database's
-/// default, as the claim's read must take its snapshot after the key's lock was granted,
-/// which only READ COMMITTED does per statement (under REPEATABLE READ the first statement's
-/// snapshot would hide the previous holder's commit). Before it, makes sure the partitions the
-/// transaction may write into exist (see [`PgStore::maintain`]): DDL never runs inside a
-/// claim.
-pub(crate) async fn claim_transaction<'c>(
-    client: &'c mut Client,
-    store: &PgStore,
-) -> Result<Transaction<'c>> {
-    store.ensure_partitions(client, false).await?;
-    Ok(client
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
-        .start()
-        .await?)
-}
-
-/// Records `version` as the highest applied version of `entity_key` (the ordering guard), in
-/// the claim's transaction; the caller holds the entity's lock.
-pub(crate) async fn write_version(
-    tx: &Transaction<'_>,
-    consumer: &PgConsumer,
-    entity_key: &[u8],
-    version: u64,
-) -> Result<()> {
-    let id: &[u8] = &consumer.id;
-    let value = version.to_be_bytes();
-    let value: &[u8] = &value;
-    let params: [(&(dyn ToSql + Sync), Type); 3] = [
-        (&id, Type::BYTEA),
-        (&entity_key, Type::BYTEA),
-        (&value, Type::BYTEA),
-    ];
-    let written = tx
-        .execute_typed(&consumer.store.inner.write_version, &params)
-        .await?;
-    if written != 1 {
-        // A version as new or newer is there: another writer passed the entity's lock.
-        return Err(Error::LostKey {
-            key: entity_key.to_vec(),
-        });
-    }
-    Ok(())
 }
 
 /// A claim's lock statement: the key's lock, and the statement's time (the claim's "now" on

@@ -158,6 +158,7 @@ fn main() {
     scenario!(a_version_1_table_is_migrated_by_install);
     scenario!(a_connection_lost_mid_claim_or_mid_commit_leaves_all_or_nothing);
     scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
+    scenario!(a_commit_whose_row_vanished_is_lost_key_and_lands_nothing);
     scenario!(random_sequences_agree_with_the_embedded_engines_model);
     scenario!(an_external_claim_is_resumed_from_its_ticket);
     scenario!(missing_tables_are_typed_errors_and_a_reinstall_is_used_again);
@@ -390,6 +391,17 @@ async fn a_dropped_claim_or_a_failed_statement_leaves_nothing(url: &str) -> Resu
     } else {
         return Err("first claim not fresh".into());
     }
+    // The drop rolled back on this very connection: a claim of another key on it, committed,
+    // does not carry the dropped claim's business row along.
+    match consumer.begin(&mut client, "m-0", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        other => return Err(format!("m-0 after the drop: {other:?}").into()),
+    }
+    let dropped_rows: i64 = client
+        .query_one("SELECT count(*) FROM t_abort.orders", &[])
+        .await?
+        .get(0);
+    ensure!(dropped_rows == 0, "the dropped claim's row landed");
     // A failed business statement: the commit fails and writes nothing.
     if let Outcome::Fresh(claim) = consumer.begin(&mut client, "m-1", body).await? {
         let bad = claim
@@ -4191,5 +4203,59 @@ async fn metrics_count_outcomes_and_commits_with_the_embedded_names(
         "duplicate ages: {duplicate_ages:?}"
     );
     ensure!(claim_latencies == 7, "claim latencies: {claim_latencies}");
+    Ok(())
+}
+
+async fn a_commit_whose_row_vanished_is_lost_key_and_lands_nothing(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let other = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_vanished").await?;
+    let clock = MockClock::new(1_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .clock(clock.clone())
+        .retention(Duration::from_secs(1))
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    match consumer.begin(&mut client, "k", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"first").await?,
+        other => return Err(format!("first claim: {other:?}").into()),
+    }
+    // Expired: the next claim replaces the row (an update), which someone deletes meanwhile
+    // without the key's lock (an operator's DELETE, say).
+    clock.set(1_002_000);
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "k", body).await? else {
+        return Err("claim of the expired key not fresh".into());
+    };
+    ensure!(claim.epoch() == 2, "epoch {}", claim.epoch());
+    claim
+        .transaction()
+        .execute("INSERT INTO t_vanished.orders VALUES ('k', 'second')", &[])
+        .await?;
+    other
+        .execute(
+            "DELETE FROM t_vanished.records WHERE message_key = 'k'::bytea",
+            &[],
+        )
+        .await?;
+    let committed = claim.commit(b"second").await;
+    ensure!(
+        matches!(&committed, Err(Error::LostKey { key }) if key == b"k"),
+        "commit after the row vanished: {committed:?}"
+    );
+    // The COMMIT that went out behind the failed write rolled everything back.
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_vanished.orders", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 0, "{rows} business rows landed");
+    ensure!(
+        consumer.get(&client, "k").await?.is_none(),
+        "a record landed"
+    );
     Ok(())
 }

@@ -1,0 +1,159 @@
+//! The transaction of a claim or a lease step, opened and closed in the same round trip as the
+//! statements around it.
+//!
+//! `tokio_postgres::Transaction` waits for the answer to `BEGIN` before anything else can be
+//! sent, and takes itself by value to commit, so neither `BEGIN` nor `COMMIT` can travel with
+//! another statement. Here `BEGIN` goes out with the claim's lock and read, and `COMMIT` with
+//! the record's write: a claim and its commit cost two round trips besides the caller's SQL.
+//! tokio-postgres sends a request when its future is first polled, and the server runs the
+//! requests of a connection in the order they arrive, so futures joined in order are pipelined.
+//!
+//! A failed statement aborts the transaction, and PostgreSQL answers a `COMMIT` of an aborted
+//! transaction with a rollback and no error: a `COMMIT` sent behind a write is only as good as
+//! that write's own answer, which [`ClaimTransaction::commit_with`] checks first. So a write
+//! that can touch no row without failing (an update of a row that is gone) must fail instead:
+//! see `LOST_ROW`.
+
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll, Waker};
+
+use futures_util::future::{MaybeDone, join, maybe_done};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Row};
+
+use crate::error::{Error, Result};
+
+/// `BEGIN` of every claim and lease step: READ COMMITTED whatever the session's default. A
+/// claim's read must take its snapshot after the key's lock was granted, which READ COMMITTED
+/// does for every statement; under REPEATABLE READ the first statement's snapshot would hide
+/// the previous holder's commit.
+const BEGIN: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// The SQLSTATE a write that must touch one row raises when it touched none: its statement
+/// divides by the number of rows it wrote (`division_by_zero`).
+pub(crate) const LOST_ROW: &tokio_postgres::error::SqlState =
+    &tokio_postgres::error::SqlState::DIVISION_BY_ZERO;
+
+/// A typed statement and its parameters.
+pub(crate) type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
+
+/// Each statement's rows, or its error.
+pub(crate) type Answers = Vec<std::result::Result<Vec<Row>, tokio_postgres::Error>>;
+
+/// An open READ COMMITTED transaction on a borrowed connection. Dropped while open, it sends
+/// `ROLLBACK` without waiting for the answer (as `tokio_postgres::Transaction` does); the
+/// connection's next request runs after it.
+pub(crate) struct ClaimTransaction<'c> {
+    client: &'c mut Client,
+    open: bool,
+}
+
+impl<'c> ClaimTransaction<'c> {
+    /// Sends `BEGIN` and then `statements`, in order, without waiting in between, and returns
+    /// the transaction with every statement's answer. A statement's error aborts the
+    /// transaction (every later statement then fails too); the caller decides what to do.
+    ///
+    /// # Errors
+    /// The error of `BEGIN` (nothing began; every statement failed with it).
+    pub(crate) async fn begin_with(
+        client: &'c mut Client,
+        statements: &[Statement<'_>],
+    ) -> Result<(ClaimTransaction<'c>, Answers)> {
+        let (begun, answers) = {
+            let shared: &Client = client;
+            let queries = statements
+                .iter()
+                .map(|(sql, params)| shared.query_typed(sql, params));
+            join(shared.batch_execute(BEGIN), in_order(queries)).await
+        };
+        // Built before the error is returned, so that its drop rolls back whatever began.
+        let transaction = ClaimTransaction { client, open: true };
+        begun?;
+        Ok((transaction, answers))
+    }
+
+    /// The connection, for the statements of the transaction.
+    pub(crate) fn client(&self) -> &Client {
+        self.client
+    }
+
+    /// Sends `writes` and then `COMMIT`, without waiting in between. The first write's error
+    /// is returned, if any (the `COMMIT` behind it rolled back: nothing of the transaction
+    /// landed); otherwise the `COMMIT`'s (a lost connection leaves the outcome unknown); else
+    /// every write's rows.
+    pub(crate) async fn commit_with(
+        mut self,
+        writes: &[Statement<'_>],
+    ) -> std::result::Result<Vec<Vec<Row>>, tokio_postgres::Error> {
+        self.open = false;
+        let client: &Client = self.client;
+        let queries = writes
+            .iter()
+            .map(|(sql, params)| client.query_typed(sql, params));
+        let (written, committed) = join(in_order(queries), client.batch_execute("COMMIT")).await;
+        let rows = written
+            .into_iter()
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        committed?;
+        Ok(rows)
+    }
+
+    /// Commits.
+    pub(crate) async fn commit(mut self) -> std::result::Result<(), tokio_postgres::Error> {
+        self.open = false;
+        self.client.batch_execute("COMMIT").await
+    }
+
+    /// Rolls back, and returns once the server has: the transaction's locks are free then.
+    pub(crate) async fn rollback(mut self) -> std::result::Result<(), tokio_postgres::Error> {
+        self.open = false;
+        self.client.batch_execute("ROLLBACK").await
+    }
+}
+
+impl Drop for ClaimTransaction<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // Polled once, the request is handed to the connection's task; its answer is not
+            // waited for (the future is dropped, and the connection discards the answer).
+            let mut rollback = pin!(self.client.batch_execute("ROLLBACK"));
+            let _ = rollback
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()));
+        }
+    }
+}
+
+/// The one row of a statement that always returns one (a `SELECT` without `FROM`).
+pub(crate) fn single_row(rows: Vec<Row>) -> Result<Row> {
+    rows.into_iter().next().ok_or(Error::UnexpectedAnswer {
+        detail: "a statement that returns one row returned none",
+    })
+}
+
+/// Awaits every future, polling them in the order given every time: the first poll of each
+/// sends its request, so the requests go out in that order. (A general join may poll in any
+/// order.)
+async fn in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut futures: Vec<Pin<Box<MaybeDone<F>>>> = futures
+        .into_iter()
+        .map(|f| Box::pin(maybe_done(f)))
+        .collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for future in &mut futures {
+            pending |= future.as_mut().poll(cx).is_pending();
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    futures
+        .iter_mut()
+        .filter_map(|future| future.as_mut().take_output())
+        .collect()
+}
