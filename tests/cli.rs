@@ -885,9 +885,12 @@ fn idemdb_pg(binary: &Path, args: &[&str], stdin: &[u8]) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// A stored record: table, consumer (consumers' table), key and the decoded record.
+type StoredRecord = (String, Option<Vec<u8>>, Vec<u8>, format::Record);
+
 /// Every record of the store at `path`, in table and key order, read through the library (not
 /// through the export lines): table, consumer, key and the decoded record.
-fn stored_records(path: &Path) -> Vec<(String, Option<Vec<u8>>, Vec<u8>, format::Record)> {
+fn stored_records(path: &Path) -> Vec<StoredRecord> {
     let store = idemdb::admin::Store::builder(path)
         .open_read_only()
         .unwrap();
