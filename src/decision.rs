@@ -283,7 +283,7 @@ fn held_under_lease(
 /// use idemdb::decision::guard_order;
 /// assert!(guard_order(None, 1).is_none());
 /// assert!(guard_order(Some(4), 5).is_none());
-/// assert!(matches!(guard_order(Some(5), 5), Some(Outcome::Stale { current_version: 5 })));
+/// assert!(matches!(guard_order(Some(5), 5), Some(Outcome::Stale { current_version: 5, .. })));
 /// ```
 #[must_use]
 pub fn guard_order(

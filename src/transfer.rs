@@ -449,6 +449,84 @@ mod tests {
     }
 
     #[test]
+    fn every_state_keeps_every_field_through_a_line() {
+        let mut failed = completed();
+        failed.state = RecordState::Completed {
+            committed_at_ms: 11,
+            expires_at_ms: 21,
+            result: Bytes::from_static(b"declined"),
+            succeeded: false,
+        };
+        let mut in_progress = completed();
+        in_progress.state = RecordState::InProgress {
+            since_ms: 12,
+            lease_until_ms: 22,
+            holder: Bytes::from_static(b"worker-1"),
+            token: 77,
+        };
+        let mut released = completed();
+        released.state = RecordState::Released {
+            released_at_ms: 13,
+            removable_at_ms: 23,
+        };
+        let fields = |state: &[&'static str]| {
+            let mut all = vec![
+                "table",
+                "consumer",
+                "consumer_hex",
+                "key",
+                "key_hex",
+                "state",
+                "epoch",
+                "fingerprint",
+            ];
+            all.extend_from_slice(state);
+            all
+        };
+        for (record, state_fields) in [
+            (
+                failed,
+                fields(&[
+                    "committed_at_ms",
+                    "expires_at_ms",
+                    "succeeded",
+                    "result",
+                    "result_hex",
+                ]),
+            ),
+            (
+                in_progress,
+                fields(&[
+                    "since_ms",
+                    "lease_until_ms",
+                    "holder",
+                    "holder_hex",
+                    "token",
+                ]),
+            ),
+            (released, fields(&["released_at_ms", "removable_at_ms"])),
+        ] {
+            let mut text = Vec::new();
+            ExportLine::of(CONSUMERS_TABLE, Some(b"c"), b"k", &record)
+                .write_to(&mut text)
+                .unwrap();
+            let text = String::from_utf8(text).unwrap();
+            let object: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(&text).unwrap();
+            let written: Vec<&str> = object.keys().map(String::as_str).collect();
+            let mut expected = state_fields.clone();
+            expected.sort_unstable();
+            let mut sorted = written.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, expected, "{text}");
+            assert_eq!(
+                ExportLine::parse(text.trim_end()).unwrap().record(),
+                &record
+            );
+        }
+    }
+
+    #[test]
     fn malformed_lines_are_typed_errors() {
         let good = serde_json::to_value(ExportLine::of("t", None, b"k", &completed())).unwrap();
         let with = |field: &str, value: serde_json::Value| {

@@ -3518,7 +3518,13 @@ async fn a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all(
     Ok(())
 }
 
-/// The export lines of records in every state, in the order exports write them.
+/// How many records [`transfer_lines`] holds.
+const TRANSFER_RECORDS: u64 = 8;
+
+/// The export lines of records in every state, in the order exports write them. The consumer
+/// ids and keys are chosen so that every other order differs: `tax` is the shortest id but
+/// sorts last byte by byte, `order-10` sorts between `order-1` and `order-2` byte by byte but
+/// after them by length, and `00 ff 'bin'` holds the lowest and the highest byte.
 fn transfer_lines(result: &str) -> Vec<u8> {
     use idemdb::format::{Record, RecordState};
     use idemdb::transfer::{CONSUMERS_TABLE, ExportLine};
@@ -3543,6 +3549,7 @@ fn transfer_lines(result: &str) -> Vec<u8> {
         succeeded,
     };
     // Consumer ids shorter first, then keys byte by byte: the order of every export.
+    record(b"tax", b"vat-1", 1, done(now_ms + 5 * day_ms, true));
     record(
         b"audit",
         b"entry-1",
@@ -3556,6 +3563,7 @@ fn transfer_lines(result: &str) -> Vec<u8> {
         done(now_ms + 3 * day_ms, true),
     );
     record(b"billing", b"order-1", 1, done(now_ms + day_ms, true));
+    record(b"billing", b"order-10", 2, done(now_ms + 4 * day_ms, true));
     record(b"billing", b"order-2", 4, done(now_ms + 2 * day_ms, false));
     record(
         b"payments",
@@ -3586,11 +3594,65 @@ fn transfer_lines(result: &str) -> Vec<u8> {
     text
 }
 
-async fn export_text(store: &PgStore, client: &Client) -> Result<Vec<u8>, Failure> {
+/// Every row of `transfer.records` sits where claims would have put it: `expires_at_ms` is when
+/// its record becomes removable (a completed record's expiry, a released one's removal time;
+/// never for one in progress), and the row is in that day's partition, or in the open one when
+/// that is never.
+async fn expect_rows_in_their_partitions(client: &Client, lines: &[u8]) -> Result<(), Failure> {
+    use idemdb::format::{RecordState, printable};
+    let mut expected = Vec::new();
+    for (_, record) in idemdb::transfer::read_lines(lines)? {
+        let removable_at_ms = match &record.record().state {
+            RecordState::Completed { expires_at_ms, .. } => *expires_at_ms,
+            RecordState::Released {
+                removable_at_ms, ..
+            } => *removable_at_ms,
+            // In progress: never removable by itself.
+            _ => idemdb::EXPIRES_NEVER_MS,
+        };
+        let (column, partition) = if removable_at_ms == idemdb::EXPIRES_NEVER_MS {
+            (i64::MAX, "transfer.records_open".to_owned())
+        } else {
+            let column = i64::try_from(removable_at_ms)?;
+            let day = column / idemdb_postgres::DAY_MS;
+            (column, format!("transfer.records_d{day}"))
+        };
+        let consumer = record.consumer().ok_or("a line without a consumer")?;
+        expected.push((
+            printable(consumer),
+            printable(record.key()),
+            column,
+            partition,
+        ));
+    }
+    expected.sort();
+    let mut rows: Vec<(String, String, i64, String)> = client
+        .query(
+            "SELECT consumer, message_key, expires_at_ms, tableoid::regclass::text \
+             FROM transfer.records",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| {
+            let (consumer, key): (&[u8], &[u8]) = (row.get(0), row.get(1));
+            (printable(consumer), printable(key), row.get(2), row.get(3))
+        })
+        .collect();
+    rows.sort();
+    ensure!(
+        rows == expected,
+        "rows (consumer, key, expires_at_ms, partition):\n{rows:?}\nexpected:\n{expected:?}"
+    );
+    Ok(())
+}
+
+/// The store's export, as text (so that a difference shows as lines).
+async fn export_text(store: &PgStore, client: &Client) -> Result<String, Failure> {
     let mut text = Vec::new();
     let report = store.export(client, &mut text).await?;
     assert!(report.corrupt.is_empty());
-    Ok(text)
+    Ok(String::from_utf8(text)?)
 }
 
 async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
@@ -3603,18 +3665,28 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
     let counts = store.import_lines(&mut client, &lines[..], false).await?;
     assert_eq!(
         (counts.imported, counts.overwritten, counts.skipped),
-        (6, 0, 0)
+        (TRANSFER_RECORDS, 0, 0)
     );
     assert_eq!(
         export_text(&store, &client).await?,
-        lines,
+        String::from_utf8_lossy(&lines),
         "export gives back the lines"
     );
     let mut one = Vec::new();
     store.consumer("billing")?.export(&client, &mut one).await?;
-    assert_eq!(String::from_utf8(one)?.lines().count(), 3);
-    // The rows sit in their days' partitions, and claims read the imported records.
+    let billing_lines: Vec<&str> = std::str::from_utf8(&lines)?
+        .lines()
+        .filter(|line| line.contains("\"consumer\":\"billing\""))
+        .collect();
+    assert_eq!(
+        String::from_utf8(one)?.lines().collect::<Vec<_>>(),
+        billing_lines
+    );
+    assert_eq!(billing_lines.len(), 4);
+    // The rows sit in their days' partitions (the never-expiring and the in-progress one in
+    // the open partition), and claims read the imported records.
     assert_eq!(count_rows(&client, "transfer.records_open").await?, 2);
+    expect_rows_in_their_partitions(&client, &lines).await?;
     // The imported in-progress record's lease ran out long ago (2023): the key is taken over
     // at the next epoch, with the imported attempt as the previous one.
     match store
@@ -3633,15 +3705,22 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
     let counts = store.import_lines(&mut client, &second[..], false).await?;
     assert_eq!(
         (counts.imported, counts.overwritten, counts.skipped),
-        (0, 0, 6)
+        (0, 0, TRANSFER_RECORDS)
     );
-    assert_eq!(export_text(&store, &client).await?, lines);
+    assert_eq!(
+        export_text(&store, &client).await?,
+        String::from_utf8_lossy(&lines)
+    );
     let counts = store.import_lines(&mut client, &second[..], true).await?;
     assert_eq!(
         (counts.imported, counts.overwritten, counts.skipped),
-        (0, 6, 0)
+        (0, TRANSFER_RECORDS, 0)
     );
-    assert_eq!(export_text(&store, &client).await?, second);
+    assert_eq!(
+        export_text(&store, &client).await?,
+        String::from_utf8_lossy(&second)
+    );
+    expect_rows_in_their_partitions(&client, &second).await?;
 
     // Bad input is a typed error and writes nothing, not even the good lines before it.
     let mut fresh_key = Vec::new();
@@ -3677,7 +3756,7 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
     }
     assert_eq!(
         export_text(&store, &client).await?,
-        second,
+        String::from_utf8_lossy(&second),
         "nothing written"
     );
 
