@@ -190,6 +190,11 @@ enum Ended {
 
 /// One broker connection: subscribes to every partition queue, owns whichever partitions the
 /// broker delivers, and releases all of them before it returns.
+/// How long a pause (the process stopped or starved) must last for this process to presume
+/// its connection lost: the heartbeat interval of the connection string above (2 s), past which
+/// the broker starts counting missed heartbeats.
+const PAUSE_PRESUMED_LOST: std::time::Duration = std::time::Duration::from_secs(2);
+
 async fn session(
     shared: &Arc<Shared>,
     terminate: &mut tokio::signal::unix::Signal,
@@ -210,6 +215,33 @@ async fn session(
                     connected.store(false, Ordering::Release);
                     let _ = lost_tx.send(true);
                     eprintln!("rabbitmq_partitions: connection lost: {error}");
+                }
+            }
+        })
+    };
+    // A process that was paused (SIGSTOP, a VM freeze, a long GC-like stall) for longer than
+    // the heartbeat may have lost its partitions to another consumer without its connection
+    // library noticing yet: a tick that comes late by more than that ends the session as a lost
+    // connection, as a missed lease would. (The monotonic clock runs on while the process is
+    // stopped.)
+    let pause_watch = {
+        let connected = connected.clone();
+        let lost_tx = lost_tx.clone();
+        tokio::spawn(async move {
+            const TICK: std::time::Duration = std::time::Duration::from_millis(200);
+            let mut last = std::time::Instant::now();
+            loop {
+                tokio::time::sleep(TICK).await;
+                let late = last.elapsed().saturating_sub(TICK);
+                last = std::time::Instant::now();
+                if late > PAUSE_PRESUMED_LOST {
+                    connected.store(false, Ordering::Release);
+                    let _ = lost_tx.send(true);
+                    eprintln!(
+                        "rabbitmq_partitions: paused for {} ms: the connection is presumed lost",
+                        late.as_millis()
+                    );
+                    return;
                 }
             }
         })
@@ -271,6 +303,7 @@ async fn session(
         }
     }
     watcher.abort();
+    pause_watch.abort();
     if matches!(ended, Ended::Terminated) {
         let _ = connection.close(200, "stopping".into()).await;
     }
