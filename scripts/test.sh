@@ -15,6 +15,7 @@ cycles="../shared/tools/module-cycles"
 if [ -x "$cycles" ]; then
     echo "== module cycles"
     "$cycles" src
+    "$cycles" postgres/src
 else
     echo "== module cycles skipped ($cycles not found beside the checkout)"
 fi

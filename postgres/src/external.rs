@@ -25,7 +25,6 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
 use crate::observe::{self, OutcomeKind};
-use crate::ticket::PgLeaseTicket;
 use crate::txn::ClaimTransaction;
 use crate::{PgConsumer, PgStore, decode_record, lock_id};
 
@@ -51,16 +50,16 @@ pub enum PgResolution {
 /// renew the lease before it runs out.
 #[derive(Clone, Debug)]
 pub struct PgExternalClaim {
-    consumer: PgConsumer,
-    key: Vec<u8>,
-    stored_key: Vec<u8>,
-    fingerprint: Fingerprint,
-    epoch: u64,
-    token: u64,
-    since_ms: u64,
-    lease_until_ms: u64,
-    holder: Bytes,
-    previous: Option<PreviousAttempt>,
+    pub(crate) consumer: PgConsumer,
+    pub(crate) key: Vec<u8>,
+    pub(crate) stored_key: Vec<u8>,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) epoch: u64,
+    pub(crate) token: u64,
+    pub(crate) since_ms: u64,
+    pub(crate) lease_until_ms: u64,
+    pub(crate) holder: Bytes,
+    pub(crate) previous: Option<PreviousAttempt>,
 }
 
 impl PgConsumer {
@@ -643,51 +642,6 @@ impl<'c> PgCompletion<'c> {
         self.tx.commit().await?;
         self.claim.observed("complete", Ok(()), started);
         Ok(())
-    }
-}
-
-impl PgExternalClaim {
-    /// What to keep to resume this claim after a restart ([`PgConsumer::resume`]).
-    #[must_use]
-    pub fn ticket(&self) -> PgLeaseTicket {
-        PgLeaseTicket {
-            consumer: self.consumer.id.clone(),
-            key: self.key.clone(),
-            epoch: self.epoch,
-            token: self.token,
-        }
-    }
-
-    /// The claim `ticket` names, from its in-progress `record` (checked by the caller to carry
-    /// the ticket's epoch and token). The attempt it took over is not known any more.
-    pub(crate) fn resumed(
-        consumer: &PgConsumer,
-        ticket: &PgLeaseTicket,
-        record: Record,
-    ) -> PgExternalClaim {
-        let (since_ms, lease_until_ms, holder) = match record.state {
-            RecordState::InProgress {
-                since_ms,
-                lease_until_ms,
-                holder,
-                ..
-            } => (since_ms, lease_until_ms, holder),
-            // Not reached (the caller matched the state); a claim that fails its first fenced
-            // step is the safe answer anyway.
-            _ => (0, 0, Bytes::new()),
-        };
-        PgExternalClaim {
-            consumer: consumer.clone(),
-            key: ticket.key.clone(),
-            stored_key: encode_key(&consumer.id, &ticket.key).unwrap_or_default(),
-            fingerprint: record.fingerprint,
-            epoch: ticket.epoch,
-            token: ticket.token,
-            since_ms,
-            lease_until_ms,
-            holder,
-            previous: None,
-        }
     }
 }
 

@@ -7,7 +7,7 @@
 //! key. Its bytes are versioned, so a ticket written by this release is read by later ones.
 
 use bytes::Bytes;
-use idemdb::format::{RecordState, encode_key};
+use idemdb::format::{Record, RecordState, encode_key};
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result};
@@ -140,6 +140,51 @@ impl PgConsumer {
                 Ok(PgExternalClaim::resumed(self, ticket, record))
             }
             _ => Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch })),
+        }
+    }
+}
+
+impl PgExternalClaim {
+    /// What to keep to resume this claim after a restart ([`PgConsumer::resume`]).
+    #[must_use]
+    pub fn ticket(&self) -> PgLeaseTicket {
+        PgLeaseTicket {
+            consumer: self.consumer.id.clone(),
+            key: self.key.clone(),
+            epoch: self.epoch,
+            token: self.token,
+        }
+    }
+
+    /// The claim `ticket` names, from its in-progress `record` (checked by the caller to carry
+    /// the ticket's epoch and token). The attempt it took over is not known any more.
+    pub(crate) fn resumed(
+        consumer: &PgConsumer,
+        ticket: &PgLeaseTicket,
+        record: Record,
+    ) -> PgExternalClaim {
+        let (since_ms, lease_until_ms, holder) = match record.state {
+            RecordState::InProgress {
+                since_ms,
+                lease_until_ms,
+                holder,
+                ..
+            } => (since_ms, lease_until_ms, holder),
+            // Not reached (the caller matched the state); a claim that fails its first fenced
+            // step is the safe answer anyway.
+            _ => (0, 0, Bytes::new()),
+        };
+        PgExternalClaim {
+            consumer: consumer.clone(),
+            key: ticket.key.clone(),
+            stored_key: encode_key(&consumer.id, &ticket.key).unwrap_or_default(),
+            fingerprint: record.fingerprint,
+            epoch: ticket.epoch,
+            token: ticket.token,
+            since_ms,
+            lease_until_ms,
+            holder,
+            previous: None,
         }
     }
 }
