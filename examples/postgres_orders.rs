@@ -121,12 +121,10 @@ struct Worker {
 async fn run() -> Result<(), BoxError> {
     let options = parse_options()?;
     let ledger = Arc::new(Ledger::open(&options.ledger)?);
-    let first = connect(&options.pg, &ledger).await;
     let claims = Arc::new(match &options.embedded {
         Some(dir) => Claims::Embedded(open_store(dir)?.consumer("orders")?),
-        None => Claims::Postgres(PgStore::builder().open(&first).await?.consumer("orders")?),
+        None => Claims::Postgres(open_pg(&options.pg, &ledger).await?.consumer("orders")?),
     });
-    drop(first);
     let connection = Connection::connect(&options.amqp, ConnectionProperties::default()).await?;
     let draws = Arc::new(AtomicU64::new(0));
     let mut workers = tokio::task::JoinSet::new();
@@ -202,6 +200,25 @@ async fn run() -> Result<(), BoxError> {
 
 /// Connects to whichever server accepts writes, retrying until one does (during a failover
 /// none does for a while).
+/// Opens the store, on a new connection as often as a failover under way cuts the last one
+/// (a process restarted during a failover must not exit on it).
+async fn open_pg(pg: &str, ledger: &Ledger) -> Result<PgStore, BoxError> {
+    loop {
+        let client = connect(pg, ledger).await;
+        match PgStore::builder().open(&client).await {
+            Ok(store) => return Ok(store),
+            Err(error) if error.is_retryable() => {
+                eprintln!(
+                    "postgres_orders: opening the store: {}; retrying",
+                    chain(&error)
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
 async fn connect(pg: &str, ledger: &Ledger) -> Client {
     let mut attempts = 0u64;
     loop {
