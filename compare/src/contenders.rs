@@ -27,6 +27,10 @@ pub enum Kind {
     Postgres {
         synchronous_commit: bool,
     },
+    /// The raw insert of [`Kind::Postgres`] (`synchronous_commit` on) that also writes the
+    /// business row of each message it inserted, in the same statement: the least a
+    /// hand-written deduplication with a business row costs, beside [`Kind::IdemdbPostgres`].
+    PostgresWithRow,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit.
     IdemdbPostgres,
@@ -59,7 +63,10 @@ impl Spec {
     }
 
     pub fn needs_postgres(&self) -> bool {
-        matches!(self.kind, Kind::Postgres { .. } | Kind::IdemdbPostgres)
+        matches!(
+            self.kind,
+            Kind::Postgres { .. } | Kind::PostgresWithRow | Kind::IdemdbPostgres
+        )
     }
 }
 
@@ -244,7 +251,19 @@ pub fn all() -> Vec<Spec> {
     // The PostgreSQL backend beside the raw inserts of the sweep and the 64-row batches.
     for threads in POSTGRES_BACKEND_CLIENTS {
         specs.push(sweep("idemdb-postgres", Kind::IdemdbPostgres, threads));
+        specs.push(sweep(
+            "postgres sync on + business row",
+            Kind::PostgresWithRow,
+            threads,
+        ));
     }
+    specs.push(Spec::new(
+        "postgres sync on + business row, 8 clients, 64 rows/txn",
+        Kind::PostgresWithRow,
+        8,
+        64,
+        1,
+    ));
     specs.push(Spec::new(
         "idemdb-postgres, 8 clients, batch 64",
         Kind::IdemdbPostgres,
@@ -262,7 +281,7 @@ pub const POSTGRES_BACKEND_CLIENTS: [usize; 3] = [1, 8, 32];
 pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
     let unit = if matches!(
         kind,
-        Kind::Redis { .. } | Kind::Postgres { .. } | Kind::IdemdbPostgres
+        Kind::Redis { .. } | Kind::Postgres { .. } | Kind::PostgresWithRow | Kind::IdemdbPostgres
     ) {
         "clients"
     } else {
@@ -387,6 +406,17 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 Ok(Box::new(PostgresSession::connect(
                     ports.postgres,
                     synchronous_commit,
+                    false,
+                )?))
+            })
+        }
+        Kind::PostgresWithRow => {
+            PostgresSession::reset(ports.postgres)?;
+            Prepared::connected(threads, || {
+                Ok(Box::new(PostgresSession::connect(
+                    ports.postgres,
+                    true,
+                    true,
                 )?))
             })
         }

@@ -107,27 +107,35 @@ impl Session for SqliteSession {
 
 pub struct PostgresSession {
     client: postgres::Client,
+    /// Each inserted message's business row is written too, by the same statement.
+    business_row: bool,
     /// Prepared multi-row inserts, by row count.
     statements: Vec<(usize, postgres::Statement)>,
 }
 
 impl PostgresSession {
-    pub fn connect(port: u16, synchronous_commit: bool) -> Result<PostgresSession> {
+    pub fn connect(
+        port: u16,
+        synchronous_commit: bool,
+        business_row: bool,
+    ) -> Result<PostgresSession> {
         let mut client = postgres::Client::connect(&postgres_url(port), postgres::NoTls)?;
         let setting = if synchronous_commit { "on" } else { "off" };
         client.batch_execute(&format!("SET synchronous_commit = {setting}"))?;
         Ok(PostgresSession {
             client,
+            business_row,
             statements: Vec::new(),
         })
     }
 
-    /// Creates (or empties) the inbox table.
+    /// Creates (or empties) the inbox table and the business table.
     pub fn reset(port: u16) -> Result<()> {
         let mut client = postgres::Client::connect(&postgres_url(port), postgres::NoTls)?;
         client.batch_execute(
             "CREATE TABLE IF NOT EXISTS inbox (key bytea PRIMARY KEY, value bytea NOT NULL); \
-             TRUNCATE inbox; CHECKPOINT;",
+             CREATE TABLE IF NOT EXISTS inbox_orders (key bytea PRIMARY KEY, value bytea NOT NULL); \
+             TRUNCATE inbox, inbox_orders; CHECKPOINT;",
         )?;
         Ok(())
     }
@@ -146,10 +154,19 @@ impl PostgresSession {
         let values: Vec<String> = (0..rows)
             .map(|row| format!("(${}, ${})", 2 * row + 1, 2 * row + 2))
             .collect();
-        let sql = format!(
+        let insert = format!(
             "INSERT INTO inbox (key, value) VALUES {} ON CONFLICT DO NOTHING",
             values.join(", ")
         );
+        // The rows the insert wrote (the new messages) go on to the business table.
+        let sql = if self.business_row {
+            format!(
+                "WITH inserted AS ({insert} RETURNING key, value) \
+                 INSERT INTO inbox_orders (key, value) SELECT key, value FROM inserted"
+            )
+        } else {
+            insert
+        };
         let statement = self.client.prepare(&sql)?;
         self.statements.push((rows, statement.clone()));
         Ok(statement)

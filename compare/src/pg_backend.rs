@@ -1,5 +1,6 @@
 //! idemdb's PostgreSQL backend (`idemdb-postgres`) as a contender: each delivery is a claim
-//! whose transaction also writes the business row, then the commit of the completed record.
+//! whose transaction also writes the business row, sent with the commit of the completed
+//! record (`commit_with`: two round trips in all).
 //! Its peer is the raw `INSERT ... ON CONFLICT DO NOTHING` of [`crate::peers::PostgresSession`],
 //! on the same server with the same `synchronous_commit`, which writes the dedup row only.
 //!
@@ -106,11 +107,7 @@ impl Session for IdemdbPgSession {
                             (&&delivery.key[..], Type::BYTEA),
                             (&&value[..], Type::BYTEA),
                         ];
-                        claim
-                            .transaction()
-                            .query_typed(INSERT_ORDER, &params)
-                            .await?;
-                        claim.commit(b"").await?;
+                        claim.commit_with(b"", &[(INSERT_ORDER, &params)]).await?;
                     }
                     Outcome::Duplicate { .. } => {}
                     other => anyhow::bail!("unexpected outcome {other:?}"),
@@ -137,17 +134,16 @@ impl Session for IdemdbPgSession {
                     other => anyhow::bail!("unexpected batch outcome {other:?}"),
                 }
             }
-            if !keys.is_empty() {
-                let params: [(&(dyn ToSql + Sync), Type); 2] = [
-                    (&keys, Type::BYTEA_ARRAY),
-                    (&fresh_values, Type::BYTEA_ARRAY),
-                ];
-                batch
-                    .transaction()
-                    .query_typed(INSERT_ORDERS, &params)
-                    .await?;
-            }
-            batch.commit(|_| b"").await?;
+            let params: [(&(dyn ToSql + Sync), Type); 2] = [
+                (&keys, Type::BYTEA_ARRAY),
+                (&fresh_values, Type::BYTEA_ARRAY),
+            ];
+            let orders: &[(&str, &[(&(dyn ToSql + Sync), Type)])] = if keys.is_empty() {
+                &[]
+            } else {
+                &[(INSERT_ORDERS, &params)]
+            };
+            batch.commit_with(|_| b"", orders).await?;
             Ok(())
         })
     }

@@ -28,7 +28,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::observe::{self, OutcomeKind};
-use crate::txn::{ClaimTransaction, Statement};
+use crate::txn::{ClaimTransaction, CommitFailed, Statement};
 use crate::{PgConsumer, decode_record, lock_id};
 
 /// The most messages one batch claims: the embedded engine's `idemdb::BATCH_MESSAGES_MAX`,
@@ -204,7 +204,8 @@ impl PgConsumer {
         } else {
             &statements
         };
-        let (tx, answers) = ClaimTransaction::begin_with(client, statements).await?;
+        let (tx, answers) =
+            ClaimTransaction::begin_with(client, &self.store.inner.statements, statements).await?;
         let taken = if messages.is_empty() {
             Taken::default()
         } else {
@@ -466,12 +467,29 @@ impl<'c> PgClaimBatch<'c> {
     /// # Errors
     /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`; [`Error::LostKey`] if a
     /// replaced row was gone (the key's lock should make it impossible); [`Error::Postgres`]
-    /// when a statement or the commit fails, a business statement of the batch included. Every
-    /// error but one during the COMMIT itself comes before the COMMIT is sent, and nothing is
-    /// written; if the connection dropped during the COMMIT its outcome is unknown: do not
-    /// acknowledge the batch, and its redelivery finds every message `Duplicate` or every
-    /// message `Fresh`, never half of the batch.
-    pub async fn commit<R: AsRef<[u8]>>(self, mut result_of: impl FnMut(usize) -> R) -> Result<()> {
+    /// when a statement or the commit fails, a business statement of the batch included. A
+    /// failed statement makes the COMMIT sent behind it roll back, and nothing is written; if
+    /// the connection dropped during the COMMIT its outcome is unknown: do not acknowledge the
+    /// batch, and its redelivery finds every message `Duplicate` or every message `Fresh`,
+    /// never half of the batch.
+    pub async fn commit<R: AsRef<[u8]>>(self, result_of: impl FnMut(usize) -> R) -> Result<()> {
+        self.commit_with(result_of, &[]).await
+    }
+
+    /// [`commit`](PgClaimBatch::commit) with the batch's business SQL: runs `statements` in
+    /// order in the batch's transaction, then writes the records and commits, in one round
+    /// trip when every record is a new row (statements run on
+    /// [`transaction`](PgClaimBatch::transaction) first cost one each). Statements are sent
+    /// unnamed with their parameters' types, as [`crate::PgClaim::commit_with`]'s.
+    ///
+    /// # Errors
+    /// As [`commit`](PgClaimBatch::commit); a statement's own failure is [`Error::Postgres`]
+    /// with its error.
+    pub async fn commit_with<R: AsRef<[u8]>>(
+        self,
+        mut result_of: impl FnMut(usize) -> R,
+        statements: &[(&str, &[(&(dyn ToSql + Sync), Type)])],
+    ) -> Result<()> {
         let started = Instant::now();
         let PgClaimBatch {
             tx,
@@ -488,19 +506,45 @@ impl<'c> PgClaimBatch<'c> {
                 held.push((claim, result));
             }
         }
-        if held.is_empty() {
-            // No record to write, but maybe the caller's SQL: a statement on an aborted
-            // transaction fails, so a failed business statement is reported here rather than
-            // by a COMMIT that PostgreSQL answers with a silent rollback.
-            tx.client().batch_execute("SELECT 1").await?;
+        let now_ms = consumer.store.now_ms(
+            db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
+        );
+        let rows = Records::of(&consumer, &held, now_ms);
+        if rows.updated.keys.is_empty() {
+            // Every record is a new row, or there is none to write (but maybe the caller's
+            // SQL: a statement on an aborted transaction fails, so a failed business statement
+            // is reported here rather than by a COMMIT that PostgreSQL answers with a silent
+            // rollback). Either way its statement and COMMIT go out together: an insert
+            // writes its rows or fails.
+            let consumer_id: &[u8] = &consumer.id;
+            let params: [(&(dyn ToSql + Sync), Type); 4] = [
+                (&consumer_id, Type::BYTEA),
+                (&rows.inserted.keys, Type::BYTEA_ARRAY),
+                (&rows.inserted.records, Type::BYTEA_ARRAY),
+                (&rows.inserted.expires_at_ms, Type::INT8_ARRAY),
+            ];
+            let write: Statement<'_> = if held.is_empty() {
+                ("SELECT 1", &[])
+            } else {
+                (&consumer.store.inner.insert_many, &params)
+            };
+            match tx.commit_with(statements, &[write]).await {
+                Ok(_) => {}
+                Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
+                Err(CommitFailed::Store(error)) => {
+                    let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
+                    return Err(consumer.store.write_failed(error, key));
+                }
+            }
         } else {
-            let now_ms =
-                consumer.store.now_ms(db_ms.saturating_add(
-                    i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX),
-                ));
-            write_records(tx.client(), &consumer, &held, now_ms).await?;
+            // An update of a row that is gone writes nothing and says nothing: the keys it
+            // wrote are checked (and a lost one named) before the COMMIT is sent.
+            for (sql, params) in statements {
+                tx.client().query_typed(sql, params).await?;
+            }
+            write_records(tx.client(), &consumer, &rows).await?;
+            tx.commit().await?;
         }
-        tx.commit().await?;
         // Each claim's commit is counted and logged, as the embedded batch reports its claims.
         for (claim, _) in &held {
             consumer.metrics.commit(started.elapsed());
@@ -512,36 +556,52 @@ impl<'c> PgClaimBatch<'c> {
     }
 }
 
-/// Writes the completed record of each claim in `held` with its result, in one statement:
-/// inserted where the key had no row, updated where the claim replaces one.
-async fn write_records<R: AsRef<[u8]>>(
-    tx: &Client,
-    consumer: &PgConsumer,
-    held: &[(&BatchClaim, R)],
-    now_ms: u64,
-) -> Result<()> {
-    let store = &consumer.store;
-    let mut inserted = Rows::default();
-    let mut updated = Rows::default();
-    for (claim, result) in held {
-        let (record, expires_at_ms) = crate::completed_record(
-            store,
-            claim.epoch(),
-            claim.fingerprint,
-            now_ms,
-            result.as_ref(),
-            true,
-        );
-        let rows = if claim.replaces_epoch == 0 {
-            &mut inserted
-        } else {
-            &mut updated
+/// The rows of a batch's completed records: new ones to insert, and those that replace a row
+/// (expired, released, or a lease run out) to update.
+struct Records<'k> {
+    inserted: Rows<'k>,
+    updated: Rows<'k>,
+}
+
+impl<'k> Records<'k> {
+    /// The completed record of each claim in `held` with its result, committed at `now_ms`.
+    fn of<R: AsRef<[u8]>>(
+        consumer: &PgConsumer,
+        held: &[(&'k BatchClaim, R)],
+        now_ms: u64,
+    ) -> Records<'k> {
+        let mut records = Records {
+            inserted: Rows::default(),
+            updated: Rows::default(),
         };
-        rows.keys.push(&claim.key);
-        rows.records.push(record.encode());
-        rows.expires_at_ms
-            .push(crate::expires_column(expires_at_ms));
+        for (claim, result) in held {
+            let (record, expires_at_ms) = crate::completed_record(
+                &consumer.store,
+                claim.epoch(),
+                claim.fingerprint,
+                now_ms,
+                result.as_ref(),
+                true,
+            );
+            let rows = if claim.replaces_epoch == 0 {
+                &mut records.inserted
+            } else {
+                &mut records.updated
+            };
+            rows.keys.push(&claim.key);
+            rows.records.push(record.encode());
+            rows.expires_at_ms
+                .push(crate::expires_column(expires_at_ms));
+        }
+        records
     }
+}
+
+/// Writes `records` in one statement (inserts and updates), and checks that every key was
+/// written.
+async fn write_records(tx: &Client, consumer: &PgConsumer, records: &Records<'_>) -> Result<()> {
+    let store = &consumer.store;
+    let Records { inserted, updated } = records;
     let consumer_id: &[u8] = &consumer.id;
     let params: [(&(dyn ToSql + Sync), Type); 7] = [
         (&consumer_id, Type::BYTEA),
@@ -552,25 +612,19 @@ async fn write_records<R: AsRef<[u8]>>(
         (&updated.records, Type::BYTEA_ARRAY),
         (&updated.expires_at_ms, Type::INT8_ARRAY),
     ];
+    let all_keys = || inserted.keys.iter().chain(&updated.keys);
     let rows = match tx.query_typed(&store.inner.write_many, &params).await {
         Ok(rows) => rows,
         Err(error) => {
-            let key = held
-                .first()
-                .map_or(&[][..], |(claim, _)| claim.key.as_slice());
+            let key = all_keys().next().copied().unwrap_or_default();
             return Err(store.write_failed(error, key));
         }
     };
     let written: HashSet<&[u8]> = rows.iter().map(|row| row.get(0)).collect();
     // An insert either writes its row or fails on the primary key; an update of a row that is
     // gone writes nothing, and says nothing: name the key.
-    if let Some((lost, _)) = held
-        .iter()
-        .find(|(claim, _)| !written.contains(claim.key.as_slice()))
-    {
-        return Err(Error::LostKey {
-            key: lost.key.clone(),
-        });
+    if let Some(lost) = all_keys().find(|key| !written.contains(**key)) {
+        return Err(Error::LostKey { key: lost.to_vec() });
     }
     Ok(())
 }

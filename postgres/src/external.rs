@@ -118,6 +118,7 @@ impl PgConsumer {
             [(&id, Type::BYTEA), (&key, Type::BYTEA)];
         let (tx, answers) = ClaimTransaction::begin_with(
             client,
+            &inner.statements,
             &[
                 (
                     "SELECT pg_try_advisory_xact_lock($1), \
@@ -541,6 +542,7 @@ async fn locked_record<'c>(
     let read_params: [(&(dyn ToSql + Sync), Type); 2] = [(&id, Type::BYTEA), (&key, Type::BYTEA)];
     let (tx, answers) = ClaimTransaction::begin_with(
         client,
+        &store.inner.statements,
         &[
             (
                 "SELECT set_config('lock_timeout', $1, true)",

@@ -16,6 +16,7 @@
 
 use std::future::Future;
 use std::pin::{Pin, pin};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use futures_util::future::{MaybeDone, join, maybe_done};
@@ -23,6 +24,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
 use crate::error::{Error, Result};
+use crate::prepared::{StatementCache, is_stale};
 
 /// `BEGIN` of every claim and lease step: READ COMMITTED whatever the session's default. A
 /// claim's read must take its snapshot after the key's lock was granted, which READ COMMITTED
@@ -41,11 +43,22 @@ pub(crate) type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
 /// Each statement's rows, or its error.
 pub(crate) type Answers = Vec<std::result::Result<Vec<Row>, tokio_postgres::Error>>;
 
+/// Why [`ClaimTransaction::commit_with`] committed nothing (or may not have).
+#[derive(Debug)]
+pub(crate) enum CommitFailed {
+    /// A statement of the caller's failed.
+    Staged(tokio_postgres::Error),
+    /// One of the store's writes, or the `COMMIT`, failed.
+    Store(tokio_postgres::Error),
+}
+
 /// An open READ COMMITTED transaction on a borrowed connection. Dropped while open, it sends
 /// `ROLLBACK` without waiting for the answer (as `tokio_postgres::Transaction` does); the
 /// connection's next request runs after it.
 pub(crate) struct ClaimTransaction<'c> {
     client: &'c mut Client,
+    /// The store's statements prepared on this connection.
+    cache: Arc<StatementCache>,
     open: bool,
 }
 
@@ -54,23 +67,47 @@ impl<'c> ClaimTransaction<'c> {
     /// the transaction with every statement's answer. A statement's error aborts the
     /// transaction (every later statement then fails too); the caller decides what to do.
     ///
+    /// The statements are the store's own: they run prepared (see [`crate::prepared`]). One
+    /// that meets a statement kept for another connection (an address reused) rolls back and
+    /// runs once more, with the statements prepared anew.
+    ///
     /// # Errors
-    /// The error of `BEGIN` (nothing began; every statement failed with it).
+    /// The error of `BEGIN` (nothing began; every statement failed with it), or of preparing
+    /// a statement.
     pub(crate) async fn begin_with(
         client: &'c mut Client,
+        cache: &Arc<StatementCache>,
         statements: &[Statement<'_>],
     ) -> Result<(ClaimTransaction<'c>, Answers)> {
-        let (begun, answers) = {
-            let shared: &Client = client;
-            let queries = statements
+        let mut retried = false;
+        loop {
+            let prepared = cache.prepare(client, &types_of(statements)).await?;
+            let (begun, answers) = {
+                let shared: &Client = client;
+                let queries = statements
+                    .iter()
+                    .zip(prepared)
+                    .map(|(statement, prepared)| run(shared, prepared, *statement));
+                join(shared.batch_execute(BEGIN), in_order(queries)).await
+            };
+            let stale = answers
                 .iter()
-                .map(|(sql, params)| shared.query_typed(sql, params));
-            join(shared.batch_execute(BEGIN), in_order(queries)).await
-        };
-        // Built before the error is returned, so that its drop rolls back whatever began.
-        let transaction = ClaimTransaction { client, open: true };
-        begun?;
-        Ok((transaction, answers))
+                .any(|answer| answer.as_ref().is_err_and(is_stale));
+            if stale && !retried && begun.is_ok() {
+                retried = true;
+                cache.forget(client);
+                client.batch_execute("ROLLBACK").await?;
+                continue;
+            }
+            // Built before the error is returned, so that its drop rolls back whatever began.
+            let transaction = ClaimTransaction {
+                client,
+                cache: Arc::clone(cache),
+                open: true,
+            };
+            begun?;
+            return Ok((transaction, answers));
+        }
     }
 
     /// The connection, for the statements of the transaction.
@@ -78,24 +115,44 @@ impl<'c> ClaimTransaction<'c> {
         self.client
     }
 
-    /// Sends `writes` and then `COMMIT`, without waiting in between. The first write's error
-    /// is returned, if any (the `COMMIT` behind it rolled back: nothing of the transaction
-    /// landed); otherwise the `COMMIT`'s (a lost connection leaves the outcome unknown); else
-    /// every write's rows.
+    /// Sends the caller's `staged` statements (unnamed), the store's `writes` (prepared) and
+    /// then `COMMIT`, without waiting in between. The first statement's error is returned, if
+    /// any (the `COMMIT` behind it rolled back: nothing of the transaction landed); otherwise
+    /// the `COMMIT`'s (a lost connection leaves the outcome unknown); else every write's rows.
     pub(crate) async fn commit_with(
         mut self,
+        staged: &[Statement<'_>],
         writes: &[Statement<'_>],
-    ) -> std::result::Result<Vec<Vec<Row>>, tokio_postgres::Error> {
+    ) -> std::result::Result<Vec<Vec<Row>>, CommitFailed> {
+        // Prepared before `open` is cleared: a failure here leaves the drop to roll back.
+        let prepared = self
+            .cache
+            .prepare(self.client, &types_of(writes))
+            .await
+            .map_err(CommitFailed::Store)?;
         self.open = false;
         let client: &Client = self.client;
-        let queries = writes
+        let queries = staged
             .iter()
-            .map(|(sql, params)| client.query_typed(sql, params));
+            .map(|statement| (None, *statement))
+            .chain(prepared.into_iter().zip(writes.iter().copied()))
+            .map(|(prepared, statement)| run(client, prepared, statement));
         let (written, committed) = join(in_order(queries), client.batch_execute("COMMIT")).await;
-        let rows = written
-            .into_iter()
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        committed?;
+        let mut rows = Vec::with_capacity(writes.len());
+        for (index, answer) in written.into_iter().enumerate() {
+            match answer {
+                Ok(answer) if index >= staged.len() => rows.push(answer),
+                Ok(_) => {}
+                Err(error) if index < staged.len() => return Err(CommitFailed::Staged(error)),
+                Err(error) => {
+                    if is_stale(&error) {
+                        self.cache.forget(client);
+                    }
+                    return Err(CommitFailed::Store(error));
+                }
+            }
+        }
+        committed.map_err(CommitFailed::Store)?;
         Ok(rows)
     }
 
@@ -125,6 +182,30 @@ impl Drop for ClaimTransaction<'_> {
     }
 }
 
+/// Runs one statement: bound to its prepared form when there is one, else unnamed (parsed and
+/// planned as it runs). The request is sent at the first poll.
+async fn run(
+    client: &Client,
+    prepared: Option<tokio_postgres::Statement>,
+    (sql, params): Statement<'_>,
+) -> std::result::Result<Vec<Row>, tokio_postgres::Error> {
+    match prepared {
+        Some(statement) => {
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(value, _)| *value).collect();
+            client.query(&statement, &values).await
+        }
+        None => client.query_typed(sql, params).await,
+    }
+}
+
+/// Each statement's text and parameter types, to prepare it.
+fn types_of<'a>(statements: &[Statement<'a>]) -> Vec<(&'a str, Vec<Type>)> {
+    statements
+        .iter()
+        .map(|(sql, params)| (*sql, params.iter().map(|(_, ty)| ty.clone()).collect()))
+        .collect()
+}
+
 /// The one row of a statement that always returns one (a `SELECT` without `FROM`).
 pub(crate) fn single_row(rows: Vec<Row>) -> Result<Row> {
     rows.into_iter().next().ok_or(Error::UnexpectedAnswer {
@@ -135,7 +216,7 @@ pub(crate) fn single_row(rows: Vec<Row>) -> Result<Row> {
 /// Awaits every future, polling them in the order given every time: the first poll of each
 /// sends its request, so the requests go out in that order. (A general join may poll in any
 /// order.)
-async fn in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub(crate) async fn in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let mut futures: Vec<Pin<Box<MaybeDone<F>>>> = futures
         .into_iter()
         .map(|f| Box::pin(maybe_done(f)))

@@ -47,9 +47,10 @@ use std::time::Duration;
 
 use idemdb::{Fingerprint, Message, MockClock, Outcome};
 use idemdb_postgres::{
-    BATCH_MESSAGES_MAX, Error, Names, PgBatchOutcome, PgLeaseTicket, PgResolution, PgStore,
-    SCHEMA_VERSION, install,
+    BATCH_MESSAGES_MAX, Error, Names, PgBatchOutcome, PgConsumer, PgLeaseTicket, PgResolution,
+    PgStore, SCHEMA_VERSION, install,
 };
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, NoTls};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
@@ -178,6 +179,8 @@ fn main() {
     scenario!(a_version_2_schema_is_migrated_by_install);
     scenario!(derived_keys_are_the_embedded_engines);
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
+    scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
+    scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -4336,5 +4339,246 @@ async fn a_commit_whose_row_vanished_is_lost_key_and_lands_nothing(
         consumer.get(&client, "k").await?.is_none(),
         "a record landed"
     );
+    Ok(())
+}
+
+/// The named statements on `client`'s connection (asked with an unnamed one, which is not
+/// among them).
+async fn prepared_statements(client: &Client) -> Result<Vec<String>, Failure> {
+    Ok(client
+        .query_typed("SELECT statement FROM pg_prepared_statements", &[])
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect())
+}
+
+/// One of each claim, committed: a transactional claim, a batch, an external claim.
+async fn claim_each_way(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    round: &str,
+) -> Result<(), Failure> {
+    let body = Fingerprint::of(b"m");
+    let batch_messages = messages(&[(&format!("{round}-b1"), "x"), (&format!("{round}-b2"), "y")]);
+    let batch = consumer.begin_batch(client, &batch_messages).await?;
+    ensure!(
+        batch
+            .outcomes()
+            .iter()
+            .all(|outcome| matches!(outcome, PgBatchOutcome::Fresh)),
+        "{round}: batch {:?}",
+        batch.outcomes()
+    );
+    batch.commit(|_| b"ok").await?;
+    match consumer.begin(client, format!("{round}-t"), body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        other => return Err(format!("{round}: claim {other:?}").into()),
+    }
+    let lease = Duration::from_secs(60);
+    match consumer
+        .begin_external(client, format!("{round}-e"), body, lease, "worker")
+        .await?
+    {
+        Outcome::Fresh(external) => external.completion(client).await?.commit(b"ok").await?,
+        other => return Err(format!("{round}: external {other:?}").into()),
+    }
+    Ok(())
+}
+
+async fn prepared_statements_outlive_their_connection_and_a_deallocate(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_prepared").await?;
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    claim_each_way(&consumer, &mut client, "first").await?;
+    let prepared = prepared_statements(&client).await?;
+    ensure!(
+        prepared
+            .iter()
+            .any(|sql| sql.contains("t_prepared.records")),
+        "the store's statements were not prepared: {prepared:?}"
+    );
+    // A new connection where the old client was: the statements kept for that address do not
+    // exist on it. Every kind of claim still goes through.
+    let first_pid = backend_pid(&client).await?;
+    client = connect(url).await?;
+    ensure!(backend_pid(&client).await? != first_pid, "a new connection");
+    claim_each_way(&consumer, &mut client, "second").await?;
+    // Statements deallocated between claims (a pooler's `DISCARD ALL`, say).
+    client.batch_execute("DEALLOCATE ALL").await?;
+    claim_each_way(&consumer, &mut client, "third").await?;
+    // The record's insert deallocated inside a claim: that commit fails with nothing written,
+    // and the next claim of the key prepares the statements again and commits.
+    let body = Fingerprint::of(b"m");
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "d-1", body).await? else {
+        return Err("d-1 not fresh".into());
+    };
+    let insert_names: Vec<String> = claim
+        .transaction()
+        .query(
+            "SELECT name FROM pg_prepared_statements \
+             WHERE statement LIKE 'INSERT INTO t_prepared.records %VALUES%'",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    ensure!(
+        insert_names.len() == 1,
+        "insert statements: {insert_names:?}"
+    );
+    claim
+        .transaction()
+        .batch_execute(&format!("DEALLOCATE {}", insert_names[0]))
+        .await?;
+    let committed = claim.commit(b"ok").await;
+    ensure!(
+        postgres_error(
+            &committed,
+            &tokio_postgres::error::SqlState::INVALID_SQL_STATEMENT_NAME
+        ),
+        "commit without its statement: {committed:?}"
+    );
+    ensure!(consumer.get(&client, "d-1").await?.is_none(), "d-1 written");
+    match consumer.begin(&mut client, "d-1", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        other => return Err(format!("d-1 again: {other:?}").into()),
+    }
+    ensure!(consumer.get(&client, "d-1").await?.is_some(), "d-1 lost");
+    // Off: nothing is prepared, and the claims are the same.
+    let unprepared = PgStore::builder()
+        .names(names)
+        .prepared_statements(false)
+        .open(&client)
+        .await?
+        .consumer("u")?;
+    let mut fresh_client = connect(url).await?;
+    claim_each_way(&unprepared, &mut fresh_client, "off").await?;
+    let prepared = prepared_statements(&fresh_client).await?;
+    ensure!(
+        prepared.is_empty(),
+        "statements prepared with prepared_statements(false): {prepared:?}"
+    );
+    Ok(())
+}
+
+async fn business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_staged").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let insert = "INSERT INTO t_staged.orders (id, body) VALUES ($1, $2)";
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "s-1", body).await? else {
+        return Err("s-1 not fresh".into());
+    };
+    claim
+        .commit_with(
+            b"done",
+            &[
+                (insert, &[(&"s-1", Type::TEXT), (&"first", Type::TEXT)]),
+                (insert, &[(&"s-1b", Type::TEXT), (&"second", Type::TEXT)]),
+            ],
+        )
+        .await?;
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_staged.orders", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 2, "{rows} business rows");
+    match consumer.begin(&mut client, "s-1", body).await? {
+        Outcome::Duplicate { result, .. } => ensure!(&result[..] == b"done", "{result:?}"),
+        other => return Err(format!("s-1 again: {other:?}").into()),
+    }
+    // A business statement that fails (here by dividing by zero, the error the store's own
+    // writes raise for a lost row): its own error, not a lost key, and nothing lands.
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "s-2", body).await? else {
+        return Err("s-2 not fresh".into());
+    };
+    let committed = claim
+        .commit_with(
+            b"done",
+            &[
+                (insert, &[(&"s-2", Type::TEXT), (&"first", Type::TEXT)]),
+                ("SELECT 1 / 0", &[]),
+            ],
+        )
+        .await;
+    ensure!(
+        postgres_error(
+            &committed,
+            &tokio_postgres::error::SqlState::DIVISION_BY_ZERO
+        ),
+        "a failed business statement: {committed:?}"
+    );
+    ensure!(consumer.get(&client, "s-2").await?.is_none(), "s-2 written");
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_staged.orders WHERE id = 's-2'", &[])
+        .await?
+        .get(0);
+    ensure!(rows == 0, "the failed claim's business row landed");
+    match consumer.begin(&mut client, "s-2", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        other => return Err(format!("s-2 again: {other:?}").into()),
+    }
+    // The same for a batch: its business rows with its records, or nothing.
+    let insert_many = "INSERT INTO t_staged.orders (id, body) SELECT unnest($1::text[]), 'b'";
+    let ids = vec!["b-1".to_owned(), "b-2".to_owned()];
+    let batch_messages = messages(&[("b-1", "x"), ("b-2", "y")]);
+    let failing = consumer.begin_batch(&mut client, &batch_messages).await?;
+    let committed = failing
+        .commit_with(
+            |_| b"done",
+            &[
+                (insert_many, &[(&ids, Type::TEXT_ARRAY)]),
+                ("SELECT 1 / 0", &[]),
+            ],
+        )
+        .await;
+    ensure!(
+        postgres_error(
+            &committed,
+            &tokio_postgres::error::SqlState::DIVISION_BY_ZERO
+        ),
+        "a failed business statement of a batch: {committed:?}"
+    );
+    for id in ["b-1", "b-2"] {
+        ensure!(consumer.get(&client, id).await?.is_none(), "{id} written");
+    }
+    let batch = consumer.begin_batch(&mut client, &batch_messages).await?;
+    ensure!(
+        batch
+            .outcomes()
+            .iter()
+            .all(|outcome| matches!(outcome, PgBatchOutcome::Fresh)),
+        "after the failed batch: {:?}",
+        batch.outcomes()
+    );
+    batch
+        .commit_with(|_| b"done", &[(insert_many, &[(&ids, Type::TEXT_ARRAY)])])
+        .await?;
+    let rows: i64 = client
+        .query_one(
+            "SELECT count(*) FROM t_staged.orders WHERE id LIKE 'b-%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(rows == 2, "{rows} business rows of the batch");
+    for id in ["b-1", "b-2"] {
+        ensure!(
+            consumer.get(&client, id).await?.is_some(),
+            "{id} not written"
+        );
+    }
     Ok(())
 }
