@@ -47,7 +47,8 @@
 //!
 //! **Observability.** The embedded engine's metric names, labels and `tracing` events (see
 //! idemdb's crate docs, Observability), with the label `backend="postgres"` on every series
-//! (the embedded engine's carry `backend="rocksdb"`): `idemdb_outcomes_total`,
+//! (the embedded engine's carry `backend="rocksdb"`) and the field `backend = "postgres"` on
+//! every event (which the embedded engine's lack): `idemdb_outcomes_total`,
 //! `idemdb_commits_total`, `idemdb_lease_lost_total`, `idemdb_claim_seconds`,
 //! `idemdb_commit_seconds`, `idemdb_duplicate_age_seconds`. The handles are registered when a
 //! consumer's handle is made ([`PgStore::consumer`]): install the recorder first. Not here:

@@ -1,6 +1,6 @@
 //! Observability: the embedded engine's metric names, labels and `tracing` events, with the
-//! label `backend="postgres"` on every series, so that one dashboard reads both backends and a
-//! process running both tells them apart.
+//! label `backend="postgres"` on every series and the field `backend = "postgres"` on every
+//! event, so that one dashboard reads both backends and a process running both tells them apart.
 //!
 //! The embedded engine keeps these in a module built only with RocksDB, so this crate repeats
 //! them; the names are the crate docs' table (Observability) and must stay the embedded ones.
@@ -153,7 +153,9 @@ impl ConsumerMetrics {
         self.lease_lost_counter.increment(1);
     }
 
-    /// Logs the `begin` of `key` (the message key) and its outcome, as the embedded engine does.
+    /// Logs the `begin` of `key` (the message key) and its outcome, as the embedded engine does,
+    /// with `backend` (as on the metrics) so that a process running both backends tells their
+    /// events apart.
     pub(crate) fn log_begin(&self, key: &[u8], kind: OutcomeKind, correlation_id: Option<&str>) {
         tracing::debug!(
             target: "idemdb",
@@ -161,13 +163,15 @@ impl ConsumerMetrics {
             key = %idemdb::format::printable(key),
             outcome = kind.label(),
             correlation_id,
+            backend = "postgres",
             "begin"
         );
     }
 
     /// Logs a step (`commit`, `renew`, `complete`, `release`, `fail`) of the claim on
     /// `stored_key` at `epoch`; `current_epoch` when the step was refused because another
-    /// holder has the key at that epoch. The embedded engine's event, field for field.
+    /// holder has the key at that epoch. The embedded engine's event, field for field, and
+    /// `backend` as in [`ConsumerMetrics::log_begin`].
     pub(crate) fn log_step(
         &self,
         step: &'static str,
@@ -183,6 +187,7 @@ impl ConsumerMetrics {
             epoch,
             current_epoch,
             correlation_id,
+            backend = "postgres",
             "{step}{}",
             if current_epoch.is_some() { ": lease lost" } else { "" }
         );

@@ -29,7 +29,7 @@
 //! Parity with the embedded engine: the admission floor, the ordering guard (stale
 //! versions, the entity held by an open claim, versions recorded only by commits), the
 //! migration of a version 2 schema, derived keys equal to the embedded engine's, and the
-//! metrics under the embedded names with `backend="postgres"`.
+//! metrics and `tracing` events under the embedded names and fields with `backend="postgres"`.
 //!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
@@ -181,6 +181,7 @@ fn main() {
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
     scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
+    scenario!(log_events_carry_the_embedded_names_and_fields);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -4285,6 +4286,231 @@ async fn metrics_count_outcomes_and_commits_with_the_embedded_names(
         "duplicate ages: {duplicate_ages:?}"
     );
     ensure!(claim_latencies == 7, "claim latencies: {claim_latencies}");
+    Ok(())
+}
+
+/// A `tracing` event as a subscriber receives it.
+#[derive(Debug, PartialEq)]
+struct LoggedEvent {
+    level: tracing::Level,
+    target: String,
+    message: String,
+    fields: std::collections::BTreeMap<String, FieldValue>,
+}
+
+/// A field's value as recorded: a number stays a number, as a structured exporter (JSON, say)
+/// would render it, so that an epoch logged as text is a difference from the embedded engine.
+#[derive(Debug, PartialEq)]
+enum FieldValue {
+    Number(u64),
+    Text(String),
+}
+
+/// A layer that keeps every event it is given, for the scenario to read afterwards.
+struct EventLog(Arc<std::sync::Mutex<Vec<LoggedEvent>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for EventLog {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let mut fields = EventFields::default();
+        event.record(&mut fields);
+        let metadata = event.metadata();
+        self.0.lock().expect("event log").push(LoggedEvent {
+            level: *metadata.level(),
+            target: metadata.target().to_owned(),
+            message: fields.message,
+            fields: fields.values,
+        });
+    }
+}
+
+/// An event's formatted message and its other fields.
+#[derive(Default)]
+struct EventFields {
+    message: String,
+    values: std::collections::BTreeMap<String, FieldValue>,
+}
+
+impl EventFields {
+    fn text(&mut self, field: &tracing::field::Field, text: String) {
+        if field.name() == "message" {
+            self.message = text;
+        } else {
+            self.values
+                .insert(field.name().to_owned(), FieldValue::Text(text));
+        }
+    }
+}
+
+impl tracing::field::Visit for EventFields {
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.values
+            .insert(field.name().to_owned(), FieldValue::Number(value));
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.text(field, value.to_owned());
+    }
+
+    // Display (`%`) fields and the message arrive here, rendered as they would be printed.
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.text(field, format!("{value:?}"));
+    }
+}
+
+async fn log_events_carry_the_embedded_names_and_fields(url: &str) -> Result<(), Failure> {
+    use tracing::instrument::WithSubscriber;
+    use tracing_subscriber::layer::SubscriberExt;
+    let logged = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(EventLog(logged.clone()));
+    // The subscriber is the default on whichever thread polls these steps, and only then: a
+    // guard set in an async fn binds one thread, and a global one would also keep the events
+    // of every later scenario.
+    claim_commit_duplicate_and_external_steps(url)
+        .with_subscriber(subscriber)
+        .await?;
+    let logged: Vec<LoggedEvent> = std::mem::take(&mut *logged.lock().expect("event log"))
+        .into_iter()
+        // Whatever another crate logs is not ours to check; a changed target of ours stays in.
+        .filter(|event| event.target.starts_with("idemdb"))
+        .collect();
+
+    // The embedded engine's events for the same steps (`Consumer::observe` in src/engine.rs
+    // for `begin`, `Observer::log_step` in src/claim.rs for the steps), each with `backend`.
+    let text = |value: &str| FieldValue::Text(value.to_owned());
+    let stored_key = |message_key: &str| -> Result<FieldValue, Failure> {
+        let stored = idemdb::format::encode_key(b"billing", message_key.as_bytes())?;
+        Ok(text(&idemdb::format::printable(&stored)))
+    };
+    let event = |message: &str, fields: Vec<(&str, FieldValue)>| LoggedEvent {
+        level: tracing::Level::DEBUG,
+        target: "idemdb".to_owned(),
+        message: message.to_owned(),
+        fields: [("consumer", text("billing")), ("backend", text("postgres"))]
+            .into_iter()
+            .chain(fields)
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect(),
+    };
+    let expected = [
+        event(
+            "begin",
+            vec![
+                ("key", text("order-1")),
+                ("outcome", text("fresh")),
+                ("correlation_id", text("req-7")),
+            ],
+        ),
+        event(
+            "commit",
+            vec![
+                ("key", stored_key("order-1")?),
+                ("epoch", FieldValue::Number(1)),
+                ("correlation_id", text("req-7")),
+            ],
+        ),
+        // No correlation id given: the field is absent, not empty.
+        event(
+            "begin",
+            vec![("key", text("order-1")), ("outcome", text("duplicate"))],
+        ),
+        event(
+            "begin",
+            vec![("key", text("mail-1")), ("outcome", text("fresh"))],
+        ),
+        event(
+            "renew",
+            vec![
+                ("key", stored_key("mail-1")?),
+                ("epoch", FieldValue::Number(1)),
+            ],
+        ),
+        event(
+            "begin",
+            vec![("key", text("mail-1")), ("outcome", text("fresh"))],
+        ),
+        event(
+            "complete: lease lost",
+            vec![
+                ("key", stored_key("mail-1")?),
+                ("epoch", FieldValue::Number(1)),
+                ("current_epoch", FieldValue::Number(2)),
+            ],
+        ),
+        event(
+            "complete",
+            vec![
+                ("key", stored_key("mail-1")?),
+                ("epoch", FieldValue::Number(2)),
+            ],
+        ),
+    ];
+    for (index, (got, want)) in logged.iter().zip(&expected).enumerate() {
+        ensure!(
+            got == want,
+            "event {index}: logged {got:?}, expected {want:?}"
+        );
+    }
+    ensure!(
+        logged.len() == expected.len(),
+        "{} events logged, {} expected: {logged:?}",
+        logged.len(),
+        expected.len()
+    );
+    Ok(())
+}
+
+/// A claim with a correlation id and its commit, a duplicate, and an external claim renewed,
+/// taken over once its lease ran out (its stale holder's completion refused) and completed by
+/// the new holder.
+async fn claim_commit_duplicate_and_external_steps(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_events").await?;
+    let clock = MockClock::new(3_600_000);
+    let store = mock_store(&client, names, &clock, false).await?;
+    let consumer = store.consumer("billing")?;
+    let body = Fingerprint::of(b"m");
+    let message = Message::new("order-1", body).correlation_id("req-7");
+    match consumer.begin_message(&mut client, &message).await? {
+        Outcome::Fresh(claim) => claim.commit(b"done").await?,
+        other => return Err(format!("fresh: {other:?}").into()),
+    }
+    let duplicate = consumer.begin(&mut client, "order-1", body).await?;
+    ensure!(
+        matches!(duplicate, Outcome::Duplicate { .. }),
+        "{duplicate:?}"
+    );
+    drop(duplicate);
+
+    let lease = Duration::from_secs(1);
+    let Outcome::Fresh(mut first) = consumer
+        .begin_external(&mut client, "mail-1", body, lease, "worker-a")
+        .await?
+    else {
+        return Err("external claim not fresh".into());
+    };
+    first.renew(&mut client, lease).await?;
+    clock.advance(lease * 2);
+    let Outcome::Fresh(second) = consumer
+        .begin_external(&mut client, "mail-1", body, lease, "worker-b")
+        .await?
+    else {
+        return Err("takeover not fresh".into());
+    };
+    ensure!(second.epoch() == 2, "takeover epoch {}", second.epoch());
+    let stale = first.completion(&mut client).await;
+    ensure!(
+        matches!(
+            &stale,
+            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch: 2 }))
+        ),
+        "the stale holder's completion: {stale:?}"
+    );
+    drop(stale);
+    second
+        .completion(&mut client)
+        .await?
+        .commit(b"sent")
+        .await?;
     Ok(())
 }
 
