@@ -7,6 +7,14 @@
 //!
 //! tokio-postgres has no handle on "this connection" to hang statements on, and the API takes
 //! the caller's `&Client` on every call, so the statements are kept by the client's address.
+//! A kept plan has a trap: it is planned once, on the table as it was then. A plan made while a
+//! day partition was nearly empty scans it whole (the cheapest way to read a page or two),
+//! and keeps scanning it whole as it grows to millions of rows, until an `ANALYZE` happens to
+//! throw the plan away. So the store's statements are always planned with sequential scans
+//! off ([`crate::txn::ClaimTransaction`] turns them off for its own statements and back to
+//! the session's setting before the caller's run): their plans look keys up in the indexes,
+//! right at every size.
+//!
 //! An address can outlive its connection (a client dropped, another built in its place). That
 //! is safe: statement names are unique within the process (tokio-postgres numbers them from
 //! one counter), so a statement kept for a gone connection does not exist on the new one, and
@@ -50,6 +58,11 @@ struct Prepared {
 }
 
 impl StatementCache {
+    /// Whether statements are prepared (and kept).
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
     pub(crate) fn new(enabled: bool) -> StatementCache {
         StatementCache {
             enabled,

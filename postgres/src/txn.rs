@@ -32,6 +32,18 @@ use crate::prepared::{StatementCache, is_stale};
 /// the previous holder's commit.
 const BEGIN: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
+/// Sent before the store's statements when they are prepared: sequential scans off for the
+/// rest of the transaction, the session's setting kept aside. Kept plans are made while it is
+/// off, whenever they are made (see [`crate::prepared`]). The two calls run in the order
+/// written: PostgreSQL evaluates a target list from left to right.
+const INDEXES_ONLY: &str = "SELECT set_config('idemdb.enable_seqscan', \
+     current_setting('enable_seqscan'), true), set_config('enable_seqscan', 'off', true)";
+
+/// Sent after the store's statements at the start of a claim: the session's setting back, for
+/// the caller's SQL.
+const SESSION_SCANS: &str =
+    "SELECT set_config('enable_seqscan', current_setting('idemdb.enable_seqscan'), true)";
+
 /// The SQLSTATE a write that must touch one row raises when it touched none: its statement
 /// divides by the number of rows it wrote (`division_by_zero`).
 pub(crate) const LOST_ROW: &tokio_postgres::error::SqlState =
@@ -80,16 +92,28 @@ impl<'c> ClaimTransaction<'c> {
         statements: &[Statement<'_>],
     ) -> Result<(ClaimTransaction<'c>, Answers)> {
         let mut retried = false;
+        let guarded: Vec<Statement<'_>> = if cache.enabled() {
+            std::iter::once((INDEXES_ONLY, &[][..]))
+                .chain(statements.iter().copied())
+                .chain(std::iter::once((SESSION_SCANS, &[][..])))
+                .collect()
+        } else {
+            statements.to_vec()
+        };
+        let first = usize::from(cache.enabled());
         loop {
-            let prepared = cache.prepare(client, &types_of(statements)).await?;
-            let (begun, answers) = {
+            let prepared = cache.prepare(client, &types_of(&guarded)).await?;
+            let (begun, mut answers) = {
                 let shared: &Client = client;
-                let queries = statements
+                let queries = guarded
                     .iter()
                     .zip(prepared)
                     .map(|(statement, prepared)| run(shared, prepared, *statement));
                 join(shared.batch_execute(BEGIN), in_order(queries)).await
             };
+            // The caller's statements' answers only.
+            answers.truncate(first + statements.len());
+            answers.drain(..first);
             let stale = answers
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
@@ -124,10 +148,19 @@ impl<'c> ClaimTransaction<'c> {
         staged: &[Statement<'_>],
         writes: &[Statement<'_>],
     ) -> std::result::Result<Vec<Vec<Row>>, CommitFailed> {
+        // The writes are planned with sequential scans off, as the claim's statements (an
+        // update looks its row up); the COMMIT ends that.
+        let guarded: Vec<Statement<'_>> = if self.cache.enabled() {
+            std::iter::once((INDEXES_ONLY, &[][..]))
+                .chain(writes.iter().copied())
+                .collect()
+        } else {
+            writes.to_vec()
+        };
         // Prepared before `open` is cleared: a failure here leaves the drop to roll back.
         let prepared = self
             .cache
-            .prepare(self.client, &types_of(writes))
+            .prepare(self.client, &types_of(&guarded))
             .await
             .map_err(CommitFailed::Store)?;
         self.open = false;
@@ -135,13 +168,14 @@ impl<'c> ClaimTransaction<'c> {
         let queries = staged
             .iter()
             .map(|statement| (None, *statement))
-            .chain(prepared.into_iter().zip(writes.iter().copied()))
+            .chain(prepared.into_iter().zip(guarded.iter().copied()))
             .map(|(prepared, statement)| run(client, prepared, statement));
         let (written, committed) = join(in_order(queries), client.batch_execute("COMMIT")).await;
+        let first_write = staged.len() + guarded.len() - writes.len();
         let mut rows = Vec::with_capacity(writes.len());
         for (index, answer) in written.into_iter().enumerate() {
             match answer {
-                Ok(answer) if index >= staged.len() => rows.push(answer),
+                Ok(answer) if index >= first_write => rows.push(answer),
                 Ok(_) => {}
                 Err(error) if index < staged.len() => return Err(CommitFailed::Staged(error)),
                 Err(error) => {

@@ -182,6 +182,7 @@ fn main() {
     scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     scenario!(log_events_carry_the_embedded_names_and_fields);
+    scenario!(kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_planned);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -4806,5 +4807,99 @@ async fn business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all(
             "{id} not written"
         );
     }
+    Ok(())
+}
+
+/// The plans of the named statements on `client` whose text holds `part`, as the next run of
+/// each would use them (`EXPLAIN EXECUTE`), with every parameter a one-byte `bytea`.
+async fn kept_plans(client: &Client, part: &str) -> Result<Vec<String>, Failure> {
+    let statements = client
+        .query_typed(
+            "SELECT name, cardinality(parameter_types) FROM pg_prepared_statements \
+             WHERE statement LIKE '%' || $1 || '%' AND statement LIKE 'SELECT record FROM%'",
+            &[(&part, Type::TEXT)],
+        )
+        .await?;
+    let mut plans = Vec::new();
+    for statement in statements {
+        let name: String = statement.get(0);
+        let arguments = vec!["'\\x01'::bytea"; usize::try_from(statement.get::<_, i32>(1))?];
+        let lines = client
+            .query_typed(
+                &format!("EXPLAIN EXECUTE {name}({})", arguments.join(", ")),
+                &[],
+            )
+            .await?;
+        plans.push(
+            lines
+                .iter()
+                .map(|line| line.get::<_, String>(0))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        );
+    }
+    Ok(plans)
+}
+
+async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_planned(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_plans").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    // A few records, and statistics that say so: a plan made now would scan the partition
+    // that holds them rather than look a key up in its index.
+    for index in 0..20 {
+        match consumer
+            .begin(&mut client, format!("k-{index}"), body)
+            .await?
+        {
+            Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+            other => return Err(format!("k-{index}: {other:?}").into()),
+        }
+    }
+    client.batch_execute("ANALYZE t_plans.records").await?;
+    // A connection that keeps the first plan it makes (as PostgreSQL does on its own after
+    // five runs when the plans cost the same).
+    let mut planned = connect(url).await?;
+    planned
+        .batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await?;
+    match consumer.begin(&mut planned, "k-new", body).await? {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        other => return Err(format!("k-new: {other:?}").into()),
+    }
+    // The partition grows to many thousand rows; the kept plan stays.
+    client
+        .batch_execute(
+            "INSERT INTO t_plans.records (consumer, message_key, record, expires_at_ms) \
+             SELECT consumer, message_key || g::text::bytea, record, expires_at_ms \
+             FROM t_plans.records, generate_series(1, 5000) AS g",
+        )
+        .await?;
+    let plans = kept_plans(&planned, "t_plans.records").await?;
+    ensure!(!plans.is_empty(), "no kept plan of the claim's read");
+    for plan in &plans {
+        ensure!(
+            plan.contains("Index") && !plan.contains("Seq Scan on records_d"),
+            "a kept plan scans a day partition:\n{plan}"
+        );
+    }
+    // And the caller's SQL in a claim runs with the session's own setting.
+    let Outcome::Fresh(claim) = consumer.begin(&mut planned, "k-session", body).await? else {
+        return Err("k-session not fresh".into());
+    };
+    let setting: String = claim
+        .transaction()
+        .query_one("SHOW enable_seqscan", &[])
+        .await?
+        .get(0);
+    ensure!(
+        setting == "on",
+        "enable_seqscan in the caller's SQL: {setting}"
+    );
+    claim.commit(b"ok").await?;
     Ok(())
 }
