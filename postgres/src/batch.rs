@@ -205,7 +205,8 @@ impl PgConsumer {
             &statements
         };
         let (tx, answers) =
-            ClaimTransaction::begin_with(client, &self.store.inner.statements, statements).await?;
+            ClaimTransaction::begin_with(client, &self.store.inner.batch_statements, statements)
+                .await?;
         let taken = if messages.is_empty() {
             Taken::default()
         } else {
