@@ -529,7 +529,7 @@ impl<'c> PgClaimBatch<'c> {
             } else {
                 (&consumer.store.inner.insert_many, &params)
             };
-            match tx.commit_with(statements, &[write]).await {
+            match tx.commit_with(statements, &[write], false).await {
                 Ok(_) => {}
                 Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
                 Err(CommitFailed::Store(error)) => {

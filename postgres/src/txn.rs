@@ -32,12 +32,17 @@ use crate::prepared::{StatementCache, is_stale};
 /// the previous holder's commit.
 const BEGIN: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-/// Sent before the store's statements when they are prepared: sequential scans off for the
-/// rest of the transaction, the session's setting kept aside. Kept plans are made while it is
-/// off, whenever they are made (see [`crate::prepared`]). The two calls run in the order
-/// written: PostgreSQL evaluates a target list from left to right.
-const INDEXES_ONLY: &str = "SELECT set_config('idemdb.enable_seqscan', \
-     current_setting('enable_seqscan'), true), set_config('enable_seqscan', 'off', true)";
+/// [`BEGIN`] when the store's statements are prepared: sequential scans off for the rest of
+/// the transaction, the session's setting kept aside, so that kept plans are made while it is
+/// off, whenever they are made (see [`crate::prepared`]). One simple query of three
+/// statements: one message, run in order.
+const BEGIN_INDEXES_ONLY: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+     SELECT set_config('idemdb.enable_seqscan', current_setting('enable_seqscan'), true); \
+     SET LOCAL enable_seqscan = off";
+
+/// Sent before a commit's writes when one of them looks a row up (an update): planned with
+/// sequential scans off, as the claim's statements. The `COMMIT` ends it.
+const SCANS_OFF: &str = "SELECT set_config('enable_seqscan', 'off', true)";
 
 /// Sent after the store's statements at the start of a claim: the session's setting back, for
 /// the caller's SQL.
@@ -92,15 +97,12 @@ impl<'c> ClaimTransaction<'c> {
         statements: &[Statement<'_>],
     ) -> Result<(ClaimTransaction<'c>, Answers)> {
         let mut retried = false;
-        let guarded: Vec<Statement<'_>> = if cache.enabled() {
-            std::iter::once((INDEXES_ONLY, &[][..]))
-                .chain(statements.iter().copied())
-                .chain(std::iter::once((SESSION_SCANS, &[][..])))
-                .collect()
+        let (begin, guarded): (&str, Vec<Statement<'_>>) = if cache.enabled() {
+            let restored = statements.iter().copied().chain([(SESSION_SCANS, &[][..])]);
+            (BEGIN_INDEXES_ONLY, restored.collect())
         } else {
-            statements.to_vec()
+            (BEGIN, statements.to_vec())
         };
-        let first = usize::from(cache.enabled());
         loop {
             let prepared = cache.prepare(client, &types_of(&guarded)).await?;
             let (begun, mut answers) = {
@@ -109,11 +111,10 @@ impl<'c> ClaimTransaction<'c> {
                     .iter()
                     .zip(prepared)
                     .map(|(statement, prepared)| run(shared, prepared, *statement));
-                join(shared.batch_execute(BEGIN), in_order(queries)).await
+                join(shared.batch_execute(begin), in_order(queries)).await
             };
             // The caller's statements' answers only.
-            answers.truncate(first + statements.len());
-            answers.drain(..first);
+            answers.truncate(statements.len());
             let stale = answers
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
@@ -143,15 +144,17 @@ impl<'c> ClaimTransaction<'c> {
     /// then `COMMIT`, without waiting in between. The first statement's error is returned, if
     /// any (the `COMMIT` behind it rolled back: nothing of the transaction landed); otherwise
     /// the `COMMIT`'s (a lost connection leaves the outcome unknown); else every write's rows.
+    ///
+    /// `looks_up` says that a write reads rows (an update): it is then planned with sequential
+    /// scans off, as the claim's statements.
     pub(crate) async fn commit_with(
         mut self,
         staged: &[Statement<'_>],
         writes: &[Statement<'_>],
+        looks_up: bool,
     ) -> std::result::Result<Vec<Vec<Row>>, CommitFailed> {
-        // The writes are planned with sequential scans off, as the claim's statements (an
-        // update looks its row up); the COMMIT ends that.
-        let guarded: Vec<Statement<'_>> = if self.cache.enabled() {
-            std::iter::once((INDEXES_ONLY, &[][..]))
+        let guarded: Vec<Statement<'_>> = if self.cache.enabled() && looks_up {
+            std::iter::once((SCANS_OFF, &[][..]))
                 .chain(writes.iter().copied())
                 .collect()
         } else {
