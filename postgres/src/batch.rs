@@ -489,7 +489,7 @@ impl<'c> PgClaimBatch<'c> {
     pub async fn commit_with<R: AsRef<[u8]>>(
         self,
         mut result_of: impl FnMut(usize) -> R,
-        statements: &[(&str, &[(&(dyn ToSql + Sync), Type)])],
+        statements: &[crate::TypedStatement<'_>],
     ) -> Result<()> {
         let started = Instant::now();
         let PgClaimBatch {

@@ -102,6 +102,7 @@ mod batch;
 mod error;
 mod external;
 mod observe;
+mod pipeline;
 mod prepared;
 mod schema;
 mod ticket;
@@ -122,7 +123,10 @@ use observe::{ConsumerMetrics, OutcomeKind};
 use schema::NEVER_MS;
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
-use txn::{ClaimTransaction, CommitFailed, LOST_ROW, Statement};
+/// A statement of the caller's with its parameters and their types, sent unnamed (it needs no
+/// round trip to be prepared): see [`PgClaim::commit_with`].
+pub use txn::Statement as TypedStatement;
+use txn::{ClaimTransaction, CommitFailed, LOST_ROW};
 
 pub use batch::{BATCH_MESSAGES_MAX, PgBatchOutcome, PgClaimBatch};
 pub use error::{Error, Result};
@@ -507,7 +511,7 @@ impl PgConsumer {
             [(&id, Type::BYTEA), (&key, Type::BYTEA)];
         let version_params: [(&(dyn ToSql + Sync), Type); 2] =
             [(&id, Type::BYTEA), (&entity_key, Type::BYTEA)];
-        let mut statements: Vec<Statement<'_>> = vec![
+        let mut statements: Vec<TypedStatement<'_>> = vec![
             if entity.is_some() {
                 (LOCK_KEY_AND_ENTITY, &lock_params[..])
             } else {
@@ -747,7 +751,7 @@ impl<'c> PgClaim<'c> {
     pub async fn commit_with(
         self,
         result: impl AsRef<[u8]>,
-        statements: &[(&str, &[(&(dyn ToSql + Sync), Type)])],
+        statements: &[TypedStatement<'_>],
     ) -> Result<()> {
         let started = Instant::now();
         let result = result.as_ref();
@@ -780,7 +784,7 @@ impl<'c> PgClaim<'c> {
             (&entity_key, Type::BYTEA),
             (&version_value, Type::BYTEA),
         ];
-        let mut writes: Vec<Statement<'_>> = vec![(row.sql, &row_params)];
+        let mut writes: Vec<TypedStatement<'_>> = vec![(row.sql, &row_params)];
         if self.version.is_some() {
             writes.push((&store.inner.write_version, &version_params));
         }

@@ -30,7 +30,7 @@ use std::sync::Mutex;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Statement};
 
-use crate::txn::in_order;
+use crate::pipeline::in_order;
 
 /// How many connections' statements are kept; past it the least recently used connection's
 /// are dropped (and closed on the server, when that connection is still open).

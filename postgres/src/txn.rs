@@ -15,15 +15,16 @@
 //! see `LOST_ROW`.
 
 use std::future::Future;
-use std::pin::{Pin, pin};
+use std::pin::pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Waker};
 
-use futures_util::future::{MaybeDone, join, maybe_done};
+use futures_util::future::join;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
 use crate::error::{Error, Result};
+use crate::pipeline::in_order;
 use crate::prepared::{StatementCache, is_stale};
 
 /// `BEGIN` of every claim and lease step: READ COMMITTED whatever the session's default. A
@@ -54,8 +55,9 @@ const SESSION_SCANS: &str =
 pub(crate) const LOST_ROW: &tokio_postgres::error::SqlState =
     &tokio_postgres::error::SqlState::DIVISION_BY_ZERO;
 
-/// A typed statement and its parameters.
-pub(crate) type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
+/// A statement and its parameters with their types (so that it needs no round trip to be
+/// prepared).
+pub type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
 
 /// Each statement's rows, or its error.
 pub(crate) type Answers = Vec<std::result::Result<Vec<Row>, tokio_postgres::Error>>;
@@ -248,30 +250,4 @@ pub(crate) fn single_row(rows: Vec<Row>) -> Result<Row> {
     rows.into_iter().next().ok_or(Error::UnexpectedAnswer {
         detail: "a statement that returns one row returned none",
     })
-}
-
-/// Awaits every future, polling them in the order given every time: the first poll of each
-/// sends its request, so the requests go out in that order. (A general join may poll in any
-/// order.)
-pub(crate) async fn in_order<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut futures: Vec<Pin<Box<MaybeDone<F>>>> = futures
-        .into_iter()
-        .map(|f| Box::pin(maybe_done(f)))
-        .collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for future in &mut futures {
-            pending |= future.as_mut().poll(cx).is_pending();
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
-        }
-    })
-    .await;
-    futures
-        .iter_mut()
-        .filter_map(|future| future.as_mut().take_output())
-        .collect()
 }
