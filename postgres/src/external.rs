@@ -11,6 +11,7 @@
 //! fenced on the record being in progress, whoever holds it.
 
 use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -60,6 +61,8 @@ pub struct PgExternalClaim {
     pub(crate) lease_until_ms: u64,
     pub(crate) holder: Bytes,
     pub(crate) previous: Option<PreviousAttempt>,
+    /// Counts the claim in the `idemdb_in_progress` gauge while any clone of it exists.
+    pub(crate) alive: Arc<crate::observe::Alive>,
 }
 
 impl PgConsumer {
@@ -158,6 +161,7 @@ impl PgConsumer {
                     lease_until_ms: now_ms.saturating_add(lease_ms),
                     holder: Bytes::copy_from_slice(holder),
                     previous,
+                    alive: self.metrics.alive(),
                 };
                 let record = claim.record(claim.lease_until_ms);
                 // In progress: never removable by itself, whatever the lease.
@@ -475,6 +479,9 @@ impl PgExternalClaim {
             Ok(()) => {
                 if step == "complete" {
                     metrics.commit(started.elapsed());
+                }
+                if matches!(step, "complete" | "release" | "fail") {
+                    self.alive.finish();
                 }
                 metrics.log_step(step, &self.stored_key, self.epoch, None, None);
             }

@@ -50,10 +50,11 @@
 //! (the embedded engine's carry `backend="rocksdb"`) and the field `backend = "postgres"` on
 //! every event (which the embedded engine's lack): `idemdb_outcomes_total`,
 //! `idemdb_commits_total`, `idemdb_lease_lost_total`, `idemdb_claim_seconds`,
-//! `idemdb_commit_seconds`, `idemdb_duplicate_age_seconds`. The handles are registered when a
-//! consumer's handle is made ([`PgStore::consumer`]): install the recorder first. Not here:
-//! the `idemdb_in_progress` gauge (an external claim here is a cloneable value, not a handle
-//! whose drop can be counted) and the opener's extra labels.
+//! `idemdb_commit_seconds`, `idemdb_duplicate_age_seconds`, and the gauge
+//! `idemdb_in_progress`: external claims alive in this process (begun or resumed, not yet
+//! completed, released, failed or dropped; clones of a claim count once). The handles are
+//! registered when a consumer's handle is made ([`PgStore::consumer`]): install the recorder
+//! first. Not here: the opener's extra labels.
 //!
 //! **Removal.** Records are range-partitioned by the day they become removable (schema
 //! version 2 on; `install` migrates versions 1 and 2). Reads are exact at the expiry millisecond

@@ -5,10 +5,12 @@
 //! The embedded engine keeps these in a module built only with RocksDB, so this crate repeats
 //! them; the names are the crate docs' table (Observability) and must stay the embedded ones.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idemdb::Outcome;
-use metrics::{Counter, Histogram, Label};
+use metrics::{Counter, Gauge, Histogram, Label};
 
 /// The kinds of outcome counted; `KINDS` lists them in the order of the counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +83,8 @@ pub(crate) struct ConsumerMetrics {
     pub(crate) consumer: String,
     outcome_counters: [Counter; KINDS.len()],
     commit_counter: Counter,
+    /// External claims alive in this process (see [`Alive`]).
+    in_progress_gauge: Gauge,
     lease_lost_counter: Counter,
     claim_seconds: Histogram,
     commit_seconds: Histogram,
@@ -111,6 +115,7 @@ impl ConsumerMetrics {
             outcome_counters: KINDS
                 .map(|kind| metrics::counter!("idemdb_outcomes_total", labels(Some(kind)))),
             commit_counter: metrics::counter!("idemdb_commits_total", labels(None)),
+            in_progress_gauge: metrics::gauge!("idemdb_in_progress", labels(None)),
             lease_lost_counter: metrics::counter!("idemdb_lease_lost_total", labels(None)),
             claim_seconds: metrics::histogram!("idemdb_claim_seconds", labels(None)),
             commit_seconds: metrics::histogram!("idemdb_commit_seconds", labels(None)),
@@ -135,6 +140,16 @@ impl ConsumerMetrics {
         if let Some(age_ms) = duplicate_age_ms {
             self.duplicate_age_seconds.record(age_ms as f64 / 1000.0);
         }
+    }
+
+    /// A new external claim, counted in the `idemdb_in_progress` gauge until it and every
+    /// clone of it are gone.
+    pub(crate) fn alive(&self) -> Arc<Alive> {
+        self.in_progress_gauge.increment(1.0);
+        Arc::new(Alive {
+            gauge: self.in_progress_gauge.clone(),
+            counted: AtomicBool::new(true),
+        })
     }
 
     /// Counts one outcome of `kind` (a batch message's, whose time is the batch's).
@@ -191,5 +206,36 @@ impl ConsumerMetrics {
             "{step}{}",
             if current_epoch.is_some() { ": lease lost" } else { "" }
         );
+    }
+}
+
+/// An external claim alive in this process: shared by the claim's clones, it takes the claim
+/// off the `idemdb_in_progress` gauge once it is finished (completed, released or failed) or
+/// the last clone is dropped, as the embedded engine's gauge counts its claim handles. (A
+/// completion borrows the claim, so the end is marked, not waited for.)
+pub(crate) struct Alive {
+    gauge: Gauge,
+    /// Still on the gauge.
+    counted: AtomicBool,
+}
+
+impl Alive {
+    /// The claim is finished: off the gauge, once.
+    pub(crate) fn finish(&self) {
+        if self.counted.swap(false, Ordering::AcqRel) {
+            self.gauge.decrement(1.0);
+        }
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+impl std::fmt::Debug for Alive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Alive").finish_non_exhaustive()
     }
 }

@@ -185,6 +185,7 @@ impl PgExternalClaim {
             lease_until_ms,
             holder,
             previous: None,
+            alive: consumer.metrics.alive(),
         }
     }
 }

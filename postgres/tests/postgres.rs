@@ -179,6 +179,7 @@ fn main() {
     scenario!(a_version_2_schema_is_migrated_by_install);
     scenario!(derived_keys_are_the_embedded_engines);
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
+    scenario!(the_in_progress_gauge_counts_the_external_claims_alive);
     scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     scenario!(log_events_carry_the_embedded_names_and_fields);
@@ -4901,5 +4902,70 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
         "enable_seqscan in the caller's SQL: {setting}"
     );
     claim.commit(b"ok").await?;
+    Ok(())
+}
+
+async fn the_in_progress_gauge_counts_the_external_claims_alive(url: &str) -> Result<(), Failure> {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_gauge").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let consumer = metrics::with_local_recorder(&recorder, || store.consumer("mailer"))?;
+    // The test recorder hands out a gauge's change since the last snapshot (it swaps in 0):
+    // the level is their sum.
+    let level = std::cell::Cell::new(0.0);
+    let gauge = || {
+        let (change, backend) = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find_map(|(key, _, _, value)| match value {
+                DebugValue::Gauge(value) if key.key().name() == "idemdb_in_progress" => {
+                    let backend = key
+                        .key()
+                        .labels()
+                        .any(|label| label.key() == "backend" && label.value() == "postgres");
+                    Some((value.into_inner(), backend))
+                }
+                _ => None,
+            })
+            .unwrap_or((f64::NAN, false));
+        level.set(level.get() + change);
+        (level.get(), backend)
+    };
+    let body = Fingerprint::of(b"m");
+    let lease = Duration::from_secs(60);
+    let mut begin = async |key: &str| match consumer
+        .begin_external(&mut client, key, body, lease, "worker")
+        .await?
+    {
+        Outcome::Fresh(claim) => Ok::<_, Failure>(Some(claim)),
+        _ => Ok(None),
+    };
+    let Some(first) = begin("e-1").await? else {
+        return Err("e-1 not fresh".into());
+    };
+    ensure!(gauge() == (1.0, true), "one claim: {:?}", gauge());
+    let copy = first.clone();
+    ensure!(gauge().0 == 1.0, "a clone is the same claim: {:?}", gauge());
+    let Some(second) = begin("e-2").await? else {
+        return Err("e-2 not fresh".into());
+    };
+    ensure!(gauge().0 == 2.0, "two claims: {:?}", gauge());
+    ensure!(begin("e-2").await?.is_none(), "e-2 claimed twice");
+    ensure!(gauge().0 == 2.0, "a held key adds none: {:?}", gauge());
+    drop(copy);
+    ensure!(gauge().0 == 2.0, "a clone dropped: {:?}", gauge());
+    first.completion(&mut client).await?.commit(b"sent").await?;
+    ensure!(gauge().0 == 1.0, "one completed: {:?}", gauge());
+    let ticket = second.ticket();
+    drop(second); // the holder restarts
+    ensure!(gauge().0 == 0.0, "none in hand: {:?}", gauge());
+    let resumed = consumer.resume(&client, &ticket).await?;
+    ensure!(gauge().0 == 1.0, "resumed: {:?}", gauge());
+    resumed.release(&mut client).await?;
+    ensure!(gauge().0 == 0.0, "released: {:?}", gauge());
     Ok(())
 }
