@@ -20,16 +20,17 @@ use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::time::Instant;
 
-use idemdb::decision::{Found, inspect_record};
+use idemdb::decision::{Found, admit, guard_order, inspect_record};
 use idemdb::format::encode_key;
-use idemdb::{Fingerprint, Outcome, PreviousAttempt};
+use idemdb::{Fingerprint, Message, Outcome, PreviousAttempt};
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::observe::{self, OutcomeKind};
+use crate::pipeline::in_order;
 use crate::txn::{ClaimTransaction, CommitFailed, Statement};
-use crate::{PgConsumer, decode_record, lock_id};
+use crate::{PgConsumer, decode_record, decode_version, entity_lock_id, lock_id};
 
 /// The most messages one batch claims: the embedded engine's `idemdb::BATCH_MESSAGES_MAX`,
 /// repeated here because idemdb exports it only with its RocksDB engine, which this crate does
@@ -56,6 +57,12 @@ pub const BATCH_MESSAGES_MAX: usize = 4096;
 const LOCK_MANY: &str = "SELECT l.id, pg_try_advisory_xact_lock(l.id), \
      floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 \
      FROM unnest($1::int8[]) AS l(id) ORDER BY l.id";
+
+/// Takes the lock of every entity of a batch's fresh messages that carry a version (the
+/// ordering guard), in ascending order, each once: the two-`int4` locks of
+/// [`crate::entity_lock_id`].
+const LOCK_ENTITIES: &str = "SELECT e.high, e.low, pg_try_advisory_xact_lock(e.high, e.low) \
+     FROM unnest($1::int4[], $2::int4[]) AS e(high, low) ORDER BY e.high, e.low";
 
 /// What one message of a batch got.
 ///
@@ -104,6 +111,8 @@ struct BatchClaim {
     fingerprint: Fingerprint,
     replaces_epoch: u64,
     previous: Option<PreviousAttempt>,
+    /// The entity and version the commit records (the ordering guard), if the message has one.
+    version: Option<(Vec<u8>, u64)>,
 }
 
 impl BatchClaim {
@@ -145,9 +154,8 @@ impl PgConsumer {
     /// [`PgBatchOutcome::ConflictInBatch`]. Never waits for another holder. An empty batch is
     /// an empty transaction.
     ///
-    /// Pairs rather than `idemdb::Message`s: batches on this backend take neither the admission
-    /// floor nor the ordering guard a message can carry (single claims do:
-    /// [`PgConsumer::begin_message`]).
+    /// For messages with a production time or an entity's version (the admission floor and
+    /// the ordering guard), [`PgConsumer::begin_batch_messages`].
     ///
     /// # Errors
     /// [`Error::Idemdb`] with `LimitExceeded` for more than [`BATCH_MESSAGES_MAX`] messages or
@@ -159,6 +167,43 @@ impl PgConsumer {
         &self,
         client: &'c mut Client,
         messages: &[(K, Fingerprint)],
+    ) -> Result<PgClaimBatch<'c>> {
+        let messages: Vec<Message<'_>> = messages
+            .iter()
+            .map(|(key, fingerprint)| Message::new(key.as_ref(), *fingerprint))
+            .collect();
+        self.begin_batch_messages(client, &messages).await
+    }
+
+    /// [`PgConsumer::begin_batch`] with whole messages, as the embedded engine's `begin_batch`
+    /// takes them: each is decided as [`PgConsumer::begin_message`] decides it, the admission
+    /// floor and the ordering guard included. The guard takes the lock of each entity whose
+    /// message is claimable, in one more round trip (only when one carries a version), and
+    /// reads the entities' versions with it: a message of an entity whose lock another
+    /// session holds, or that an earlier message of the batch claimed, is `InProgress`; one
+    /// not newer than the entity's version is `Stale`. The commit writes each fresh
+    /// message's version with its record.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &mut tokio_postgres::Client, accounts: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// use idemdb::{Fingerprint, Message};
+    /// let messages = [
+    ///     Message::new("evt-41", Fingerprint::of(b"credit 5")).version("account-7", 41),
+    ///     Message::new("evt-42", Fingerprint::of(b"debit 3")).version("account-9", 42),
+    /// ];
+    /// let batch = accounts.begin_batch_messages(client, &messages).await?;
+    /// // ... the business SQL of each fresh message on batch.transaction() ...
+    /// batch.commit(|_| b"applied").await
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`PgConsumer::begin_batch`]; an entity key outside the limits too.
+    pub async fn begin_batch_messages<'c>(
+        &self,
+        client: &'c mut Client,
+        messages: &[Message<'_>],
     ) -> Result<PgClaimBatch<'c>> {
         let started = Instant::now();
         if messages.len() > BATCH_MESSAGES_MAX {
@@ -172,8 +217,14 @@ impl PgConsumer {
         let namespace = &self.store.inner.lock_namespace;
         let lock_numbers = messages
             .iter()
-            .map(|(key, _)| Ok(lock_id(namespace, &encode_key(&self.id, key.as_ref())?)))
+            .map(|message| Ok(lock_id(namespace, &encode_key(&self.id, message.key())?)))
             .collect::<Result<Vec<i64>>>()?;
+        // Every entity key is checked before anything is sent.
+        for message in messages {
+            if let Some((entity_key, _)) = message.entity_version() {
+                encode_key(&self.id, entity_key)?;
+            }
+        }
         let first_of = first_occurrences(messages);
         let mut distinct_locks = lock_numbers.clone();
         distinct_locks.sort_unstable();
@@ -182,7 +233,7 @@ impl PgConsumer {
             .iter()
             .enumerate()
             .filter(|(index, _)| first_of[*index] == *index)
-            .map(|(_, (key, _))| key.as_ref())
+            .map(|(_, message)| message.key())
             .collect();
         self.store.ensure_partitions(client, false).await?;
         // BEGIN, the lock statement and the read go out together (one round trip). The
@@ -219,14 +270,15 @@ impl PgConsumer {
             outcomes: Vec::with_capacity(messages.len()),
             claims: Vec::with_capacity(messages.len()),
         };
+        let floor_ms = admission_floor_ms(self);
         let mut other_content = Vec::new();
-        for (index, (key, fingerprint)) in messages.iter().enumerate() {
+        for (index, message) in messages.iter().enumerate() {
             let first = first_of[index];
             let (outcome, claim) = if first == index {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(&self.id, key.as_ref(), *fingerprint, locked, &taken)?
+                decide(&self.id, message, locked, &taken, floor_ms)?
             } else {
-                if *fingerprint != messages[first].1 {
+                if message.fingerprint() != messages[first].fingerprint() {
                     other_content.push(index);
                 }
                 (PgBatchOutcome::DuplicateInBatch { first }, None)
@@ -239,12 +291,12 @@ impl PgConsumer {
         let mut claimed_by_repeat: HashSet<&[u8]> = HashSet::new();
         for index in other_content {
             let first = first_of[index];
-            let (key, fingerprint) = (messages[index].0.as_ref(), messages[index].1);
+            let key = messages[index].key();
             let (outcome, claim) = if matches!(batch.outcomes[first], PgBatchOutcome::Fresh) {
                 let conflict = PgBatchOutcome::ConflictInBatch {
                     first,
-                    first_fingerprint: messages[first].1,
-                    new_fingerprint: fingerprint,
+                    first_fingerprint: messages[first].fingerprint(),
+                    new_fingerprint: messages[index].fingerprint(),
                 };
                 (conflict, None)
             } else if claimed_by_repeat.contains(key) {
@@ -254,7 +306,7 @@ impl PgConsumer {
                 (PgBatchOutcome::Settled(held), None)
             } else {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(&self.id, key, fingerprint, locked, &taken)?
+                decide(&self.id, &messages[index], locked, &taken, floor_ms)?
             };
             if claim.is_some() {
                 claimed_by_repeat.insert(key);
@@ -262,22 +314,110 @@ impl PgConsumer {
             batch.outcomes[index] = outcome;
             batch.claims[index] = claim;
         }
+        self.guard_versions(&mut batch, messages, taken.now_ms)
+            .await?;
         self.observe_batch(&batch, messages, taken.now_ms, started);
         Ok(batch)
+    }
+
+    /// The ordering guard of the batch's fresh messages that carry a version, in message
+    /// order, as the embedded engine's batch applies it: the entity's lock (taken now, for
+    /// every such entity at once, with a read of their versions: one round trip), then the
+    /// version. A fresh message that does not pass is `InProgress` or `Stale` instead.
+    async fn guard_versions(
+        &self,
+        batch: &mut PgClaimBatch<'_>,
+        messages: &[Message<'_>],
+        now_ms: u64,
+    ) -> Result<()> {
+        let inner = &self.store.inner;
+        let versioned: Vec<(usize, &[u8], u64)> = messages
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| batch.claims[*index].is_some())
+            .filter_map(|(index, message)| {
+                let (entity_key, version) = message.entity_version()?;
+                Some((index, entity_key, version))
+            })
+            .collect();
+        if versioned.is_empty() {
+            return Ok(());
+        }
+        let mut entities: Vec<&[u8]> = versioned.iter().map(|(_, entity, _)| *entity).collect();
+        entities.sort_unstable();
+        entities.dedup();
+        let lock_of = |entity_key: &[u8]| {
+            encode_key(&self.id, entity_key)
+                .map(|stored| entity_lock_id(&inner.entity_lock_namespace, &stored))
+        };
+        let mut locks = entities
+            .iter()
+            .map(|entity| lock_of(entity))
+            .collect::<std::result::Result<Vec<(i32, i32)>, _>>()?;
+        locks.sort_unstable();
+        locks.dedup();
+        let (highs, lows): (Vec<i32>, Vec<i32>) = locks.into_iter().unzip();
+        let lock_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&highs, Type::INT4_ARRAY), (&lows, Type::INT4_ARRAY)];
+        let consumer: &[u8] = &self.id;
+        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&consumer, Type::BYTEA), (&entities, Type::BYTEA_ARRAY)];
+        let client = batch.tx.client();
+        let mut answers = in_order([
+            client.query_typed(LOCK_ENTITIES, &lock_params),
+            client.query_typed(&inner.read_versions_many, &read_params),
+        ])
+        .await
+        .into_iter();
+        let lock_rows = answers.next().unwrap_or_else(|| Ok(Vec::new()))?;
+        let version_rows = answers.next().unwrap_or_else(|| Ok(Vec::new()))?;
+        let granted: HashMap<(i32, i32), bool> = lock_rows
+            .iter()
+            .map(|row| ((row.get(0), row.get(1)), row.get(2)))
+            .collect();
+        let mut current: HashMap<Vec<u8>, u64> = HashMap::new();
+        for row in &version_rows {
+            let entity_key: &[u8] = row.get(0);
+            current.insert(entity_key.to_vec(), decode_version(entity_key, row.get(1))?);
+        }
+        let mut claimed: HashSet<&[u8]> = HashSet::new();
+        for (index, entity_key, version) in versioned {
+            let held = !granted.get(&lock_of(entity_key)?).copied().unwrap_or(false)
+                || claimed.contains(entity_key);
+            let settled = if held {
+                Some(Outcome::held_by_claim(now_ms))
+            } else {
+                guard_order(current.get(entity_key).copied(), version)
+            };
+            match settled {
+                Some(outcome) => {
+                    batch.claims[index] = None;
+                    batch.outcomes[index] = PgBatchOutcome::Settled(outcome);
+                }
+                None => {
+                    claimed.insert(entity_key);
+                    if let Some(claim) = batch.claims[index].as_mut() {
+                        claim.version = Some((entity_key.to_vec(), version));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Counts and logs every message's outcome as the embedded engine does: a settled one with
     /// an equal share of the batch's time (and its duplicate age), the others counted only; a
     /// conflict within the batch is a conflict.
-    fn observe_batch<K: AsRef<[u8]>>(
+    fn observe_batch(
         &self,
         batch: &PgClaimBatch<'_>,
-        messages: &[(K, Fingerprint)],
+        messages: &[Message<'_>],
         now_ms: u64,
         started: Instant,
     ) {
         let share = started.elapsed() / u32::try_from(messages.len().max(1)).unwrap_or(u32::MAX);
-        for (outcome, (key, _)) in batch.outcomes.iter().zip(messages) {
+        for (outcome, message) in batch.outcomes.iter().zip(messages) {
+            let (key, correlation) = (message.key(), message.correlation());
             let kind = match outcome {
                 PgBatchOutcome::Fresh => OutcomeKind::Fresh,
                 PgBatchOutcome::DuplicateInBatch { .. } => OutcomeKind::DuplicateInBatch,
@@ -286,12 +426,12 @@ impl PgConsumer {
                     let kind = OutcomeKind::of(outcome);
                     let age_ms = observe::duplicate_age_ms(outcome, now_ms);
                     self.metrics.outcome(kind, share, age_ms);
-                    self.metrics.log_begin(key.as_ref(), kind, None);
+                    self.metrics.log_begin(key, kind, correlation);
                     continue;
                 }
             };
             self.metrics.count(kind);
-            self.metrics.log_begin(key.as_ref(), kind, None);
+            self.metrics.log_begin(key, kind, correlation);
         }
     }
 
@@ -342,11 +482,12 @@ impl Taken {
 /// without the key's lock, else from the key's record read after the lock.
 fn decide(
     consumer_id: &[u8],
-    key: &[u8],
-    fingerprint: Fingerprint,
+    message: &Message<'_>,
     locked: bool,
     taken: &Taken,
+    floor_ms: Option<u64>,
 ) -> Result<(PgBatchOutcome, Option<BatchClaim>)> {
+    let (key, fingerprint) = (message.key(), message.fingerprint());
     if !locked {
         let held = Outcome::held_by_claim(taken.now_ms);
         return Ok((PgBatchOutcome::Settled(held), None));
@@ -356,33 +497,43 @@ fn decide(
         .get(key)
         .map(|bytes| decode_record(key, bytes))
         .transpose()?;
-    Ok(match inspect_record(record, fingerprint, taken.now_ms) {
-        Found::Claimable {
-            replaces_epoch,
-            previous,
-        } => {
-            let claim = BatchClaim {
-                key: key.to_vec(),
-                stored_key: encode_key(consumer_id, key)?,
-                fingerprint,
+    let found = inspect_record(record, fingerprint, taken.now_ms);
+    Ok(
+        match admit(found, message.production_time_ms(), taken.now_ms, floor_ms) {
+            Found::Claimable {
                 replaces_epoch,
                 previous,
-            };
-            (PgBatchOutcome::Fresh, Some(claim))
-        }
-        Found::Settled(outcome) => (PgBatchOutcome::Settled(outcome), None),
-    })
+            } => {
+                let claim = BatchClaim {
+                    key: key.to_vec(),
+                    stored_key: encode_key(consumer_id, key)?,
+                    fingerprint,
+                    replaces_epoch,
+                    previous,
+                    version: None,
+                };
+                (PgBatchOutcome::Fresh, Some(claim))
+            }
+            Found::Settled(outcome) => (PgBatchOutcome::Settled(outcome), None),
+        },
+    )
 }
 
 /// For each message, the index of the first message with the same key (itself if none
 /// before).
-fn first_occurrences<K: AsRef<[u8]>>(messages: &[(K, Fingerprint)]) -> Vec<usize> {
-    let mut first_index: HashMap<&[u8], usize> = HashMap::with_capacity(messages.len());
+fn first_occurrences<'m>(messages: &[Message<'m>]) -> Vec<usize> {
+    let mut first_index: HashMap<&'m [u8], usize> = HashMap::with_capacity(messages.len());
     messages
         .iter()
         .enumerate()
-        .map(|(index, (key, _))| *first_index.entry(key.as_ref()).or_insert(index))
+        .map(|(index, message)| *first_index.entry(message.key()).or_insert(index))
         .collect()
+}
+
+/// The admission floor's horizon (the retention) when the store has it on.
+fn admission_floor_ms(consumer: &PgConsumer) -> Option<u64> {
+    let inner = &consumer.store.inner;
+    inner.admission_floor.then_some(inner.retention_ms)
 }
 
 /// The rows a batch's commit writes with one of its two lists (inserted or updated), as the
@@ -511,13 +662,26 @@ impl<'c> PgClaimBatch<'c> {
             db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
         );
         let rows = Records::of(&consumer, &held, now_ms);
+        // The ordering guard's new versions, written with the records.
+        let (entity_keys, versions): (Vec<&[u8]>, Vec<Vec<u8>>) = held
+            .iter()
+            .filter_map(|(claim, _)| claim.version.as_ref())
+            .map(|(entity_key, version)| (entity_key.as_slice(), version.to_be_bytes().to_vec()))
+            .unzip();
+        let consumer_id: &[u8] = &consumer.id;
+        let version_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&consumer_id, Type::BYTEA),
+            (&entity_keys, Type::BYTEA_ARRAY),
+            (&versions, Type::BYTEA_ARRAY),
+        ];
+        let write_versions: Option<Statement<'_>> = (!entity_keys.is_empty())
+            .then_some((&consumer.store.inner.write_versions_many, &version_params));
         if rows.updated.keys.is_empty() {
             // Every record is a new row, or there is none to write (but maybe the caller's
             // SQL: a statement on an aborted transaction fails, so a failed business statement
             // is reported here rather than by a COMMIT that PostgreSQL answers with a silent
             // rollback). Either way its statement and COMMIT go out together: an insert
             // writes its rows or fails.
-            let consumer_id: &[u8] = &consumer.id;
             let params: [(&(dyn ToSql + Sync), Type); 4] = [
                 (&consumer_id, Type::BYTEA),
                 (&rows.inserted.keys, Type::BYTEA_ARRAY),
@@ -529,7 +693,8 @@ impl<'c> PgClaimBatch<'c> {
             } else {
                 (&consumer.store.inner.insert_many, &params)
             };
-            match tx.commit_with(statements, &[write], false).await {
+            let writes: Vec<Statement<'_>> = std::iter::once(write).chain(write_versions).collect();
+            match tx.commit_with(statements, &writes, false).await {
                 Ok(_) => {}
                 Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
                 Err(CommitFailed::Store(error)) => {
@@ -544,6 +709,12 @@ impl<'c> PgClaimBatch<'c> {
                 tx.client().query_typed(sql, params).await?;
             }
             write_records(tx.client(), &consumer, &rows).await?;
+            if let Some((sql, params)) = write_versions
+                && let Err(error) = tx.client().query_typed(sql, params).await
+            {
+                let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
+                return Err(consumer.store.write_failed(error, key));
+            }
             tx.commit().await?;
         }
         // Each claim's commit is counted and logged, as the embedded batch reports its claims.

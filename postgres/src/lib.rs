@@ -28,6 +28,8 @@
 //! its first copy), and [`PgClaimBatch::commit`] writes every winner's record in one statement
 //! with the business SQL of the whole batch. Every key the batch locked stays locked until it
 //! commits or drops (PostgreSQL frees transaction-level locks only then).
+//! [`PgConsumer::begin_batch_messages`] takes whole messages, with the admission floor and the
+//! ordering guard, as the embedded engine's batch does.
 //!
 //! **Reconciliation.** [`PgConsumer::in_progress`] lists external claims in progress;
 //! [`PgConsumer::resolve`] completes one with a known result or releases it, under the key's
@@ -309,6 +311,21 @@ impl StoreBuilder {
                          WHERE e.version < excluded.version RETURNING 1 \
                      ) SELECT 1 / count(*)::int4 FROM written"
                 ),
+                // The versions of a batch's fresh messages, one per entity (the batch gives an
+                // entity to one message at most); every row must be written, as above.
+                write_versions_many: format!(
+                    "WITH written AS ( \
+                         INSERT INTO {entity} AS e (consumer, entity_key, version) \
+                         SELECT $1, v.entity_key, v.version \
+                         FROM unnest($2::bytea[], $3::bytea[]) AS v(entity_key, version) \
+                         ON CONFLICT (consumer, entity_key) DO UPDATE SET version = excluded.version \
+                         WHERE e.version < excluded.version RETURNING 1 \
+                     ) SELECT 1 / (count(*) = cardinality($2::bytea[]))::int4 FROM written"
+                ),
+                read_versions_many: format!(
+                    "SELECT entity_key, version FROM {entity} \
+                     WHERE consumer = $1 AND entity_key = ANY($2::bytea[])"
+                ),
                 lock_namespace: records,
                 entity_lock_namespace: entity,
                 names: self.names,
@@ -341,6 +358,10 @@ pub(crate) struct Inner {
     pub(crate) read_version: String,
     /// The ordering guard's write of an entity's new version (at a claim's commit).
     pub(crate) write_version: String,
+    /// The versions of many entities of one consumer (a batch's ordering guard).
+    pub(crate) read_versions_many: String,
+    /// The new versions of many entities (a batch's commit).
+    pub(crate) write_versions_many: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,

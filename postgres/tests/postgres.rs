@@ -180,6 +180,7 @@ fn main() {
     scenario!(derived_keys_are_the_embedded_engines);
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
     scenario!(the_in_progress_gauge_counts_the_external_claims_alive);
+    scenario!(a_batch_of_messages_takes_the_admission_floor_and_the_ordering_guard);
     scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     scenario!(log_events_carry_the_embedded_names_and_fields);
@@ -4967,5 +4968,138 @@ async fn the_in_progress_gauge_counts_the_external_claims_alive(url: &str) -> Re
     ensure!(gauge().0 == 1.0, "resumed: {:?}", gauge());
     resumed.release(&mut client).await?;
     ensure!(gauge().0 == 0.0, "released: {:?}", gauge());
+    Ok(())
+}
+
+/// The outcome of each message of a batch, as text (`Fresh`, `InProgress`, `Stale(2)`, ...).
+fn batch_outcomes(batch: &idemdb_postgres::PgClaimBatch<'_>) -> Vec<String> {
+    batch
+        .outcomes()
+        .iter()
+        .map(|outcome| match outcome {
+            PgBatchOutcome::Fresh => "Fresh".to_owned(),
+            PgBatchOutcome::Settled(Outcome::InProgress { .. }) => "InProgress".to_owned(),
+            PgBatchOutcome::Settled(Outcome::Stale {
+                current_version, ..
+            }) => format!("Stale({current_version})"),
+            PgBatchOutcome::Settled(Outcome::TooLate { .. }) => "TooLate".to_owned(),
+            PgBatchOutcome::Settled(Outcome::Duplicate { .. }) => "Duplicate".to_owned(),
+            other => format!("{other:?}"),
+        })
+        .collect()
+}
+
+async fn a_batch_of_messages_takes_the_admission_floor_and_the_ordering_guard(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let mut other = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_batch_guard").await?;
+    let clock = MockClock::new(100_000_000);
+    let store = mock_store(&client, names, &clock, true).await?;
+    let consumer = store.consumer("ledger")?;
+    let body = Fingerprint::of(b"m");
+    let now = 100_000_000;
+    // One entity twice (the batch gives it to its first message), another entity, a message
+    // older than the retention (one hour here), a plain one.
+    let first = [
+        Message::new("m-1", body).version("account-a", 2),
+        Message::new("m-2", body).version("account-a", 3),
+        Message::new("m-3", body).version("account-b", 1),
+        Message::new("m-4", body).produced_at_ms(now - 3_600_000),
+        Message::new("m-5", body).produced_at_ms(now - 1_000),
+    ];
+    let batch = consumer.begin_batch_messages(&mut client, &first).await?;
+    let got = batch_outcomes(&batch);
+    ensure!(
+        got == ["Fresh", "InProgress", "Fresh", "TooLate", "Fresh"],
+        "first batch: {got:?}"
+    );
+    // While the batch is open, its entities are held; an entity it did not claim is not.
+    let held = consumer
+        .begin_message(
+            &mut other,
+            &Message::new("x-1", body).version("account-a", 9),
+        )
+        .await?;
+    ensure!(
+        matches!(held, Outcome::InProgress { .. }),
+        "account-a: {held:?}"
+    );
+    drop(held);
+    batch.commit(|_| b"ok").await?;
+    // The versions landed with the records: older messages are stale now, in a batch too;
+    // a stale message of an entity leaves it to a newer one after it.
+    let second = [
+        Message::new("n-1", body).version("account-a", 1),
+        Message::new("n-2", body).version("account-a", 5),
+        Message::new("n-3", body).version("account-b", 1),
+        Message::new("m-1", body).version("account-c", 1),
+    ];
+    let batch = consumer.begin_batch_messages(&mut client, &second).await?;
+    let got = batch_outcomes(&batch);
+    ensure!(
+        got == ["Stale(2)", "Fresh", "Stale(1)", "Duplicate"],
+        "second batch: {got:?}"
+    );
+    // A duplicate's entity was not taken: another session claims it meanwhile.
+    match consumer
+        .begin_message(
+            &mut other,
+            &Message::new("y-1", body).version("account-c", 4),
+        )
+        .await?
+    {
+        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
+        outcome => return Err(format!("account-c during the batch: {outcome:?}").into()),
+    }
+    batch.commit(|_| b"ok").await?;
+    // account-a is at 5 now.
+    match consumer
+        .begin_message(
+            &mut other,
+            &Message::new("z-1", body).version("account-a", 4),
+        )
+        .await?
+    {
+        Outcome::Stale {
+            current_version, ..
+        } => ensure!(current_version == 5, "account-a at {current_version}"),
+        outcome => return Err(format!("account-a after the batches: {outcome:?}").into()),
+    }
+    // An entity held by another session's claim: the batch's message is InProgress, and a
+    // message without a version beside it goes through.
+    let Outcome::Fresh(holder) = consumer
+        .begin_message(
+            &mut other,
+            &Message::new("h-1", body).version("account-d", 1),
+        )
+        .await?
+    else {
+        return Err("h-1 not fresh".into());
+    };
+    let third = [
+        Message::new("o-1", body).version("account-d", 2),
+        Message::new("o-2", body),
+    ];
+    let batch = consumer.begin_batch_messages(&mut client, &third).await?;
+    let got = batch_outcomes(&batch);
+    ensure!(got == ["InProgress", "Fresh"], "third batch: {got:?}");
+    batch.commit(|_| b"ok").await?;
+    holder.commit(b"ok").await?;
+    // A bad entity key is refused before anything is sent.
+    let long = vec![b'e'; 4096];
+    let refused = consumer
+        .begin_batch_messages(&mut client, &[Message::new("p-1", body).version(&long, 1)])
+        .await;
+    ensure!(
+        matches!(
+            refused,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "a too long entity key: {refused:?}"
+    );
+    drop(refused);
+    ensure!(consumer.get(&client, "p-1").await?.is_none(), "p-1 written");
     Ok(())
 }
