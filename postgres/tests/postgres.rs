@@ -181,6 +181,7 @@ fn main() {
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
     scenario!(the_in_progress_gauge_counts_the_external_claims_alive);
     scenario!(a_batch_of_messages_takes_the_admission_floor_and_the_ordering_guard);
+    scenario!(a_keys_lock_and_an_entitys_lock_of_the_same_bits_do_not_meet);
     scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     scenario!(log_events_carry_the_embedded_names_and_fields);
@@ -5101,5 +5102,49 @@ async fn a_batch_of_messages_takes_the_admission_floor_and_the_ordering_guard(
     );
     drop(refused);
     ensure!(consumer.get(&client, "p-1").await?.is_none(), "p-1 written");
+    Ok(())
+}
+
+/// The key locks (one `int8`) and the entity locks (two `int4`s) rest on PostgreSQL keeping the
+/// two forms apart: a key and an entity whose hashes had the same 64 bits must not hold each
+/// other up. Checked with the very calls the claims make, on the same bits.
+async fn a_keys_lock_and_an_entitys_lock_of_the_same_bits_do_not_meet(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut holder = connect(url).await?;
+    let mut other = connect(url).await?;
+    let bits: i64 = 0x1234_5678_9abc_def0_u64 as i64;
+    let [a, b, c, d, e, f, g, h] = bits.to_be_bytes();
+    let (high, low) = (
+        i32::from_be_bytes([a, b, c, d]),
+        i32::from_be_bytes([e, f, g, h]),
+    );
+    let try_key = "SELECT pg_try_advisory_xact_lock($1)";
+    let try_entity = "SELECT pg_try_advisory_xact_lock($1, $2)";
+    let key_tx = holder.transaction().await?;
+    let granted: bool = key_tx.query_one(try_key, &[&bits]).await?.get(0);
+    ensure!(granted, "the key's lock");
+    let entity_tx = other.transaction().await?;
+    let granted: bool = entity_tx
+        .query_one(try_entity, &[&high, &low])
+        .await?
+        .get(0);
+    ensure!(
+        granted,
+        "an entity's lock of the same bits waited for the key's"
+    );
+    // The control: each form does hold its own kind.
+    let third_client = connect(url).await?;
+    let key_again: bool = third_client.query_one(try_key, &[&bits]).await?.get(0);
+    let entity_again: bool = third_client
+        .query_one(try_entity, &[&high, &low])
+        .await?
+        .get(0);
+    ensure!(
+        !key_again && !entity_again,
+        "held locks granted again: key {key_again}, entity {entity_again}"
+    );
+    key_tx.rollback().await?;
+    entity_tx.rollback().await?;
     Ok(())
 }
