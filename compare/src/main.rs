@@ -67,7 +67,9 @@ struct PeersArgs {
     /// Share of deliveries that re-send an earlier message.
     #[arg(long, default_value_t = 0.1)]
     duplicate_ratio: f64,
-    /// Run only contenders whose name contains one of these.
+    /// Run only contenders whose name contains one of these. The report is printed, and written
+    /// to `peers-only.md` instead of `peers.md` (the charts are not drawn): a partial run does
+    /// not replace the last full one.
     #[arg(long)]
     only: Vec<String>,
     /// First of the three ports for the servers (Redis, Redis with fsync, PostgreSQL).
@@ -82,8 +84,12 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Peers(args) => {
             let results = peers(&args)?;
-            report::write_peers(&args.out, &results)?;
-            charts::peers(&args.out, &results)?;
+            if args.only.is_empty() {
+                report::write_peers(&args.out, &results, "peers")?;
+                charts::peers(&args.out, &results)?;
+            } else {
+                report::write_peers(&args.out, &results, "peers-only")?;
+            }
         }
         Command::Scale(args) => {
             let points = scale::scale(&args)?;
@@ -109,7 +115,7 @@ fn main() -> Result<()> {
         Command::Profile(args) => profile::run(&args)?,
         Command::All(args) => {
             let results = peers(&args)?;
-            report::write_peers(&args.out, &results)?;
+            report::write_peers(&args.out, &results, "peers")?;
             charts::peers(&args.out, &results)?;
             let scale_args = scale::ScaleArgs::defaults(args.out.clone());
             let points = scale::scale(&scale_args)?;

@@ -306,7 +306,8 @@ fn publish(out_dir: &Path, file: &str, md: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn write_peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
+/// Writes the report as `<name>.md` and its figures as `<name>.csv`.
+pub fn write_peers(out_dir: &Path, run: &PeersRun, name: &str) -> Result<()> {
     let mut md = document("Comparison run", Some(&run.machine))?;
     writeln!(
         md,
@@ -374,8 +375,8 @@ pub fn write_peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
             if target.holds() { "yes" } else { "**no**" }
         )?;
     }
-    publish(out_dir, "peers.md", &md)?;
-    std::fs::write(out_dir.join("peers.csv"), csv)?;
+    publish(out_dir, &format!("{name}.md"), &md)?;
+    std::fs::write(out_dir.join(format!("{name}.csv")), csv)?;
     Ok(())
 }
 
