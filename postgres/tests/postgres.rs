@@ -4677,10 +4677,7 @@ async fn prepared_statements_outlive_their_connection_and_a_deallocate(
         "commit without its statement: {committed:?}"
     );
     ensure!(consumer.get(&client, "d-1").await?.is_none(), "d-1 written");
-    match consumer.begin(&mut client, "d-1", body).await? {
-        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
-        other => return Err(format!("d-1 again: {other:?}").into()),
-    }
+    commit_one(&consumer, &mut client, "d-1", "m", "ok").await?;
     ensure!(consumer.get(&client, "d-1").await?.is_some(), "d-1 lost");
     // Off: nothing is prepared, and the claims are the same.
     let unprepared = PgStore::builder()
@@ -4756,10 +4753,7 @@ async fn business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all(
         .await?
         .get(0);
     ensure!(rows == 0, "the failed claim's business row landed");
-    match consumer.begin(&mut client, "s-2", body).await? {
-        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
-        other => return Err(format!("s-2 again: {other:?}").into()),
-    }
+    commit_one(&consumer, &mut client, "s-2", "m", "ok").await?;
     // The same for a batch: its business rows with its records, or nothing.
     let insert_many = "INSERT INTO t_staged.orders (id, body) SELECT unnest($1::text[]), 'b'";
     let ids = vec!["b-1".to_owned(), "b-2".to_owned()];
@@ -4870,10 +4864,7 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
     planned
         .batch_execute("SET plan_cache_mode = force_generic_plan")
         .await?;
-    match consumer.begin(&mut planned, "k-new", body).await? {
-        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
-        other => return Err(format!("k-new: {other:?}").into()),
-    }
+    commit_one(&consumer, &mut planned, "k-new", "m", "ok").await?;
     // The partition grows to many thousand rows; the kept plan stays.
     client
         .batch_execute(
