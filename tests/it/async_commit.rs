@@ -200,13 +200,19 @@ fn a_failed_group_write_fails_every_claim_in_it_and_poisons() {
     let billing = engine.consumer("billing").unwrap();
     gate.fail_writes.store(true, Ordering::SeqCst);
     runtime().block_on(async {
-        let mut futures = Vec::new();
-        for key in ["a", "b", "c"] {
-            let Outcome::Fresh(claim) = billing.begin(key, Fingerprint::of(key)).unwrap() else {
-                panic!("fresh");
-            };
-            futures.push(claim.commit_async(b"r"));
-        }
+        // Claim every key before the first commit: the committer may fail the first group and
+        // poison the engine before a later `begin` runs, which then (rightly) refuses.
+        let claims: Vec<_> = ["a", "b", "c"]
+            .into_iter()
+            .map(|key| match billing.begin(key, Fingerprint::of(key)).unwrap() {
+                Outcome::Fresh(claim) => claim,
+                other => panic!("expected fresh, got {other:?}"),
+            })
+            .collect();
+        let futures: Vec<_> = claims
+            .into_iter()
+            .map(|claim| claim.commit_async(b"r"))
+            .collect();
         for future in futures {
             assert!(future.await.is_err());
         }
