@@ -204,10 +204,12 @@ fn a_failed_group_write_fails_every_claim_in_it_and_poisons() {
         // poison the engine before a later `begin` runs, which then (rightly) refuses.
         let claims: Vec<_> = ["a", "b", "c"]
             .into_iter()
-            .map(|key| match billing.begin(key, Fingerprint::of(key)).unwrap() {
-                Outcome::Fresh(claim) => claim,
-                other => panic!("expected fresh, got {other:?}"),
-            })
+            .map(
+                |key| match billing.begin(key, Fingerprint::of(key)).unwrap() {
+                    Outcome::Fresh(claim) => claim,
+                    other => panic!("expected fresh, got {other:?}"),
+                },
+            )
             .collect();
         let futures: Vec<_> = claims
             .into_iter()
