@@ -101,6 +101,7 @@
 #![warn(missing_docs)] // every public item says what it does and what it refuses
 #![warn(clippy::unwrap_used)] // bad input is an error value, never a panic (tests may unwrap)
 
+mod apply;
 mod batch;
 mod error;
 mod external;
@@ -131,6 +132,7 @@ use tokio_postgres::types::{ToSql, Type};
 pub use txn::Statement as TypedStatement;
 use txn::{ClaimTransaction, CommitFailed, LOST_ROW};
 
+pub use apply::{Applied, CLOCK_TOLERANCE_MS};
 pub use batch::{BATCH_MESSAGES_MAX, PgBatchOutcome, PgClaimBatch};
 pub use error::{Error, Result};
 pub use external::{
@@ -266,6 +268,7 @@ impl StoreBuilder {
                     "SELECT message_key, record FROM {records} \
                      WHERE consumer = $1 AND message_key = ANY($2::bytea[])"
                 ),
+                insert_if_new: apply::insert_if_new_sql(&records),
                 insert_many: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      SELECT $1, n.message_key, n.record, n.expires_at_ms \
@@ -335,6 +338,7 @@ impl StoreBuilder {
                 statements: Arc::new(prepared::StatementCache::new(self.prepared_statements)),
                 batch_statements: Arc::new(prepared::StatementCache::new(false)),
                 clock: self.clock,
+                clock_offset: apply::ClockOffset::unknown(),
             }),
         })
     }
@@ -347,6 +351,8 @@ pub(crate) struct Inner {
     pub(crate) update: String,
     /// The rows of many keys of one consumer (a batch's read).
     pub(crate) read_many: String,
+    /// Inserts a new key's completed record unless the key has a row ([`PgConsumer::apply`]).
+    pub(crate) insert_if_new: String,
     /// Inserts many rows of one consumer (a batch's commit where every key was new).
     pub(crate) insert_many: String,
     /// Inserts and updates many rows of one consumer (a batch's commit).
@@ -380,6 +386,8 @@ pub(crate) struct Inner {
     /// made the harness's 64-message batches slower: 10k against 17k messages/s.)
     pub(crate) batch_statements: Arc<prepared::StatementCache>,
     clock: Option<Arc<dyn Clock>>,
+    /// The database's clock against this process's, as the last claim saw them.
+    clock_offset: apply::ClockOffset,
 }
 
 /// The records tables of one database, opened. Cheap to clone; holds no connection: every call
@@ -553,6 +561,7 @@ impl PgConsumer {
         let record = next_rows();
         let current_version = next_rows();
         let db_now_ms: i64 = lock.get(1);
+        inner.clock_offset.learn(db_now_ms);
         let now_ms = self.store.now_ms(db_now_ms);
         let settled = |outcome: Outcome<std::convert::Infallible>| {
             (now_ms, outcome.map_fresh(|never| match never {}))

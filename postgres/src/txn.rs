@@ -62,6 +62,17 @@ pub type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
 /// Each statement's rows, or its error.
 pub(crate) type Answers = Vec<std::result::Result<Vec<Row>, tokio_postgres::Error>>;
 
+/// The answers of [`ClaimTransaction::run_whole`].
+pub(crate) struct Whole {
+    /// Each store statement's rows or error, in order (one more error at the end when the
+    /// setting restored behind them failed).
+    pub(crate) store: Answers,
+    /// Each caller's statement's rows or error, in order.
+    pub(crate) staged: Answers,
+    /// The `COMMIT`'s answer: a rollback when a statement failed.
+    pub(crate) committed: std::result::Result<(), tokio_postgres::Error>,
+}
+
 /// Why [`ClaimTransaction::commit_with`] committed nothing (or may not have).
 #[derive(Debug)]
 pub(crate) enum CommitFailed {
@@ -135,6 +146,55 @@ impl<'c> ClaimTransaction<'c> {
             begun?;
             return Ok((transaction, answers));
         }
+    }
+
+    /// A whole transaction in one round trip: `BEGIN`, the store's `statements` (prepared),
+    /// the caller's `staged` statements (unnamed) and `COMMIT`, sent without waiting in
+    /// between. Returns the answers of the store's statements and of the staged ones, and the
+    /// `COMMIT`'s. A failed statement aborts the transaction, and the `COMMIT` behind it then
+    /// rolls back without an error: whoever reads the answers must look at every statement's
+    /// before trusting the `COMMIT`'s. Every request is sent at the first poll, so a future
+    /// dropped after it leaves no transaction open (the `COMMIT` or its rollback ends it).
+    ///
+    /// # Errors
+    /// The error of `BEGIN` (nothing began), or of preparing a statement (nothing was sent).
+    pub(crate) async fn run_whole(
+        client: &mut Client,
+        cache: &Arc<StatementCache>,
+        statements: &[Statement<'_>],
+        staged: &[Statement<'_>],
+    ) -> Result<Whole> {
+        let (begin, guarded): (&str, Vec<Statement<'_>>) = if cache.enabled() {
+            let restored = statements.iter().copied().chain([(SESSION_SCANS, &[][..])]);
+            (BEGIN_INDEXES_ONLY, restored.collect())
+        } else {
+            (BEGIN, statements.to_vec())
+        };
+        let prepared = cache.prepare(client, &types_of(&guarded)).await?;
+        let shared: &Client = client;
+        let queries = guarded
+            .iter()
+            .zip(prepared)
+            .chain(staged.iter().map(|statement| (statement, None)))
+            .map(|(statement, prepared)| run(shared, prepared, *statement));
+        let ((begun, mut answers), committed) = join(
+            join(shared.batch_execute(begin), in_order(queries)),
+            shared.batch_execute("COMMIT"),
+        )
+        .await;
+        begun?;
+        let staged_answers = answers.split_off(guarded.len());
+        // The store's statements' answers only (not the setting restored behind them).
+        let restore = answers.split_off(statements.len());
+        if let Some(Err(error)) = restore.into_iter().next() {
+            // Only a lost connection makes a `set_config` fail: report it as the store's.
+            answers.push(Err(error));
+        }
+        Ok(Whole {
+            store: answers,
+            staged: staged_answers,
+            committed,
+        })
     }
 
     /// The connection, for the statements of the transaction.

@@ -186,6 +186,9 @@ fn main() {
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     scenario!(log_events_carry_the_embedded_names_and_fields);
     scenario!(kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_planned);
+    scenario!(apply_runs_a_messages_sql_once_in_one_round_trip_when_it_is_new);
+    scenario!(apply_takes_an_expired_key_again_and_keeps_the_admission_floor);
+    scenario!(connections_racing_to_apply_the_same_keys_have_one_winner_each);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -5137,5 +5140,315 @@ async fn a_keys_lock_and_an_entitys_lock_of_the_same_bits_do_not_meet(
     );
     key_tx.rollback().await?;
     entity_tx.rollback().await?;
+    Ok(())
+}
+
+/// `apply` with the scenario's `orders` insert of `id`.
+async fn apply_order(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    schema: &str,
+    id: &str,
+    body: &str,
+) -> Result<Outcome<idemdb_postgres::Applied>, Error> {
+    let insert = format!("INSERT INTO {schema}.orders (id, body) VALUES ($1, $2)");
+    let message = Message::new(id, Fingerprint::of(body.as_bytes()));
+    consumer
+        .apply(
+            client,
+            &message,
+            format!("applied {body}"),
+            &[(&insert, &[(&id, Type::TEXT), (&body, Type::TEXT)])],
+        )
+        .await
+}
+
+async fn order_rows(client: &Client, schema: &str, id: &str) -> Result<i64, Failure> {
+    Ok(client
+        .query_one(
+            &format!("SELECT count(*) FROM {schema}.orders WHERE id = $1"),
+            &[&id],
+        )
+        .await?
+        .get(0))
+}
+
+async fn apply_runs_a_messages_sql_once_in_one_round_trip_when_it_is_new(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_apply").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let billing = store.consumer("billing")?;
+    let fresh = |outcome: &Outcome<idemdb_postgres::Applied>| match outcome {
+        Outcome::Fresh(applied) => Some((applied.epoch, applied.one_round_trip)),
+        _ => None,
+    };
+    // The store's first call has not seen the database's clock: the long way, which learns it.
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-1", "one").await?;
+    ensure!(
+        fresh(&outcome) == Some((1, false)),
+        "first call: {outcome:?}"
+    );
+    // A new key: one round trip, committed with its record.
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-2", "two").await?;
+    ensure!(fresh(&outcome) == Some((1, true)), "new key: {outcome:?}");
+    match billing
+        .begin(&mut client, "o-2", Fingerprint::of(b"two"))
+        .await?
+    {
+        Outcome::Duplicate { result, epoch, .. } => ensure!(
+            result.as_ref() == b"applied two" && epoch == 1,
+            "{result:?} {epoch}"
+        ),
+        other => return Err(format!("begin after apply: {other:?}").into()),
+    }
+    // A redelivery and a reuse run nothing: the first try's rows roll back with its refused
+    // record.
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-2", "two").await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"applied two"),
+        "redelivery: {outcome:?}"
+    );
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-2", "two, changed").await?;
+    ensure!(
+        matches!(outcome, Outcome::Conflict { .. }),
+        "reuse: {outcome:?}"
+    );
+    for id in ["o-1", "o-2"] {
+        let rows = order_rows(&client, "t_apply", id).await?;
+        ensure!(rows == 1, "{id}: {rows} order rows");
+    }
+    // A key held by a claim elsewhere is in progress, and nothing runs; free again, it is new.
+    let mut other = connect(url).await?;
+    let held = billing
+        .begin(&mut other, "o-3", Fingerprint::of(b"three"))
+        .await?;
+    ensure!(matches!(held, Outcome::Fresh(_)), "the holder: {held:?}");
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-3", "three").await?;
+    ensure!(
+        matches!(outcome, Outcome::InProgress { .. }),
+        "held: {outcome:?}"
+    );
+    ensure!(
+        order_rows(&client, "t_apply", "o-3").await? == 0,
+        "a held key's statements ran"
+    );
+    drop(held);
+    other.batch_execute("SELECT 1").await?;
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-3", "three").await?;
+    ensure!(fresh(&outcome) == Some((1, true)), "freed: {outcome:?}");
+    // A failing statement: an error, nothing written, the key still new.
+    let outcome = apply_order(&billing, &mut client, "t_apply", "o-1", "one, again").await?;
+    ensure!(
+        matches!(outcome, Outcome::Conflict { .. }),
+        "a reused id's key: {outcome:?}"
+    );
+    let clash = {
+        let message = Message::new("o-4", Fingerprint::of(b"four"));
+        let (id, body) = ("o-1", "clash");
+        billing
+            .apply(
+                &mut client,
+                &message,
+                b"x",
+                &[(
+                    "INSERT INTO t_apply.orders (id, body) VALUES ($1, $2)",
+                    &[(&id, Type::TEXT), (&body, Type::TEXT)],
+                )],
+            )
+            .await
+    };
+    ensure!(
+        matches!(&clash, Err(Error::Postgres(error)) if error.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)),
+        "a failing statement: {clash:?}"
+    );
+    ensure!(
+        billing.get(&client, "o-4").await?.is_none(),
+        "a failed apply left a record"
+    );
+    // Bad input is a typed error before anything is sent.
+    let long_key = "k".repeat(5000);
+    let too_long = apply_order(&billing, &mut client, "t_apply", &long_key, "x").await;
+    ensure!(
+        matches!(
+            too_long,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "{too_long:?}"
+    );
+    let too_big = billing
+        .apply(
+            &mut client,
+            &Message::new("o-5", Fingerprint::of(b"five")),
+            vec![0u8; idemdb::RESULT_BYTES_MAX + 1],
+            &[],
+        )
+        .await;
+    ensure!(
+        matches!(
+            too_big,
+            Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+        ),
+        "{too_big:?}"
+    );
+    // A message with an entity's version takes the long way, with the ordering guard.
+    let newer = Message::new("v-2", Fingerprint::of(b"v2")).version("account", 2);
+    let outcome = billing.apply(&mut client, &newer, b"v2", &[]).await?;
+    ensure!(
+        fresh(&outcome) == Some((1, false)),
+        "versioned: {outcome:?}"
+    );
+    let older = Message::new("v-1", Fingerprint::of(b"v1")).version("account", 1);
+    let outcome = billing.apply(&mut client, &older, b"v1", &[]).await?;
+    ensure!(
+        matches!(outcome, Outcome::Stale { .. }),
+        "older version: {outcome:?}"
+    );
+    Ok(())
+}
+
+async fn apply_takes_an_expired_key_again_and_keeps_the_admission_floor(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_apply_clock").await?;
+    let now_ms = 10 * 3_600_000;
+    let clock = MockClock::new(now_ms);
+    let store = mock_store(&client, names, &clock, true).await?;
+    let consumer = store.consumer("c")?;
+    // On an injected clock the store's time needs no reading of the database's.
+    let outcome = apply_order(&consumer, &mut client, "t_apply_clock", "e", "old").await?;
+    ensure!(
+        matches!(outcome, Outcome::Fresh(applied) if applied.epoch == 1 && applied.one_round_trip),
+        "new: {outcome:?}"
+    );
+    // At its expiry millisecond the record is gone: the key's row makes the one-round-trip
+    // insert refuse, and the long way takes the key at the next epoch.
+    clock.advance(Duration::from_secs(3600));
+    client
+        .batch_execute("DELETE FROM t_apply_clock.orders")
+        .await?;
+    let outcome = apply_order(&consumer, &mut client, "t_apply_clock", "e", "new").await?;
+    ensure!(
+        matches!(outcome, Outcome::Fresh(applied) if applied.epoch == 2 && !applied.one_round_trip),
+        "expired: {outcome:?}"
+    );
+    match consumer.get(&client, "e").await? {
+        Some(record) => ensure!(
+            record.result().map(|r| r.as_ref()) == Some(&b"applied new"[..]),
+            "{record:?}"
+        ),
+        None => return Err("no record after the second apply".into()),
+    }
+    // The admission floor: too late on either path; a message just inside it is claimed.
+    let later_ms = now_ms + 3_600_000;
+    let horizon_ms = later_ms - 3_600_000;
+    let late = Message::new("late", Fingerprint::of(b"l")).produced_at_ms(horizon_ms);
+    let outcome = consumer.apply(&mut client, &late, b"x", &[]).await?;
+    ensure!(
+        matches!(outcome, Outcome::TooLate { .. }),
+        "late: {outcome:?}"
+    );
+    let inside = Message::new("inside", Fingerprint::of(b"i")).produced_at_ms(horizon_ms + 1);
+    let outcome = consumer.apply(&mut client, &inside, b"x", &[]).await?;
+    ensure!(
+        matches!(outcome, Outcome::Fresh(applied) if !applied.one_round_trip),
+        "just inside the floor: {outcome:?}"
+    );
+    let recent = Message::new("recent", Fingerprint::of(b"r")).produced_at_ms(later_ms);
+    let outcome = consumer.apply(&mut client, &recent, b"x", &[]).await?;
+    ensure!(
+        matches!(outcome, Outcome::Fresh(applied) if applied.one_round_trip),
+        "recent: {outcome:?}"
+    );
+    Ok(())
+}
+
+async fn connections_racing_to_apply_the_same_keys_have_one_winner_each(
+    url: &str,
+) -> Result<(), Failure> {
+    const CONNECTIONS: usize = 8;
+    const KEYS: usize = 300;
+    const ROUNDS: usize = 3;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_apply_race").await?;
+    // Effects without a key of their own: a second run of a message's statements is a second
+    // row, not an error.
+    client
+        .batch_execute("CREATE TABLE t_apply_race.effects (id text NOT NULL)")
+        .await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let wins = Arc::new(std::sync::Mutex::new(HashMap::<usize, usize>::new()));
+    let mut workers = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let (url, consumer, wins) = (url.to_owned(), consumer.clone(), wins.clone());
+        workers.push(tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            let (mut one_trip, mut in_progress) = (0usize, 0usize);
+            for _ in 0..ROUNDS {
+                for key in 0..KEYS {
+                    let name = format!("k-{key}");
+                    let message = Message::new(&name, Fingerprint::of(name.as_bytes()));
+                    let id: &str = &name;
+                    let outcome = consumer
+                        .apply(
+                            &mut client,
+                            &message,
+                            b"ok",
+                            &[(
+                                "INSERT INTO t_apply_race.effects (id) VALUES ($1)",
+                                &[(&id, Type::TEXT)],
+                            )],
+                        )
+                        .await?;
+                    match outcome {
+                        Outcome::Fresh(applied) => {
+                            one_trip += usize::from(applied.one_round_trip);
+                            *wins.lock().expect("wins").entry(key).or_default() += 1;
+                        }
+                        Outcome::InProgress { .. } => in_progress += 1,
+                        Outcome::Duplicate { .. } => {}
+                        other => return Err(format!("{name}: {other:?}").into()),
+                    }
+                }
+            }
+            Ok::<(usize, usize), Failure>((one_trip, in_progress))
+        }));
+    }
+    let (mut one_trip, mut in_progress) = (0, 0);
+    for worker in workers {
+        let (trips, held) = worker.await??;
+        one_trip += trips;
+        in_progress += held;
+    }
+    let wins = wins.lock().expect("wins").clone();
+    let twice: Vec<_> = wins.iter().filter(|(_, n)| **n > 1).collect();
+    ensure!(twice.is_empty(), "keys applied more than once: {twice:?}");
+    let rows: Vec<(String, i64)> = client
+        .query(
+            "SELECT id, count(*) FROM t_apply_race.effects GROUP BY id HAVING count(*) > 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    ensure!(rows.is_empty(), "statements run more than once: {rows:?}");
+    let effects: i64 = client
+        .query_one("SELECT count(*) FROM t_apply_race.effects", &[])
+        .await?
+        .get(0);
+    ensure!(
+        effects as usize == wins.len(),
+        "{effects} effects for {} winners",
+        wins.len()
+    );
+    println!(
+        "    apply race: {CONNECTIONS} connections x {KEYS} keys x {ROUNDS} rounds: {} keys applied once ({one_trip} in one round trip), none twice, {in_progress} in-progress answers",
+        wins.len()
+    );
+    ensure!(one_trip > 0, "no apply took one round trip");
     Ok(())
 }

@@ -1,0 +1,288 @@
+//! A message's business SQL run exactly once, in one round trip when the key is new.
+//!
+//! [`PgConsumer::begin`] and [`PgClaim::commit_with`](crate::PgClaim::commit_with) cost two
+//! round trips: the claim's answer must come back before the caller knows what to run. A
+//! handler whose SQL does not depend on the answer (insert the order, add to the balance) can
+//! send everything at once: `BEGIN`, the key's lock, an insert of the completed record that
+//! refuses to write when the key has a row, the caller's SQL and `COMMIT`. When the key is new
+//! (most deliveries), that one round trip is the whole of it. When it is not (a duplicate, an
+//! expired or in-progress record, a lock held elsewhere), the insert fails, the transaction
+//! rolls back with the caller's SQL, and the message is decided and committed as
+//! [`PgConsumer::begin_message`] and `commit_with` do, in two more round trips.
+//!
+//! Why the shortcut cannot give a second winner: the lock is taken by a statement of its own,
+//! and the insert's `NOT EXISTS` reads in a later statement, with a snapshot taken after the
+//! lock was granted (READ COMMITTED), so it sees the commit of whoever held the lock before, as
+//! the claim's read does. A lock not granted fails the lock statement itself, and the
+//! transaction with it.
+//!
+//! The record's times are written before the database's clock is read, so they come from this
+//! process's clock, corrected by the offset to the database's clock seen at the last claim of
+//! the store (see [`ClockOffset`]). The insert checks the estimate against the database's clock
+//! and refuses to write if they differ by more than [`CLOCK_TOLERANCE_MS`]; the slow path then
+//! writes the database's time and learns the offset again.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Instant;
+
+use idemdb::format::encode_key;
+use idemdb::{Message, Outcome};
+use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::{Error, Result};
+use crate::observe::OutcomeKind;
+use crate::prepared::is_stale;
+use crate::txn::{ClaimTransaction, LOST_ROW, Statement, Whole};
+use crate::{PgConsumer, PgStore, check_result, completed_record, expires_column, lock_id};
+
+/// How far the record's time (this process's clock with the last offset seen) may be from the
+/// database's clock when the record is written in one round trip; further, the message takes
+/// the two-round-trip path, which writes the database's own time.
+pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
+
+/// The one-round-trip path's lock statement: fails (division by zero) unless the key's lock is
+/// granted, which aborts the transaction.
+const LOCK_OR_FAIL: &str = "SELECT 1 / pg_try_advisory_xact_lock($1)::int4";
+
+/// The insert of a new key's completed record that writes nothing, and fails, when the key has
+/// a row (of any day or state) or the record's time `$5` is off the database's clock; `$5` null
+/// skips the clock check (an injected clock decides the store's time).
+pub(crate) fn insert_if_new_sql(records: &str) -> String {
+    format!(
+        "WITH inserted AS ( \
+             INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+             SELECT $1, $2, $3, $4 \
+             WHERE NOT EXISTS ( \
+                 SELECT 1 FROM {records} WHERE consumer = $1 AND message_key = $2 \
+             ) AND ($5::int8 IS NULL OR abs( \
+                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 - $5::int8 \
+             ) <= {CLOCK_TOLERANCE_MS}) \
+             RETURNING 1 \
+         ) SELECT 1 / count(*)::int4 FROM inserted"
+    )
+}
+
+/// What [`PgConsumer::apply`] committed: the message's statements and its completed record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Applied {
+    /// The committed record's epoch (1 for a key never claimed before).
+    pub epoch: u64,
+    /// True when it took one round trip (the key was new and the clocks agreed); false when it
+    /// was decided and committed in two, as `begin_message` and `commit_with` do.
+    pub one_round_trip: bool,
+}
+
+/// The database's clock minus this process's, in milliseconds, as last seen by a claim of the
+/// store (`i64::MIN`: not seen yet).
+#[derive(Debug)]
+pub(crate) struct ClockOffset(AtomicI64);
+
+impl ClockOffset {
+    pub(crate) fn unknown() -> ClockOffset {
+        ClockOffset(AtomicI64::new(i64::MIN))
+    }
+
+    /// Keeps the offset of a reading `db_now_ms` of the database's clock, taken just now.
+    pub(crate) fn learn(&self, db_now_ms: i64) {
+        let offset = db_now_ms.saturating_sub(local_now_ms());
+        self.0.store(offset.max(i64::MIN + 1), Ordering::Relaxed);
+    }
+
+    /// This process's clock corrected by the last offset seen, if one was.
+    fn estimate_ms(&self) -> Option<u64> {
+        let offset = self.0.load(Ordering::Relaxed);
+        (offset != i64::MIN)
+            .then(|| u64::try_from(local_now_ms().saturating_add(offset)).unwrap_or(0))
+    }
+}
+
+fn local_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+impl PgStore {
+    /// Now on the store's clock before asking the database, and the time the database must
+    /// agree with (`None`: the injected clock decides, nothing to check). `None` overall until
+    /// a claim has seen the database's clock.
+    fn estimated_now_ms(&self) -> Option<(u64, Option<i64>)> {
+        match &self.inner.clock {
+            Some(clock) => Some((clock.now_ms(), None)),
+            None => {
+                let now_ms = self.inner.clock_offset.estimate_ms()?;
+                Some((now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX))))
+            }
+        }
+    }
+}
+
+impl PgConsumer {
+    /// Runs `statements` for `message` exactly once: commits them with the message's completed
+    /// record (`result` for its duplicates) if the message is fresh, and otherwise runs nothing
+    /// and returns what [`begin_message`](PgConsumer::begin_message) would have (`Duplicate`,
+    /// `InProgress`, `Conflict`, `TooLate`, `Stale`). For handlers whose SQL does not depend on
+    /// the claim's answer; the others [`begin_message`](PgConsumer::begin_message), run their
+    /// SQL, and [`commit_with`](crate::PgClaim::commit_with).
+    ///
+    /// A new key (no row at all, its lock free, no entity version) costs one round trip: the
+    /// lock, the record, the statements and `COMMIT` go out together. Any other message is
+    /// first tried that way too (the record's insert then fails and the transaction rolls back,
+    /// statements included), and is then decided and committed in two more round trips. The
+    /// first call on a store takes the longer way, to learn the database's clock.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &mut tokio_postgres::Client, orders: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// use idemdb::{Fingerprint, Message, Outcome};
+    /// use tokio_postgres::types::Type;
+    /// let (id, total): (&[u8], i64) = (b"order-7", 4200);
+    /// let message = Message::new(id, Fingerprint::of(b"order-7 4200"));
+    /// match orders
+    ///     .apply(client, &message, b"accepted", &[(
+    ///         "INSERT INTO orders (id, total) VALUES ($1, $2)",
+    ///         &[(&id, Type::BYTEA), (&total, Type::INT8)],
+    ///     )])
+    ///     .await?
+    /// {
+    ///     Outcome::Fresh(_) | Outcome::Duplicate { .. } => { /* acknowledge */ }
+    ///     _ => { /* do not acknowledge: redeliver later, or dead-letter */ }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`begin_message`](PgConsumer::begin_message) and
+    /// [`commit_with`](crate::PgClaim::commit_with): a key or result outside the limits before
+    /// anything is sent; a statement's own failure as [`Error::Postgres`] with nothing written;
+    /// a connection lost during the call leaves the outcome unknown (do not acknowledge; the
+    /// redelivery finds `Duplicate` or `Fresh`, never half of it).
+    pub async fn apply(
+        &self,
+        client: &mut Client,
+        message: &Message<'_>,
+        result: impl AsRef<[u8]>,
+        statements: &[Statement<'_>],
+    ) -> Result<Outcome<Applied>> {
+        let started = Instant::now();
+        let result = result.as_ref();
+        check_result(result)?;
+        let stored_key = encode_key(&self.id, message.key())?;
+        if let Some(entity_key) = message.entity_version().map(|(entity_key, _)| entity_key) {
+            encode_key(&self.id, entity_key)?;
+        } else if let Some(epoch) = self
+            .apply_if_new(client, message, &stored_key, result, statements, started)
+            .await?
+        {
+            return Ok(Outcome::Fresh(Applied {
+                epoch,
+                one_round_trip: true,
+            }));
+        }
+        let mut claim = None;
+        let outcome = self
+            .begin_message(client, message)
+            .await?
+            .map_fresh(|fresh| {
+                let epoch = fresh.epoch();
+                claim = Some(fresh);
+                Applied {
+                    epoch,
+                    one_round_trip: false,
+                }
+            });
+        if let Some(claim) = claim {
+            claim.commit_with(result, statements).await?;
+        }
+        Ok(outcome)
+    }
+
+    /// The one-round-trip path: the epoch committed, or `None` when the message must be
+    /// decided the long way (nothing of it was written).
+    async fn apply_if_new(
+        &self,
+        client: &mut Client,
+        message: &Message<'_>,
+        stored_key: &[u8],
+        result: &[u8],
+        statements: &[Statement<'_>],
+        started: Instant,
+    ) -> Result<Option<u64>> {
+        let store = &self.store;
+        let inner = &store.inner;
+        let Some((now_ms, db_check_ms)) = store.estimated_now_ms() else {
+            return Ok(None);
+        };
+        // A message produced near the admission floor's horizon is left to the database's own
+        // clock: within the tolerance, the estimate could admit what the database refuses.
+        if inner.admission_floor
+            && let Some(produced_at_ms) = message.production_time_ms()
+            && produced_at_ms
+                <= now_ms
+                    .saturating_sub(inner.retention_ms)
+                    .saturating_add(CLOCK_TOLERANCE_MS)
+        {
+            return Ok(None);
+        }
+        store.ensure_partitions(client, false).await?;
+        const EPOCH: u64 = 1;
+        let (record, removable_at_ms) =
+            completed_record(store, EPOCH, message.fingerprint(), now_ms, result, true);
+        let key = message.key();
+        let id: &[u8] = &self.id;
+        let encoded = record.encode();
+        let expires = expires_column(removable_at_ms);
+        let lock_number = lock_id(&inner.lock_namespace, stored_key);
+        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
+        let insert_params: [(&(dyn ToSql + Sync), Type); 5] = [
+            (&id, Type::BYTEA),
+            (&key, Type::BYTEA),
+            (&encoded, Type::BYTEA),
+            (&expires, Type::INT8),
+            (&db_check_ms, Type::INT8),
+        ];
+        let store_statements: [Statement<'_>; 2] = [
+            (LOCK_OR_FAIL, &lock_params),
+            (&inner.insert_if_new, &insert_params),
+        ];
+        let Whole {
+            store: answers,
+            staged,
+            committed,
+        } = ClaimTransaction::run_whole(client, &inner.statements, &store_statements, statements)
+            .await?;
+        for (index, answer) in answers.into_iter().enumerate() {
+            let Err(error) = answer else { continue };
+            if is_stale(&error) {
+                // A statement kept for a gone connection: prepared anew by the long way.
+                inner.statements.forget(client);
+                return Ok(None);
+            }
+            if error.code() == Some(LOST_ROW) {
+                // The lock is held elsewhere, or the key has a row, or the clocks disagree.
+                return Ok(None);
+            }
+            return Err(if index == 0 {
+                Error::Postgres(error)
+            } else {
+                store.write_failed(error, key)
+            });
+        }
+        if let Some(Err(error)) = staged.into_iter().find(std::result::Result::is_err) {
+            return Err(Error::Postgres(error));
+        }
+        committed.map_err(|error| store.write_failed(error, key))?;
+        let metrics = &self.metrics;
+        let correlation = message.correlation();
+        metrics.outcome(OutcomeKind::Fresh, started.elapsed(), None);
+        metrics.log_begin(key, OutcomeKind::Fresh, correlation);
+        metrics.commit(started.elapsed());
+        metrics.log_step("commit", stored_key, EPOCH, None, correlation);
+        Ok(Some(EPOCH))
+    }
+}
