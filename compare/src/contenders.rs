@@ -34,6 +34,9 @@ pub enum Kind {
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit.
     IdemdbPostgres,
+    /// The same deliveries through `PgConsumer::apply`: the business row sent with the claim,
+    /// one round trip for a new key.
+    IdemdbPostgresApply,
     /// 4 KiB write + fdatasync of a preallocated file: the disk's own durable-write latency.
     Fdatasync,
 }
@@ -65,7 +68,10 @@ impl Spec {
     pub fn needs_postgres(&self) -> bool {
         matches!(
             self.kind,
-            Kind::Postgres { .. } | Kind::PostgresWithRow | Kind::IdemdbPostgres
+            Kind::Postgres { .. }
+                | Kind::PostgresWithRow
+                | Kind::IdemdbPostgres
+                | Kind::IdemdbPostgresApply
         )
     }
 }
@@ -252,6 +258,11 @@ pub fn all() -> Vec<Spec> {
     for threads in POSTGRES_BACKEND_CLIENTS {
         specs.push(sweep("idemdb-postgres", Kind::IdemdbPostgres, threads));
         specs.push(sweep(
+            "idemdb-postgres apply",
+            Kind::IdemdbPostgresApply,
+            threads,
+        ));
+        specs.push(sweep(
             "postgres sync on + business row",
             Kind::PostgresWithRow,
             threads,
@@ -281,7 +292,11 @@ pub const POSTGRES_BACKEND_CLIENTS: [usize; 3] = [1, 8, 32];
 pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
     let unit = if matches!(
         kind,
-        Kind::Redis { .. } | Kind::Postgres { .. } | Kind::PostgresWithRow | Kind::IdemdbPostgres
+        Kind::Redis { .. }
+            | Kind::Postgres { .. }
+            | Kind::PostgresWithRow
+            | Kind::IdemdbPostgres
+            | Kind::IdemdbPostgresApply
     ) {
         "clients"
     } else {
@@ -420,12 +435,14 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 )?))
             })
         }
-        Kind::IdemdbPostgres => {
+        Kind::IdemdbPostgres | Kind::IdemdbPostgresApply => {
             crate::pg_backend::reset(ports.postgres)?;
+            let apply = spec.kind == Kind::IdemdbPostgresApply;
             Prepared::connected(threads, || {
                 Ok(Box::new(crate::pg_backend::IdemdbPgSession::connect(
                     ports.postgres,
                     true,
+                    apply,
                 )?))
             })
         }

@@ -1,6 +1,7 @@
 //! idemdb's PostgreSQL backend (`idemdb-postgres`) as a contender: each delivery is a claim
 //! whose transaction also writes the business row, sent with the commit of the completed
-//! record (`commit_with`: two round trips in all).
+//! record (`commit_with`: two round trips in all), or sent with the claim (`apply`: one round
+//! trip for a new key).
 //! Its peer is the raw `INSERT ... ON CONFLICT DO NOTHING` of [`crate::peers::PostgresSession`],
 //! on the same server with the same `synchronous_commit`, which writes the dedup row only.
 //!
@@ -8,7 +9,7 @@
 //! as the synchronous `postgres` client of the raw peer does internally.
 
 use anyhow::{Context, Result};
-use idemdb::{Fingerprint, Outcome};
+use idemdb::{Fingerprint, Message, Outcome};
 use idemdb_postgres::{Names, PgBatchOutcome, PgConsumer, PgStore, install};
 use tokio::runtime::Runtime;
 use tokio_postgres::types::{ToSql, Type};
@@ -69,10 +70,12 @@ pub struct IdemdbPgSession {
     runtime: Runtime,
     client: Client,
     consumer: PgConsumer,
+    /// Single deliveries go through `PgConsumer::apply` instead of `begin` + `commit_with`.
+    apply: bool,
 }
 
 impl IdemdbPgSession {
-    pub fn connect(port: u16, synchronous_commit: bool) -> Result<IdemdbPgSession> {
+    pub fn connect(port: u16, synchronous_commit: bool, apply: bool) -> Result<IdemdbPgSession> {
         let runtime = runtime()?;
         let (client, consumer) = runtime.block_on(async {
             let client = connect(port, synchronous_commit).await?;
@@ -84,6 +87,7 @@ impl IdemdbPgSession {
             runtime,
             client,
             consumer,
+            apply,
         })
     }
 }
@@ -96,8 +100,27 @@ impl Session for IdemdbPgSession {
             runtime,
             client,
             consumer,
+            apply,
         } = self;
         runtime.block_on(async {
+            if let [delivery] = deliveries
+                && *apply
+            {
+                let value = delivery.value();
+                let params: [(&(dyn ToSql + Sync), Type); 2] = [
+                    (&&delivery.key[..], Type::BYTEA),
+                    (&&value[..], Type::BYTEA),
+                ];
+                let message = Message::new(&delivery.key[..], Fingerprint::of(&value));
+                match consumer
+                    .apply(client, &message, b"", &[(INSERT_ORDER, &params)])
+                    .await?
+                {
+                    Outcome::Fresh(_) | Outcome::Duplicate { .. } => {}
+                    other => anyhow::bail!("unexpected outcome {other:?}"),
+                }
+                return Ok(());
+            }
             if let [delivery] = deliveries {
                 let value = delivery.value();
                 let fingerprint = Fingerprint::of(&value);

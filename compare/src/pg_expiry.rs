@@ -168,7 +168,7 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
     let clients: Vec<_> = (0..args.clients)
         .map(|thread| {
             let stop = stop.clone();
-            let mut session = IdemdbPgSession::connect(port, true)?;
+            let mut session = IdemdbPgSession::connect(port, true, false)?;
             Ok(std::thread::spawn(move || -> Result<Vec<Call>> {
                 let mut generator = Generator::new(thread, 0x5eed, 0.1);
                 let mut calls = Vec::with_capacity(1 << 16);

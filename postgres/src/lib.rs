@@ -20,7 +20,8 @@
 //! **Two round trips.** `BEGIN`, the lock and the read go out together, and so do the record's
 //! write and `COMMIT`: a claim and its commit cost two round trips besides the caller's SQL.
 //! The commit's time is the database's clock read by the claim's lock statement, advanced by
-//! this process's monotonic clock since.
+//! this process's monotonic clock since. A handler whose SQL does not depend on the answer
+//! sends it with the claim instead: [`PgConsumer::apply`] costs one round trip for a new key.
 //!
 //! **Batches.** [`PgConsumer::begin_batch`] claims a broker batch in one transaction: one
 //! statement takes every key's lock, one reads every key's row, sent together; each message
