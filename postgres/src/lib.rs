@@ -139,7 +139,9 @@ pub use error::{Error, Result};
 pub use external::{
     LEASE_STEP_LOCK_WAIT, PgCompletion, PgExternalClaim, PgInProgress, PgResolution,
 };
-pub use schema::{DAY_MS, Names, SCHEMA_VERSION, install};
+pub use schema::{
+    DAY_MS, InstallOptions, Names, PARTITION_DAYS_MAX, SCHEMA_VERSION, install, install_with,
+};
 pub use ticket::PgLeaseTicket;
 pub use transfer::{CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts};
 
@@ -244,7 +246,7 @@ impl StoreBuilder {
                 max: RETENTION_MS_MAX,
             }));
         }
-        schema::check(client, &self.names).await?;
+        let partition_days = schema::check(client, &self.names).await?;
         let records = self.names.records();
         let entity = self.names.entity_versions();
         Ok(PgStore {
@@ -340,6 +342,7 @@ impl StoreBuilder {
                 batch_statements: Arc::new(prepared::StatementCache::new(false)),
                 clock: self.clock,
                 clock_offset: apply::ClockOffset::unknown(),
+                partition_days,
             }),
         })
     }
@@ -389,6 +392,8 @@ pub(crate) struct Inner {
     clock: Option<Arc<dyn Clock>>,
     /// The database's clock against this process's, as the last claim saw them.
     clock_offset: apply::ClockOffset,
+    /// The width of the records' partitions, in days, as installed.
+    partition_days: u32,
 }
 
 /// The records tables of one database, opened. Cheap to clone; holds no connection: every call
@@ -872,8 +877,9 @@ impl PgStore {
         let now_ms = i64::try_from(now_on_store_clock(&*client, self).await?).unwrap_or(i64::MAX);
         let mut dropped = Vec::new();
         for partition in schema::day_partitions(client, &self.inner.names).await? {
-            // Every row of day d is removable from (d + 1) days on.
-            if (partition.day + 1).saturating_mul(DAY_MS) <= now_ms {
+            // Every row of the partition's last day is removable once that day has passed.
+            let days = i64::from(self.inner.partition_days);
+            if partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms {
                 schema::drop_partition(client, &self.inner.names, &partition).await?;
                 dropped.push(partition.name);
             }
@@ -904,7 +910,14 @@ impl PgStore {
         if !always && known.load(Ordering::Acquire) >= last_day {
             return Ok(known.load(Ordering::Acquire));
         }
-        schema::ensure_partitions(client, &self.inner.names, first_day, last_day).await?;
+        schema::ensure_partitions(
+            client,
+            &self.inner.names,
+            first_day,
+            last_day,
+            self.inner.partition_days,
+        )
+        .await?;
         known.fetch_max(last_day, Ordering::AcqRel);
         Ok(last_day)
     }

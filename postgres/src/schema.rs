@@ -7,9 +7,43 @@ use crate::error::{Error, Result};
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 3 adds the ordering guard's table of entity versions (`<table>_entity`); version 2
-/// partitioned the records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 3;
+/// Version 4 records the width of the records' partitions (`partition_days` in the version
+/// table; 1 for tables made before); version 3 adds the ordering guard's table of entity
+/// versions (`<table>_entity`); version 2 partitioned the records by the day they become
+/// removable; version 1 was one plain table.
+pub const SCHEMA_VERSION: i32 = 4;
+
+/// The widest partition of removable records, in days ([`InstallOptions::partition_days`]).
+pub const PARTITION_DAYS_MAX: u32 = 60;
+
+/// How [`install_with`] creates the tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InstallOptions {
+    partition_days: Option<u32>,
+}
+
+impl Default for InstallOptions {
+    /// Partitions of one day for a new table; an existing table keeps its width.
+    fn default() -> InstallOptions {
+        InstallOptions {
+            partition_days: None,
+        }
+    }
+}
+
+impl InstallOptions {
+    /// Records become removable by partitions of `days` days (1 to [`PARTITION_DAYS_MAX`]),
+    /// aligned on multiples of `days` since 1970-01-01: every read of a key looks into each
+    /// partition that can hold a live record, about `retention / days + 2` of them, so wider
+    /// partitions make reads cheaper; a partition is dropped once its last day has passed, so
+    /// expired records take space for up to `days` days longer. Fixed when the table is
+    /// created: an install that asks an existing table for another width is refused.
+    #[must_use]
+    pub fn partition_days(mut self, days: u32) -> InstallOptions {
+        self.partition_days = Some(days);
+        self
+    }
+}
 
 /// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the longest suffix added to the
 /// table's name (`_version`; a day's partition adds `_d` and at most 6 digits, `_entity` 7,
@@ -101,6 +135,36 @@ impl Names {
 /// [`Error::SchemaTooNew`] if the tables are at a newer version (written by a newer release:
 /// upgrade this one); [`Error::Postgres`] if a statement fails (no privilege to create, say).
 pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
+    install_with(client, names, InstallOptions::default()).await
+}
+
+/// [`install`] with options: a new records table gets partitions of
+/// [`InstallOptions::partition_days`] days.
+///
+/// ```no_run
+/// # async fn example(client: &mut tokio_postgres::Client) -> Result<(), idemdb_postgres::Error> {
+/// use idemdb_postgres::{InstallOptions, Names, install_with};
+/// // Seven days' retention: a read looks into about 3 weekly partitions instead of 9 daily ones.
+/// install_with(client, &Names::default(), InstallOptions::default().partition_days(7)).await
+/// # }
+/// ```
+///
+/// # Errors
+/// As [`install`]; [`Error::PartitionDays`] for a width outside 1 to [`PARTITION_DAYS_MAX`]
+/// days, or another width than the existing table's.
+pub async fn install_with(
+    client: &mut Client,
+    names: &Names,
+    options: InstallOptions,
+) -> Result<()> {
+    if let Some(days) = options.partition_days
+        && !(1..=PARTITION_DAYS_MAX).contains(&days)
+    {
+        return Err(Error::PartitionDays {
+            requested: days,
+            installed: None,
+        });
+    }
     let tx = client.transaction().await?;
     // One installer at a time: creating the same schema concurrently can fail on the catalog's
     // unique indexes.
@@ -131,10 +195,16 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
         Some(1) => {
             migrate_from_1(&tx, names).await?;
             create_entity_versions(&tx, names).await?;
+            add_partition_days(&tx, names).await?;
             set_version(&tx, names).await?;
         }
         Some(2) => {
             create_entity_versions(&tx, names).await?;
+            add_partition_days(&tx, names).await?;
+            set_version(&tx, names).await?;
+        }
+        Some(3) => {
+            add_partition_days(&tx, names).await?;
             set_version(&tx, names).await?;
         }
         Some(other) => {
@@ -146,18 +216,58 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
         None => {
             create_records(&tx, names).await?;
             create_entity_versions(&tx, names).await?;
+            add_partition_days(&tx, names).await?;
+            let days = i32::try_from(options.partition_days.unwrap_or(1)).unwrap_or(1);
             tx.execute(
                 &format!(
-                    "INSERT INTO {} (version) VALUES ({SCHEMA_VERSION})",
+                    "INSERT INTO {} (version, partition_days) VALUES ({SCHEMA_VERSION}, $1)",
                     names.version()
                 ),
-                &[],
+                &[&days],
             )
             .await?;
         }
     }
+    if let Some(requested) = options.partition_days {
+        let installed = partition_days(&tx, names).await?;
+        if installed != requested {
+            return Err(Error::PartitionDays {
+                requested,
+                installed: Some(installed),
+            });
+        }
+    }
     tx.commit().await?;
     Ok(())
+}
+
+/// Version 4: the width of the records' partitions, in days; tables made before have daily
+/// partitions.
+async fn add_partition_days(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.batch_execute(&format!(
+        "ALTER TABLE {} ADD COLUMN partition_days integer NOT NULL DEFAULT 1 \
+             CHECK (partition_days BETWEEN 1 AND {PARTITION_DAYS_MAX})",
+        names.version()
+    ))
+    .await?;
+    Ok(())
+}
+
+/// The width of the records' partitions, in days (version 4 on).
+async fn partition_days(client: &impl GenericClient, names: &Names) -> Result<u32> {
+    let days: i32 = client
+        .query_one(
+            &format!("SELECT partition_days FROM {}", names.version()),
+            &[],
+        )
+        .await?
+        .get(0);
+    Ok(u32::try_from(days).unwrap_or(1))
+}
+
+/// The first day of the partition that holds the rows removable during `day`.
+pub(crate) fn partition_first_day(day: i64, partition_days: u32) -> i64 {
+    day - day.rem_euclid(i64::from(partition_days.max(1)))
 }
 
 /// Creates the records table at [`SCHEMA_VERSION`], without its day partitions.
@@ -247,7 +357,8 @@ async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
         )
         .await?;
     for row in days {
-        create_day_partition(tx, names, row.get(0)).await?;
+        // Version 1 knew no width: its rows move into daily partitions.
+        create_day_partition(tx, names, row.get(0), 1).await?;
     }
     tx.execute(
         &format!(
@@ -262,10 +373,17 @@ async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
     Ok(())
 }
 
-/// Creates the partition of `day` unless it exists: made apart and then attached, which takes
-/// a lock on the records table that claims do not wait for (SHARE UPDATE EXCLUSIVE), where
+/// Creates the partition that holds `day` unless it exists: the `partition_days` days from
+/// its first, named after that day. Made apart and then attached, which takes a lock on the
+/// records table that claims do not wait for (SHARE UPDATE EXCLUSIVE), where
 /// `CREATE TABLE ... PARTITION OF` would take one that stops them (ACCESS EXCLUSIVE).
-async fn create_day_partition(client: &impl GenericClient, names: &Names, day: i64) -> Result<()> {
+async fn create_day_partition(
+    client: &impl GenericClient,
+    names: &Names,
+    day: i64,
+    partition_days: u32,
+) -> Result<()> {
+    let day = partition_first_day(day, partition_days);
     let partition = names.day_partition(day);
     let exists: bool = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&partition])
@@ -274,7 +392,7 @@ async fn create_day_partition(client: &impl GenericClient, names: &Names, day: i
     if exists {
         return Ok(());
     }
-    let (from, to) = (day * DAY_MS, (day + 1) * DAY_MS);
+    let (from, to) = (day * DAY_MS, (day + i64::from(partition_days)) * DAY_MS);
     client
         .batch_execute(&format!(
             "CREATE TABLE {partition} (LIKE {records} INCLUDING ALL);
@@ -292,12 +410,14 @@ pub(crate) async fn ensure_partitions(
     names: &Names,
     first_day: i64,
     last_day: i64,
+    partition_days: u32,
 ) -> Result<()> {
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
         .await?;
-    for day in first_day..=last_day {
-        create_day_partition(&tx, names, day).await?;
+    let step = usize::try_from(partition_days.max(1)).unwrap_or(1);
+    for day in (partition_first_day(first_day, partition_days)..=last_day).step_by(step) {
+        create_day_partition(&tx, names, day, partition_days).await?;
     }
     tx.commit().await?;
     Ok(())
@@ -309,12 +429,19 @@ pub(crate) async fn ensure_day_partitions(
     client: &mut Client,
     names: &Names,
     days: impl IntoIterator<Item = i64>,
+    partition_days: u32,
 ) -> Result<()> {
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
         .await?;
-    for day in days {
-        create_day_partition(&tx, names, day).await?;
+    let mut firsts: Vec<i64> = days
+        .into_iter()
+        .map(|day| partition_first_day(day, partition_days))
+        .collect();
+    firsts.sort_unstable();
+    firsts.dedup();
+    for day in firsts {
+        create_day_partition(&tx, names, day, partition_days).await?;
     }
     tx.commit().await?;
     Ok(())
@@ -347,8 +474,9 @@ pub(crate) async fn day_partitions(client: &Client, names: &Names) -> Result<Vec
     Ok(found)
 }
 
-/// A partition of one day's removable rows.
+/// A partition of removable rows: those of the table's `partition_days` days from `day`.
 pub(crate) struct DayPartition {
+    /// Its first day.
     pub(crate) day: i64,
     /// Qualified: `schema.table_dN`.
     pub(crate) name: String,
@@ -384,13 +512,14 @@ pub(crate) async fn drop_partition(
     Ok(())
 }
 
-/// Checks that the tables exist at a version this crate reads.
+/// Checks that the tables exist at a version this crate reads, and returns the width of the
+/// records' partitions in days.
 ///
 /// # Errors
 /// [`Error::SchemaMissing`] when [`install`] was never run for `names`;
 /// [`Error::SchemaTooNew`] for a newer version; [`Error::SchemaTooOld`] for an older one
 /// (run [`install`] to migrate it).
-pub(crate) async fn check(client: &Client, names: &Names) -> Result<()> {
+pub(crate) async fn check(client: &Client, names: &Names) -> Result<u32> {
     let exists: bool = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&names.version()])
         .await?
@@ -416,7 +545,7 @@ pub(crate) async fn check(client: &Client, names: &Names) -> Result<()> {
             found: version,
             supported: SCHEMA_VERSION,
         }),
-        Some(_) => Ok(()),
+        Some(_) => partition_days(client, names).await,
     }
 }
 

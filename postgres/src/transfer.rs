@@ -127,7 +127,8 @@ impl PgStore {
             .filter(|row| row.expires_at_ms != NEVER_MS)
             .map(|row| row.expires_at_ms / DAY_MS)
             .collect();
-        schema::ensure_day_partitions(client, &self.inner.names, days).await?;
+        schema::ensure_day_partitions(client, &self.inner.names, days, self.inner.partition_days)
+            .await?;
         let records_table = self.inner.names.records();
         let existing = format!(
             "SELECT r.consumer, r.message_key FROM {records_table} AS r \

@@ -189,6 +189,7 @@ fn main() {
     scenario!(apply_runs_a_messages_sql_once_in_one_round_trip_when_it_is_new);
     scenario!(apply_takes_an_expired_key_again_and_keeps_the_admission_floor);
     scenario!(connections_racing_to_apply_the_same_keys_have_one_winner_each);
+    scenario!(partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -4060,10 +4061,11 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
             other => return Err(format!("before the migration: {other:?}").into()),
         }
     }
-    // Version 2 as the previous release left it: no versions table.
+    // Version 2 as its release left it: no versions table, no partition width.
     client
         .batch_execute(
             "DROP TABLE t_migrate2.records_entity;
+             ALTER TABLE t_migrate2.records_version DROP COLUMN partition_days;
              UPDATE t_migrate2.records_version SET version = 2;",
         )
         .await?;
@@ -4078,7 +4080,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 3,
+        version == SCHEMA_VERSION && version == 4,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;
@@ -5450,5 +5452,154 @@ async fn connections_racing_to_apply_the_same_keys_have_one_winner_each(
         wins.len()
     );
     ensure!(one_trip > 0, "no apply took one round trip");
+    Ok(())
+}
+
+async fn partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install(
+    url: &str,
+) -> Result<(), Failure> {
+    use idemdb_postgres::{InstallOptions, PARTITION_DAYS_MAX, install_with};
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    let mut client = connect(url).await?;
+    client
+        .batch_execute("DROP SCHEMA IF EXISTS t_weeks CASCADE")
+        .await?;
+    let names = Names::new("t_weeks", "records")?;
+    let weekly = InstallOptions::default().partition_days(7);
+    // Widths outside 1 to 60 days are refused before anything is created.
+    for days in [0, PARTITION_DAYS_MAX + 1] {
+        let refused = install_with(
+            &mut client,
+            &names,
+            InstallOptions::default().partition_days(days),
+        )
+        .await;
+        ensure!(
+            matches!(refused, Err(Error::PartitionDays { requested, installed: None }) if requested == days),
+            "{days} days: {refused:?}"
+        );
+    }
+    install_with(&mut client, &names, weekly).await?;
+    // The width is fixed: the same or none asked is fine, another is refused.
+    install_with(&mut client, &names, weekly).await?;
+    install(&mut client, &names).await?;
+    let other = install_with(
+        &mut client,
+        &names,
+        InstallOptions::default().partition_days(1),
+    )
+    .await;
+    ensure!(
+        matches!(
+            other,
+            Err(Error::PartitionDays {
+                requested: 1,
+                installed: Some(7)
+            })
+        ),
+        "another width: {other:?}"
+    );
+    // Day 102 at noon (its partition holds days 98 to 104: 98 is a multiple of 7); two days'
+    // retention: the first record expires on day 104.
+    let clock = MockClock::new(102 * DAY + DAY / 2);
+    let store = PgStore::builder()
+        .names(names.clone())
+        .retention(Duration::from_millis(2 * DAY))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    commit_one(&consumer, &mut client, "a", "a", "a").await?;
+    // Partitions for today through the day after the last expiry (day 105, covering a database
+    // clock ahead of this one): two weeks, named after their first days.
+    let days = day_partitions(&client, "t_weeks").await?;
+    ensure!(days == vec![98, 105], "partitions: {days:?}");
+    clock.set(104 * DAY);
+    commit_one(&consumer, &mut client, "b", "b", "b").await?;
+    ensure!(
+        count_rows(&client, "t_weeks.records_d98").await? == 1
+            && count_rows(&client, "t_weeks.records_d105").await? == 1,
+        "a record expiring on day 104 and one on day 106, each in its week"
+    );
+    // "a" expires at its millisecond (day 104, noon), long before its partition goes.
+    clock.set(104 * DAY + DAY / 2);
+    let outcome = consumer
+        .begin(&mut client, "a", Fingerprint::of(b"a"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Fresh(claim) if claim.epoch() == 2),
+        "expired: {outcome:?}"
+    );
+    drop(outcome);
+    // The partition of days 98 to 104 is dropped only once day 104 has passed.
+    clock.set(105 * DAY - 1);
+    let done = store.maintain(&mut client).await?;
+    ensure!(done.dropped.is_empty(), "dropped early: {done:?}");
+    clock.set(105 * DAY);
+    let done = store.maintain(&mut client).await?;
+    ensure!(
+        done.dropped == vec!["t_weeks.records_d98"],
+        "dropped at the end of its last day: {done:?}"
+    );
+    ensure!(
+        consumer.get(&client, "a").await?.is_none(),
+        "the dropped partition's record"
+    );
+    // "b" (expiring on day 106, in the next partition) is still a duplicate.
+    let outcome = consumer
+        .begin(&mut client, "b", Fingerprint::of(b"b"))
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "the next week's record: {outcome:?}"
+    );
+    drop(outcome);
+    // A version 3 table (daily partitions, no width recorded) is refused until install
+    // migrates it, its records kept.
+    let names = fresh_schema(&mut client, "t_weeks3").await?;
+    let store = PgStore::builder()
+        .names(names.clone())
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    commit_one(&store.consumer("c")?, &mut client, "kept", "k", "k").await?;
+    client
+        .batch_execute(
+            "ALTER TABLE t_weeks3.records_version DROP COLUMN partition_days;
+             UPDATE t_weeks3.records_version SET version = 3;",
+        )
+        .await?;
+    let refused = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(refused, Err(Error::SchemaTooOld { found: 3, .. })),
+        "version 3 before install: {refused:?}"
+    );
+    install(&mut client, &names).await?;
+    let (version, width): (i32, i32) = {
+        let row = client
+            .query_one(
+                "SELECT version, partition_days FROM t_weeks3.records_version",
+                &[],
+            )
+            .await?;
+        (row.get(0), row.get(1))
+    };
+    ensure!(
+        version == SCHEMA_VERSION && width == 1,
+        "migrated to version {version}, {width}-day partitions"
+    );
+    let store = PgStore::builder()
+        .names(names)
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let outcome = store
+        .consumer("c")?
+        .begin(&mut client, "kept", Fingerprint::of(b"k"))
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "after the migration: {outcome:?}"
+    );
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Write};
 use std::process::ExitCode;
 
-use idemdb_postgres::{Error, ExportReport, Names, PgStore, install};
+use idemdb_postgres::{Error, ExportReport, InstallOptions, Names, PgStore, install_with};
 use tokio_postgres::{Client, NoTls};
 
 const HELP: &str = "\
@@ -30,7 +30,9 @@ import   reads every line and checks it before anything is written. A key that h
          (epochs, timestamps, in-progress leases and tokens), in transactions under each key's
          lock, so a claim running meanwhile is never doubled. PostgreSQL keeps consumers'
          records only: a line of an embedded store's entity table is refused.
-install  creates the tables (as idemdb_postgres::install does), if they are missing.
+install  creates the tables (as idemdb_postgres::install does), if they are missing, or
+         migrates older ones. --partition-days N makes a new table's partitions of removable
+         records N days wide (1 to 60; default 1); fixed once the table exists.
 
 OPTIONS:
     --url URL        the connection (libpq keywords or postgresql://...; no TLS);
@@ -60,6 +62,7 @@ struct Args {
     output: Option<String>,
     input: Option<String>,
     overwrite: bool,
+    partition_days: Option<u32>,
 }
 
 fn parse_args(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
@@ -76,6 +79,7 @@ fn parse_args(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
         output: None,
         input: None,
         overwrite: false,
+        partition_days: None,
     };
     while let Some(word) = words.next() {
         let mut value = |name: &str| words.next().ok_or(format!("{name} needs a value"));
@@ -86,6 +90,13 @@ fn parse_args(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
             "--consumer" if args.command == "export" => args.consumer = Some(value("--consumer")?),
             "-o" | "--output" if args.command == "export" => args.output = Some(value("-o")?),
             "--overwrite" if args.command == "import" => args.overwrite = true,
+            "--partition-days" if args.command == "install" => {
+                let days = value("--partition-days")?;
+                args.partition_days =
+                    Some(days.parse().map_err(|_| {
+                        format!("--partition-days {days:?} is not a number of days")
+                    })?);
+            }
             other
                 if args.command == "import" && args.input.is_none() && !other.starts_with("--") =>
             {
@@ -139,6 +150,7 @@ fn main() -> ExitCode {
             let code = match error {
                 Error::Idemdb(_)
                 | Error::InvalidName { .. }
+                | Error::PartitionDays { .. }
                 | Error::ImportInput(_)
                 | Error::NotImportable { .. } => EXIT_USAGE,
                 _ => EXIT_FAILED,
@@ -156,7 +168,11 @@ async fn run(args: &Args) -> Result<u8, Error> {
     };
     let mut client = connect(url).await?;
     if args.command == "install" {
-        install(&mut client, &names).await?;
+        let mut options = InstallOptions::default();
+        if let Some(days) = args.partition_days {
+            options = options.partition_days(days);
+        }
+        install_with(&mut client, &names, options).await?;
         return Ok(0);
     }
     let store = PgStore::builder().names(names).open(&client).await?;
