@@ -32,11 +32,13 @@ pub enum Kind {
     /// hand-written deduplication with a business row costs, beside [`Kind::IdemdbPostgres`].
     PostgresWithRow,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
-    /// business row in its transaction, the commit.
-    IdemdbPostgres,
-    /// The same deliveries through `PgConsumer::apply`: the business row sent with the claim,
-    /// one round trip for a new key.
-    IdemdbPostgresApply,
+    /// business row in its transaction, the commit; or with `apply`, the deliveries through
+    /// `PgConsumer::apply` (the business row sent with the claim, one round trip for a new
+    /// key). The records table is installed with partitions of `partition_days` days.
+    IdemdbPostgres {
+        apply: bool,
+        partition_days: u32,
+    },
     /// 4 KiB write + fdatasync of a preallocated file: the disk's own durable-write latency.
     Fdatasync,
 }
@@ -68,10 +70,7 @@ impl Spec {
     pub fn needs_postgres(&self) -> bool {
         matches!(
             self.kind,
-            Kind::Postgres { .. }
-                | Kind::PostgresWithRow
-                | Kind::IdemdbPostgres
-                | Kind::IdemdbPostgresApply
+            Kind::Postgres { .. } | Kind::PostgresWithRow | Kind::IdemdbPostgres { .. }
         )
     }
 }
@@ -256,10 +255,12 @@ pub fn all() -> Vec<Spec> {
     ));
     // The PostgreSQL backend beside the raw inserts of the sweep and the 64-row batches.
     for threads in POSTGRES_BACKEND_CLIENTS {
-        specs.push(sweep("idemdb-postgres", Kind::IdemdbPostgres, threads));
+        specs.push(sweep("idemdb-postgres", PG_DAILY, threads));
+        specs.push(sweep("idemdb-postgres apply", PG_DAILY_APPLY, threads));
+        specs.push(sweep("idemdb-postgres weekly", PG_WEEKLY, threads));
         specs.push(sweep(
-            "idemdb-postgres apply",
-            Kind::IdemdbPostgresApply,
+            "idemdb-postgres weekly apply",
+            PG_WEEKLY_APPLY,
             threads,
         ));
         specs.push(sweep(
@@ -277,13 +278,40 @@ pub fn all() -> Vec<Spec> {
     ));
     specs.push(Spec::new(
         "idemdb-postgres, 8 clients, batch 64",
-        Kind::IdemdbPostgres,
+        PG_DAILY,
+        8,
+        64,
+        1,
+    ));
+    specs.push(Spec::new(
+        "idemdb-postgres weekly, 8 clients, batch 64",
+        PG_WEEKLY,
         8,
         64,
         1,
     ));
     specs
 }
+
+/// The PostgreSQL backend's contenders: daily partitions (what `install` makes) or weekly ones
+/// (`InstallOptions::partition_days(7)`, the store's default retention), each through `begin` +
+/// `commit_with` or through `apply`.
+const PG_DAILY: Kind = Kind::IdemdbPostgres {
+    apply: false,
+    partition_days: 1,
+};
+const PG_DAILY_APPLY: Kind = Kind::IdemdbPostgres {
+    apply: true,
+    partition_days: 1,
+};
+const PG_WEEKLY: Kind = Kind::IdemdbPostgres {
+    apply: false,
+    partition_days: 7,
+};
+const PG_WEEKLY_APPLY: Kind = Kind::IdemdbPostgres {
+    apply: true,
+    partition_days: 7,
+};
 
 /// Client counts of the PostgreSQL backend's runs (each against the raw insert's).
 pub const POSTGRES_BACKEND_CLIENTS: [usize; 3] = [1, 8, 32];
@@ -295,8 +323,7 @@ pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
         Kind::Redis { .. }
             | Kind::Postgres { .. }
             | Kind::PostgresWithRow
-            | Kind::IdemdbPostgres
-            | Kind::IdemdbPostgresApply
+            | Kind::IdemdbPostgres { .. }
     ) {
         "clients"
     } else {
@@ -435,9 +462,11 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 )?))
             })
         }
-        Kind::IdemdbPostgres | Kind::IdemdbPostgresApply => {
-            crate::pg_backend::reset(ports.postgres)?;
-            let apply = spec.kind == Kind::IdemdbPostgresApply;
+        Kind::IdemdbPostgres {
+            apply,
+            partition_days,
+        } => {
+            crate::pg_backend::reset(ports.postgres, partition_days)?;
             Prepared::connected(threads, || {
                 Ok(Box::new(crate::pg_backend::IdemdbPgSession::connect(
                     ports.postgres,

@@ -10,7 +10,7 @@
 
 use anyhow::{Context, Result};
 use idemdb::{Fingerprint, Message, Outcome};
-use idemdb_postgres::{Names, PgBatchOutcome, PgConsumer, PgStore, install};
+use idemdb_postgres::{InstallOptions, Names, PgBatchOutcome, PgConsumer, PgStore, install_with};
 use tokio::runtime::Runtime;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, NoTls};
@@ -51,7 +51,7 @@ pub fn names() -> Result<Names> {
 }
 
 /// Drops and re-creates the backend's tables and the business table: every run starts empty.
-pub fn reset(port: u16) -> Result<()> {
+pub fn reset(port: u16, partition_days: u32) -> Result<()> {
     runtime()?.block_on(async {
         let mut client = connect(port, true).await?;
         client
@@ -60,7 +60,8 @@ pub fn reset(port: u16) -> Result<()> {
                  CREATE TABLE {SCHEMA}.orders (key bytea PRIMARY KEY, value bytea NOT NULL);"
             ))
             .await?;
-        install(&mut client, &names()?).await?;
+        let options = InstallOptions::default().partition_days(partition_days);
+        install_with(&mut client, &names()?, options).await?;
         client.batch_execute("CHECKPOINT").await?;
         Ok(())
     })

@@ -114,7 +114,7 @@ type Call = (u64, u64);
 
 fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> {
     let port = args.port;
-    pg_backend::reset(port)?;
+    pg_backend::reset(port, 1)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

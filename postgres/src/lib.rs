@@ -60,11 +60,15 @@
 //! first. Not here: the opener's extra labels.
 //!
 //! **Removal.** Records are range-partitioned by the day they become removable (schema
-//! version 2 on; `install` migrates versions 1 and 2). Reads are exact at the expiry millisecond
-//! whatever is stored; [`PgStore::maintain`], run regularly, drops each day's partition once
-//! all of it has expired: no `DELETE`, no dead rows, the same cost at any number of records.
-//! Claims create the partitions of the days ahead before their transaction begins. Retention
-//! is at most [`RETENTION_MS_MAX`] (60 days: every read looks into each day's partition).
+//! version 2 on; `install` migrates older versions), one day per partition unless the table was
+//! installed with wider ones ([`InstallOptions::partition_days`]). Reads are exact at the expiry
+//! millisecond whatever is stored; [`PgStore::maintain`], run regularly, drops each partition
+//! once all of it has expired: no `DELETE`, no dead rows, the same cost at any number of
+//! records. Claims create the partitions of the days ahead before their transaction begins.
+//! Every read of a key looks into each partition that may hold a live record, about
+//! `retention / partition_days + 2` of them: with the default 7 days' retention, weekly
+//! partitions make a read look into 3 instead of 9 (and keep expired records up to a week
+//! longer). Retention is at most [`RETENTION_MS_MAX`] (60 days).
 //!
 //! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
