@@ -3,18 +3,20 @@
 //! [`PgConsumer::begin`] and [`PgClaim::commit_with`](crate::PgClaim::commit_with) cost two
 //! round trips: the claim's answer must come back before the caller knows what to run. A
 //! handler whose SQL does not depend on the answer (insert the order, add to the balance) can
-//! send everything at once: `BEGIN`, the key's lock, an insert of the completed record that
-//! refuses to write when the key has a row, the caller's SQL and `COMMIT`. When the key is new
-//! (most deliveries), that one round trip is the whole of it. When it is not (a duplicate, an
-//! expired or in-progress record, a lock held elsewhere), the insert fails, the transaction
-//! rolls back with the caller's SQL, and the message is decided and committed as
+//! send everything at once: `BEGIN`, the key's lock, a statement that reads the key's row and
+//! inserts the completed record only when there is none, a guard that fails when it did not,
+//! the caller's SQL and `COMMIT`. When the key is new (most deliveries), that one round trip is
+//! the whole of it. When it is not, the guard (or the lock, held elsewhere) fails, the
+//! transaction rolls back with the caller's SQL, and the row read decides: a duplicate, a
+//! conflict or a live external claim is answered from it, in the same round trip; a record
+//! that can be taken over (expired, released, a lease run out) is decided and committed as
 //! [`PgConsumer::begin_message`] and `commit_with` do, in two more round trips.
 //!
 //! Why the shortcut cannot give a second winner: the lock is taken by a statement of its own,
-//! and the insert's `NOT EXISTS` reads in a later statement, with a snapshot taken after the
-//! lock was granted (READ COMMITTED), so it sees the commit of whoever held the lock before, as
-//! the claim's read does. A lock not granted fails the lock statement itself, and the
-//! transaction with it.
+//! and the read and insert run in a later statement, with a snapshot taken after the lock was
+//! granted (READ COMMITTED), so it sees the commit of whoever held the lock before, as the
+//! claim's read does. A lock not granted fails the lock statement itself, and the transaction
+//! with it: the key is in progress, as a claim would have found it.
 //!
 //! The record's times are written before the database's clock is read, so they come from this
 //! process's clock, corrected by the offset to the database's clock seen at the last claim of
@@ -25,16 +27,19 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Instant;
 
+use idemdb::decision::{Found, admit, inspect_record};
 use idemdb::format::encode_key;
 use idemdb::{Message, Outcome};
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::observe::OutcomeKind;
+use crate::observe::{self, OutcomeKind};
 use crate::prepared::is_stale;
-use crate::txn::{ClaimTransaction, LOST_ROW, Statement, Whole};
-use crate::{PgConsumer, PgStore, check_result, completed_record, expires_column, lock_id};
+use crate::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
+use crate::{
+    PgConsumer, PgStore, check_result, completed_record, decode_record, expires_column, lock_id,
+};
 
 /// How far the record's time (this process's clock with the last offset seen) may be from the
 /// database's clock when the record is written in one round trip; further, the message takes
@@ -45,22 +50,40 @@ pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
 /// granted, which aborts the transaction.
 const LOCK_OR_FAIL: &str = "SELECT 1 / pg_try_advisory_xact_lock($1)::int4";
 
-/// The insert of a new key's completed record that writes nothing, and fails, when the key has
-/// a row (of any day or state) or the record's time `$5` is off the database's clock; `$5` null
-/// skips the clock check (an injected clock decides the store's time).
+/// Reads the key's row and inserts the new key's completed record only when there is none
+/// (of any day or state) and the record's time `$5` is within the tolerance of the database's
+/// clock (`$5` null skips that check: an injected clock decides the store's time). Returns the
+/// row's record as found, the database's time, and leaves in the transaction's setting
+/// `idemdb.applied` how many rows it inserted, for [`APPLIED_OR_FAIL`].
 pub(crate) fn insert_if_new_sql(records: &str) -> String {
     format!(
-        "WITH inserted AS ( \
+        "WITH found AS ( \
+             SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2 \
+         ), inserted AS ( \
              INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
              SELECT $1, $2, $3, $4 \
-             WHERE NOT EXISTS ( \
-                 SELECT 1 FROM {records} WHERE consumer = $1 AND message_key = $2 \
-             ) AND ($5::int8 IS NULL OR abs( \
+             WHERE NOT EXISTS (SELECT 1 FROM found) AND ($5::int8 IS NULL OR abs( \
                  floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 - $5::int8 \
              ) <= {CLOCK_TOLERANCE_MS}) \
              RETURNING 1 \
-         ) SELECT 1 / count(*)::int4 FROM inserted"
+         ) SELECT (SELECT record FROM found LIMIT 1), \
+             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
+             set_config('idemdb.applied', (SELECT count(*) FROM inserted)::text, true)"
     )
+}
+
+/// Fails (division by zero), and aborts the transaction with the caller's statements behind
+/// it, unless the statement before inserted the record.
+const APPLIED_OR_FAIL: &str = "SELECT 1 / current_setting('idemdb.applied')::int4";
+
+/// What the one round trip did.
+enum OneTrip {
+    /// Committed the record at epoch 1 with the caller's statements.
+    Applied,
+    /// Wrote nothing: the message's outcome, decided in the same round trip.
+    Settled(Outcome<std::convert::Infallible>),
+    /// Wrote nothing; decide the message the two-round-trip way.
+    LongWay,
 }
 
 /// What [`PgConsumer::apply`] committed: the message's statements and its completed record.
@@ -175,14 +198,20 @@ impl PgConsumer {
         let stored_key = encode_key(&self.id, message.key())?;
         if let Some(entity_key) = message.entity_version().map(|(entity_key, _)| entity_key) {
             encode_key(&self.id, entity_key)?;
-        } else if let Some(epoch) = self
-            .apply_if_new(client, message, &stored_key, result, statements, started)
-            .await?
-        {
-            return Ok(Outcome::Fresh(Applied {
-                epoch,
-                one_round_trip: true,
-            }));
+        } else {
+            match self
+                .apply_if_new(client, message, &stored_key, result, statements, started)
+                .await?
+            {
+                OneTrip::Applied => {
+                    return Ok(Outcome::Fresh(Applied {
+                        epoch: 1,
+                        one_round_trip: true,
+                    }));
+                }
+                OneTrip::Settled(outcome) => return Ok(outcome.map_fresh(|never| match never {})),
+                OneTrip::LongWay => {}
+            }
         }
         let mut claim = None;
         let outcome = self
@@ -202,8 +231,8 @@ impl PgConsumer {
         Ok(outcome)
     }
 
-    /// The one-round-trip path: the epoch committed, or `None` when the message must be
-    /// decided the long way (nothing of it was written).
+    /// The one round trip: committed, settled, or to be decided the long way (nothing of it
+    /// written).
     async fn apply_if_new(
         &self,
         client: &mut Client,
@@ -212,11 +241,11 @@ impl PgConsumer {
         result: &[u8],
         statements: &[Statement<'_>],
         started: Instant,
-    ) -> Result<Option<u64>> {
+    ) -> Result<OneTrip> {
         let store = &self.store;
         let inner = &store.inner;
         let Some((now_ms, db_check_ms)) = store.estimated_now_ms() else {
-            return Ok(None);
+            return Ok(OneTrip::LongWay);
         };
         // A message produced near the admission floor's horizon is left to the database's own
         // clock: within the tolerance, the estimate could admit what the database refuses.
@@ -227,7 +256,7 @@ impl PgConsumer {
                     .saturating_sub(inner.retention_ms)
                     .saturating_add(CLOCK_TOLERANCE_MS)
         {
-            return Ok(None);
+            return Ok(OneTrip::LongWay);
         }
         store.ensure_partitions(client, false).await?;
         const EPOCH: u64 = 1;
@@ -246,9 +275,10 @@ impl PgConsumer {
             (&expires, Type::INT8),
             (&db_check_ms, Type::INT8),
         ];
-        let store_statements: [Statement<'_>; 2] = [
+        let store_statements: [Statement<'_>; 3] = [
             (LOCK_OR_FAIL, &lock_params),
             (&inner.insert_if_new, &insert_params),
+            (APPLIED_OR_FAIL, &[]),
         ];
         let Whole {
             store: answers,
@@ -256,33 +286,87 @@ impl PgConsumer {
             committed,
         } = ClaimTransaction::run_whole(client, &inner.statements, &store_statements, statements)
             .await?;
-        for (index, answer) in answers.into_iter().enumerate() {
-            let Err(error) = answer else { continue };
-            if is_stale(&error) {
-                // A statement kept for a gone connection: prepared anew by the long way.
-                inner.statements.forget(client);
-                return Ok(None);
+        let mut answers = answers.into_iter();
+        let mut next = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+        let (lock, read, applied) = (next(), next(), next());
+        let restored = next();
+        let metrics = &self.metrics;
+        let correlation = message.correlation();
+        let settled = |outcome: Outcome<std::convert::Infallible>, now_ms: u64| {
+            let kind = OutcomeKind::of(&outcome);
+            let age_ms = observe::duplicate_age_ms(&outcome, now_ms);
+            metrics.outcome(kind, started.elapsed(), age_ms);
+            metrics.log_begin(key, kind, correlation);
+            Ok(OneTrip::Settled(outcome))
+        };
+        match lock {
+            Ok(_) => {}
+            // Held by another transaction: in progress, as a claim finds it.
+            Err(error) if error.code() == Some(LOST_ROW) => {
+                return settled(Outcome::held_by_claim(now_ms), now_ms);
             }
-            if error.code() == Some(LOST_ROW) {
-                // The lock is held elsewhere, or the key has a row, or the clocks disagree.
-                return Ok(None);
+            Err(error) => return self.one_trip_failed(client, error, None),
+        }
+        let row = match read {
+            Ok(rows) => single_row(rows)?,
+            Err(error) => return self.one_trip_failed(client, error, Some(key)),
+        };
+        let db_now_ms: i64 = row.get(1);
+        if db_check_ms.is_some() {
+            inner.clock_offset.learn(db_now_ms);
+        }
+        match applied {
+            Ok(_) => {}
+            Err(error) if error.code() == Some(LOST_ROW) => {
+                // Not inserted: the key has a row, or the clocks disagree (no row).
+                let Some(bytes) = row.get::<_, Option<&[u8]>>(0) else {
+                    return Ok(OneTrip::LongWay);
+                };
+                let db_now = store.now_ms(db_now_ms);
+                let found = inspect_record(
+                    Some(decode_record(key, bytes)?),
+                    message.fingerprint(),
+                    db_now,
+                );
+                let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
+                return match admit(found, message.production_time_ms(), db_now, floor_ms) {
+                    Found::Settled(outcome) => settled(outcome, db_now),
+                    // Expired, released, or a lease run out: taken over at the next epoch.
+                    Found::Claimable { .. } => Ok(OneTrip::LongWay),
+                };
             }
-            return Err(if index == 0 {
-                Error::Postgres(error)
-            } else {
-                store.write_failed(error, key)
-            });
+            Err(error) => return self.one_trip_failed(client, error, Some(key)),
+        }
+        if let Err(error) = restored {
+            return Err(Error::Postgres(error));
         }
         if let Some(Err(error)) = staged.into_iter().find(std::result::Result::is_err) {
             return Err(Error::Postgres(error));
         }
         committed.map_err(|error| store.write_failed(error, key))?;
-        let metrics = &self.metrics;
-        let correlation = message.correlation();
         metrics.outcome(OutcomeKind::Fresh, started.elapsed(), None);
         metrics.log_begin(key, OutcomeKind::Fresh, correlation);
         metrics.commit(started.elapsed());
         metrics.log_step("commit", stored_key, EPOCH, None, correlation);
-        Ok(Some(EPOCH))
+        Ok(OneTrip::Applied)
+    }
+
+    /// A store statement of the one round trip failed otherwise than by design: a statement
+    /// kept for a gone connection (prepared anew the long way), or an error to report (`key`:
+    /// the record's write, whose errors are typed as a commit's).
+    fn one_trip_failed(
+        &self,
+        client: &Client,
+        error: tokio_postgres::Error,
+        key: Option<&[u8]>,
+    ) -> Result<OneTrip> {
+        if is_stale(&error) {
+            self.store.inner.statements.forget(client);
+            return Ok(OneTrip::LongWay);
+        }
+        Err(match key {
+            Some(key) => self.store.write_failed(error, key),
+            None => Error::Postgres(error),
+        })
     }
 }
