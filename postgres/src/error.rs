@@ -48,7 +48,8 @@ pub enum Error {
     /// A partition width outside 1 to [`crate::PARTITION_DAYS_MAX`] days, or not the width the
     /// records table was installed with (it is fixed when the table is created).
     #[error(
-        "partitions of {requested} days refused (the records table has {installed:?}): widths are 1 to 60 days, fixed when the table is created"
+        "partitions of {requested} days refused{}: widths are 1 to 60 days, fixed when the table is created",
+        installed.map(|days| format!(" (the records table has partitions of {days} days)")).unwrap_or_default()
     )]
     PartitionDays {
         /// The width asked for.
