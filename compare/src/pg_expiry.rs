@@ -62,13 +62,20 @@ pub enum Removal {
     DropPartitions,
     /// One `DELETE` of every expired row.
     Delete,
+    /// `maintain`'s two steps apart, to tell which one the commits feel: every expired day
+    /// partition detached concurrently, then a pause, then every one dropped.
+    StepsApart,
 }
+
+/// The pause between the detaches and the drops of [`Removal::StepsApart`].
+const STEPS_PAUSE: Duration = Duration::from_secs(3);
 
 impl Removal {
     pub fn name(self) -> &'static str {
         match self {
             Removal::DropPartitions => "maintain (drops day partitions)",
             Removal::Delete => "DELETE WHERE expires_at_ms < now",
+            Removal::StepsApart => "maintain's steps apart (detach all, pause, drop all)",
         }
     }
 }
@@ -87,11 +94,27 @@ pub struct ExpiryRun {
     pub after_commits: usize,
     pub after_p99_us: f64,
     pub rows_left: i64,
+    /// For [`Removal::StepsApart`]: the commits started while the partitions were being
+    /// detached, during the pause, and while they were being dropped.
+    pub steps: Option<[Step; 3]>,
+}
+
+/// One step of [`Removal::StepsApart`].
+pub struct Step {
+    pub name: &'static str,
+    pub seconds: f64,
+    pub commits: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
 }
 
 pub fn run(args: &PgExpiryArgs) -> Result<Vec<ExpiryRun>> {
     let mut runs = Vec::new();
-    for removal in [Removal::DropPartitions, Removal::Delete] {
+    for removal in [
+        Removal::DropPartitions,
+        Removal::StepsApart,
+        Removal::Delete,
+    ] {
         let dir = tempfile::Builder::new()
             .prefix("idemdb-pg-expiry-")
             .tempdir()
@@ -186,9 +209,36 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
     let quiet = Duration::from_secs_f64(args.seconds);
     std::thread::sleep(quiet);
     let removal_start = started.elapsed();
+    let mut step_windows = Vec::new();
     let (removal_end, rows_left) = runtime.block_on(async {
         let mut client = pg_backend::connect(port, true).await?;
         match removal {
+            Removal::StepsApart => {
+                let expired = expired_partitions(&client).await?;
+                let mut step = |name: &'static str, from: Duration| {
+                    step_windows.push((name, from, started.elapsed()));
+                };
+                let from = started.elapsed();
+                for partition in &expired {
+                    client
+                        .batch_execute(&format!(
+                            "ALTER TABLE bench_idemdb.records DETACH PARTITION {partition} CONCURRENTLY"
+                        ))
+                        .await?;
+                }
+                step("detach", from);
+                let from = started.elapsed();
+                tokio::time::sleep(STEPS_PAUSE).await;
+                step("pause", from);
+                let from = started.elapsed();
+                for partition in &expired {
+                    client
+                        .batch_execute(&format!("DROP TABLE {partition}"))
+                        .await?;
+                }
+                step("drop", from);
+                eprintln!("detached, then dropped {expired:?}");
+            }
             Removal::DropPartitions => {
                 let store = PgStore::builder()
                     .names(pg_backend::names()?)
@@ -250,6 +300,20 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
     );
     let after_calls = window(removal_start, until);
     let us = |sorted: &[u32], q: f64| quantile(sorted, q) / 1000.0;
+    let steps: Vec<Step> = step_windows
+        .iter()
+        .map(|(name, from, to)| {
+            let calls = window(*from, (*to).max(*from + Duration::from_millis(1)));
+            Step {
+                name,
+                seconds: (*to - *from).as_secs_f64(),
+                commits: calls.len(),
+                p50_us: us(&calls, 0.5),
+                p99_us: us(&calls, 0.99),
+            }
+        })
+        .collect();
+    let steps = <[Step; 3]>::try_from(steps).ok();
     let result = ExpiryRun {
         removal,
         removal_seconds: (removal_end - removal_start).as_secs_f64(),
@@ -262,6 +326,7 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
         after_commits: after_calls.len(),
         after_p99_us: us(&after_calls, 0.99),
         rows_left,
+        steps,
     };
     eprintln!(
         "{}: removal {:.2} s; p99 quiet {:.0} us ({} commits), during {:.0} us ({} commits); {} expired rows left",
@@ -274,4 +339,26 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
         rows_left
     );
     Ok(result)
+}
+
+/// The day partitions of the harness's records table whose every row has expired, by name.
+async fn expired_partitions(client: &tokio_postgres::Client) -> Result<Vec<String>> {
+    let today = i64::try_from(now_ms())? / DAY_MS;
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = 'bench_idemdb.records'::regclass",
+            &[],
+        )
+        .await?;
+    let mut expired: Vec<(i64, String)> = rows
+        .iter()
+        .filter_map(|row| {
+            let name: String = row.get(0);
+            let day: i64 = name.strip_prefix("records_d")?.parse().ok()?;
+            (day < today).then(|| (day, format!("bench_idemdb.{name}")))
+        })
+        .collect();
+    expired.sort();
+    Ok(expired.into_iter().map(|(_, name)| name).collect())
 }

@@ -617,6 +617,32 @@ pub fn write_pg_expiry(
             run.rows_left
         )?;
     }
+    for run in runs {
+        let Some(steps) = &run.steps else { continue };
+        writeln!(
+            md,
+            "\n{}, commits by the step running when they started (p99 before: {:.0} us):\n",
+            run.removal.name(),
+            run.quiet_p99_us
+        )?;
+        writeln!(
+            md,
+            "| step | s | commits | p50 us | p99 us | p99 / before |"
+        )?;
+        writeln!(md, "|---|---:|---:|---:|---:|---:|")?;
+        for step in steps {
+            writeln!(
+                md,
+                "| {} | {:.2} | {} | {:.0} | {:.0} | {:.2} |",
+                step.name,
+                step.seconds,
+                step.commits,
+                step.p50_us,
+                step.p99_us,
+                step.p99_us / run.quiet_p99_us
+            )?;
+        }
+    }
     if let Some(run) = runs
         .iter()
         .find(|run| run.removal == crate::pg_expiry::Removal::DropPartitions)
