@@ -62,9 +62,11 @@ for contender in "${contenders[@]}"; do
         echo "$delivered messages, $total instructions. Top functions (exclusive):"
         echo
         echo '```text'
-        # The function table: count, share, and the function (file names dropped).
-        awk '/^-+$/ {rule++; next} rule >= 3 && NF {print}' "$work/$slug.txt" |
-            grep -E '^ *[0-9,]+ \(' | head -n 25 |
+        # The function table: count, share, and the function (file names dropped). awk stops
+        # after 25 rows itself: a `head` here would stop reading early, and under pipefail the
+        # writer's SIGPIPE would end the script without a word.
+        awk '/^-+$/ {rule++; next} rule >= 3 && /^ *[0-9,]+ \(/ {print; if (++rows == 25) exit}' \
+            "$work/$slug.txt" |
             sed -E 's/ \[[^]]*\]$//; s/[^ :]*:([^ ])/\1/' | cut -c1-150
         echo '```'
     } >>"$report.body"
