@@ -34,11 +34,12 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::observe::{self, OutcomeKind};
+use crate::observe::OutcomeKind;
 use crate::prepared::is_stale;
 use crate::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
 use crate::{
-    PgConsumer, PgStore, check_result, completed_record, decode_record, expires_column, lock_id,
+    PgConsumer, PgStore, check_result, completed_record, decode_record, expires_column,
+    local_now_ms, lock_id,
 };
 
 /// How far the record's time (this process's clock with the last offset seen) may be from the
@@ -109,7 +110,7 @@ impl ClockOffset {
 
     /// Keeps the offset of a reading `db_now_ms` of the database's clock, taken just now.
     pub(crate) fn learn(&self, db_now_ms: i64) {
-        let offset = db_now_ms.saturating_sub(local_now_ms());
+        let offset = db_now_ms.saturating_sub(local_now_i64());
         self.0.store(offset.max(i64::MIN + 1), Ordering::Relaxed);
     }
 
@@ -117,16 +118,13 @@ impl ClockOffset {
     fn estimate_ms(&self) -> Option<u64> {
         let offset = self.0.load(Ordering::Relaxed);
         (offset != i64::MIN)
-            .then(|| u64::try_from(local_now_ms().saturating_add(offset)).unwrap_or(0))
+            .then(|| u64::try_from(local_now_i64().saturating_add(offset)).unwrap_or(0))
     }
 }
 
-fn local_now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-        })
+/// [`local_now_ms`] as the database's clock readings are typed.
+fn local_now_i64() -> i64 {
+    i64::try_from(local_now_ms()).unwrap_or(i64::MAX)
 }
 
 impl PgStore {
@@ -196,9 +194,8 @@ impl PgConsumer {
         let result = result.as_ref();
         check_result(result)?;
         let stored_key = encode_key(&self.id, message.key())?;
-        if let Some(entity_key) = message.entity_version().map(|(entity_key, _)| entity_key) {
-            encode_key(&self.id, entity_key)?;
-        } else {
+        // A message with an entity's version takes the long way (which checks the entity key).
+        if message.entity_version().is_none() {
             match self
                 .apply_if_new(client, message, &stored_key, result, statements, started)
                 .await?
@@ -293,10 +290,7 @@ impl PgConsumer {
         let metrics = &self.metrics;
         let correlation = message.correlation();
         let settled = |outcome: Outcome<std::convert::Infallible>, now_ms: u64| {
-            let kind = OutcomeKind::of(&outcome);
-            let age_ms = observe::duplicate_age_ms(&outcome, now_ms);
-            metrics.outcome(kind, started.elapsed(), age_ms);
-            metrics.log_begin(key, kind, correlation);
+            metrics.begun(&outcome, now_ms, started.elapsed(), key, correlation);
             Ok(OneTrip::Settled(outcome))
         };
         match lock {

@@ -27,7 +27,7 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::observe::{self, OutcomeKind};
+use crate::observe::OutcomeKind;
 use crate::pipeline::in_order;
 use crate::txn::{ClaimTransaction, CommitFailed, Statement};
 use crate::{PgConsumer, decode_record, decode_version, entity_lock_id, lock_id};
@@ -423,10 +423,7 @@ impl PgConsumer {
                 PgBatchOutcome::DuplicateInBatch { .. } => OutcomeKind::DuplicateInBatch,
                 PgBatchOutcome::ConflictInBatch { .. } => OutcomeKind::Conflict,
                 PgBatchOutcome::Settled(outcome) => {
-                    let kind = OutcomeKind::of(outcome);
-                    let age_ms = observe::duplicate_age_ms(outcome, now_ms);
-                    self.metrics.outcome(kind, share, age_ms);
-                    self.metrics.log_begin(key, kind, correlation);
+                    self.metrics.begun(outcome, now_ms, share, key, correlation);
                     continue;
                 }
             };

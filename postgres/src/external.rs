@@ -25,7 +25,6 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
-use crate::observe::{self, OutcomeKind};
 use crate::txn::ClaimTransaction;
 use crate::{PgConsumer, PgStore, decode_record, lock_id};
 
@@ -87,10 +86,8 @@ impl PgConsumer {
         let (now_ms, outcome) = self
             .claim_external(client, key, fingerprint, lease, holder.as_ref())
             .await?;
-        let kind = OutcomeKind::of(&outcome);
-        let age_ms = observe::duplicate_age_ms(&outcome, now_ms);
-        self.metrics.outcome(kind, started.elapsed(), age_ms);
-        self.metrics.log_begin(key, kind, None);
+        self.metrics
+            .begun(&outcome, now_ms, started.elapsed(), key, None);
         Ok(outcome)
     }
 

@@ -128,7 +128,7 @@ use idemdb::format::{Record, derive_key, encode_key};
 use idemdb::{
     Clock, EXPIRES_NEVER_MS, Fingerprint, Message, Outcome, PreviousAttempt, RESULT_BYTES_MAX,
 };
-use observe::{ConsumerMetrics, OutcomeKind};
+use observe::ConsumerMetrics;
 use schema::NEVER_MS;
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
@@ -505,11 +505,13 @@ impl PgConsumer {
     ) -> Result<Outcome<PgClaim<'c>>> {
         let started = Instant::now();
         let (now_ms, outcome) = self.claim_message(client, message).await?;
-        let kind = OutcomeKind::of(&outcome);
-        let age_ms = observe::duplicate_age_ms(&outcome, now_ms);
-        self.metrics.outcome(kind, started.elapsed(), age_ms);
-        self.metrics
-            .log_begin(message.key(), kind, message.correlation());
+        self.metrics.begun(
+            &outcome,
+            now_ms,
+            started.elapsed(),
+            message.key(),
+            message.correlation(),
+        );
         Ok(outcome)
     }
 
@@ -880,9 +882,9 @@ impl PgStore {
         let through_day = self.ensure_partitions(client, true).await?;
         let now_ms = i64::try_from(now_on_store_clock(&*client, self).await?).unwrap_or(i64::MAX);
         let mut dropped = Vec::new();
+        let days = i64::from(self.inner.partition_days);
         for partition in schema::day_partitions(client, &self.inner.names).await? {
             // Every row of the partition's last day is removable once that day has passed.
-            let days = i64::from(self.inner.partition_days);
             if partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms {
                 schema::drop_partition(client, &self.inner.names, &partition).await?;
                 dropped.push(partition.name);
@@ -901,11 +903,7 @@ impl PgStore {
     async fn ensure_partitions(&self, client: &mut Client, always: bool) -> Result<i64> {
         let now_ms = match &self.inner.clock {
             Some(clock) => clock.now_ms(),
-            None => std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |since| {
-                    u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-                }),
+            None => local_now_ms(),
         };
         let day_of = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX) / DAY_MS;
         let first_day = day_of(now_ms);
@@ -933,6 +931,15 @@ impl PgStore {
             None => u64::try_from(db_now_ms).unwrap_or(0),
         }
     }
+}
+
+/// This process's clock, in milliseconds since the Unix epoch.
+pub(crate) fn local_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
 }
 
 /// Writes the completed record of `key` at `epoch` in `tx`: an update of the row there is

@@ -142,6 +142,21 @@ impl ConsumerMetrics {
         }
     }
 
+    /// Counts and logs the outcome of a `begin` of `key`, decided at `now_ms` after `elapsed`:
+    /// the outcome's time and, for a duplicate, its age.
+    pub(crate) fn begun<C>(
+        &self,
+        outcome: &Outcome<C>,
+        now_ms: u64,
+        elapsed: Duration,
+        key: &[u8],
+        correlation_id: Option<&str>,
+    ) {
+        let kind = OutcomeKind::of(outcome);
+        self.outcome(kind, elapsed, duplicate_age_ms(outcome, now_ms));
+        self.log_begin(key, kind, correlation_id);
+    }
+
     /// A new external claim, counted in the `idemdb_in_progress` gauge until it and every
     /// clone of it are gone.
     pub(crate) fn alive(&self) -> Arc<Alive> {

@@ -110,12 +110,7 @@ impl<'c> ClaimTransaction<'c> {
         statements: &[Statement<'_>],
     ) -> Result<(ClaimTransaction<'c>, Answers)> {
         let mut retried = false;
-        let (begin, guarded): (&str, Vec<Statement<'_>>) = if cache.enabled() {
-            let restored = statements.iter().copied().chain([(SESSION_SCANS, &[][..])]);
-            (BEGIN_INDEXES_ONLY, restored.collect())
-        } else {
-            (BEGIN, statements.to_vec())
-        };
+        let (begin, guarded) = begin_and_guarded(cache, statements);
         loop {
             let prepared = cache.prepare(client, &types_of(&guarded)).await?;
             let (begun, mut answers) = {
@@ -164,12 +159,7 @@ impl<'c> ClaimTransaction<'c> {
         statements: &[Statement<'_>],
         staged: &[Statement<'_>],
     ) -> Result<Whole> {
-        let (begin, guarded): (&str, Vec<Statement<'_>>) = if cache.enabled() {
-            let restored = statements.iter().copied().chain([(SESSION_SCANS, &[][..])]);
-            (BEGIN_INDEXES_ONLY, restored.collect())
-        } else {
-            (BEGIN, statements.to_vec())
-        };
+        let (begin, guarded) = begin_and_guarded(cache, statements);
         let prepared = cache.prepare(client, &types_of(&guarded)).await?;
         let shared: &Client = client;
         let queries = guarded
@@ -278,6 +268,21 @@ impl Drop for ClaimTransaction<'_> {
                 .as_mut()
                 .poll(&mut Context::from_waker(Waker::noop()));
         }
+    }
+}
+
+/// The `BEGIN` for the store's `statements`, and the statements to send behind it: with
+/// prepared statements, sequential scans go off in `BEGIN` and back on after them (see
+/// [`BEGIN_INDEXES_ONLY`]), before any of the caller's.
+fn begin_and_guarded<'a>(
+    cache: &StatementCache,
+    statements: &[Statement<'a>],
+) -> (&'static str, Vec<Statement<'a>>) {
+    if cache.enabled() {
+        let restored = statements.iter().copied().chain([(SESSION_SCANS, &[][..])]);
+        (BEGIN_INDEXES_ONLY, restored.collect())
+    } else {
+        (BEGIN, statements.to_vec())
     }
 }
 
