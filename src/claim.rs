@@ -1,6 +1,7 @@
 //! Claim -> stage -> commit: the outcome of `begin`, and the claim that owns a key until it
 //! commits its marker and staged business writes in one RocksDB write batch.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,12 +12,13 @@ use crate::business_table::BusinessTable;
 use crate::decision::{Found, PreviousAttempt, admit, inspect_record};
 use crate::error::{Limit, Result, check_limit_u64};
 use crate::fingerprint::Fingerprint;
+use crate::key::StoredKey;
 use crate::observe::ConsumerMetrics;
 use crate::operand::Operand;
 use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
 use crate::record::{Committed, EXPIRES_NEVER_MS, Record};
 use crate::staging::{Staged, staging_methods};
-use crate::storage::{Storage, VERSIONS_TABLE};
+use crate::storage::Storage;
 
 /// What `begin` found, with the engine's [`Claim`] when fresh. The outcome type itself is
 /// shared by every backend and generic over the claim ([`crate::decision::Outcome`]).
@@ -32,6 +34,20 @@ pub(crate) fn inspect(
 ) -> Result<Found> {
     let record = inner.read_record_raw(marker, stored_key)?;
     Ok(inspect_record(record, fingerprint, now_ms))
+}
+
+/// What a write batch adds to each entry besides its key and value, at most: the entry's tag,
+/// its column family's id and the two lengths, each a varint of up to 5 bytes.
+const BATCH_ENTRY_OVERHEAD_BYTES: usize = 16;
+
+/// The write batch's own header: sequence number and entry count.
+const BATCH_HEADER_BYTES: usize = 12;
+
+/// An empty write batch with room for `bytes` of entries. Reserved up front, its buffer is
+/// allocated once: grown by doubling from empty, a claim's commit reallocated it three or four
+/// times.
+pub(crate) fn batch_for(bytes: usize) -> WriteBatch {
+    WriteBatch::with_capacity_bytes(BATCH_HEADER_BYTES + bytes)
 }
 
 /// How long a committed record is kept.
@@ -50,14 +66,15 @@ pub enum Expiry {
 pub struct Claim {
     inner: Arc<Storage>,
     marker: usize,
-    stored_key: Vec<u8>,
+    stored_key: StoredKey,
     /// Epoch of the expired record found at `begin`, or 0 if the key was absent: the merge
     /// operand installs the new record only over that one (or over nothing).
     replaces_epoch: u64,
     fingerprint: Fingerprint,
     claimed_at_ms: u64,
     expiry: Expiry,
-    previous: Option<PreviousAttempt>,
+    /// Boxed: only a takeover has one, and every claim is moved several times on its way out.
+    previous: Option<Box<PreviousAttempt>>,
     /// The ordering guard's (versions-table key, version), whose latch this claim also holds.
     version: Option<(Vec<u8>, u64)>,
     staged: Staged,
@@ -115,7 +132,7 @@ impl Observer {
 
 /// What `begin` needs to know about one delivery, beyond the marker table.
 pub(crate) struct Request {
-    pub(crate) stored_key: Vec<u8>,
+    pub(crate) stored_key: StoredKey,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) produced_at_ms: Option<u64>,
     /// The ordering guard: (versions-table key, version).
@@ -177,6 +194,20 @@ pub(crate) fn decide(
     pending: Pending,
     now_ms: u64,
 ) -> Result<Outcome> {
+    Ok(match decide_in_place(&mut claim, found, pending, now_ms)? {
+        None => Outcome::Fresh(claim),
+        Some(settled) => Outcome::settled(settled),
+    })
+}
+
+/// [`decide`] on a claim that stays where it is (a batch's): `None` when it is fresh, or the
+/// outcome to report instead, and then the caller drops the claim.
+pub(crate) fn decide_in_place(
+    claim: &mut Claim,
+    found: Found,
+    pending: Pending,
+    now_ms: u64,
+) -> Result<Option<Outcome<Infallible>>> {
     let Pending {
         produced_at_ms,
         version,
@@ -189,15 +220,15 @@ pub(crate) fn decide(
         } => {
             if let Some((version_key, version)) = version {
                 if let Some(settled) = guard_order(&claim.inner, &version_key, version, now_ms)? {
-                    return Ok(Outcome::settled(settled));
+                    return Ok(Some(settled));
                 }
                 claim.version = Some((version_key, version));
             }
             claim.replaces_epoch = replaces_epoch;
-            claim.previous = previous;
-            Ok(Outcome::Fresh(claim))
+            claim.previous = previous.map(Box::new);
+            Ok(None)
         }
-        Found::Settled(outcome) => Ok(Outcome::settled(outcome)),
+        Found::Settled(outcome) => Ok(Some(outcome)),
     }
 }
 
@@ -210,7 +241,7 @@ fn guard_order(
     version_key: &[u8],
     version: u64,
     now_ms: u64,
-) -> Result<Option<Outcome<std::convert::Infallible>>> {
+) -> Result<Option<Outcome<Infallible>>> {
     if let Err(since_ms) = inner.version_latches.try_acquire(version_key, now_ms) {
         // Another message of the same entity is being applied right now.
         return Ok(Some(Outcome::held_by_claim(since_ms)));
@@ -256,7 +287,7 @@ impl Claim {
     pub(crate) fn latched(
         inner: &Arc<Storage>,
         marker: usize,
-        stored_key: Vec<u8>,
+        stored_key: StoredKey,
         fingerprint: Fingerprint,
         expiry: Expiry,
         now_ms: u64,
@@ -309,12 +340,27 @@ impl Claim {
     /// store holds the whole batch or none of it.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
         let started = Instant::now();
-        let mut batch = WriteBatch::default();
+        let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
         let committed = self.append_commit(&mut batch, result.as_ref())?;
         // The latch is still held: no other claim can read this key until the batch is visible.
         self.inner.write(batch)?;
         self.report_commit(&committed, started);
         Ok(committed)
+    }
+
+    /// At most the bytes [`Claim::append_commit`] adds to a write batch, with a result of
+    /// `result_len` bytes.
+    pub(crate) fn commit_bytes(&self, result_len: usize) -> usize {
+        let version = self
+            .version
+            .as_ref()
+            .map_or(0, |(key, _)| BATCH_ENTRY_OVERHEAD_BYTES + key.len() + 8);
+        let marker = BATCH_ENTRY_OVERHEAD_BYTES
+            + self.stored_key.len()
+            + crate::operand::OPERAND_HEADER_BYTES
+            + crate::record::RECORD_HEADER_BYTES
+            + result_len;
+        self.staged.writes() * BATCH_ENTRY_OVERHEAD_BYTES + self.staged.bytes + version + marker
     }
 
     /// Appends this claim's staged writes, its ordering-guard version and its marker to `batch`.
@@ -338,13 +384,13 @@ impl Claim {
         self.staged.drain_into(&self.inner, batch);
         if let Some((version_key, version)) = &self.version {
             batch.put_cf(
-                self.inner.cf(VERSIONS_TABLE),
+                self.inner.versions_cf(),
                 version_key,
                 version.to_be_bytes(),
             );
         }
         batch.merge_cf(
-            self.inner.cf(&self.inner.markers[self.marker].name),
+            self.inner.marker_cf(self.marker),
             &self.stored_key,
             Operand::encode_install(self.replaces_epoch, &record),
         );
@@ -395,7 +441,7 @@ impl Claim {
     /// effect may have been partly applied.
     #[must_use]
     pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
-        self.previous.as_ref()
+        self.previous.as_deref()
     }
 
     /// How many business writes are staged.
@@ -476,7 +522,7 @@ impl Claim {
             Ok(committer) => committer,
             Err(error) => return CommitFuture::ready(Err(error)),
         };
-        let mut batch = WriteBatch::default();
+        let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
         // Nothing is appended on error, and the claim is released as `commit` would.
         let committed = match self.append_commit(&mut batch, result.as_ref()) {
             Ok(committed) => committed,

@@ -13,7 +13,9 @@ use crate::business_table::BusinessTable;
 use crate::claim::{Expiry, Outcome, Request, begin};
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
-use crate::key::{check_message_key, consumer_prefix, decode_key, encode_with_prefix};
+use crate::key::{
+    StoredKey, check_message_key, consumer_prefix, decode_key, encode_with_prefix, stored_key,
+};
 use crate::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::message::Message;
 use crate::observe::{ConsumerMetrics, OutcomeKind, Stats};
@@ -323,7 +325,7 @@ impl Engine {
         let now_ms = self.inner.clock.now_ms();
         let mut counts = RecordCounts::default();
         let cf = self.inner.cf(RECORDS_TABLE);
-        for entry in self.inner.db.iterator_cf(cf, IteratorMode::Start) {
+        for entry in self.inner.db().iterator_cf(cf, IteratorMode::Start) {
             let (_, value) = entry?;
             let counter = match Record::decode(&value).map(|record| record.standing_at(now_ms)) {
                 Ok(Standing::Live) => &mut counts.live,
@@ -487,7 +489,7 @@ impl Consumer {
             None => None,
         };
         Ok(Request {
-            stored_key: encode_with_prefix(&self.prefix, message.key)?,
+            stored_key: stored_key(&self.prefix, message.key)?,
             fingerprint: message.fingerprint,
             produced_at_ms: message.produced_at_ms,
             version,
@@ -501,7 +503,7 @@ impl Consumer {
     /// # Errors
     /// As for [`Consumer::begin`].
     pub fn get(&self, message_key: impl AsRef<[u8]>) -> Result<Option<Record>> {
-        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        let stored_key = stored_key(&self.prefix, message_key.as_ref())?;
         self.inner.read_record(RECORDS_MARKER, &stored_key)
     }
 
@@ -599,7 +601,7 @@ impl Consumer {
         let cf = self.inner.cf(RECORDS_TABLE);
         let mode = IteratorMode::From(&self.prefix, rocksdb::Direction::Forward);
         let mut found = Vec::new();
-        for entry in self.inner.db.iterator_cf(cf, mode) {
+        for entry in self.inner.db().iterator_cf(cf, mode) {
             let (key, value) = entry?;
             if !key.starts_with(&self.prefix) || found.len() >= limit {
                 break;
@@ -635,7 +637,7 @@ impl Consumer {
     /// # Errors
     /// [`Error::NotInProgress`] if the key is not in progress; as for [`Consumer::begin`].
     pub fn resolve(&self, message_key: impl AsRef<[u8]>, resolution: Resolution) -> Result<()> {
-        let stored_key = encode_with_prefix(&self.prefix, message_key.as_ref())?;
+        let stored_key = stored_key(&self.prefix, message_key.as_ref())?;
         crate::lease::resolve(
             &self.inner,
             RECORDS_MARKER,
@@ -681,7 +683,7 @@ impl EntityTable {
         let entity_key = entity_key.as_ref();
         check_message_key(entity_key)?;
         let request = Request {
-            stored_key: entity_key.to_vec(),
+            stored_key: StoredKey::from_slice(entity_key),
             fingerprint,
             produced_at_ms: None,
             version: None,

@@ -38,7 +38,11 @@ const SHARDS: usize = 64;
 /// ([`KeyHashBuilder`]), not std's SipHash: a latch is taken and released on every claim, and
 /// the seed (random per table) keeps message keys chosen by a producer from piling into one
 /// bucket.
-type Shard = CachePadded<Mutex<HashMap<Box<[u8]>, u64, KeyHashBuilder>>>;
+type Shard = CachePadded<Mutex<HashMap<LatchKey, u64, KeyHashBuilder>>>;
+
+/// A latch's copy of its key: inline up to 48 bytes (the claim's own copy keeps as many inline,
+/// `crate::key::StoredKey`), so taking a latch on a common key does not allocate.
+type LatchKey = smallvec::SmallVec<[u8; 48]>;
 
 /// Builds [`KeyHasher`]s: seeded one-shot xxh3 of a whole key.
 #[derive(Clone, Copy, Debug)]
@@ -129,7 +133,7 @@ impl Latches {
 
     /// Takes the latch on `key`, or returns when the current holder took it.
     pub(crate) fn try_acquire(&self, key: &[u8], now_ms: u64) -> Result<(), u64> {
-        match lock(self.shard(key)).entry(key.into()) {
+        match lock(self.shard(key)).entry(LatchKey::from_slice(key)) {
             Entry::Occupied(held) => Err(*held.get()),
             Entry::Vacant(slot) => {
                 slot.insert(now_ms);

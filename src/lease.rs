@@ -18,6 +18,7 @@ use crate::claim::{Expiry, Observer, Outcome, check_expiry, expires_at_ms, inspe
 use crate::decision::{Found, PreviousAttempt, admit};
 use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
 use crate::fingerprint::Fingerprint;
+use crate::key::StoredKey;
 use crate::observe::ConsumerMetrics;
 use crate::operand::Operand;
 use crate::record::{HOLDER_BYTES_MAX, Record, RecordState};
@@ -115,7 +116,7 @@ fn lease_ms(lease: Duration) -> Result<u64> {
 pub(crate) fn begin_external(
     inner: &Arc<Storage>,
     marker: usize,
-    stored_key: Vec<u8>,
+    stored_key: StoredKey,
     fingerprint: Fingerprint,
     lease: Duration,
     holder: &[u8],
@@ -141,7 +142,7 @@ pub(crate) fn begin_external(
         Found::Settled(outcome) => return Ok(Outcome::settled(outcome)),
     };
     let ticket = LeaseTicket {
-        stored_key: stored_key.clone(),
+        stored_key: stored_key.to_vec(),
         epoch: replaces_epoch + 1,
         token: inner.next_token(),
         fingerprint,
@@ -151,7 +152,7 @@ pub(crate) fn begin_external(
     };
     let mut batch = WriteBatch::default();
     batch.merge_cf(
-        inner.cf(&inner.markers[marker].name),
+        inner.marker_cf(marker),
         &stored_key,
         Operand::encode_install(
             replaces_epoch,
@@ -216,7 +217,7 @@ fn fenced_replace(
     let record = make_record(now_ms, &current);
     let mut batch = batch;
     batch.merge_cf(
-        inner.cf(&inner.markers[marker].name),
+        inner.marker_cf(marker),
         stored_key,
         Operand::encode_replace(current.epoch, token, &record),
     );

@@ -105,7 +105,7 @@ mod tests {
     }
 
     fn commit(replaces: u64, result: &str) -> Vec<u8> {
-        Operand::encode_install(replaces, &record(replaces + 1, result))
+        Operand::encode_install(replaces, &record(replaces + 1, result)).to_vec()
     }
 
     fn in_progress(epoch: u64, token: u64) -> Record {
@@ -146,9 +146,9 @@ mod tests {
     fn replace_applies_only_to_the_matching_holder() {
         let lease = in_progress(3, 77);
         let done = record(3, "done");
-        let by_holder = Operand::encode_replace(3, 77, &done);
-        let by_stale_epoch = Operand::encode_replace(2, 77, &record(2, "stale"));
-        let by_other_token = Operand::encode_replace(3, 78, &record(3, "other"));
+        let by_holder = Operand::encode_replace(3, 77, &done).to_vec();
+        let by_stale_epoch = Operand::encode_replace(2, 77, &record(2, "stale")).to_vec();
+        let by_other_token = Operand::encode_replace(3, 78, &record(3, "other")).to_vec();
         let merged = fold(
             Some(lease.clone()),
             &[by_stale_epoch, by_other_token.clone()],
@@ -159,7 +159,10 @@ mod tests {
         assert_eq!(merged.result().unwrap(), "done");
         // Nothing to replace: a replace never creates a record.
         assert_eq!(
-            fold(None, &[Operand::encode_replace(1, 1, &record(1, "x"))]),
+            fold(
+                None,
+                &[Operand::encode_replace(1, 1, &record(1, "x")).to_vec()]
+            ),
             None
         );
     }

@@ -3,14 +3,14 @@
 //! describes. The merge operator (`merge.rs`) applies them.
 
 use crate::error::DecodeError;
-use crate::record::{RECORD_HEADER_BYTES, Reader, Record, RecordHeader};
+use crate::record::{EncodedBytes, RECORD_HEADER_BYTES, Reader, Record, RecordHeader};
 
 /// The merge-operand format this build writes and reads.
 const OPERAND_FORMAT_VERSION: u8 = 1;
 const OPERAND_INSTALL: u8 = 1;
 const OPERAND_REPLACE: u8 = 2;
 /// version(1) kind(1) epoch(8), then for a replace token(8), then a whole record.
-const OPERAND_HEADER_BYTES: usize = 1 + 1 + 8;
+pub(crate) const OPERAND_HEADER_BYTES: usize = 1 + 1 + 8;
 
 /// A merge operand: one requested state transition of a marker record.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,7 +37,7 @@ pub(crate) enum Operand<'a> {
 /// format tools.
 #[must_use]
 pub fn encode_commit_operand(replaces_epoch: u64, record: &Record) -> Vec<u8> {
-    Operand::encode_install(replaces_epoch, record)
+    Operand::encode_install(replaces_epoch, record).into_vec()
 }
 
 /// Encodes the fenced merge operand of a lease step: `record` replaces the key's record only if
@@ -45,13 +45,14 @@ pub fn encode_commit_operand(replaces_epoch: u64, record: &Record) -> Vec<u8> {
 /// `epoch`. For fuzzers and format tools.
 #[must_use]
 pub fn encode_replace_operand(epoch: u64, token: u64, record: &Record) -> Vec<u8> {
-    Operand::encode_replace(epoch, token, record)
+    Operand::encode_replace(epoch, token, record).into_vec()
 }
 
 impl Operand<'_> {
-    pub(crate) fn encode_install(replaces_epoch: u64, record: &Record) -> Vec<u8> {
-        let mut out =
-            Vec::with_capacity(OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES + record.payload_len());
+    pub(crate) fn encode_install(replaces_epoch: u64, record: &Record) -> EncodedBytes {
+        let mut out = EncodedBytes::with_capacity(
+            OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES + record.payload_len(),
+        );
         out.push(OPERAND_FORMAT_VERSION);
         out.push(OPERAND_INSTALL);
         out.extend_from_slice(&replaces_epoch.to_be_bytes());
@@ -59,8 +60,8 @@ impl Operand<'_> {
         out
     }
 
-    pub(crate) fn encode_replace(epoch: u64, token: u64, record: &Record) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
+    pub(crate) fn encode_replace(epoch: u64, token: u64, record: &Record) -> EncodedBytes {
+        let mut out = EncodedBytes::with_capacity(
             OPERAND_HEADER_BYTES + 8 + RECORD_HEADER_BYTES + record.payload_len(),
         );
         out.push(OPERAND_FORMAT_VERSION);

@@ -40,6 +40,10 @@ const STATE_FAILED: u8 = 4;
 
 /// version(1) state(1) epoch(8) at_ms(8) until_ms(8) fingerprint(16) payload_len(4)
 pub(crate) const RECORD_HEADER_BYTES: usize = 1 + 1 + 8 + 8 + 8 + 16 + 4;
+/// Encoded records and merge operands: the ones a claim writes (a record with a short result)
+/// stay inline, so encoding them does not allocate; the write batch copies them anyway.
+pub(crate) type EncodedBytes = smallvec::SmallVec<[u8; 128]>;
+
 /// The largest payload any state carries.
 const PAYLOAD_BYTES_MAX: usize = RESULT_BYTES_MAX;
 
@@ -258,9 +262,9 @@ impl Record {
     /// holders by [`HOLDER_BYTES_MAX`] first. A record built by hand beyond them asserts.
     #[must_use]
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(RECORD_HEADER_BYTES + self.payload_len());
+        let mut out = EncodedBytes::with_capacity(RECORD_HEADER_BYTES + self.payload_len());
         self.encode_into(&mut out);
-        out
+        out.into_vec()
     }
 
     pub(crate) fn payload_len(&self) -> usize {
@@ -271,7 +275,7 @@ impl Record {
         }
     }
 
-    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
+    pub(crate) fn encode_into(&self, out: &mut EncodedBytes) {
         assert!(self.epoch >= 1, "epochs start at 1");
         let (state, at_ms, until_ms) = match &self.state {
             RecordState::Completed {
@@ -308,14 +312,18 @@ impl Record {
                 removable_at_ms,
             } => (STATE_RELEASED, *released_at_ms, *removable_at_ms),
         };
-        out.push(RECORD_FORMAT_VERSION);
-        out.push(state);
-        out.extend_from_slice(&self.epoch.to_be_bytes());
-        out.extend_from_slice(&at_ms.to_be_bytes());
-        out.extend_from_slice(&until_ms.to_be_bytes());
-        out.extend_from_slice(&self.fingerprint.as_u128().to_be_bytes());
         let payload_len = u32::try_from(self.payload_len()).expect("payload bounded above");
-        out.extend_from_slice(&payload_len.to_be_bytes());
+        // The header is assembled in place and appended in one copy: appended field by field,
+        // the inline buffer checked its capacity seven times.
+        let mut header = [0u8; RECORD_HEADER_BYTES];
+        header[0] = RECORD_FORMAT_VERSION;
+        header[1] = state;
+        header[2..10].copy_from_slice(&self.epoch.to_be_bytes());
+        header[10..18].copy_from_slice(&at_ms.to_be_bytes());
+        header[18..26].copy_from_slice(&until_ms.to_be_bytes());
+        header[26..42].copy_from_slice(&self.fingerprint.as_u128().to_be_bytes());
+        header[42..].copy_from_slice(&payload_len.to_be_bytes());
+        out.extend_from_slice(&header);
         match &self.state {
             RecordState::Completed { result, .. } => out.extend_from_slice(result),
             RecordState::InProgress { token, holder, .. } => {

@@ -117,7 +117,8 @@ impl StagedOp {
 /// Business writes staged on a claim, and their size against the limits.
 #[derive(Default)]
 pub(crate) struct Staged {
-    ops: Vec<StagedOp>,
+    /// The common claim stages one write: kept inline, the list costs no allocation.
+    ops: smallvec::SmallVec<[StagedOp; 1]>,
     pub(crate) bytes: usize,
 }
 

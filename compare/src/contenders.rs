@@ -39,8 +39,13 @@ pub enum Kind {
         apply: bool,
         partition_days: u32,
     },
-    /// 4 KiB write + fdatasync of a preallocated file: the disk's own durable-write latency.
-    Fdatasync,
+    /// 4 KiB write + fdatasync of a preallocated, already written file: the disk's own
+    /// durable-write latency. With `append`, a 200-byte record appended to a file preallocated
+    /// the way RocksDB preallocates its WAL (allocated, size kept): each fdatasync then also
+    /// journals the file's new size, as a WAL's does.
+    Fdatasync {
+        append: bool,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -186,7 +191,20 @@ pub fn all() -> Vec<Spec> {
             1,
         ),
         // Durable: every acknowledged message survives a power loss.
-        Spec::new("fdatasync 4 KiB", Kind::Fdatasync, 1, 1, 1),
+        Spec::new(
+            "fdatasync 4 KiB",
+            Kind::Fdatasync { append: false },
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "fdatasync append 200 B",
+            Kind::Fdatasync { append: true },
+            1,
+            1,
+            1,
+        ),
         Spec::new(
             "rocksdb get+write under lock sync, 1 thread",
             Kind::Raw(Sync, RawMode::GetThenWrite),
@@ -475,8 +493,8 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 )?))
             })
         }
-        Kind::Fdatasync => Ok(Prepared {
-            sessions: vec![Box::new(crate::embedded::Fdatasync::create(dir)?)],
+        Kind::Fdatasync { append } => Ok(Prepared {
+            sessions: vec![Box::new(crate::embedded::Fdatasync::create(dir, append)?)],
             store: None,
         }),
     }

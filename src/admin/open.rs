@@ -333,7 +333,7 @@ impl Store {
     pub(super) fn db(&self) -> &DB {
         match &self.access {
             Access::ReadOnly(db) => db,
-            Access::Exclusive(engine) => &engine.storage().db,
+            Access::Exclusive(engine) => engine.storage().db(),
         }
     }
 

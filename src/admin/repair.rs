@@ -291,7 +291,7 @@ impl Store {
         let mut batch_bytes = 0;
         for record in records {
             let cf = inner.cf(&record.table);
-            let exists = inner.db.get_pinned_cf(cf, &record.stored_key)?.is_some();
+            let exists = inner.db().get_pinned_cf(cf, &record.stored_key)?.is_some();
             if exists && !overwrite {
                 counts.skipped += 1;
                 continue;
