@@ -1,7 +1,9 @@
 //! The marker tables' merge operator: the record state machine, applied by RocksDB.
 //!
-//! A claim's commit is written as a merge operand ("install this record if the key is absent or
-//! still holds the record I found expired"), never as a blind put. RocksDB orders all operands
+//! A lease step is written as a merge operand ("install this record if the key is absent or
+//! still holds the record I found expired", "replace the in-progress record I hold"); a
+//! transactional claim's commit writes its record as a value, which the latch makes safe
+//! (docs/design.md, section 5). RocksDB orders all operands
 //! of a key by sequence number and folds them over the base value with [`apply_operands`], so the
 //! outcome of concurrent transitions is decided by one deterministic function over one total
 //! order, whenever and wherever (read, flush, compaction) the fold runs. docs/design.md gives the

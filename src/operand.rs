@@ -10,7 +10,7 @@ const OPERAND_FORMAT_VERSION: u8 = 1;
 const OPERAND_INSTALL: u8 = 1;
 const OPERAND_REPLACE: u8 = 2;
 /// version(1) kind(1) epoch(8), then for a replace token(8), then a whole record.
-pub(crate) const OPERAND_HEADER_BYTES: usize = 1 + 1 + 8;
+const OPERAND_HEADER_BYTES: usize = 1 + 1 + 8;
 
 /// A merge operand: one requested state transition of a marker record.
 #[derive(Clone, Debug, PartialEq, Eq)]

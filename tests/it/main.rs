@@ -25,4 +25,5 @@ mod race;
 #[path = "../support/tmpfs.rs"]
 mod tmpfs;
 mod ttl;
+mod upgrade;
 mod util;

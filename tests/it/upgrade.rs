@@ -1,0 +1,138 @@
+//! Stores written before claims stored their records as plain values. A claim's commit used to
+//! write an install merge operand; it now writes the record itself (the latch already makes the
+//! claim the key's only writer). Both read as the same record, so a store holding operands from
+//! an older engine must behave exactly as before: duplicates and conflicts found, expired records
+//! claimed again over their operands, leases fenced, and all of it surviving a compaction and a
+//! reopen.
+
+use crate::util::{START_MS, TestStore};
+use idemdb::{Fingerprint, Outcome, format};
+
+const HOUR_MS: u64 = 3_600_000;
+
+/// Writes each `(message key, record)` of consumer `c` as an install operand over nothing,
+/// with plain RocksDB and the store's merge operator, and leaves the operands unflushed (in the
+/// WAL), as an older engine's commits were before its next flush.
+fn write_install_operands(store: &TestStore, records: &[(&str, format::Record)]) {
+    let names = [
+        "default",
+        "idemdb.records",
+        "idemdb.versions",
+        "orders",
+        "counters",
+        "customers",
+    ];
+    let mut records_options = rocksdb::Options::default();
+    records_options.set_merge_operator(
+        "idemdb.record.v1",
+        |_key: &[u8], existing: Option<&[u8]>, operands: &rocksdb::MergeOperands| {
+            Some(format::apply_operands(existing, operands))
+        },
+        |_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands| None,
+    );
+    let descriptors = names.map(|name| {
+        let options = if name == "idemdb.records" {
+            records_options.clone()
+        } else {
+            rocksdb::Options::default()
+        };
+        rocksdb::ColumnFamilyDescriptor::new(name, options)
+    });
+    let db = rocksdb::DB::open_cf_descriptors(
+        &rocksdb::Options::default(),
+        store.dir.path(),
+        descriptors,
+    )
+    .unwrap();
+    let table = db.cf_handle("idemdb.records").unwrap();
+    for (key, record) in records {
+        let stored_key = format::encode_key(b"c", key.as_bytes()).unwrap();
+        let operand = format::encode_commit_operand(record.epoch - 1, record);
+        db.merge_cf(table, stored_key, operand).unwrap();
+    }
+}
+
+fn completed(epoch: u64, expires_at_ms: u64, payload: &[u8], result: &str) -> format::Record {
+    format::Record::new(
+        epoch,
+        START_MS - HOUR_MS,
+        expires_at_ms,
+        Fingerprint::of(payload),
+        result.to_owned().into(),
+    )
+}
+
+#[test]
+fn records_held_as_install_operands_by_an_older_engine_read_and_are_replaced_as_before() {
+    let store = TestStore::new();
+    drop(store.open());
+    write_install_operands(
+        &store,
+        &[
+            ("live", completed(1, START_MS + HOUR_MS, b"live", "kept")),
+            ("expired", completed(3, START_MS - 1, b"expired", "old")),
+            ("leased", completed(1, START_MS - 1, b"leased", "old")),
+        ],
+    );
+
+    let engine = store.open();
+    let consumer = engine.consumer("c").unwrap();
+    // A record held as an operand is found: a duplicate with its result, or a conflict.
+    match consumer.begin("live", Fingerprint::of(b"live")).unwrap() {
+        Outcome::Duplicate { epoch, result, .. } => {
+            assert_eq!((epoch, &result[..]), (1, &b"kept"[..]));
+        }
+        other => panic!("expected the operand's record as a duplicate, got {other:?}"),
+    }
+    assert!(matches!(
+        consumer.begin("live", Fingerprint::of(b"other")).unwrap(),
+        Outcome::Conflict { .. }
+    ));
+    // An expired one is claimed again; the new record, a plain value written over the
+    // operand, takes the next epoch.
+    let Outcome::Fresh(claim) = consumer
+        .begin("expired", Fingerprint::of(b"again"))
+        .unwrap()
+    else {
+        panic!("an expired operand's key must be claimable");
+    };
+    assert_eq!(claim.epoch(), 4);
+    assert_eq!(claim.commit(b"new").unwrap().epoch, 4);
+    // A lease over an expired operand's record, then its fenced completion.
+    let Outcome::Fresh(external) = consumer
+        .begin_external(
+            "leased",
+            Fingerprint::of(b"leased"),
+            std::time::Duration::from_secs(60),
+            "worker",
+        )
+        .unwrap()
+    else {
+        panic!("an expired operand's key must be leasable");
+    };
+    assert_eq!(external.epoch(), 2);
+    external.complete(b"done").unwrap();
+
+    let check = |engine: &idemdb::Engine| {
+        let consumer = engine.consumer("c").unwrap();
+        for (key, payload, epoch, result) in [
+            ("live", &b"live"[..], 1, &b"kept"[..]),
+            ("expired", b"again", 4, b"new"),
+            ("leased", b"leased", 2, b"done"),
+        ] {
+            match consumer.begin(key, Fingerprint::of(payload)).unwrap() {
+                Outcome::Duplicate {
+                    epoch: found,
+                    result: found_result,
+                    ..
+                } => assert_eq!((found, &found_result[..]), (epoch, result), "{key}"),
+                other => panic!("{key}: expected a duplicate, got {other:?}"),
+            }
+        }
+    };
+    check(&engine);
+    engine.compact().unwrap();
+    check(&engine);
+    drop((consumer, engine));
+    check(&store.open());
+}
