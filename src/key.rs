@@ -5,6 +5,7 @@
 //! part contains: two different pairs never encode to the same bytes. All keys of one consumer
 //! share the prefix `[consumer_len][consumer id]` and sort together, by message key.
 
+#[cfg(feature = "engine")]
 use smallvec::SmallVec;
 
 use crate::error::DecodeError;
@@ -14,10 +15,12 @@ use crate::error::{Limit, Result, check_limit};
 /// keys on the heap. Every claim keeps its key twice (in the claim and in the latch set), and
 /// the instruction profile counted the allocator at about 2,000 instructions per claim; a
 /// consumer prefix plus a UUID fits inline, so the common claim allocates neither copy.
+#[cfg(feature = "engine")]
 pub(crate) type StoredKey = SmallVec<[u8; STORED_KEY_INLINE_BYTES]>;
 
 /// Stored keys up to this length are kept inline: the length byte, a consumer id of up to 11
 /// bytes and a 36-character UUID.
+#[cfg(feature = "engine")]
 pub(crate) const STORED_KEY_INLINE_BYTES: usize = 48;
 
 /// The shortest consumer id, in bytes.
@@ -73,6 +76,7 @@ pub(crate) fn encode_with_prefix(prefix: &[u8], message_key: &[u8]) -> Result<Ve
 }
 
 /// Appends `message_key` to a prefix made by [`consumer_prefix`], as the claim path keeps it.
+#[cfg(feature = "engine")]
 pub(crate) fn stored_key(prefix: &[u8], message_key: &[u8]) -> Result<StoredKey> {
     check_message_key(message_key)?;
     let mut key = StoredKey::with_capacity(prefix.len() + message_key.len());
