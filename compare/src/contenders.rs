@@ -13,6 +13,8 @@ use crate::workload::{Session, Shape, WARM_UP_THREAD};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
     Idemdb(Durability),
+    /// idemdb, `Durability::Sync`, batches committed with `commit_async`, two in flight.
+    IdemdbPipelined,
     /// idemdb, re-delivering keys stored before the timed run (the duplicate path): still in
     /// the memtable, or flushed to table files first.
     IdemdbDuplicates {
@@ -213,6 +215,13 @@ pub fn all() -> Vec<Spec> {
             1,
         ),
         Spec::new("idemdb sync, batch 64", Kind::Idemdb(Sync), 1, 64, 1),
+        Spec::new(
+            "idemdb sync, batch 64, 2 in flight",
+            Kind::IdemdbPipelined,
+            1,
+            64,
+            1,
+        ),
         Spec::new(
             "rocksdb blind put sync, batch 64",
             Kind::Raw(Sync, RawMode::BlindPut),
@@ -427,6 +436,11 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 warm_up(|| store.session(), || store.flush())?;
             }
             Prepared::sharing(store, threads, Idemdb::session)
+        }
+        Kind::IdemdbPipelined => {
+            let store = Idemdb::open(dir, Durability::Sync)?;
+            warm_up(|| store.session(), || store.flush())?;
+            Prepared::sharing(store, threads, Idemdb::pipelined_session)
         }
         Kind::IdemdbDuplicates { flushed } => {
             let store = Idemdb::open(dir, Durability::Buffered)?;

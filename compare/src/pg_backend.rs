@@ -18,6 +18,9 @@ use tokio_postgres::{Client, NoTls};
 use crate::servers::postgres_url;
 use crate::workload::{CONSUMER, Delivery, Session};
 
+/// One statement with its typed parameters, as `commit_with` takes them.
+type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
+
 /// The schema of the backend's tables and the business table, apart from the raw peer's.
 const SCHEMA: &str = "bench_idemdb";
 
@@ -112,7 +115,7 @@ impl Session for IdemdbPgSession {
                     (&&delivery.key[..], Type::BYTEA),
                     (&&value[..], Type::BYTEA),
                 ];
-                let message = Message::new(&delivery.key[..], Fingerprint::of(&value));
+                let message = Message::new(&delivery.key[..], Fingerprint::of(value));
                 match consumer
                     .apply(client, &message, b"", &[(INSERT_ORDER, &params)])
                     .await?
@@ -124,7 +127,7 @@ impl Session for IdemdbPgSession {
             }
             if let [delivery] = deliveries {
                 let value = delivery.value();
-                let fingerprint = Fingerprint::of(&value);
+                let fingerprint = Fingerprint::of(value);
                 match consumer.begin(client, delivery.key, fingerprint).await? {
                     Outcome::Fresh(claim) => {
                         let params: [(&(dyn ToSql + Sync), Type); 2] = [
@@ -162,7 +165,7 @@ impl Session for IdemdbPgSession {
                 (&keys, Type::BYTEA_ARRAY),
                 (&fresh_values, Type::BYTEA_ARRAY),
             ];
-            let orders: &[(&str, &[(&(dyn ToSql + Sync), Type)])] = if keys.is_empty() {
+            let orders: &[Statement<'_>] = if keys.is_empty() {
                 &[]
             } else {
                 &[(INSERT_ORDERS, &params)]
