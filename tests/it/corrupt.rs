@@ -1,20 +1,12 @@
 //! Guards the handling of undecodable stored values: reads and `begin` report a typed
 //! `Corrupt` error naming the key, nothing panics, and compaction keeps the evidence.
 
-use crate::util::TestStore;
+use crate::util::{TABLES, TestStore};
 use idemdb::{Error, Fingerprint, format};
 
 /// Writes raw values under the consumer `c`'s keys with plain RocksDB, bypassing idemdb.
 fn write_raw(store: &TestStore, values: &[(&str, Vec<u8>)]) {
-    let names = [
-        "default",
-        "idemdb.records",
-        "idemdb.versions",
-        "orders",
-        "counters",
-        "customers",
-    ];
-    let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), store.dir.path(), names).unwrap();
+    let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), store.dir.path(), TABLES).unwrap();
     let records = db.cf_handle("idemdb.records").unwrap();
     for (key, value) in values {
         let stored_key = format::encode_key(b"c", key.as_bytes()).unwrap();

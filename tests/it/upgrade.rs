@@ -5,7 +5,7 @@
 //! claimed again over their operands, leases fenced, and all of it surviving a compaction and a
 //! reopen.
 
-use crate::util::{START_MS, TestStore};
+use crate::util::{START_MS, TABLES, TestStore};
 use idemdb::{Fingerprint, Outcome, format};
 
 const HOUR_MS: u64 = 3_600_000;
@@ -14,14 +14,6 @@ const HOUR_MS: u64 = 3_600_000;
 /// with plain RocksDB and the store's merge operator, and leaves the operands unflushed (in the
 /// WAL), as an older engine's commits were before its next flush.
 fn write_install_operands(store: &TestStore, records: &[(&str, format::Record)]) {
-    let names = [
-        "default",
-        "idemdb.records",
-        "idemdb.versions",
-        "orders",
-        "counters",
-        "customers",
-    ];
     let mut records_options = rocksdb::Options::default();
     records_options.set_merge_operator(
         "idemdb.record.v1",
@@ -30,7 +22,7 @@ fn write_install_operands(store: &TestStore, records: &[(&str, format::Record)])
         },
         |_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands| None,
     );
-    let descriptors = names.map(|name| {
+    let descriptors = TABLES.map(|name| {
         let options = if name == "idemdb.records" {
             records_options.clone()
         } else {

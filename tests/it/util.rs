@@ -49,6 +49,17 @@ impl TestStore {
     }
 }
 
+/// Every column family of a store opened with [`TestStore::builder`], for tests that open it with
+/// plain RocksDB.
+pub const TABLES: [&str; 6] = [
+    "default",
+    "idemdb.records",
+    "idemdb.versions",
+    "orders",
+    "counters",
+    "customers",
+];
+
 /// The value of a counter in the `counters` table (0 when absent).
 pub fn counter(engine: &Engine, name: &str) -> u64 {
     let counters = engine.business_table("counters").unwrap();
