@@ -24,7 +24,7 @@ impl BusinessTable {
     /// # Errors
     /// [`Error::Storage`] if the read (or a merge) fails.
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        Ok(self.inner.db().get_cf(self.inner.cf(&self.name), key)?)
+        Ok(self.inner.db().get_cf(self.inner.business_cf(self.index), key)?)
     }
 
     /// The table's name.

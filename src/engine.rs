@@ -21,7 +21,7 @@ use crate::message::Message;
 use crate::observe::{ConsumerMetrics, OutcomeKind, Stats};
 use crate::options::{EngineBuilder, OpenMode};
 use crate::record::{Record, RecordState, Standing};
-use crate::storage::{RECORDS_MARKER, RECORDS_TABLE, Storage};
+use crate::storage::{RECORDS_MARKER, Storage};
 use crate::store_lock::StoreLock;
 use crate::store_meta::{self, StoredMeta};
 
@@ -324,7 +324,7 @@ impl Engine {
     pub fn record_counts(&self) -> Result<RecordCounts> {
         let now_ms = self.inner.clock.now_ms();
         let mut counts = RecordCounts::default();
-        let cf = self.inner.cf(RECORDS_TABLE);
+        let cf = self.inner.marker_cf(RECORDS_MARKER);
         for entry in self.inner.db().iterator_cf(cf, IteratorMode::Start) {
             let (_, value) = entry?;
             let counter = match Record::decode(&value).map(|record| record.standing_at(now_ms)) {
@@ -598,7 +598,7 @@ impl Consumer {
     ) -> Result<Vec<InProgressEntry>> {
         let now_ms = self.inner.clock.now_ms();
         let age_ms = u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX);
-        let cf = self.inner.cf(RECORDS_TABLE);
+        let cf = self.inner.marker_cf(RECORDS_MARKER);
         let mode = IteratorMode::From(&self.prefix, rocksdb::Direction::Forward);
         let mut found = Vec::new();
         for entry in self.inner.db().iterator_cf(cf, mode) {

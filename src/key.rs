@@ -5,7 +5,6 @@
 //! part contains: two different pairs never encode to the same bytes. All keys of one consumer
 //! share the prefix `[consumer_len][consumer id]` and sort together, by message key.
 
-#[cfg(feature = "engine")]
 use smallvec::SmallVec;
 
 use crate::error::DecodeError;
@@ -15,12 +14,10 @@ use crate::error::{Limit, Result, check_limit};
 /// keys on the heap. Every claim keeps its key twice (in the claim and in the latch set), and
 /// the instruction profile counted the allocator at about 2,000 instructions per claim; a
 /// consumer prefix plus a UUID fits inline, so the common claim allocates neither copy.
-#[cfg(feature = "engine")]
 pub(crate) type StoredKey = SmallVec<[u8; STORED_KEY_INLINE_BYTES]>;
 
 /// Stored keys up to this length are kept inline: the length byte, a consumer id of up to 11
 /// bytes and a 36-character UUID.
-#[cfg(feature = "engine")]
 pub(crate) const STORED_KEY_INLINE_BYTES: usize = 48;
 
 /// The shortest consumer id, in bytes.
@@ -66,17 +63,13 @@ pub(crate) fn consumer_prefix(consumer_id: &[u8]) -> Result<Vec<u8>> {
     Ok(prefix)
 }
 
-/// Appends `message_key` to a prefix made by [`consumer_prefix`].
+/// Appends `message_key` to a prefix made by [`consumer_prefix`], as a plain vector (the
+/// operator tools and [`encode_key`]; the claim path keeps [`stored_key`]'s inline form).
 pub(crate) fn encode_with_prefix(prefix: &[u8], message_key: &[u8]) -> Result<Vec<u8>> {
-    check_message_key(message_key)?;
-    let mut key = Vec::with_capacity(prefix.len() + message_key.len());
-    key.extend_from_slice(prefix);
-    key.extend_from_slice(message_key);
-    Ok(key)
+    Ok(stored_key(prefix, message_key)?.into_vec())
 }
 
 /// Appends `message_key` to a prefix made by [`consumer_prefix`], as the claim path keeps it.
-#[cfg(feature = "engine")]
 pub(crate) fn stored_key(prefix: &[u8], message_key: &[u8]) -> Result<StoredKey> {
     check_message_key(message_key)?;
     let mut key = StoredKey::with_capacity(prefix.len() + message_key.len());
