@@ -7,7 +7,7 @@ use crate::record::RecordHeader;
 
 /// The name RocksDB persists in the OPTIONS file for the marker tables' compaction filter.
 #[cfg(feature = "engine")]
-pub(crate) const COMPACTION_FILTER_NAME: &str = "idemdb.ttl.v1";
+pub(crate) const COMPACTION_FILTER_NAME: &std::ffi::CStr = c"idemdb.ttl.v1";
 
 /// What the compaction filter does with one stored value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
