@@ -214,7 +214,17 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
         let mut client = pg_backend::connect(port, true).await?;
         match removal {
             Removal::StepsApart => {
-                let expired = expired_partitions(&client).await?;
+                let store = PgStore::builder()
+                    .names(pg_backend::names()?)
+                    .open(&client)
+                    .await?;
+                let expired: Vec<String> = store
+                    .partitions(&client)
+                    .await?
+                    .into_iter()
+                    .filter(|partition| partition.removable)
+                    .map(|partition| partition.name)
+                    .collect();
                 let mut step = |name: &'static str, from: Duration| {
                     step_windows.push((name, from, started.elapsed()));
                 };
@@ -339,26 +349,4 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
         rows_left
     );
     Ok(result)
-}
-
-/// The day partitions of the harness's records table whose every row has expired, by name.
-async fn expired_partitions(client: &tokio_postgres::Client) -> Result<Vec<String>> {
-    let today = i64::try_from(now_ms())? / DAY_MS;
-    let rows = client
-        .query(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = 'bench_idemdb.records'::regclass",
-            &[],
-        )
-        .await?;
-    let mut expired: Vec<(i64, String)> = rows
-        .iter()
-        .filter_map(|row| {
-            let name: String = row.get(0);
-            let day: i64 = name.strip_prefix("records_d")?.parse().ok()?;
-            (day < today).then(|| (day, format!("bench_idemdb.{name}")))
-        })
-        .collect();
-    expired.sort();
-    Ok(expired.into_iter().map(|(_, name)| name).collect())
 }

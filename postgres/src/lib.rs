@@ -864,7 +864,58 @@ pub struct Maintenance {
     pub dropped: Vec<String>,
 }
 
+/// A partition of the records table, as [`PgStore::partitions`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Partition {
+    /// Qualified: `schema.table_dN`, N its first day.
+    pub name: String,
+    /// Its first day (since 1970-01-01, UTC): it holds the rows that become removable on this
+    /// day and the `days - 1` days after it.
+    pub first_day: i64,
+    /// The days it covers: the store's partition width (`InstallOptions::partition_days`).
+    pub days: u32,
+    /// Every row of it is removable now, on the store's clock: [`PgStore::maintain`] drops it.
+    pub removable: bool,
+}
+
 impl PgStore {
+    /// The partitions of the records table, oldest first, with what [`maintain`](Self::maintain)
+    /// would do to each now. For operators and monitoring: a removable partition that stays
+    /// means `maintain` is not running.
+    ///
+    /// # Errors
+    /// [`Error::Postgres`] when a statement fails.
+    pub async fn partitions(&self, client: &Client) -> Result<Vec<Partition>> {
+        Ok(self
+            .day_partitions(client)
+            .await?
+            .into_iter()
+            .map(|(partition, removable)| Partition {
+                name: partition.name,
+                first_day: partition.day,
+                days: self.inner.partition_days,
+                removable,
+            })
+            .collect())
+    }
+
+    /// The records table's partitions, oldest first, each with whether every row of it is
+    /// removable now (on the store's clock).
+    async fn day_partitions(&self, client: &Client) -> Result<Vec<(schema::DayPartition, bool)>> {
+        let now_ms = i64::try_from(now_on_store_clock(client, self).await?).unwrap_or(i64::MAX);
+        let days = i64::from(self.inner.partition_days);
+        Ok(schema::day_partitions(client, &self.inner.names)
+            .await?
+            .into_iter()
+            .map(|partition| {
+                // Every row of the partition's last day is removable once that day has passed.
+                let removable = partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms;
+                (partition, removable)
+            })
+            .collect())
+    }
+
     /// Creates the partitions of the days ahead and drops those whose rows have all expired.
     /// Run it regularly (hourly, say, from one process or several): removal is one dropped
     /// partition per day, never a `DELETE` of rows, so it costs the same at any number of
@@ -880,12 +931,9 @@ impl PgStore {
     /// finished by the next call.
     pub async fn maintain(&self, client: &mut Client) -> Result<Maintenance> {
         let through_day = self.ensure_partitions(client, true).await?;
-        let now_ms = i64::try_from(now_on_store_clock(&*client, self).await?).unwrap_or(i64::MAX);
         let mut dropped = Vec::new();
-        let days = i64::from(self.inner.partition_days);
-        for partition in schema::day_partitions(client, &self.inner.names).await? {
-            // Every row of the partition's last day is removable once that day has passed.
-            if partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms {
+        for (partition, removable) in self.day_partitions(client).await? {
+            if removable {
                 schema::drop_partition(client, &self.inner.names, &partition).await?;
                 dropped.push(partition.name);
             }

@@ -12,8 +12,9 @@
 //! with its business rows, a dropped or failed batch leaves nothing, the batch-size limit, and
 //! racing connections claiming overlapping batches have one winner per key. Resolution of an
 //! in-progress key by hand: completed or released, refused for a key not in progress.
-//! Removal: whole day partitions dropped once expired, nothing before; the migration of a
-//! version 1 table. Faults: a connection lost before the commit (nothing lands, the key is
+//! Removal: whole day partitions dropped once expired, nothing before, and listed with what
+//! removal would do; the migration of a version 1 table. `apply`: one round trip for a new key,
+//! and a clock estimate put off by a slow round trip refused, then relearned. Faults: a connection lost before the commit (nothing lands, the key is
 //! free) and during it (the COMMIT waits for a standby, its server process is terminated: the
 //! redelivery finds `Duplicate` and the business row once); a deadlock in the business SQL
 //! (retryable, nothing of the victim lands, its key is free); a serialization failure raised by
@@ -50,7 +51,7 @@ use idemdb_postgres::{
     BATCH_MESSAGES_MAX, Error, Names, PgBatchOutcome, PgConsumer, PgLeaseTicket, PgResolution,
     PgStore, SCHEMA_VERSION, install,
 };
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, NoTls};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
@@ -189,6 +190,7 @@ fn main() {
     scenario!(apply_runs_a_messages_sql_once_in_one_round_trip_when_it_is_new);
     scenario!(apply_takes_an_expired_key_again_and_keeps_the_admission_floor);
     scenario!(connections_racing_to_apply_the_same_keys_have_one_winner_each);
+    scenario!(apply_writes_the_databases_time_when_its_estimate_of_it_is_off);
     scenario!(partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install);
     if failed > 0 {
         eprintln!(
@@ -2319,6 +2321,35 @@ async fn run_model(
                 model.commits += 1;
                 model.complete(open.key, open.content, result, true, now_ms);
             }
+            Op::Apply {
+                key,
+                content,
+                result,
+            } => {
+                let expected = model.expect(key, content, latched(&claims, key), now_ms);
+                let message_key = model_spec::message_key(key);
+                let counter_key = counter(key);
+                let outcome = consumer
+                    .apply(
+                        client,
+                        &Message::new(&message_key, model_spec::fingerprint(content)),
+                        [result],
+                        &[(COUNT, &[(&counter_key, Type::TEXT)])],
+                    )
+                    .await
+                    .map_err(|e| fail(&e))?;
+                // `apply` does not say whether it took a key over: the model's answer is
+                // assumed for that part, the outcome's kind is checked.
+                let takeover = match (&outcome, &expected) {
+                    (Outcome::Fresh(_), Expected::Fresh { takeover }) => Some(*takeover),
+                    _ => None,
+                };
+                check_outcome("apply", &outcome, &expected, takeover)?;
+                if matches!(outcome, Outcome::Fresh(_)) {
+                    model.commits += 1;
+                    model.complete(key, content, result, true, now_ms);
+                }
+            }
             Op::Abort { claim } => {
                 if claims.is_empty() {
                     continue;
@@ -2571,7 +2602,7 @@ fn random_ops(rng: &mut u64, len: usize) -> Vec<model_spec::Op> {
     };
     (0..len)
         .map(|_| {
-            let pick = next() % 24;
+            let pick = next() % 26;
             let key = (next() % u64::from(KEYS)) as u8;
             let content = (next() % 2) as u8;
             let index = next() as usize;
@@ -2606,7 +2637,12 @@ fn random_ops(rng: &mut u64, len: usize) -> Vec<model_spec::Op> {
                     ms: next() % (2 * RETENTION_MS),
                 },
                 22 => Op::Compact,
-                _ => Op::Reopen,
+                23 => Op::Reopen,
+                _ => Op::Apply {
+                    key,
+                    content,
+                    result: byte,
+                },
             }
         })
         .collect()
@@ -5145,6 +5181,117 @@ async fn a_keys_lock_and_an_entitys_lock_of_the_same_bits_do_not_meet(
     Ok(())
 }
 
+/// `apply`'s one round trip writes a time estimated from the offset to the database's clock
+/// seen before; an estimate off by more than the tolerance must not be written. A slow round
+/// trip puts it off: the offset is learned when the answer arrives, so a statement that sleeps
+/// after the record's insert shifts the estimate back by its sleep. The next new key is then
+/// refused the shortcut and takes the long way, which writes the database's own time and
+/// learns the offset again; the one after takes one round trip again.
+async fn apply_writes_the_databases_time_when_its_estimate_of_it_is_off(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_apply_clock").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let billing = store.consumer("billing")?;
+    // The first call learns the offset the long way; the second takes one round trip, and its
+    // statement sleeping after the insert makes the offset it learns 1.5 s short.
+    let (first, ..) = apply_timed(&billing, &mut client, "o-1", "one", None).await?;
+    ensure!(first == Some(false), "first call: {first:?}");
+    let (second, at, before, after) = apply_timed(
+        &billing,
+        &mut client,
+        "o-2",
+        "two",
+        Some("SELECT pg_sleep(1.5)"),
+    )
+    .await?;
+    ensure!(second == Some(true), "second call: {second:?}");
+    ensure!(
+        at + CLOCK_SLACK_MS >= before && at <= after + CLOCK_SLACK_MS,
+        "o-2 committed at {at}, database clock {before}..{after}"
+    );
+    // The estimate is now 1.5 s behind the database: refused, written the long way with the
+    // database's time.
+    let (third, at, before, after) =
+        apply_timed(&billing, &mut client, "o-3", "three", None).await?;
+    ensure!(
+        third == Some(false),
+        "an estimate 1.5 s off was written in one round trip: {third:?}"
+    );
+    ensure!(
+        at + CLOCK_SLACK_MS >= before && at <= after + CLOCK_SLACK_MS,
+        "o-3 committed at {at}, database clock {before}..{after}"
+    );
+    // Learned again on the way: one round trip, and a time close to the database's.
+    let (fourth, at, before, after) =
+        apply_timed(&billing, &mut client, "o-4", "four", None).await?;
+    ensure!(fourth == Some(true), "after relearning: {fourth:?}");
+    ensure!(
+        at + CLOCK_SLACK_MS >= before && at <= after + CLOCK_SLACK_MS,
+        "o-4 committed at {at}, database clock {before}..{after}"
+    );
+    Ok(())
+}
+
+/// `apply`s `id` (inserting its order, then running `then` if given) and returns whether it
+/// was fresh in one round trip (`None`: not fresh), the record's commit time, and the
+/// database's clock before and after the call.
+async fn apply_timed(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    id: &str,
+    body: &str,
+    then: Option<&str>,
+) -> Result<(Option<bool>, u64, u64, u64), Failure> {
+    let before = db_clock_ms(client).await?;
+    let insert = "INSERT INTO t_apply_clock.orders (id, body) VALUES ($1, $2)";
+    let params: [(&(dyn ToSql + Sync), Type); 2] = [(&id, Type::TEXT), (&body, Type::TEXT)];
+    let mut statements: Vec<idemdb_postgres::TypedStatement<'_>> = vec![(insert, &params)];
+    if let Some(then) = then {
+        statements.push((then, &[]));
+    }
+    let outcome = consumer
+        .apply(
+            client,
+            &Message::new(id, Fingerprint::of(body.as_bytes())),
+            b"ok",
+            &statements,
+        )
+        .await?;
+    let after = db_clock_ms(client).await?;
+    let Some(record) = consumer.get(client, id).await? else {
+        return Err(format!("{id}: no record after {outcome:?}").into());
+    };
+    let idemdb::format::RecordState::Completed {
+        committed_at_ms, ..
+    } = record.state
+    else {
+        return Err(format!("{id}: {record:?}").into());
+    };
+    let fresh = match outcome {
+        Outcome::Fresh(applied) => Some(applied.one_round_trip),
+        _ => None,
+    };
+    Ok((fresh, committed_at_ms, before, after))
+}
+
+/// How far a record's time may be from the database's clock around the call: the offset is
+/// learned when an answer arrives, so an estimate trails by about one round trip (far less
+/// than the 1.5 s the scenario puts it off by).
+const CLOCK_SLACK_MS: u64 = 200;
+
+/// The database's clock now, in milliseconds since the Unix epoch.
+async fn db_clock_ms(client: &Client) -> Result<u64, Failure> {
+    let row = client
+        .query_one(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+            &[],
+        )
+        .await?;
+    Ok(u64::try_from(row.get::<_, i64>(0))?)
+}
+
 /// `apply` with the scenario's `orders` insert of `id`.
 async fn apply_order(
     consumer: &PgConsumer,
@@ -5455,6 +5602,27 @@ async fn connections_racing_to_apply_the_same_keys_have_one_winner_each(
     Ok(())
 }
 
+/// Checks that `PgStore::partitions` lists the two weeks of `t_weeks`, days 98 and 105, with
+/// `removable` as given.
+async fn listed_weeks(
+    store: &PgStore,
+    client: &Client,
+    removable: [bool; 2],
+) -> Result<(), Failure> {
+    let found: Vec<(String, i64, u32, bool)> = store
+        .partitions(client)
+        .await?
+        .into_iter()
+        .map(|p| (p.name, p.first_day, p.days, p.removable))
+        .collect();
+    let expected = vec![
+        ("t_weeks.records_d98".to_owned(), 98, 7, removable[0]),
+        ("t_weeks.records_d105".to_owned(), 105, 7, removable[1]),
+    ];
+    ensure!(found == expected, "partitions: {found:?}");
+    Ok(())
+}
+
 async fn partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install(
     url: &str,
 ) -> Result<(), Failure> {
@@ -5531,11 +5699,14 @@ async fn partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_insta
         "expired: {outcome:?}"
     );
     drop(outcome);
-    // The partition of days 98 to 104 is dropped only once day 104 has passed.
+    // The partition of days 98 to 104 is dropped only once day 104 has passed, and listed as
+    // removable from then on.
     clock.set(105 * DAY - 1);
+    listed_weeks(&store, &client, [false, false]).await?;
     let done = store.maintain(&mut client).await?;
     ensure!(done.dropped.is_empty(), "dropped early: {done:?}");
     clock.set(105 * DAY);
+    listed_weeks(&store, &client, [true, false]).await?;
     let done = store.maintain(&mut client).await?;
     ensure!(
         done.dropped == vec!["t_weeks.records_d98"],

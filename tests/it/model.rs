@@ -13,6 +13,8 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (key.clone(), 0..2u8).prop_map(|(key, content)| Op::Begin { key, content }),
         3 => (any::<usize>(), any::<u8>()).prop_map(|(claim, result)| Op::Commit { claim, result }),
         1 => any::<usize>().prop_map(|claim| Op::Abort { claim }),
+        2 => (key.clone(), 0..2u8, any::<u8>())
+            .prop_map(|(key, content, result)| Op::Apply { key, content, result }),
         3 => (key.clone(), 0..2u8).prop_map(|(key, content)| Op::BeginExternal { key, content }),
         1 => any::<usize>().prop_map(|claim| Op::Renew { claim }),
         3 => (any::<usize>(), any::<u8>()).prop_map(|(claim, result)| Op::Complete { claim, result }),

@@ -16,8 +16,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use idemdb::{
-    BatchOutcome, Claim, Clock, Durability, Engine, Error, ExternalClaim, FailurePolicy,
-    LeaseTicket, Message, MockClock, Outcome, TableOptions, merge_ops,
+    BatchOutcome, BusinessTable, Claim, Clock, Consumer, Durability, Engine, Error, ExternalClaim,
+    FailurePolicy, LeaseTicket, Message, MockClock, Outcome, TableOptions, merge_ops,
 };
 
 /// A temporary store on a mock clock, with the tables the model writes.
@@ -78,17 +78,12 @@ pub fn run(ops: Vec<Op>) -> Result<(), String> {
         let counters = engine.business_table("counters").unwrap();
         match op {
             Op::Begin { key, content } => {
-                let latched = claims.iter().any(|(held, _, _)| *held == key);
-                let expected = model.expect(key, content, latched, now_ms);
-                let outcome = consumer
-                    .begin(message_key(key), fingerprint(content))
-                    .unwrap();
-                let takeover = match &outcome {
-                    Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
-                    _ => None,
+                let step = Step {
+                    key,
+                    content,
+                    now_ms,
                 };
-                check_outcome("begin", &outcome, &expected, takeover)?;
-                if let Outcome::Fresh(claim) = outcome {
+                if let Some(claim) = step.begin("begin", &consumer, &model, &claims)? {
                     claims.push((key, content, claim));
                 }
             }
@@ -96,14 +91,27 @@ pub fn run(ops: Vec<Op>) -> Result<(), String> {
                 if claims.is_empty() {
                     continue;
                 }
-                let (key, content, mut claim) = claims.remove(claim % claims.len());
-                claim
-                    .merge(&counters, message_key(key), 1u64.to_be_bytes())
-                    .unwrap();
-                let committed = claim.commit([result]).unwrap();
-                ensure_eq!(committed.expires_at_ms, now_ms + RETENTION_MS);
-                model.commits += 1;
-                model.complete(key, content, result, true, now_ms);
+                let (key, content, claim) = claims.remove(claim % claims.len());
+                let step = Step {
+                    key,
+                    content,
+                    now_ms,
+                };
+                step.commit(claim, result, &counters, &mut model)?;
+            }
+            Op::Apply {
+                key,
+                content,
+                result,
+            } => {
+                let step = Step {
+                    key,
+                    content,
+                    now_ms,
+                };
+                if let Some(claim) = step.begin("apply", &consumer, &model, &claims)? {
+                    step.commit(claim, result, &counters, &mut model)?;
+                }
             }
             Op::Abort { claim } => {
                 if !claims.is_empty() {
@@ -313,6 +321,59 @@ pub fn run(ops: Vec<Op>) -> Result<(), String> {
         check(&engine, &model, store.clock.now_ms(), claims.len())?;
     }
     Ok(())
+}
+
+/// A delivery of `key` with `content` at `now_ms`, begun and committed as the model expects.
+struct Step {
+    key: u8,
+    content: u8,
+    now_ms: u64,
+}
+
+impl Step {
+    /// Begins the delivery (`what`: the operation, for the report) and checks the outcome
+    /// against the model, `claims` being the claims open in this process; the claim if fresh.
+    fn begin(
+        &self,
+        what: &str,
+        consumer: &Consumer,
+        model: &Model,
+        claims: &[(u8, u8, Claim)],
+    ) -> Result<Option<Claim>, String> {
+        let latched = claims.iter().any(|(held, _, _)| *held == self.key);
+        let expected = model.expect(self.key, self.content, latched, self.now_ms);
+        let outcome = consumer
+            .begin(message_key(self.key), fingerprint(self.content))
+            .unwrap();
+        let takeover = match &outcome {
+            Outcome::Fresh(claim) => Some(claim.previous_attempt().is_some()),
+            _ => None,
+        };
+        check_outcome(what, &outcome, &expected, takeover)?;
+        Ok(match outcome {
+            Outcome::Fresh(claim) => Some(claim),
+            _ => None,
+        })
+    }
+
+    /// Commits `claim` with its business write (the key's counter plus one), and records the
+    /// commit in the model.
+    fn commit(
+        &self,
+        mut claim: Claim,
+        result: u8,
+        counters: &BusinessTable,
+        model: &mut Model,
+    ) -> Result<(), String> {
+        claim
+            .merge(counters, message_key(self.key), 1u64.to_be_bytes())
+            .unwrap();
+        let committed = claim.commit([result]).unwrap();
+        ensure_eq!(committed.expires_at_ms, self.now_ms + RETENTION_MS);
+        model.commits += 1;
+        model.complete(self.key, self.content, result, true, self.now_ms);
+        Ok(())
+    }
 }
 
 /// After every step: each key reads exactly as the model says, and the business counters

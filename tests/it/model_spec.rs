@@ -75,6 +75,13 @@ pub enum Op {
         claim: usize,
         record: bool,
     },
+    /// Deliver key and, when it is fresh, commit it at once with its business write, in one
+    /// call: PostgreSQL's `apply`; the engine's `begin` then `commit`.
+    Apply {
+        key: u8,
+        content: u8,
+        result: u8,
+    },
     /// Claim a batch of (key, content) and commit every fresh claim.
     Batch {
         messages: Vec<(u8, u8)>,

@@ -1,5 +1,5 @@
-//! Stateful target: arbitrary sequences of begin, commit, abort, external begin / renew /
-//! complete / fail, batches, clock advances, compactions and reopens, checked against the
+//! Stateful target: arbitrary sequences of begin, commit, abort, begin-and-commit (apply),
+//! external begin / renew / complete / fail, batches, clock advances, compactions and reopens, checked against the
 //! in-memory model after every step (the same checker as the `model` proptest).
 #![no_main]
 
@@ -20,7 +20,7 @@ fn decode(data: &[u8]) -> Vec<Op> {
     while ops.len() < 40 {
         let Some(kind) = next() else { break };
         let a = next().unwrap_or(0);
-        let op = match kind % 11 {
+        let op = match kind % 12 {
             0 => Op::Begin { key: a % KEYS, content: (a >> 4) % 2 },
             1 => Op::Commit { claim: usize::from(a), result: next().unwrap_or(0) },
             2 => Op::Abort { claim: usize::from(a) },
@@ -40,6 +40,7 @@ fn decode(data: &[u8]) -> Vec<Op> {
             }
             8 => Op::AdvanceClock { ms: u64::from(a) * 2 * RETENTION_MS / 255 },
             9 => Op::Compact,
+            10 => Op::Apply { key: a % KEYS, content: (a >> 4) % 2, result: next().unwrap_or(0) },
             _ => Op::Reopen,
         };
         ops.push(op);
