@@ -18,9 +18,6 @@ use tokio_postgres::{Client, NoTls};
 use crate::servers::postgres_url;
 use crate::workload::{CONSUMER, Delivery, Session};
 
-/// One statement with its typed parameters, as `commit_with` takes them.
-type Statement<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
-
 /// The schema of the backend's tables and the business table, apart from the raw peer's.
 const SCHEMA: &str = "bench_idemdb";
 
@@ -165,7 +162,7 @@ impl Session for IdemdbPgSession {
                 (&keys, Type::BYTEA_ARRAY),
                 (&fresh_values, Type::BYTEA_ARRAY),
             ];
-            let orders: &[Statement<'_>] = if keys.is_empty() {
+            let orders: &[idemdb_postgres::TypedStatement<'_>] = if keys.is_empty() {
                 &[]
             } else {
                 &[(INSERT_ORDERS, &params)]

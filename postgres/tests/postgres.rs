@@ -1869,14 +1869,8 @@ async fn a_version_1_table_is_migrated_by_install(url: &str) -> Result<(), Failu
     let names = Names::new("t_migrate", "records")?;
     // Version 1 as the previous release wrote it: a live record, an expired one, and one
     // without expiry.
-    let now_ms: i64 = client
-        .query_one(
-            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
-            &[],
-        )
-        .await?
-        .get(0);
-    let now = u64::try_from(now_ms)?;
+    let now = db_clock_ms(&client).await?;
+    let now_ms = i64::try_from(now)?;
     let live = idemdb::format::Record::new(
         1,
         now,
