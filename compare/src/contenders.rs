@@ -33,6 +33,9 @@ pub enum Kind {
     /// business row of each message it inserted, in the same statement: the least a
     /// hand-written deduplication with a business row costs, beside [`Kind::IdemdbPostgres`].
     PostgresWithRow,
+    /// The least a claim handing out a live transaction can cost on the same server, with the
+    /// business row (`crate::pg_floor`): the ceiling of any design of idemdb-postgres.
+    PostgresClaimFloor,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit; or with `apply`, the deliveries through
     /// `PgConsumer::apply` (the business row sent with the claim, one round trip for a new
@@ -77,7 +80,10 @@ impl Spec {
     pub fn needs_postgres(&self) -> bool {
         matches!(
             self.kind,
-            Kind::Postgres { .. } | Kind::PostgresWithRow | Kind::IdemdbPostgres { .. }
+            Kind::Postgres { .. }
+                | Kind::PostgresWithRow
+                | Kind::PostgresClaimFloor
+                | Kind::IdemdbPostgres { .. }
         )
     }
 }
@@ -295,10 +301,22 @@ pub fn all() -> Vec<Spec> {
             Kind::PostgresWithRow,
             threads,
         ));
+        specs.push(sweep(
+            "postgres claim floor",
+            Kind::PostgresClaimFloor,
+            threads,
+        ));
     }
     specs.push(Spec::new(
         "postgres sync on + business row, 8 clients, 64 rows/txn",
         Kind::PostgresWithRow,
+        8,
+        64,
+        1,
+    ));
+    specs.push(Spec::new(
+        "postgres claim floor, 8 clients, batch 64",
+        Kind::PostgresClaimFloor,
         8,
         64,
         1,
@@ -350,6 +368,7 @@ pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
         Kind::Redis { .. }
             | Kind::Postgres { .. }
             | Kind::PostgresWithRow
+            | Kind::PostgresClaimFloor
             | Kind::IdemdbPostgres { .. }
     ) {
         "clients"
@@ -491,6 +510,14 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                     ports.postgres,
                     true,
                     true,
+                )?))
+            })
+        }
+        Kind::PostgresClaimFloor => {
+            crate::pg_floor::reset(ports.postgres)?;
+            Prepared::connected(threads, || {
+                Ok(Box::new(crate::pg_floor::ClaimFloorSession::connect(
+                    ports.postgres,
                 )?))
             })
         }

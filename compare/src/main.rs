@@ -12,6 +12,7 @@ mod machine;
 mod peers;
 mod pg_backend;
 mod pg_expiry;
+mod pg_floor;
 mod profile;
 mod report;
 mod scale;
@@ -149,6 +150,8 @@ pub struct PeersRun {
     pub seconds: f64,
     pub rounds: usize,
     pub duplicate_ratio: f64,
+    /// The `--only` filters of a partial run (empty: every contender ran).
+    pub only: Vec<String>,
     pub machine: machine::Machine,
     pub measured: Vec<Measured>,
 }
@@ -242,6 +245,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
         seconds: args.seconds,
         rounds: args.rounds,
         duplicate_ratio: args.duplicate_ratio,
+        only: args.only.clone(),
         machine,
         measured,
     })

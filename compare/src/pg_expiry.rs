@@ -1,6 +1,8 @@
 //! Commit latency of idemdb's PostgreSQL backend while millions of expired records are removed:
 //! by [`PgStore::maintain`], which drops whole day partitions, and, for contrast, by the
-//! `DELETE ... WHERE expires_at_ms < now` that an inbox table without partitions needs.
+//! `DELETE ... WHERE expires_at_ms < now` that an inbox table without partitions needs. Two
+//! controls tell what the drops cost: the same drops with the partitions' files out of the
+//! page cache, and an `unlink` of as many bytes of files that are not PostgreSQL's.
 //!
 //! One continuous run per removal method, on a fresh server: the expired records are written
 //! straight into the day partitions of three days ago (one SQL statement, real encoded records),
@@ -9,7 +11,9 @@
 //! they go on. Reported: the p99 of the commits started in the quiet window, and of those
 //! started while the removal ran.
 
-use std::path::Path;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -65,6 +69,14 @@ pub enum Removal {
     /// `maintain`'s two steps apart, to tell which one the commits feel: every expired day
     /// partition detached concurrently, then a pause, then every one dropped.
     StepsApart,
+    /// [`Removal::DropPartitions`] after the expired partitions' files were pushed out of the
+    /// operating system's page cache, as after a retention period of other writes on a server
+    /// whose memory is smaller than that: whether freeing cached pages is what costs.
+    DropColdPartitions,
+    /// No PostgreSQL at all: files of as many bytes as the expired partitions', written beside
+    /// the server's data directory on the same file system, removed with `unlink`. What
+    /// freeing that much disk space costs the commits, whoever frees it.
+    UnlinkOtherFiles,
 }
 
 /// The pause between the detaches and the drops of [`Removal::StepsApart`].
@@ -76,6 +88,10 @@ impl Removal {
             Removal::DropPartitions => "maintain (drops day partitions)",
             Removal::Delete => "DELETE WHERE expires_at_ms < now",
             Removal::StepsApart => "maintain's steps apart (detach all, pause, drop all)",
+            Removal::DropColdPartitions => "maintain, the expired partitions out of the page cache",
+            Removal::UnlinkOtherFiles => {
+                "unlink of as many bytes of other files (not PostgreSQL's; its records stay)"
+            }
         }
     }
 }
@@ -114,6 +130,8 @@ pub fn run(args: &PgExpiryArgs) -> Result<Vec<ExpiryRun>> {
         Removal::DropPartitions,
         Removal::StepsApart,
         Removal::Delete,
+        Removal::DropColdPartitions,
+        Removal::UnlinkOtherFiles,
     ] {
         let dir = tempfile::Builder::new()
             .prefix("idemdb-pg-expiry-")
@@ -135,7 +153,7 @@ fn now_ms() -> u64 {
 /// (start since the run began, latency) of one commit, in nanoseconds.
 type Call = (u64, u64);
 
-fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> {
+fn one(args: &PgExpiryArgs, removal: Removal, dir: &Path) -> Result<ExpiryRun> {
     let port = args.port;
     pg_backend::reset(port, 1)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -144,6 +162,7 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
     // The day partitions of three days ago onward, made by a store whose clock is then.
     let filled_from_ms = now_ms() - 3 * DAY_MS as u64;
     let fill_started = Instant::now();
+    let mut other_files = Vec::new();
     runtime.block_on(async {
         let mut client = pg_backend::connect(port, true).await?;
         let past = PgStore::builder()
@@ -178,6 +197,12 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
             .batch_execute("VACUUM (ANALYZE) bench_idemdb.records")
             .await?;
         client.batch_execute("CHECKPOINT").await?;
+        let files = expired_files(&client, &dir.join("postgres")).await?;
+        match removal {
+            Removal::DropColdPartitions => evict(&files)?,
+            Removal::UnlinkOtherFiles => other_files = write_other_files(dir, &files)?,
+            _ => {}
+        }
         anyhow::Ok(())
     })?;
     let fill_seconds = fill_started.elapsed().as_secs_f64();
@@ -249,7 +274,13 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
                 step("drop", from);
                 eprintln!("detached, then dropped {expired:?}");
             }
-            Removal::DropPartitions => {
+            Removal::UnlinkOtherFiles => {
+                for file in &other_files {
+                    std::fs::remove_file(file)?;
+                }
+                eprintln!("unlinked {} files", other_files.len());
+            }
+            Removal::DropPartitions | Removal::DropColdPartitions => {
                 let store = PgStore::builder()
                     .names(pg_backend::names()?)
                     .open(&client)
@@ -349,4 +380,82 @@ fn one(args: &PgExpiryArgs, removal: Removal, _dir: &Path) -> Result<ExpiryRun> 
         rows_left
     );
     Ok(result)
+}
+
+/// The files of the expired partitions (each one's table and indexes, every 1 GB segment), in
+/// the server's data directory `data`.
+async fn expired_files(client: &tokio_postgres::Client, data: &Path) -> Result<Vec<PathBuf>> {
+    let store = PgStore::builder()
+        .names(pg_backend::names()?)
+        .open(client)
+        .await?;
+    let mut files = Vec::new();
+    for partition in store.partitions(client).await? {
+        if !partition.removable {
+            continue;
+        }
+        let relations = client
+            .query(
+                "SELECT pg_relation_filepath(c.oid) FROM pg_class c \
+                 WHERE c.oid = $1::text::regclass \
+                    OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass)",
+                &[&partition.name],
+            )
+            .await?;
+        for relation in relations {
+            let path: String = relation.get(0);
+            let first = data.join(&path);
+            files.push(first.clone());
+            for segment in 1.. {
+                let next = data.join(format!("{path}.{segment}"));
+                if !next.exists() {
+                    break;
+                }
+                files.push(next);
+            }
+        }
+    }
+    anyhow::ensure!(!files.is_empty(), "no expired partition has files");
+    Ok(files)
+}
+
+/// Pushes `files` out of the page cache (they are clean: the checkpoint wrote them).
+fn evict(files: &[PathBuf]) -> Result<()> {
+    let mut bytes = 0;
+    for path in files {
+        let file = std::fs::File::open(path).with_context(|| format!("opening {path:?}"))?;
+        bytes += file.metadata()?.len();
+        // SAFETY: a plain system call on a file descriptor this function owns.
+        let error =
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        anyhow::ensure!(error == 0, "posix_fadvise on {path:?} failed: {error}");
+    }
+    eprintln!("pushed {bytes} bytes of expired partitions out of the page cache");
+    Ok(())
+}
+
+/// Writes, under `dir` (the file system of the server's data directory), one file per file of
+/// `like` with as many bytes, synced: what [`Removal::UnlinkOtherFiles`] removes.
+fn write_other_files(dir: &Path, like: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let other = dir.join("other-files");
+    std::fs::create_dir_all(&other)?;
+    let chunk = vec![0x5a_u8; 1 << 20];
+    let mut written = Vec::new();
+    let mut bytes = 0;
+    for (index, path) in like.iter().enumerate() {
+        let len = std::fs::metadata(path)?.len();
+        let target = other.join(format!("file-{index}"));
+        let mut file = std::fs::File::create(&target)?;
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(chunk.len() as u64) as usize;
+            file.write_all(&chunk[..n])?;
+            left -= n as u64;
+        }
+        file.sync_all()?;
+        bytes += len;
+        written.push(target);
+    }
+    eprintln!("wrote {bytes} bytes of other files to unlink");
+    Ok(written)
 }

@@ -43,7 +43,7 @@ fn durable(kind: Kind) -> bool {
         Kind::Redis { fsync_always } => fsync_always,
         Kind::Sqlite(sync) => sync == SqliteSync::Full,
         Kind::Postgres { synchronous_commit } => synchronous_commit,
-        Kind::IdemdbPostgres { .. } | Kind::PostgresWithRow => true,
+        Kind::IdemdbPostgres { .. } | Kind::PostgresWithRow | Kind::PostgresClaimFloor => true,
         Kind::Fdatasync { .. } => true,
     }
 }
@@ -113,7 +113,7 @@ impl Figure {
 
 /// The ratio targets: (id, idemdb's contender, the peer, figure, goal, whether the ratio must
 /// be at least the goal rather than at most).
-const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 25] = [
+const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 29] = [
     (
         "P1",
         "idemdb buffered, batch 64",
@@ -310,6 +310,41 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 25] = [
         0.8,
         true,
     ),
+    // The claim floor (`pg_floor`: one transaction of a unique-key insert and the business
+    // row, nothing else) against the raw insert, with the backend's goal: whether any design
+    // of the backend could reach it on this server.
+    (
+        "PG floor",
+        "postgres claim floor, 1 client",
+        "postgres sync on, 1 client",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
+    (
+        "PG floor",
+        "postgres claim floor, 8 clients",
+        "postgres sync on, 8 clients",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
+    (
+        "PG floor",
+        "postgres claim floor, 32 clients",
+        "postgres sync on, 32 clients",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
+    (
+        "PG floor",
+        "postgres claim floor, 8 clients, batch 64",
+        "postgres sync on, 8 clients, 64 rows/txn",
+        Figure::Throughput,
+        0.8,
+        true,
+    ),
     (
         "P6",
         "idemdb duplicates, 1 thread",
@@ -392,11 +427,15 @@ pub fn write_peers(out_dir: &Path, run: &PeersRun, name: &str) -> Result<()> {
     let mut md = document("Comparison run", Some(&run.machine))?;
     writeln!(
         md,
-        "Command: `./scripts/compare.sh peers --seconds {} --rounds {}`. Every contender ran {} s \
+        "Command: `./scripts/compare.sh peers{} --seconds {} --rounds {}`. Every contender ran {} s \
          per round, {} rounds, interleaved (each round runs every contender once, in the order \
          below); figures are medians over the rounds. Workload: 16-byte message keys (22-byte \
          stored keys), 64-byte values, {:.0}% of deliveries re-send an earlier message. Latency \
          is per call (one message, one batch, or one pipelined round trip).\n",
+        run.only
+            .iter()
+            .map(|only| format!(" --only \"{only}\""))
+            .collect::<String>(),
         run.seconds,
         run.rounds,
         run.seconds,

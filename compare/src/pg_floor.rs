@@ -1,0 +1,163 @@
+//! The least a claim that hands out a live transaction can cost on PostgreSQL: the floor under
+//! idemdb-postgres, measured beside it and beside the raw insert it is held against.
+//!
+//! A delivery is one transaction on a table whose primary key is the dedup key: `BEGIN`, an
+//! `INSERT ... ON CONFLICT DO NOTHING` of the key that fails (division by zero) when the key
+//! was there, which aborts the rest, the business row, `COMMIT`; all four sent together, in
+//! one round trip, as `PgConsumer::apply` sends its statements. A batch claims its keys with
+//! one multi-row insert that returns the winners (first round trip) and writes the winners'
+//! business rows and commits (second), as `begin_batch` and `commit_with` do.
+//!
+//! What it leaves out, and idemdb-postgres does not: a second claimant of a held key waits
+//! for the holder's transaction to end instead of hearing "in progress" at once; a duplicate
+//! gets no stored result, fingerprint or state; nothing expires. So it bounds from above what
+//! any design of the backend could reach on the same server, whatever it does about those.
+
+use anyhow::{Context, Result};
+use futures_util::future::{join, join4};
+use tokio::runtime::Runtime;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{Client, NoTls, Statement};
+
+use crate::servers::postgres_url;
+use crate::workload::{Delivery, Session};
+
+/// The floor's own schema, apart from the raw peer's tables and idemdb-postgres's.
+const SCHEMA: &str = "bench_floor";
+
+/// The claim of one key: fails, and aborts the transaction, when the key was already there.
+const CLAIM: &str = "WITH claimed AS ( \
+         INSERT INTO bench_floor.inbox (key, value) VALUES ($1, $2) \
+         ON CONFLICT DO NOTHING RETURNING 1 \
+     ) SELECT 1 / count(*)::int4 FROM claimed";
+
+/// The business row of a fresh delivery.
+const ORDER: &str = "INSERT INTO bench_floor.orders (key, value) VALUES ($1, $2)";
+
+/// The claim of a batch's keys: the rows it inserted are the winners.
+const CLAIM_MANY: &str = "INSERT INTO bench_floor.inbox (key, value) \
+     SELECT * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT DO NOTHING \
+     RETURNING key, value";
+
+/// The business rows of a batch's winners.
+const ORDERS: &str = "INSERT INTO bench_floor.orders (key, value) \
+     SELECT * FROM unnest($1::bytea[], $2::bytea[])";
+
+fn runtime() -> Result<Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// Drops and re-creates the floor's tables: every run starts empty.
+pub fn reset(port: u16) -> Result<()> {
+    runtime()?.block_on(async {
+        let client = crate::pg_backend::connect(port, true).await?;
+        client
+            .batch_execute(&format!(
+                "DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}; \
+                 CREATE TABLE {SCHEMA}.inbox (key bytea PRIMARY KEY, value bytea NOT NULL); \
+                 CREATE TABLE {SCHEMA}.orders (key bytea PRIMARY KEY, value bytea NOT NULL); \
+                 CHECKPOINT;"
+            ))
+            .await?;
+        Ok(())
+    })
+}
+
+pub struct ClaimFloorSession {
+    runtime: Runtime,
+    client: Client,
+    claim: Statement,
+    order: Statement,
+    claim_many: Statement,
+    orders: Statement,
+}
+
+impl ClaimFloorSession {
+    pub fn connect(port: u16) -> Result<ClaimFloorSession> {
+        let runtime = runtime()?;
+        let (client, [claim, order, claim_many, orders]) = runtime.block_on(async {
+            let (client, connection) = tokio_postgres::connect(&postgres_url(port), NoTls)
+                .await
+                .context("connecting to postgres")?;
+            tokio::spawn(connection);
+            let mut prepared = Vec::new();
+            for sql in [CLAIM, ORDER, CLAIM_MANY, ORDERS] {
+                prepared.push(client.prepare(sql).await?);
+            }
+            let prepared: [Statement; 4] = prepared
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("four statements prepared"))?;
+            anyhow::Ok((client, prepared))
+        })?;
+        Ok(ClaimFloorSession {
+            runtime,
+            client,
+            claim,
+            order,
+            claim_many,
+            orders,
+        })
+    }
+}
+
+impl Session for ClaimFloorSession {
+    fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
+        let ClaimFloorSession {
+            runtime,
+            client,
+            claim,
+            order,
+            claim_many,
+            orders,
+        } = self;
+        let client: &Client = client;
+        runtime.block_on(async {
+            if let [delivery] = deliveries {
+                let (key, value) = (delivery.peer_key(), delivery.value());
+                let (key, value): (&[u8], &[u8]) = (&key, &value);
+                // Polled in order, so sent in order without waiting in between.
+                let (begun, claimed, ordered, committed) = join4(
+                    client.batch_execute("BEGIN"),
+                    client.execute(claim, &[&key, &value]),
+                    client.execute(order, &[&key, &value]),
+                    client.batch_execute("COMMIT"),
+                )
+                .await;
+                begun?;
+                match claimed {
+                    Ok(_) => {
+                        ordered?;
+                        committed?;
+                    }
+                    // A duplicate: the transaction rolled back with nothing written.
+                    Err(error) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
+                        committed?;
+                    }
+                    Err(error) => return Err(error.into()),
+                }
+                return Ok(());
+            }
+            let keys: Vec<Vec<u8>> = deliveries.iter().map(|d| d.peer_key().to_vec()).collect();
+            let values: Vec<Vec<u8>> = deliveries.iter().map(|d| d.value().to_vec()).collect();
+            let (begun, winners) = join(
+                client.batch_execute("BEGIN"),
+                client.query(claim_many, &[&keys, &values]),
+            )
+            .await;
+            begun?;
+            let winners = winners?;
+            let keys: Vec<&[u8]> = winners.iter().map(|row| row.get(0)).collect();
+            let values: Vec<&[u8]> = winners.iter().map(|row| row.get(1)).collect();
+            let (ordered, committed) = join(
+                client.execute(orders, &[&keys, &values]),
+                client.batch_execute("COMMIT"),
+            )
+            .await;
+            ordered?;
+            committed?;
+            Ok(())
+        })
+    }
+}
