@@ -77,6 +77,11 @@ pub enum Removal {
     /// the server's data directory on the same file system, removed with `unlink`. What
     /// freeing that much disk space costs the commits, whoever frees it.
     UnlinkOtherFiles,
+    /// [`Removal::DropPartitions`] with the records table in a tablespace on a file system of
+    /// its own (an ext4 image on the same disk, loop-mounted), the WAL and the business table
+    /// where they were: whether keeping the partitions' files out of the WAL's file system
+    /// spares the commits. Skipped where mounting is refused.
+    DropOnOwnFileSystem,
 }
 
 /// The pause between the detaches and the drops of [`Removal::StepsApart`].
@@ -91,6 +96,9 @@ impl Removal {
             Removal::DropColdPartitions => "maintain, the expired partitions out of the page cache",
             Removal::UnlinkOtherFiles => {
                 "unlink of as many bytes of other files (not PostgreSQL's; its records stay)"
+            }
+            Removal::DropOnOwnFileSystem => {
+                "maintain, the records table's tablespace on a file system of its own"
             }
         }
     }
@@ -132,14 +140,32 @@ pub fn run(args: &PgExpiryArgs) -> Result<Vec<ExpiryRun>> {
         Removal::Delete,
         Removal::DropColdPartitions,
         Removal::UnlinkOtherFiles,
+        Removal::DropOnOwnFileSystem,
     ] {
         let dir = tempfile::Builder::new()
             .prefix("idemdb-pg-expiry-")
             .tempdir()
             .context("temporary directory")?;
+        // Mounted before the server starts and unmounted after it stopped (drop order).
+        let own_file_system = if removal == Removal::DropOnOwnFileSystem {
+            match LoopMount::new(&dir.path().join("records-fs"), args.records) {
+                Ok(mounted) => Some(mounted),
+                Err(why) => {
+                    eprintln!(
+                        "skipped \"{}\": cannot mount a file system ({why:#})",
+                        removal.name()
+                    );
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
         eprintln!("starting postgres on 127.0.0.1:{}", args.port);
-        let _server = crate::servers::postgres(dir.path(), args.port)?;
-        runs.push(one(args, removal, dir.path())?);
+        let server = crate::servers::postgres(dir.path(), args.port)?;
+        runs.push(one(args, removal, dir.path(), own_file_system.as_ref())?);
+        drop(server);
+        drop(own_file_system);
     }
     Ok(runs)
 }
@@ -153,9 +179,17 @@ fn now_ms() -> u64 {
 /// (start since the run began, latency) of one commit, in nanoseconds.
 type Call = (u64, u64);
 
-fn one(args: &PgExpiryArgs, removal: Removal, dir: &Path) -> Result<ExpiryRun> {
+fn one(
+    args: &PgExpiryArgs,
+    removal: Removal,
+    dir: &Path,
+    own_file_system: Option<&LoopMount>,
+) -> Result<ExpiryRun> {
     let port = args.port;
     pg_backend::reset(port, 1)?;
+    if let Some(mounted) = own_file_system {
+        records_on(port, &mounted.point, &dir.join("postgres"))?;
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -280,7 +314,9 @@ fn one(args: &PgExpiryArgs, removal: Removal, dir: &Path) -> Result<ExpiryRun> {
                 }
                 eprintln!("unlinked {} files", other_files.len());
             }
-            Removal::DropPartitions | Removal::DropColdPartitions => {
+            Removal::DropPartitions
+            | Removal::DropColdPartitions
+            | Removal::DropOnOwnFileSystem => {
                 let store = PgStore::builder()
                     .names(pg_backend::names()?)
                     .open(&client)
@@ -385,6 +421,7 @@ fn one(args: &PgExpiryArgs, removal: Removal, dir: &Path) -> Result<ExpiryRun> {
 /// The files of the expired partitions (each one's table and indexes, every 1 GB segment), in
 /// the server's data directory `data`.
 async fn expired_files(client: &tokio_postgres::Client, data: &Path) -> Result<Vec<PathBuf>> {
+    // A relation in a tablespace is under pg_tblspc/<oid>/, a link to the tablespace.
     let store = PgStore::builder()
         .names(pg_backend::names()?)
         .open(client)
@@ -439,23 +476,112 @@ fn evict(files: &[PathBuf]) -> Result<()> {
 fn write_other_files(dir: &Path, like: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let other = dir.join("other-files");
     std::fs::create_dir_all(&other)?;
-    let chunk = vec![0x5a_u8; 1 << 20];
     let mut written = Vec::new();
     let mut bytes = 0;
     for (index, path) in like.iter().enumerate() {
         let len = std::fs::metadata(path)?.len();
         let target = other.join(format!("file-{index}"));
-        let mut file = std::fs::File::create(&target)?;
-        let mut left = len;
-        while left > 0 {
-            let n = left.min(chunk.len() as u64) as usize;
-            file.write_all(&chunk[..n])?;
-            left -= n as u64;
-        }
-        file.sync_all()?;
+        write_synced(&target, len, 0x5a)?;
         bytes += len;
         written.push(target);
     }
     eprintln!("wrote {bytes} bytes of other files to unlink");
     Ok(written)
+}
+
+/// Writes a file of `len` bytes of `byte` at `path` (every block written, none left a hole),
+/// and syncs it.
+fn write_synced(path: &Path, len: u64, byte: u8) -> Result<()> {
+    let chunk = vec![byte; 1 << 20];
+    let mut file = std::fs::File::create(path)?;
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        file.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    file.sync_all()?;
+    Ok(())
+}
+
+/// An ext4 file system in an image file, loop-mounted at `point`; unmounted when dropped.
+struct LoopMount {
+    point: PathBuf,
+}
+
+impl LoopMount {
+    /// An image under `at` with room for `records` expired records and the run's new ones
+    /// (about 160 bytes each on disk, twice over), written out in full first, so that the
+    /// file system's writes never allocate blocks of the disk's file system under it.
+    fn new(at: &Path, records: u64) -> Result<LoopMount> {
+        std::fs::create_dir_all(at)?;
+        let image = at.join("image");
+        let point = at.join("mnt");
+        std::fs::create_dir_all(&point)?;
+        let bytes = (records * 320).max(1 << 30);
+        write_synced(&image, bytes, 0)?;
+        run_tool(
+            std::process::Command::new("mkfs.ext4")
+                .args(["-q", "-F"])
+                .arg(&image),
+        )?;
+        run_tool(
+            std::process::Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&image)
+                .arg(&point),
+        )?;
+        eprintln!("mounted a {bytes}-byte ext4 image at {point:?}");
+        Ok(LoopMount { point })
+    }
+}
+
+impl Drop for LoopMount {
+    fn drop(&mut self) {
+        let unmounted = std::process::Command::new("umount")
+            .arg(&self.point)
+            .status();
+        if !unmounted.is_ok_and(|status| status.success()) {
+            eprintln!("could not unmount {:?}: unmount it by hand", self.point);
+        }
+    }
+}
+
+fn run_tool(command: &mut std::process::Command) -> Result<()> {
+    let output = command
+        .output()
+        .with_context(|| format!("running {command:?}"))?;
+    anyhow::ensure!(
+        output.status.success(),
+        "{command:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr).trim()
+    );
+    Ok(())
+}
+
+/// A tablespace at `point` (a directory there owned as the data directory `data` is), set as
+/// the records table's: every partition made from now on goes there.
+fn records_on(port: u16, point: &Path, data: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let location = point.join("tablespace");
+    std::fs::create_dir_all(&location)?;
+    let owner = std::fs::metadata(data)?;
+    std::os::unix::fs::chown(point, Some(owner.uid()), Some(owner.gid()))?;
+    std::os::unix::fs::chown(&location, Some(owner.uid()), Some(owner.gid()))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let client = pg_backend::connect(port, true).await?;
+        client
+            .batch_execute(&format!(
+                "CREATE TABLESPACE bench_records LOCATION '{}'",
+                location.display()
+            ))
+            .await?;
+        client
+            .batch_execute("ALTER TABLE bench_idemdb.records SET TABLESPACE bench_records")
+            .await?;
+        anyhow::Ok(())
+    })
 }

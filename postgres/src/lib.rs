@@ -926,6 +926,13 @@ impl PgStore {
     /// day per process); only removal needs this call. Without it, expired records stay
     /// (reads treat them as absent, exactly at their expiry millisecond) and take space.
     ///
+    /// A drop gives a day's files back to the file system at once, and on the file system of
+    /// the server's WAL that holds up the commits syncing it meanwhile (tens of milliseconds
+    /// for a gigabyte on ext4, measured in BENCHMARKS.md). Partitions follow the records
+    /// table's tablespace (`ALTER TABLE <schema>.<table> SET TABLESPACE <name>`, which moves
+    /// nothing and places every partition made later), so a tablespace on another file system
+    /// keeps the drops off the WAL's.
+    ///
     /// # Errors
     /// [`Error::Postgres`] when a statement fails. A detach interrupted by a lost connection is
     /// finished by the next call.

@@ -377,6 +377,11 @@ async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
 /// its first, named after that day. Made apart and then attached, which takes a lock on the
 /// records table that claims do not wait for (SHARE UPDATE EXCLUSIVE), where
 /// `CREATE TABLE ... PARTITION OF` would take one that stops them (ACCESS EXCLUSIVE).
+///
+/// The partition and its index go to the records table's tablespace when it has one (`ALTER
+/// TABLE <records> SET TABLESPACE`, which for a partitioned table says where partitions made
+/// later go), as `PARTITION OF` would put them; otherwise where the session's
+/// `default_tablespace` says. Set for the transaction only: the session keeps its own.
 async fn create_day_partition(
     client: &impl GenericClient,
     names: &Names,
@@ -395,7 +400,10 @@ async fn create_day_partition(
     let (from, to) = (day * DAY_MS, (day + i64::from(partition_days)) * DAY_MS);
     client
         .batch_execute(&format!(
-            "CREATE TABLE {partition} (LIKE {records} INCLUDING ALL);
+            "SELECT set_config('default_tablespace', t.spcname, true)
+                 FROM pg_class c JOIN pg_tablespace t ON t.oid = c.reltablespace
+                 WHERE c.oid = '{records}'::regclass;
+             CREATE TABLE {partition} (LIKE {records} INCLUDING ALL);
              ALTER TABLE {records} ATTACH PARTITION {partition} FOR VALUES FROM ({from}) TO ({to});",
             records = names.records(),
         ))

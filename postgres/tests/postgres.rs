@@ -192,6 +192,7 @@ fn main() {
     scenario!(connections_racing_to_apply_the_same_keys_have_one_winner_each);
     scenario!(apply_writes_the_databases_time_when_its_estimate_of_it_is_off);
     scenario!(partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install);
+    scenario!(partitions_are_made_in_the_records_tables_tablespace);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -5766,5 +5767,134 @@ async fn partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_insta
         matches!(outcome, Outcome::Duplicate { .. }),
         "after the migration: {outcome:?}"
     );
+    Ok(())
+}
+
+/// The tablespace of each day partition of `schema`'s records table and of each partition's
+/// index, by name (`""`: the database's default).
+async fn partition_tablespaces(
+    client: &Client,
+    schema: &str,
+) -> Result<Vec<(String, String)>, Failure> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text, coalesce(t.spcname::text, '') FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             LEFT JOIN pg_tablespace t ON t.oid = c.reltablespace \
+             WHERE n.nspname = $1 AND c.relname LIKE 'records\\_d%' ORDER BY 1",
+            &[&schema],
+        )
+        .await?;
+    Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+}
+
+async fn partitions_are_made_in_the_records_tables_tablespace(url: &str) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    const TABLESPACE: &str = "idemdb_test_records";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_tablespace").await?;
+    // A directory beside the server's data directory, owned as that one is.
+    let data: String = client.query_one("SHOW data_directory", &[]).await?.get(0);
+    let data = std::path::Path::new(&data);
+    let location = data
+        .parent()
+        .ok_or("the data directory has no parent")?
+        .join("tablespace-records");
+    std::fs::create_dir_all(&location)?;
+    let owner = std::fs::metadata(data)?;
+    {
+        use std::os::unix::fs::MetadataExt;
+        std::os::unix::fs::chown(&location, Some(owner.uid()), Some(owner.gid()))?;
+    }
+    client
+        .batch_execute(&format!("DROP TABLESPACE IF EXISTS {TABLESPACE}"))
+        .await?;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLESPACE {TABLESPACE} LOCATION '{}'",
+            location.display()
+        ))
+        .await?;
+    let store_at = |day: u64| {
+        PgStore::builder()
+            .names(names.clone())
+            .retention(Duration::from_millis(DAY))
+            .clock(MockClock::new(day * DAY + DAY / 2))
+    };
+    // Partitions made before the records table has a tablespace: the default.
+    store_at(100)
+        .open(&client)
+        .await?
+        .maintain(&mut client)
+        .await?;
+    let before = partition_tablespaces(&client, "t_tablespace").await?;
+    ensure!(
+        !before.is_empty() && before.iter().all(|(_, space)| space.is_empty()),
+        "partitions made with no tablespace set: {before:?}"
+    );
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE t_tablespace.records SET TABLESPACE {TABLESPACE}"
+        ))
+        .await?;
+    // Made after: the table's and its index's files are in the records table's tablespace,
+    // by maintain and by a claim alike, and the session's own setting is left as it was.
+    client
+        .batch_execute("SET default_tablespace = pg_default")
+        .await?;
+    store_at(200)
+        .open(&client)
+        .await?
+        .maintain(&mut client)
+        .await?;
+    let claimed = store_at(300).open(&client).await?;
+    match claimed
+        .consumer("c")?
+        .begin(&mut client, b"k", Fingerprint::of(b"k"))
+        .await?
+    {
+        Outcome::Fresh(claim) => claim.commit(b"").await?,
+        other => return Err(format!("a new key: {other:?}").into()),
+    }
+    let setting: String = client
+        .query_one("SHOW default_tablespace", &[])
+        .await?
+        .get(0);
+    ensure!(
+        setting == "pg_default",
+        "the session's setting: {setting:?}"
+    );
+    let after = partition_tablespaces(&client, "t_tablespace").await?;
+    let made_later: Vec<&(String, String)> = after
+        .iter()
+        .filter(|partition| !before.contains(partition))
+        .collect();
+    for day in [200, 300] {
+        let table = format!("records_d{day}");
+        let index = format!("records_d{day}_pkey");
+        for name in [&table, &index] {
+            let found = made_later.iter().find(|(relation, _)| relation == name);
+            ensure!(
+                matches!(found, Some((_, space)) if space == TABLESPACE),
+                "{name} (day {day}): {found:?}; made later: {made_later:?}"
+            );
+        }
+    }
+    // The records there are read and removed as anywhere.
+    let read = claimed
+        .consumer("c")?
+        .begin(&mut client, b"k", Fingerprint::of(b"k"))
+        .await?;
+    ensure!(
+        matches!(read, Outcome::Duplicate { .. }),
+        "committed key: {read:?}"
+    );
+    drop(read);
+    client
+        .batch_execute("DROP SCHEMA t_tablespace CASCADE")
+        .await?;
+    client
+        .batch_execute(&format!("DROP TABLESPACE {TABLESPACE}"))
+        .await?;
     Ok(())
 }
