@@ -178,10 +178,11 @@ pub enum Error {
         current_epoch: u64,
     },
 
-    /// A lease step could not take the key's latch in time: another claim in this process
-    /// holds the key (after the lease ran out, a takeover may be under way). Nothing was
-    /// written; retry, or treat the lease as lost.
-    #[error("the key is held by another claim in this process; retry")]
+    /// A lease step could not take the key's latch in time: another claim holds the key (in
+    /// this process for the embedded engine; in any session for the PostgreSQL backend, whose
+    /// latch is the key's lock). After the lease ran out, a takeover may be under way. Nothing
+    /// was written; retry, or treat the lease as lost.
+    #[error("the key is held by another claim; retry")]
     KeyBusy,
 
     /// An operator resolution targeted a key that is not in progress.

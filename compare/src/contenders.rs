@@ -33,8 +33,9 @@ pub enum Kind {
     /// business row of each message it inserted, in the same statement: the least a
     /// hand-written deduplication with a business row costs, beside [`Kind::IdemdbPostgres`].
     PostgresWithRow,
-    /// The least a claim handing out a live transaction can cost on the same server, with the
-    /// business row (`crate::pg_floor`): the ceiling of any design of idemdb-postgres.
+    /// The least a claim can cost on the same server as statements between `BEGIN` and
+    /// `COMMIT`, with the business row (`crate::pg_floor`): the ceiling of a design of
+    /// idemdb-postgres built that way.
     PostgresClaimFloor,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit; or with `apply`, the deliveries through

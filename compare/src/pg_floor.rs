@@ -1,5 +1,6 @@
-//! The least a claim that hands out a live transaction can cost on PostgreSQL: the floor under
-//! idemdb-postgres, measured beside it and beside the raw insert it is held against.
+//! The least a claim can cost on PostgreSQL when it and the business row are statements between
+//! `BEGIN` and `COMMIT`: the floor under idemdb-postgres, measured beside it and beside the raw
+//! insert it is held against.
 //!
 //! A delivery is one transaction on a table whose primary key is the dedup key: `BEGIN`, an
 //! `INSERT ... ON CONFLICT DO NOTHING` of the key that fails (division by zero) when the key
@@ -11,7 +12,8 @@
 //! What it leaves out, and idemdb-postgres does not: a second claimant of a held key waits
 //! for the holder's transaction to end instead of hearing "in progress" at once; a duplicate
 //! gets no stored result, fingerprint or state; nothing expires. So it bounds from above what
-//! any design of the backend could reach on the same server, whatever it does about those.
+//! a design of the backend that runs its statements between `BEGIN` and `COMMIT`, as
+//! tokio-postgres sends them, could reach on the same server, whatever it does about those.
 
 use anyhow::{Context, Result};
 use futures_util::future::{join, join4};
@@ -147,7 +149,13 @@ impl Session for ClaimFloorSession {
             )
             .await;
             begun?;
-            let winners = winners?;
+            let winners = match winners {
+                Ok(winners) => winners,
+                Err(error) => {
+                    client.batch_execute("ROLLBACK").await?;
+                    return Err(error.into());
+                }
+            };
             let keys: Vec<&[u8]> = winners.iter().map(|row| row.get(0)).collect();
             let values: Vec<&[u8]> = winners.iter().map(|row| row.get(1)).collect();
             let (ordered, committed) = join(

@@ -180,7 +180,9 @@ impl PgConsumer {
     /// # Errors
     /// As [`begin_message`](PgConsumer::begin_message) and
     /// [`commit_with`](crate::PgClaim::commit_with): a key or result outside the limits before
-    /// anything is sent; a statement's own failure as [`Error::Postgres`] with nothing written;
+    /// anything is sent, and so is a statement that cannot be sent ([`Error::BadStatement`]: a
+    /// parameter that does not encode as its type); a statement's own failure as
+    /// [`Error::Postgres`] with nothing written;
     /// a connection lost during the call leaves the outcome unknown (do not acknowledge; the
     /// redelivery finds `Duplicate` or `Fresh`, never half of it).
     pub async fn apply(
@@ -193,6 +195,7 @@ impl PgConsumer {
         let started = Instant::now();
         let result = result.as_ref();
         check_result(result)?;
+        crate::txn::check_sendable(statements)?;
         let stored_key = encode_key(&self.id, message.key())?;
         // A message with an entity's version takes the long way (which checks the entity key).
         if message.entity_version().is_none() {

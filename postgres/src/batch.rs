@@ -633,13 +633,15 @@ impl<'c> PgClaimBatch<'c> {
     ///
     /// # Errors
     /// As [`commit`](PgClaimBatch::commit); a statement's own failure is [`Error::Postgres`]
-    /// with its error.
+    /// with its error; a statement that cannot be sent (a parameter that does not encode as
+    /// its type) is [`Error::BadStatement`], found before anything is sent.
     pub async fn commit_with<R: AsRef<[u8]>>(
         self,
         mut result_of: impl FnMut(usize) -> R,
         statements: &[crate::TypedStatement<'_>],
     ) -> Result<()> {
         let started = Instant::now();
+        crate::txn::check_sendable(statements)?;
         let PgClaimBatch {
             tx,
             consumer,

@@ -11,9 +11,10 @@ pub enum Error {
     /// limits, say): fix the caller.
     #[error(transparent)]
     Idemdb(#[from] idemdb::Error),
-    /// A schema or table name that is not a plain lower-case identifier.
+    /// A schema or table name that is not a plain lower-case identifier, or a schema name
+    /// PostgreSQL reserves.
     #[error(
-        "{name:?} is not a valid name: use a-z, 0-9 and _, starting with a letter or _, at most 55 bytes"
+        "{name:?} is not a valid name: use a-z, 0-9 and _, starting with a letter or _, at most 55 bytes; for a schema, not a reserved word and not pg_..."
     )]
     InvalidName {
         /// The name given.
@@ -104,11 +105,34 @@ pub enum Error {
         /// What was unexpected.
         detail: &'static str,
     },
+    /// One of the caller's statements cannot be sent: a parameter does not encode as the type
+    /// given for it, the SQL holds a NUL byte, or it has more parameters than the protocol
+    /// carries. Found before anything of the call was sent: nothing was written, and the key
+    /// is free again. Fix the caller; a retry fails the same way.
+    #[error("the caller's statement {statement} cannot be sent: {detail}; nothing was written")]
+    BadStatement {
+        /// Its index in the statements given, from 0.
+        statement: usize,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// PostgreSQL or the connection failed. During a commit, the outcome may be unknown (the
     /// connection dropped after COMMIT was sent): do not acknowledge; the redelivery finds
     /// either `Duplicate` or `Fresh`, never half of the commit.
-    #[error("PostgreSQL: {0}")]
+    #[error("PostgreSQL: {}", postgres_detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
+}
+
+/// What a PostgreSQL error says, in one line: the server's message and SQLSTATE for a database
+/// error (tokio-postgres's own text is only "db error"), else the error and its cause.
+fn postgres_detail(error: &tokio_postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => format!("{} {}: {}", db.severity(), db.code().code(), db.message()),
+        None => match std::error::Error::source(error) {
+            Some(cause) => format!("{error}: {cause}"),
+            None => error.to_string(),
+        },
+    }
 }
 
 impl Error {

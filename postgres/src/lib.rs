@@ -453,6 +453,13 @@ impl PgConsumer {
     /// outcome has rolled it back. The same as [`PgConsumer::begin_message`] with a message of
     /// only a key and a fingerprint.
     ///
+    /// `client` must not be in a transaction of the caller's: PostgreSQL answers the claim's
+    /// `START TRANSACTION` there with a warning only, so the claim would run inside it, and
+    /// its commit or rollback would end the caller's earlier statements with it. The same
+    /// holds for every call that takes a `&mut Client`. The caller's statements given to
+    /// [`PgClaim::commit_with`] or [`PgConsumer::apply`] must not end the transaction either
+    /// (`COMMIT`, `ROLLBACK`): the record is written after them.
+    ///
     /// # Errors
     /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`] for a stored record
     /// that does not decode; [`Error::Postgres`] when the database fails (nothing is written).
@@ -790,7 +797,9 @@ impl<'c> PgClaim<'c> {
     ///
     /// # Errors
     /// As [`commit`](PgClaim::commit); a statement's own failure is [`Error::Postgres`] with
-    /// its error (the record is not written).
+    /// its error (the record is not written); a statement that cannot be sent (a parameter
+    /// that does not encode as its type) is [`Error::BadStatement`], found before anything
+    /// is sent.
     pub async fn commit_with(
         self,
         result: impl AsRef<[u8]>,
@@ -799,6 +808,7 @@ impl<'c> PgClaim<'c> {
         let started = Instant::now();
         let result = result.as_ref();
         check_result(result)?;
+        txn::check_sendable(statements)?;
         let consumer = &self.consumer;
         let store = &consumer.store;
         let (db_ms, decided) = self.decided_at;
@@ -931,7 +941,8 @@ impl PgStore {
     /// for a gigabyte on ext4, measured in BENCHMARKS.md). Partitions follow the records
     /// table's tablespace (`ALTER TABLE <schema>.<table> SET TABLESPACE <name>`, which moves
     /// nothing and places every partition made later), so a tablespace on another file system
-    /// keeps the drops off the WAL's.
+    /// keeps the drops off the WAL's. That eased the stall in the harness without removing it:
+    /// the detaches make every session plan its statements again.
     ///
     /// # Errors
     /// [`Error::Postgres`] when a statement fails. A detach interrupted by a lost connection is
@@ -953,20 +964,39 @@ impl PgStore {
 
     /// Makes sure the partitions from today through the day after the last a record written
     /// now can expire on exist; skipped when this process already made sure, unless `always`.
-    /// Reads the local clock (or the injected one): the extra day covers a database clock
-    /// ahead of it.
+    /// Today is by this process's clock and, when no clock is injected, by the database's too
+    /// (read here: records take its time, and the two may be days apart); the extra day
+    /// covers the database's day turning before this process's does.
+    ///
+    /// # Errors
+    /// [`idemdb::Error::ClockOutOfRange`] for an injected clock beyond
+    /// [`idemdb::CLOCK_MS_MAX`], as the embedded engine; [`Error::Postgres`] when a statement
+    /// fails.
     async fn ensure_partitions(&self, client: &mut Client, always: bool) -> Result<i64> {
-        let now_ms = match &self.inner.clock {
-            Some(clock) => clock.now_ms(),
-            None => local_now_ms(),
+        let injected = match &self.inner.clock {
+            Some(clock) => {
+                let now_ms = clock.now_ms();
+                if now_ms > idemdb::CLOCK_MS_MAX {
+                    return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
+                }
+                Some(now_ms)
+            }
+            None => None,
         };
-        let day_of = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX) / DAY_MS;
-        let first_day = day_of(now_ms);
-        let last_day = day_of(now_ms.saturating_add(self.inner.retention_ms)) + 1;
+        let local_ms = injected.unwrap_or_else(local_now_ms);
+        let retention_ms = self.inner.retention_ms;
         let known = &self.inner.partitions_through_day;
-        if !always && known.load(Ordering::Acquire) >= last_day {
+        if !always
+            && known.load(Ordering::Acquire) >= partition_span(local_ms, local_ms, retention_ms).1
+        {
             return Ok(known.load(Ordering::Acquire));
         }
+        let db_ms = match injected {
+            Some(now_ms) => now_ms,
+            None => database_now_ms(client).await?,
+        };
+        let (first_day, last_day) =
+            partition_span(local_ms.min(db_ms), local_ms.max(db_ms), retention_ms);
         schema::ensure_partitions(
             client,
             &self.inner.names,
@@ -986,6 +1016,27 @@ impl PgStore {
             None => u64::try_from(db_now_ms).unwrap_or(0),
         }
     }
+}
+
+/// The days whose partitions records written between `from_ms` and `to_ms` need: from the
+/// first's day through the day after the last expiry, `retention_ms` after `to_ms`, and never
+/// past the last day that has a partition of its own (later rows go to the open partition).
+fn partition_span(from_ms: u64, to_ms: u64, retention_ms: u64) -> (i64, i64) {
+    let day_of = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX) / DAY_MS;
+    let last_day = (day_of(to_ms.saturating_add(retention_ms)) + 1).min(schema::DAY_PARTITION_LAST);
+    (day_of(from_ms).min(last_day), last_day)
+}
+
+/// The database's clock, in milliseconds since the Unix epoch.
+pub(crate) async fn database_now_ms(client: &impl tokio_postgres::GenericClient) -> Result<u64> {
+    let now_ms: i64 = client
+        .query_one(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
+            &[],
+        )
+        .await?
+        .get(0);
+    Ok(u64::try_from(now_ms).unwrap_or(0))
 }
 
 /// This process's clock, in milliseconds since the Unix epoch.
@@ -1095,7 +1146,11 @@ pub(crate) fn expires_column(removable_at_ms: u64) -> i64 {
     if removable_at_ms == EXPIRES_NEVER_MS {
         return NEVER_MS;
     }
-    i64::try_from(removable_at_ms).unwrap_or(NEVER_MS)
+    match i64::try_from(removable_at_ms) {
+        // Past the last day with a partition of its own: the open partition keeps it.
+        Ok(column) if column / DAY_MS <= schema::DAY_PARTITION_LAST => column,
+        _ => NEVER_MS,
+    }
 }
 
 /// The row of a record, for the statement that writes it: an update of the key's row when the
@@ -1209,4 +1264,38 @@ fn lock_id(namespace: &str, stored_key: &[u8]) -> i64 {
     hasher.update(&[0]);
     hasher.update(stored_key);
     i64::from_ne_bytes(hasher.digest().to_ne_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: u64 = DAY_MS as u64;
+
+    #[test]
+    fn partitions_cover_both_clocks_days_and_stop_at_the_last_day_partition() {
+        // The database three days ahead of this process: its records' days are covered.
+        let local = 100 * DAY + DAY / 2;
+        let db = local + 3 * DAY;
+        assert_eq!(partition_span(local, db, 7 * DAY), (100, 111));
+        // Behind it: from the database's day on.
+        assert_eq!(partition_span(local - 2 * DAY, local, 7 * DAY), (98, 108));
+        // Clocks at the far end: no overflow, and no day partition past the last.
+        let last = schema::DAY_PARTITION_LAST;
+        assert_eq!(
+            partition_span(u64::MAX / 2, u64::MAX, 7 * DAY),
+            (last, last)
+        );
+        assert_eq!(partition_span(0, idemdb::CLOCK_MS_MAX, 0), (0, last));
+    }
+
+    #[test]
+    fn expiries_past_the_last_day_partition_go_to_the_open_partition() {
+        let last = schema::DAY_PARTITION_LAST;
+        let at_last_day = u64::try_from(last * DAY_MS).unwrap_or(0);
+        assert_eq!(expires_column(at_last_day), last * DAY_MS);
+        assert_eq!(expires_column(at_last_day + DAY), NEVER_MS);
+        assert_eq!(expires_column(u64::MAX - 1), NEVER_MS);
+        assert_eq!(expires_column(EXPIRES_NEVER_MS), NEVER_MS);
+    }
 }

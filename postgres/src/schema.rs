@@ -69,6 +69,111 @@ pub(crate) const DAY_PARTITION_LAST: i64 = 999_999;
 /// retentions past what `int8` holds): the first value of the open partition.
 pub(crate) const NEVER_MS: i64 = i64::MAX;
 
+/// The words PostgreSQL 15 does not take as a schema name unquoted (`pg_get_keywords()`,
+/// categories R and T: reserved, and reserved but for function and type names), sorted.
+const SCHEMA_WORDS_RESERVED: [&str; 100] = [
+    "all",
+    "analyse",
+    "analyze",
+    "and",
+    "any",
+    "array",
+    "as",
+    "asc",
+    "asymmetric",
+    "authorization",
+    "binary",
+    "both",
+    "case",
+    "cast",
+    "check",
+    "collate",
+    "collation",
+    "column",
+    "concurrently",
+    "constraint",
+    "create",
+    "cross",
+    "current_catalog",
+    "current_date",
+    "current_role",
+    "current_schema",
+    "current_time",
+    "current_timestamp",
+    "current_user",
+    "default",
+    "deferrable",
+    "desc",
+    "distinct",
+    "do",
+    "else",
+    "end",
+    "except",
+    "false",
+    "fetch",
+    "for",
+    "foreign",
+    "freeze",
+    "from",
+    "full",
+    "grant",
+    "group",
+    "having",
+    "ilike",
+    "in",
+    "initially",
+    "inner",
+    "intersect",
+    "into",
+    "is",
+    "isnull",
+    "join",
+    "lateral",
+    "leading",
+    "left",
+    "like",
+    "limit",
+    "localtime",
+    "localtimestamp",
+    "natural",
+    "not",
+    "notnull",
+    "null",
+    "offset",
+    "on",
+    "only",
+    "or",
+    "order",
+    "outer",
+    "overlaps",
+    "placing",
+    "primary",
+    "references",
+    "returning",
+    "right",
+    "select",
+    "session_user",
+    "similar",
+    "some",
+    "symmetric",
+    "table",
+    "tablesample",
+    "then",
+    "to",
+    "trailing",
+    "true",
+    "union",
+    "unique",
+    "user",
+    "using",
+    "variadic",
+    "verbose",
+    "when",
+    "where",
+    "window",
+    "with",
+];
+
 /// Where the records live: `schema.table`, plus `schema.table_version`. Names are lower-case
 /// ASCII letters, digits and underscores, starting with a letter or underscore, so that they
 /// never need quoting and never carry SQL.
@@ -93,8 +198,18 @@ impl Names {
     ///
     /// # Errors
     /// [`Error::InvalidName`] for a name that is empty, too long (over 55 bytes), or holds
-    /// anything but `a-z`, `0-9` and `_` (or starts with a digit).
+    /// anything but `a-z`, `0-9` and `_` (or starts with a digit); and for a schema name that
+    /// PostgreSQL reserves (`user`, `select`, `table` and the other reserved words; names
+    /// starting with `pg_`).
     pub fn new(schema: &str, table: &str) -> Result<Names> {
+        // A schema name stands alone in statements (`CREATE SCHEMA name`, `name.table`), where
+        // PostgreSQL takes no reserved word unquoted; a table name always follows `schema.`,
+        // where any word goes.
+        if SCHEMA_WORDS_RESERVED.binary_search(&schema).is_ok() || schema.starts_with("pg_") {
+            return Err(Error::InvalidName {
+                name: schema.to_owned(),
+            });
+        }
         for name in [schema, table] {
             let mut bytes = name.bytes();
             let first_ok = bytes
@@ -173,10 +288,14 @@ pub async fn install_with(
         });
     }
     let tx = client.transaction().await?;
-    // One installer at a time: creating the same schema concurrently can fail on the catalog's
-    // unique indexes.
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
-        .await?;
+    // One installer at a time per schema, whatever its table (creating the same schema
+    // concurrently fails on the catalog's unique indexes), then the table's own lock, which
+    // the makers of partitions take too. Always in this order, so no two installers deadlock.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1), pg_advisory_xact_lock($2)",
+        &[&schema_install_lock(names), &install_lock(names)],
+    )
+    .await?;
     tx.batch_execute(&format!(
         "CREATE SCHEMA IF NOT EXISTS {schema};
          CREATE TABLE IF NOT EXISTS {version} (
@@ -347,13 +466,7 @@ async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
         .await?;
     let old = format!("{}.{old_name}", names.schema);
     create_records(tx, names).await?;
-    let now_ms: i64 = tx
-        .query_one(
-            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
-            &[],
-        )
-        .await?
-        .get(0);
+    let now_ms = i64::try_from(crate::database_now_ms(tx).await?).unwrap_or(i64::MAX);
     let days = tx
         .query(
             &format!(
@@ -385,10 +498,11 @@ async fn migrate_from_1(tx: &Transaction<'_>, names: &Names) -> Result<()> {
 /// records table that claims do not wait for (SHARE UPDATE EXCLUSIVE), where
 /// `CREATE TABLE ... PARTITION OF` would take one that stops them (ACCESS EXCLUSIVE).
 ///
-/// The partition and its index go to the records table's tablespace when it has one (`ALTER
-/// TABLE <records> SET TABLESPACE`, which for a partitioned table says where partitions made
-/// later go), as `PARTITION OF` would put them; otherwise where the session's
-/// `default_tablespace` says. Set for the transaction only: the session keeps its own.
+/// The partition goes to the records table's tablespace when it has one (`ALTER TABLE
+/// <records> SET TABLESPACE`, which for a partitioned table says where partitions made later
+/// go), where `PARTITION OF` would put it, and its index beside it (`PARTITION OF` would put
+/// the index where the session's `default_tablespace` says); with none, both go where that
+/// setting says. Set for the transaction only: the session keeps its own.
 async fn create_day_partition(
     client: &impl GenericClient,
     names: &Names,
@@ -565,6 +679,14 @@ pub(crate) async fn check(client: &Client, names: &Names) -> Result<u32> {
 }
 
 /// The advisory lock installers of `names` take turns under.
+/// The advisory lock installers into the schema of `names` take turns under, before
+/// [`install_lock`].
+fn schema_install_lock(names: &Names) -> i64 {
+    let hash =
+        xxhash_rust::xxh3::xxh3_64(format!("idemdb install schema {}", names.schema).as_bytes());
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
 fn install_lock(names: &Names) -> i64 {
     let hash = xxhash_rust::xxh3::xxh3_64(format!("idemdb install {}", names.records()).as_bytes());
     i64::from_ne_bytes(hash.to_ne_bytes())

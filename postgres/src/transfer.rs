@@ -13,7 +13,7 @@ use tokio_postgres::Client;
 use tokio_postgres::types::ToSql;
 
 use crate::error::{Error, Result};
-use crate::schema::{DAY_PARTITION_LAST, NEVER_MS};
+use crate::schema::NEVER_MS;
 use crate::{DAY_MS, PgConsumer, PgStore, expires_column, lock_id, schema};
 
 /// The most records one import transaction writes: its locks are held until it commits, so a
@@ -336,9 +336,5 @@ fn row_expiry(record: &Record) -> i64 {
         // write it).
         _ => EXPIRES_NEVER_MS,
     };
-    let column = expires_column(removable_at_ms);
-    if column / DAY_MS > DAY_PARTITION_LAST {
-        return NEVER_MS;
-    }
-    column
+    expires_column(removable_at_ms)
 }

@@ -286,6 +286,44 @@ fn begin_and_guarded<'a>(
     }
 }
 
+/// Checks that each of the caller's `statements` can be sent, by encoding every parameter
+/// once into a scratch buffer, before anything of them goes out. tokio-postgres encodes a
+/// statement as it sends it, and one that fails there is never sent: nothing aborts the
+/// transaction then, and the `COMMIT` pipelined behind it would commit the record and the
+/// other statements without that one.
+///
+/// # Errors
+/// [`Error::BadStatement`] for the first statement that cannot be sent.
+pub(crate) fn check_sendable(statements: &[Statement<'_>]) -> Result<()> {
+    let mut scratch = bytes::BytesMut::new();
+    for (index, (sql, params)) in statements.iter().enumerate() {
+        let refused = |detail: String| Error::BadStatement {
+            statement: index,
+            detail,
+        };
+        if sql.contains('\0') {
+            return Err(refused("its SQL holds a NUL byte".to_owned()));
+        }
+        if params.len() > usize::from(u16::MAX) {
+            return Err(refused(format!(
+                "{} parameters, more than the protocol's {}",
+                params.len(),
+                u16::MAX
+            )));
+        }
+        for (position, (value, ty)) in params.iter().enumerate() {
+            scratch.clear();
+            if let Err(error) = value.to_sql_checked(ty, &mut scratch) {
+                return Err(refused(format!(
+                    "parameter ${} does not encode as {ty}: {error}",
+                    position + 1
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs one statement: bound to its prepared form when there is one, else unnamed (parsed and
 /// planned as it runs). The request is sent at the first poll.
 async fn run(

@@ -193,6 +193,10 @@ fn main() {
     scenario!(apply_writes_the_databases_time_when_its_estimate_of_it_is_off);
     scenario!(partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install);
     scenario!(partitions_are_made_in_the_records_tables_tablespace);
+    scenario!(a_statement_that_cannot_be_sent_fails_the_call_before_anything_is_written);
+    scenario!(installs_of_several_tables_into_one_new_schema_race_and_all_land);
+    scenario!(schema_names_postgresql_reserves_are_refused);
+    scenario!(an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -5896,5 +5900,264 @@ async fn partitions_are_made_in_the_records_tables_tablespace(url: &str) -> Resu
     client
         .batch_execute(&format!("DROP TABLESPACE {TABLESPACE}"))
         .await?;
+    Ok(())
+}
+
+async fn a_statement_that_cannot_be_sent_fails_the_call_before_anything_is_written(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_unsendable").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let insert = "INSERT INTO t_unsendable.orders (id, body) VALUES ($1, $2)";
+    let (id, body, number) = ("first", "a row", 5_i64);
+    // The first statement is fine; the second's parameter is an int8 declared as text, which
+    // tokio-postgres refuses to encode, so it would never be sent.
+    let fine: [(&(dyn ToSql + Sync), Type); 2] = [(&id, Type::TEXT), (&body, Type::TEXT)];
+    let unencodable: [(&(dyn ToSql + Sync), Type); 2] =
+        [(&number, Type::TEXT), (&body, Type::TEXT)];
+    let statements: [idemdb_postgres::TypedStatement<'_>; 2] =
+        [(insert, &fine), (insert, &unencodable)];
+    let refused = |what: &str, result: Result<(), Error>| -> Result<(), Failure> {
+        ensure!(
+            matches!(result, Err(Error::BadStatement { statement: 1, .. })),
+            "{what}: {result:?}"
+        );
+        ensure!(
+            !Error::BadStatement {
+                statement: 1,
+                detail: String::new()
+            }
+            .is_retryable(),
+            "a statement that cannot be sent is not retryable"
+        );
+        Ok(())
+    };
+    // The first apply of a store takes the long way (to learn the database's clock); the
+    // ones after it, the one round trip this is about.
+    let warm = Message::new("m-warm-up", Fingerprint::of(b"m"));
+    let warmed = consumer.apply(&mut client, &warm, b"r", &[]).await?;
+    ensure!(matches!(warmed, Outcome::Fresh(_)), "warm-up: {warmed:?}");
+    let message = Message::new("m-apply", Fingerprint::of(b"m"));
+    let applied = consumer
+        .apply(&mut client, &message, b"r", &statements)
+        .await;
+    refused("apply", applied.map(|_| ()))?;
+    let claimed = match consumer
+        .begin(&mut client, "m-claim", Fingerprint::of(b"m"))
+        .await?
+    {
+        Outcome::Fresh(claim) => claim.commit_with(b"r", &statements).await,
+        other => return Err(format!("m-claim: {other:?}").into()),
+    };
+    refused("commit_with", claimed)?;
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("m-batch", "m")]))
+        .await?;
+    refused(
+        "a batch's commit_with",
+        batch.commit_with(|_| b"r", &statements).await,
+    )?;
+    // A NUL byte in the SQL cannot be sent either.
+    let nul: [idemdb_postgres::TypedStatement<'_>; 2] = [(insert, &fine), ("SELECT 1\0", &[])];
+    let sent = consumer
+        .apply(
+            &mut client,
+            &Message::new("m-nul", Fingerprint::of(b"m")),
+            b"r",
+            &nul,
+        )
+        .await;
+    refused("a NUL byte", sent.map(|_| ()))?;
+    // A statement the server refuses is the server's error, told in one line with its code.
+    let failing: [idemdb_postgres::TypedStatement<'_>; 1] = [("SELECT 1 / 0", &[])];
+    let failed = consumer
+        .apply(
+            &mut client,
+            &Message::new("m-fails", Fingerprint::of(b"m")),
+            b"r",
+            &failing,
+        )
+        .await;
+    let told = match &failed {
+        Err(error @ Error::Postgres(_)) => error.to_string(),
+        other => return Err(format!("a failing statement: {other:?}").into()),
+    };
+    ensure!(
+        told.contains("22012") && told.contains("division by zero"),
+        "a failing statement told as {told:?}"
+    );
+    // Nothing landed: no business row, and every key is new to a claim.
+    let rows = count_rows(&client, "t_unsendable.orders").await?;
+    ensure!(rows == 0, "{rows} business rows landed");
+    for key in ["m-apply", "m-claim", "m-batch", "m-nul", "m-fails"] {
+        let again = consumer
+            .apply(
+                &mut client,
+                &Message::new(key, Fingerprint::of(b"m")),
+                b"r",
+                &[],
+            )
+            .await?;
+        ensure!(
+            matches!(again, Outcome::Fresh(_)),
+            "{key} afterwards: {again:?}"
+        );
+    }
+    Ok(())
+}
+
+async fn installs_of_several_tables_into_one_new_schema_race_and_all_land(
+    url: &str,
+) -> Result<(), Failure> {
+    let client = connect(url).await?;
+    for round in 0..5 {
+        let schema = format!("t_install_race_{round}");
+        client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            .await?;
+        let mut installers = Vec::new();
+        for table in ["t0", "t1", "t2", "t3"] {
+            let url = url.to_owned();
+            let names = Names::new(&schema, table)?;
+            installers.push(tokio::spawn(async move {
+                let mut client = connect(&url).await?;
+                install(&mut client, &names).await?;
+                Ok::<(), Failure>(())
+            }));
+        }
+        for (table, installer) in installers.into_iter().enumerate() {
+            installer
+                .await
+                .map_err(|error| format!("round {round}, installer {table}: {error}"))?
+                .map_err(|error| format!("round {round}, table t{table}: {error}"))?;
+        }
+        for table in ["t0", "t1", "t2", "t3"] {
+            PgStore::builder()
+                .names(Names::new(&schema, table)?)
+                .open(&client)
+                .await?;
+        }
+        client
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await?;
+    }
+    Ok(())
+}
+
+async fn schema_names_postgresql_reserves_are_refused(url: &str) -> Result<(), Failure> {
+    for schema in [
+        "user",
+        "select",
+        "table",
+        "all",
+        "order",
+        "current_user",
+        "left",
+        "pg_x",
+    ] {
+        let refused = Names::new(schema, "records");
+        ensure!(
+            matches!(&refused, Err(Error::InvalidName { name }) if name == schema),
+            "{schema}: {refused:?}"
+        );
+    }
+    // As a table name, after the schema and its dot, any of them is fine; and so are the
+    // words PostgreSQL takes as schema names unquoted.
+    let mut client = connect(url).await?;
+    for (schema, table) in [
+        ("t_words", "user"),
+        ("t_words", "select"),
+        ("names", "records"),
+    ] {
+        client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            .await?;
+        let names = Names::new(schema, table)?;
+        install(&mut client, &names).await?;
+        let store = PgStore::builder().names(names).open(&client).await?;
+        let outcome = store
+            .consumer("c")?
+            .apply(
+                &mut client,
+                &Message::new("k", Fingerprint::of(b"k")),
+                b"",
+                &[],
+            )
+            .await?;
+        ensure!(
+            matches!(outcome, Outcome::Fresh(_)),
+            "{schema}.{table}: {outcome:?}"
+        );
+        client
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await?;
+    }
+    Ok(())
+}
+
+async fn an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_far_clock").await?;
+    let store_at = async |client: &Client, now_ms: u64| {
+        PgStore::builder()
+            .names(names.clone())
+            .clock(MockClock::new(now_ms))
+            .open(client)
+            .await
+    };
+    // Beyond the embedded engine's limit: refused as it refuses, nothing written, no panic.
+    for now_ms in [idemdb::CLOCK_MS_MAX + 1, u64::MAX / 2, u64::MAX] {
+        let store = store_at(&client, now_ms).await?;
+        let consumer = store.consumer("c")?;
+        let begun = consumer
+            .begin(&mut client, "k", Fingerprint::of(b"k"))
+            .await;
+        ensure!(
+            matches!(
+                begun,
+                Err(Error::Idemdb(idemdb::Error::ClockOutOfRange { now_ms: read })) if read == now_ms
+            ),
+            "begin at {now_ms}: {begun:?}"
+        );
+        drop(begun);
+        let maintained = store.maintain(&mut client).await;
+        ensure!(
+            matches!(
+                maintained,
+                Err(Error::Idemdb(idemdb::Error::ClockOutOfRange { .. }))
+            ),
+            "maintain at {now_ms}: {maintained:?}"
+        );
+    }
+    // At the limit, past the last day with a partition (the year 4707): the record is kept in
+    // the open partition and read back as any.
+    let store = store_at(&client, idemdb::CLOCK_MS_MAX).await?;
+    let consumer = store.consumer("c")?;
+    let first = consumer
+        .apply(
+            &mut client,
+            &Message::new("far", Fingerprint::of(b"k")),
+            b"r",
+            &[],
+        )
+        .await?;
+    ensure!(matches!(first, Outcome::Fresh(_)), "far first: {first:?}");
+    let again = consumer
+        .apply(
+            &mut client,
+            &Message::new("far", Fingerprint::of(b"k")),
+            b"r",
+            &[],
+        )
+        .await?;
+    ensure!(
+        matches!(again, Outcome::Duplicate { .. }),
+        "far again: {again:?}"
+    );
+    store.maintain(&mut client).await?;
     Ok(())
 }
