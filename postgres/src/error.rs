@@ -155,8 +155,10 @@ impl Error {
                     return true;
                 };
                 use tokio_postgres::error::SqlState;
-                // Class 08: connection exceptions.
-                code.code().starts_with("08")
+                // Class 08: connection exceptions, but for a protocol violation, which is how
+                // the server refuses a statement sent with the wrong number of parameters: a
+                // retry sends it the same way.
+                (code.code().starts_with("08") && *code != SqlState::PROTOCOL_VIOLATION)
                     || [
                         SqlState::T_R_SERIALIZATION_FAILURE,
                         SqlState::T_R_DEADLOCK_DETECTED,

@@ -930,7 +930,9 @@ impl PgStore {
     /// Run it regularly (hourly, say, from one process or several): removal is one dropped
     /// partition per day, never a `DELETE` of rows, so it costs the same at any number of
     /// records and leaves no dead rows behind. A dropped partition is first detached
-    /// concurrently (a lock that claims do not wait for), so claims go on meanwhile.
+    /// concurrently (a lock that claims do not wait for), so claims go on meanwhile; the
+    /// detach itself waits for the transactions that began before it (claims open then, and
+    /// any other), so `maintain` takes as long as the longest of them.
     ///
     /// Claims create the partitions they need on their own (before their transaction, once a
     /// day per process); only removal needs this call. Without it, expired records stay

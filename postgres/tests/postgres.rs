@@ -5988,10 +5988,27 @@ async fn a_statement_that_cannot_be_sent_fails_the_call_before_anything_is_writt
         told.contains("22012") && told.contains("division by zero"),
         "a failing statement told as {told:?}"
     );
+    // A statement sent with fewer parameters than it has: the server refuses it (a protocol
+    // violation), which a retry would repeat.
+    let short: [idemdb_postgres::TypedStatement<'_>; 1] = [(insert, &fine[..1])];
+    let refused_short = consumer
+        .apply(
+            &mut client,
+            &Message::new("m-short", Fingerprint::of(b"m")),
+            b"r",
+            &short,
+        )
+        .await;
+    ensure!(
+        matches!(&refused_short, Err(error @ Error::Postgres(_)) if !error.is_retryable()),
+        "a statement short of a parameter: {refused_short:?}"
+    );
     // Nothing landed: no business row, and every key is new to a claim.
     let rows = count_rows(&client, "t_unsendable.orders").await?;
     ensure!(rows == 0, "{rows} business rows landed");
-    for key in ["m-apply", "m-claim", "m-batch", "m-nul", "m-fails"] {
+    for key in [
+        "m-apply", "m-claim", "m-batch", "m-nul", "m-fails", "m-short",
+    ] {
         let again = consumer
             .apply(
                 &mut client,
