@@ -5894,8 +5894,29 @@ async fn partitions_are_made_in_the_records_tables_tablespace(url: &str) -> Resu
         "committed key: {read:?}"
     );
     drop(read);
+    // An import makes the partitions of its records' days the same way. (The session's
+    // default back first: PostgreSQL creates no partitioned table while it names the
+    // database's own tablespace.)
+    client.batch_execute("RESET default_tablespace").await?;
+    let exported = export_text(&claimed, &client).await?;
+    let target = fresh_schema(&mut client, "t_tablespace_import").await?;
     client
-        .batch_execute("DROP SCHEMA t_tablespace CASCADE")
+        .batch_execute(&format!(
+            "ALTER TABLE t_tablespace_import.records SET TABLESPACE {TABLESPACE}"
+        ))
+        .await?;
+    let importer = PgStore::builder().names(target).open(&client).await?;
+    let counts = importer
+        .import_lines(&mut client, exported.as_bytes(), false)
+        .await?;
+    ensure!(counts.imported == 1, "imported {counts:?}");
+    let imported = partition_tablespaces(&client, "t_tablespace_import").await?;
+    ensure!(
+        !imported.is_empty() && imported.iter().all(|(_, space)| space == TABLESPACE),
+        "partitions an import made: {imported:?}"
+    );
+    client
+        .batch_execute("DROP SCHEMA t_tablespace_import CASCADE; DROP SCHEMA t_tablespace CASCADE")
         .await?;
     client
         .batch_execute(&format!("DROP TABLESPACE {TABLESPACE}"))
