@@ -28,7 +28,8 @@ const INSERT_ORDER: &str = "INSERT INTO bench_idemdb.orders (key, value) VALUES 
 const INSERT_ORDERS: &str = "INSERT INTO bench_idemdb.orders (key, value) \
      SELECT * FROM unnest($1::bytea[], $2::bytea[])";
 
-fn runtime() -> Result<Runtime> {
+/// The single-threaded runtime each PostgreSQL session of the harness drives.
+pub fn runtime() -> Result<Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?)

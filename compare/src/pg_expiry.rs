@@ -193,9 +193,7 @@ fn one(
     if let Some(mounted) = own_file_system {
         records_on(port, &mounted.point, &dir.join("postgres"))?;
     }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let runtime = pg_backend::runtime()?;
     // The day partitions of three days ago onward, made by a store whose clock is then.
     let filled_from_ms = now_ms() - 3 * DAY_MS as u64;
     let fill_started = Instant::now();
@@ -590,9 +588,7 @@ fn records_on(port: u16, point: &Path, data: &Path) -> Result<()> {
     let owner = std::fs::metadata(data)?;
     std::os::unix::fs::chown(point, Some(owner.uid()), Some(owner.gid()))?;
     std::os::unix::fs::chown(&location, Some(owner.uid()), Some(owner.gid()))?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let runtime = pg_backend::runtime()?;
     runtime.block_on(async {
         let client = pg_backend::connect(port, true).await?;
         client

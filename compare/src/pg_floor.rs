@@ -15,13 +15,13 @@
 //! a design of the backend that runs its statements between `BEGIN` and `COMMIT`, as
 //! tokio-postgres sends them, could reach on the same server, whatever it does about those.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use futures_util::future::{join, join4};
 use tokio::runtime::Runtime;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres::{Client, Statement};
 
-use crate::servers::postgres_url;
+use crate::pg_backend::runtime;
 use crate::workload::{Delivery, Session};
 
 /// The floor's own schema, apart from the raw peer's tables and idemdb-postgres's.
@@ -44,12 +44,6 @@ const CLAIM_MANY: &str = "INSERT INTO bench_floor.inbox (key, value) \
 /// The business rows of a batch's winners.
 const ORDERS: &str = "INSERT INTO bench_floor.orders (key, value) \
      SELECT * FROM unnest($1::bytea[], $2::bytea[])";
-
-fn runtime() -> Result<Runtime> {
-    Ok(tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?)
-}
 
 /// Drops and re-creates the floor's tables: every run starts empty.
 pub fn reset(port: u16) -> Result<()> {
@@ -80,10 +74,7 @@ impl ClaimFloorSession {
     pub fn connect(port: u16) -> Result<ClaimFloorSession> {
         let runtime = runtime()?;
         let (client, [claim, order, claim_many, orders]) = runtime.block_on(async {
-            let (client, connection) = tokio_postgres::connect(&postgres_url(port), NoTls)
-                .await
-                .context("connecting to postgres")?;
-            tokio::spawn(connection);
+            let client = crate::pg_backend::connect(port, true).await?;
             let mut prepared = Vec::new();
             for sql in [CLAIM, ORDER, CLAIM_MANY, ORDERS] {
                 prepared.push(client.prepare(sql).await?);

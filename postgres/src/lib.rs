@@ -1101,15 +1101,7 @@ pub(crate) async fn now_on_store_clock(
 ) -> Result<u64> {
     Ok(match &store.inner.clock {
         Some(clock) => clock.now_ms(),
-        None => {
-            let row = client
-                .query_one(
-                    "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8",
-                    &[],
-                )
-                .await?;
-            u64::try_from(row.get::<_, i64>(0)).unwrap_or(0)
-        }
+        None => database_now_ms(client).await?,
     })
 }
 

@@ -678,16 +678,18 @@ pub(crate) async fn check(client: &Client, names: &Names) -> Result<u32> {
     }
 }
 
-/// The advisory lock installers of `names` take turns under.
 /// The advisory lock installers into the schema of `names` take turns under, before
 /// [`install_lock`].
 fn schema_install_lock(names: &Names) -> i64 {
-    let hash =
-        xxhash_rust::xxh3::xxh3_64(format!("idemdb install schema {}", names.schema).as_bytes());
-    i64::from_ne_bytes(hash.to_ne_bytes())
+    advisory_lock_of(&format!("idemdb install schema {}", names.schema))
 }
 
+/// The advisory lock installers of `names` take turns under.
 fn install_lock(names: &Names) -> i64 {
-    let hash = xxhash_rust::xxh3::xxh3_64(format!("idemdb install {}", names.records()).as_bytes());
-    i64::from_ne_bytes(hash.to_ne_bytes())
+    advisory_lock_of(&format!("idemdb install {}", names.records()))
+}
+
+/// An advisory lock's number: a 64-bit hash of what it stands for.
+fn advisory_lock_of(what: &str) -> i64 {
+    i64::from_ne_bytes(xxhash_rust::xxh3::xxh3_64(what.as_bytes()).to_ne_bytes())
 }
