@@ -35,7 +35,6 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::observe::OutcomeKind;
-use crate::prepared::is_stale;
 use crate::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
 use crate::{
     PgConsumer, PgStore, check_result, completed_record, decode_record, expires_column,
@@ -302,11 +301,11 @@ impl PgConsumer {
             Err(error) if error.code() == Some(LOST_ROW) => {
                 return settled(Outcome::held_by_claim(now_ms), now_ms);
             }
-            Err(error) => return self.one_trip_failed(client, error, None),
+            Err(error) => return self.one_trip_failed(error, None),
         }
         let row = match read {
             Ok(rows) => single_row(rows)?,
-            Err(error) => return self.one_trip_failed(client, error, Some(key)),
+            Err(error) => return self.one_trip_failed(error, Some(key)),
         };
         let db_now_ms: i64 = row.get(1);
         if db_check_ms.is_some() {
@@ -332,7 +331,7 @@ impl PgConsumer {
                     Found::Claimable { .. } => Ok(OneTrip::LongWay),
                 };
             }
-            Err(error) => return self.one_trip_failed(client, error, Some(key)),
+            Err(error) => return self.one_trip_failed(error, Some(key)),
         }
         if let Err(error) = restored {
             return Err(Error::Postgres(error));
@@ -348,19 +347,10 @@ impl PgConsumer {
         Ok(OneTrip::Applied)
     }
 
-    /// A store statement of the one round trip failed otherwise than by design: a statement
-    /// kept for a gone connection (prepared anew the long way), or an error to report (`key`:
-    /// the record's write, whose errors are typed as a commit's).
-    fn one_trip_failed(
-        &self,
-        client: &Client,
-        error: tokio_postgres::Error,
-        key: Option<&[u8]>,
-    ) -> Result<OneTrip> {
-        if is_stale(&error) {
-            self.store.inner.statements.forget(client);
-            return Ok(OneTrip::LongWay);
-        }
+    /// A store statement of the one round trip failed otherwise than by design: an error to
+    /// report (`key`: the record's write, whose errors are typed as a commit's). (A statement
+    /// kept for a gone connection was met and retried by [`ClaimTransaction::run_whole`].)
+    fn one_trip_failed(&self, error: tokio_postgres::Error, key: Option<&[u8]>) -> Result<OneTrip> {
         Err(match key {
             Some(key) => self.store.write_failed(error, key),
             None => Error::Postgres(error),

@@ -255,14 +255,17 @@ impl PgConsumer {
         } else {
             &statements
         };
-        let (tx, answers) =
+        let (mut tx, answers) =
             ClaimTransaction::begin_with(client, &self.store.inner.batch_statements, statements)
                 .await?;
         let taken = if messages.is_empty() {
-            Taken::default()
+            Ok(Taken::default())
         } else {
-            self.taken(answers)?
+            self.taken(answers)
         };
+        // From here an error (a record that does not decode, say) rolls back, waited for, so
+        // that every key of the batch is free when the error returns.
+        let taken = tx.release_on_error(taken).await?;
         let mut batch = PgClaimBatch {
             tx,
             decided_at: (taken.db_now_ms, Instant::now()),
@@ -270,13 +273,32 @@ impl PgConsumer {
             outcomes: Vec::with_capacity(messages.len()),
             claims: Vec::with_capacity(messages.len()),
         };
+        let decided = self
+            .decide_batch(&mut batch, messages, &taken, &lock_numbers, &first_of)
+            .await;
+        batch.tx.release_on_error(decided).await?;
+        self.observe_batch(&batch, messages, taken.now_ms, started);
+        Ok(batch)
+    }
+
+    /// Decides every message of `batch` from what its first round trip `taken` found, and
+    /// applies the ordering guard to the fresh ones (one more round trip when any carries a
+    /// version).
+    async fn decide_batch(
+        &self,
+        batch: &mut PgClaimBatch<'_>,
+        messages: &[Message<'_>],
+        taken: &Taken,
+        lock_numbers: &[i64],
+        first_of: &[usize],
+    ) -> Result<()> {
         let floor_ms = admission_floor_ms(self);
         let mut other_content = Vec::new();
         for (index, message) in messages.iter().enumerate() {
             let first = first_of[index];
             let (outcome, claim) = if first == index {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(&self.id, message, locked, &taken, floor_ms)?
+                decide(&self.id, message, locked, taken, floor_ms)?
             } else {
                 if message.fingerprint() != messages[first].fingerprint() {
                     other_content.push(index);
@@ -306,7 +328,7 @@ impl PgConsumer {
                 (PgBatchOutcome::Settled(held), None)
             } else {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(&self.id, &messages[index], locked, &taken, floor_ms)?
+                decide(&self.id, &messages[index], locked, taken, floor_ms)?
             };
             if claim.is_some() {
                 claimed_by_repeat.insert(key);
@@ -314,10 +336,7 @@ impl PgConsumer {
             batch.outcomes[index] = outcome;
             batch.claims[index] = claim;
         }
-        self.guard_versions(&mut batch, messages, taken.now_ms)
-            .await?;
-        self.observe_batch(&batch, messages, taken.now_ms, started);
-        Ok(batch)
+        self.guard_versions(batch, messages, taken.now_ms).await
     }
 
     /// The ordering guard of the batch's fresh messages that carry a version, in message
@@ -641,19 +660,25 @@ impl<'c> PgClaimBatch<'c> {
         statements: &[crate::TypedStatement<'_>],
     ) -> Result<()> {
         let started = Instant::now();
-        crate::txn::check_sendable(statements)?;
         let PgClaimBatch {
-            tx,
+            mut tx,
             consumer,
             claims,
             decided_at: (db_ms, decided),
             ..
         } = self;
+        // Refused before anything is sent; the rollback is waited for, so that every key of
+        // the batch is free when the error returns.
+        if let Err(error) = crate::txn::check_sendable(statements) {
+            return tx.fail(error).await;
+        }
         let mut held = Vec::new();
         for (index, claim) in claims.iter().enumerate() {
             if let Some(claim) = claim {
                 let result = result_of(index);
-                crate::check_result(result.as_ref())?;
+                if let Err(error) = crate::check_result(result.as_ref()) {
+                    return tx.fail(error).await;
+                }
                 held.push((claim, result));
             }
         }
@@ -704,16 +729,21 @@ impl<'c> PgClaimBatch<'c> {
         } else {
             // An update of a row that is gone writes nothing and says nothing: the keys it
             // wrote are checked (and a lost one named) before the COMMIT is sent.
-            for (sql, params) in statements {
-                tx.client().query_typed(sql, params).await?;
+            let written = async {
+                for (sql, params) in statements {
+                    tx.client().query_typed(sql, params).await?;
+                }
+                write_records(tx.client(), &consumer, &rows).await?;
+                if let Some((sql, params)) = write_versions
+                    && let Err(error) = tx.client().query_typed(sql, params).await
+                {
+                    let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
+                    return Err(consumer.store.write_failed(error, key));
+                }
+                Ok(())
             }
-            write_records(tx.client(), &consumer, &rows).await?;
-            if let Some((sql, params)) = write_versions
-                && let Err(error) = tx.client().query_typed(sql, params).await
-            {
-                let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
-                return Err(consumer.store.write_failed(error, key));
-            }
+            .await;
+            tx.release_on_error(written).await?;
             tx.commit().await?;
         }
         // Each claim's commit is counted and logged, as the embedded batch reports its claims.

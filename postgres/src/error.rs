@@ -108,7 +108,8 @@ pub enum Error {
     /// One of the caller's statements cannot be sent: a parameter does not encode as the type
     /// given for it, the SQL holds a NUL byte, or it has more parameters than the protocol
     /// carries. Found before anything of the call was sent: nothing was written, and the key
-    /// is free again. Fix the caller; a retry fails the same way.
+    /// is free again by the time this returns (the claim's transaction rolled back and the
+    /// server answered). Fix the caller; a retry fails the same way.
     #[error("the caller's statement {statement} cannot be sent: {detail}; nothing was written")]
     BadStatement {
         /// Its index in the statements given, from 0.
@@ -116,6 +117,14 @@ pub enum Error {
         /// What is wrong with it.
         detail: String,
     },
+    /// A statement the store had prepared on the connection was gone from it when a commit
+    /// sent it: deallocated (`DEALLOCATE`, `DISCARD ALL`, a pooler resetting the connection)
+    /// after the claim began. Nothing was written and the key is free; the store prepares its
+    /// statements anew at the next call on the connection. Retry: the redelivery claims afresh.
+    #[error(
+        "a statement prepared on this connection was deallocated before the commit; nothing was written: retry"
+    )]
+    StatementDeallocated,
     /// PostgreSQL or the connection failed. During a commit, the outcome may be unknown (the
     /// connection dropped after COMMIT was sent): do not acknowledge; the redelivery finds
     /// either `Duplicate` or `Fresh`, never half of the commit.
@@ -140,12 +149,13 @@ impl Error {
     /// failed call was written, or (a commit whose connection dropped) its outcome is unknown
     /// and the redelivery finds out. The connection's loss, a server shutting down or starting
     /// up, too many connections, a deadlock or serialization failure of the caller's SQL, a
-    /// lock wait that timed out, and `KeyBusy`. Nack the message (or retry on a new
+    /// lock wait that timed out, `KeyBusy`, and `StatementDeallocated`. Nack the message (or retry on a new
     /// connection); anything else needs a fix, not a retry.
     #[must_use]
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Idemdb(error) => error.is_retryable(),
+            Error::StatementDeallocated => true,
             Error::Postgres(error) => {
                 if error.is_closed() {
                     return true;

@@ -116,7 +116,7 @@ impl PgConsumer {
         let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
         let read_params: [(&(dyn ToSql + Sync), Type); 2] =
             [(&id, Type::BYTEA), (&key, Type::BYTEA)];
-        let (tx, answers) = ClaimTransaction::begin_with(
+        let (mut tx, answers) = ClaimTransaction::begin_with(
             client,
             &inner.statements,
             &[
@@ -131,17 +131,25 @@ impl PgConsumer {
         .await?;
         let mut answers = answers.into_iter();
         let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
-        let lock = crate::txn::single_row(next_rows()?)?;
-        let read = next_rows();
-        let now_ms = self.store.now_ms(lock.get(1));
-        if !lock.get::<_, bool>(0) {
+        // Any error from here rolls back, waited for: the key is free when it returns.
+        let read = (|| -> Result<(u64, Option<Option<Record>>)> {
+            let lock = crate::txn::single_row(next_rows()?)?;
+            let read = next_rows();
+            let now_ms = self.store.now_ms(lock.get(1));
+            if !lock.get::<_, bool>(0) {
+                return Ok((now_ms, None));
+            }
+            let record = read?
+                .first()
+                .map(|row| decode_record(key, row.get(0)))
+                .transpose()?;
+            Ok((now_ms, Some(record)))
+        })();
+        let (now_ms, record) = tx.release_on_error(read).await?;
+        let Some(record) = record else {
             tx.rollback().await?;
             return Ok((now_ms, Outcome::held_by_claim(now_ms)));
-        }
-        let record = read?
-            .first()
-            .map(|row| decode_record(key, row.get(0)))
-            .transpose()?;
+        };
         match inspect_record(record, fingerprint, now_ms) {
             Found::Claimable {
                 replaces_epoch,
@@ -162,7 +170,7 @@ impl PgConsumer {
                 };
                 let record = claim.record(claim.lease_until_ms);
                 // In progress: never removable by itself, whatever the lease.
-                crate::write_record(
+                let written = crate::write_record(
                     tx.client(),
                     self,
                     key,
@@ -170,7 +178,8 @@ impl PgConsumer {
                     EXPIRES_NEVER_MS,
                     replaces_epoch != 0,
                 )
-                .await?;
+                .await;
+                tx.release_on_error(written).await?;
                 tx.commit().await?;
                 Ok((now_ms, Outcome::Fresh(claim)))
             }
@@ -257,7 +266,7 @@ impl PgConsumer {
         if let PgResolution::Complete(result) = &resolution {
             crate::check_result(result)?;
         }
-        let (tx, now_ms, record) = locked_record(self, client, key, &stored_key).await?;
+        let (mut tx, now_ms, record) = locked_record(self, client, key, &stored_key).await?;
         let current = match record {
             Some(record) if matches!(record.state, RecordState::InProgress { .. }) => record,
             other => {
@@ -268,7 +277,7 @@ impl PgConsumer {
                 }));
             }
         };
-        match resolution {
+        let written = match resolution {
             PgResolution::Complete(result) => {
                 crate::write_completed(
                     tx.client(),
@@ -280,7 +289,7 @@ impl PgConsumer {
                     &result,
                     true,
                 )
-                .await?;
+                .await
             }
             PgResolution::Release => {
                 let removable_at_ms = now_ms.saturating_add(self.store.inner.retention_ms);
@@ -291,9 +300,10 @@ impl PgConsumer {
                     released_at_ms: now_ms,
                     removable_at_ms,
                 };
-                crate::write_record(tx.client(), self, key, &record, removable_at_ms, true).await?;
+                crate::write_record(tx.client(), self, key, &record, removable_at_ms, true).await
             }
-        }
+        };
+        tx.release_on_error(written).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -356,10 +366,10 @@ impl PgExternalClaim {
 
     async fn renew_unobserved(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
         let lease_ms = lease_ms(lease)?;
-        let (tx, now_ms) = self.fenced(client).await?;
+        let (mut tx, now_ms) = self.fenced(client).await?;
         let until = now_ms.saturating_add(lease_ms);
         let record = self.record(until);
-        crate::write_record(
+        let written = crate::write_record(
             tx.client(),
             &self.consumer,
             &self.key,
@@ -367,7 +377,8 @@ impl PgExternalClaim {
             EXPIRES_NEVER_MS,
             true,
         )
-        .await?;
+        .await;
+        tx.release_on_error(written).await?;
         tx.commit().await?;
         self.lease_until_ms = until;
         Ok(until)
@@ -407,7 +418,7 @@ impl PgExternalClaim {
     }
 
     async fn release_unobserved(&self, client: &mut Client) -> Result<()> {
-        let (tx, now_ms) = self.fenced(client).await?;
+        let (mut tx, now_ms) = self.fenced(client).await?;
         let removable_at_ms = now_ms.saturating_add(self.consumer.store.inner.retention_ms);
         let mut record = self.record(self.lease_until_ms);
         // Kept, reading as absent, until the retention has passed, so that the key's epoch
@@ -416,7 +427,7 @@ impl PgExternalClaim {
             released_at_ms: now_ms,
             removable_at_ms,
         };
-        crate::write_record(
+        let written = crate::write_record(
             tx.client(),
             &self.consumer,
             &self.key,
@@ -424,7 +435,8 @@ impl PgExternalClaim {
             removable_at_ms,
             true,
         )
-        .await?;
+        .await;
+        tx.release_on_error(written).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -446,8 +458,8 @@ impl PgExternalClaim {
     }
 
     async fn fail_unobserved(&self, client: &mut Client, result: &[u8]) -> Result<()> {
-        let (tx, _) = self.fenced(client).await?;
-        crate::write_completed(
+        let (mut tx, _) = self.fenced(client).await?;
+        let written = crate::write_completed(
             tx.client(),
             &self.consumer,
             &self.key,
@@ -457,7 +469,8 @@ impl PgExternalClaim {
             result,
             false,
         )
-        .await?;
+        .await;
+        tx.release_on_error(written).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -544,7 +557,7 @@ async fn locked_record<'c>(
     let timeout_params: [(&(dyn ToSql + Sync), Type); 1] = [(&timeout, Type::TEXT)];
     let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
     let read_params: [(&(dyn ToSql + Sync), Type); 2] = [(&id, Type::BYTEA), (&key, Type::BYTEA)];
-    let (tx, answers) = ClaimTransaction::begin_with(
+    let (mut tx, answers) = ClaimTransaction::begin_with(
         client,
         &store.inner.statements,
         &[
@@ -563,28 +576,33 @@ async fn locked_record<'c>(
     .await?;
     let mut answers = answers.into_iter();
     let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
-    next_rows()?;
-    let locked = next_rows().map(|rows| rows.into_iter().next());
-    let read = next_rows();
-    let row = match locked {
-        Ok(Some(row)) => row,
-        Ok(None) => {
-            return Err(Error::UnexpectedAnswer {
-                detail: "the lock statement returned no row",
-            });
-        }
-        Err(error)
-            if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
-        {
-            return Err(Error::Idemdb(idemdb::Error::KeyBusy));
-        }
-        Err(error) => return Err(error.into()),
-    };
-    let now_ms = store.now_ms(row.get(1));
-    let record = read?
-        .first()
-        .map(|row| decode_record(key, row.get(0)))
-        .transpose()?;
+    // Any error from here rolls back, waited for: the key is free when it returns.
+    let read = (|| -> Result<(u64, Option<Record>)> {
+        next_rows()?;
+        let locked = next_rows().map(|rows| rows.into_iter().next());
+        let read = next_rows();
+        let row = match locked {
+            Ok(Some(row)) => row,
+            Ok(None) => {
+                return Err(Error::UnexpectedAnswer {
+                    detail: "the lock statement returned no row",
+                });
+            }
+            Err(error)
+                if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                return Err(Error::Idemdb(idemdb::Error::KeyBusy));
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let now_ms = store.now_ms(row.get(1));
+        let record = read?
+            .first()
+            .map(|row| decode_record(key, row.get(0)))
+            .transpose()?;
+        Ok((now_ms, record))
+    })();
+    let (now_ms, record) = tx.release_on_error(read).await?;
     Ok((tx, now_ms, record))
 }
 
@@ -633,9 +651,9 @@ impl<'c> PgCompletion<'c> {
     /// As [`crate::PgClaim::commit`].
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
         let started = Instant::now();
-        let claim = &self.claim;
-        crate::write_completed(
-            self.tx.client(),
+        let PgCompletion { mut tx, claim } = self;
+        let written = crate::write_completed(
+            tx.client(),
             &claim.consumer,
             &claim.key,
             claim.fingerprint,
@@ -644,9 +662,10 @@ impl<'c> PgCompletion<'c> {
             result.as_ref(),
             true,
         )
-        .await?;
-        self.tx.commit().await?;
-        self.claim.observed("complete", Ok(()), started);
+        .await;
+        tx.release_on_error(written).await?;
+        tx.commit().await?;
+        claim.observed("complete", Ok(()), started);
         Ok(())
     }
 }

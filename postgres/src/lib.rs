@@ -74,6 +74,40 @@
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
 //! be skewed against each other without effect.
 //!
+//! **Which millisecond.** Every bound is "at or after": a record whose expiry is `t` answers
+//! `Duplicate` through `t - 1` and is claimable again from `t` on; a lease that runs until
+//! `lease_until_ms` holds the key through `lease_until_ms - 1`, and from `lease_until_ms` on
+//! another claimant takes it over (the holder's next step is `LeaseLost`). The partition
+//! `<table>_d<N>` of width `W` days holds the rows removable from `N * DAY_MS` through
+//! `(N + W) * DAY_MS - 1`, and [`PgStore::maintain`] drops it from `(N + W) * DAY_MS` on, when
+//! every row of it has expired.
+//!
+//! **When a call fails, the key is free.** A call that returns an error (a claim's commit
+//! refused before anything was sent, a statement's failure, a record that does not decode) has
+//! rolled its transaction back and waited for the server to say so: the key's lock is free
+//! when the error reaches the caller, and another connection's claim of it finds it free. Only
+//! a claim (or batch) dropped without `commit` or `abort` frees its keys a moment later: its
+//! rollback is sent without waiting. A lost connection frees them when the server notices.
+//!
+//! **Connections.** Every call takes the caller's `Client`. Any call may run on any connection,
+//! and a connection built where a dropped one was (a reconnect into the same variable or
+//! field) serves every call as a new one: the statements the store prepared on the old
+//! connection are missing on the new one, and each call that meets one prepares them anew and
+//! runs again, before anything is written (see [`StoreBuilder::prepared_statements`]); that
+//! holds for [`PgConsumer::apply`], which starts a claim and commits it in one call, as for
+//! `begin` and the commits. A statement deallocated *inside* a claim (a pooler's `DISCARD
+//! ALL` between its `begin` and its commit) fails the commit with
+//! [`Error::StatementDeallocated`]: retryable, nothing written.
+//!
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 4. A store opened on tables at
+//! versions 1 to 3 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! nothing is touched; [`install`] migrates them in one transaction, under the installers'
+//! lock: version 3 gains the recorded partition width (1 day, the width it was made with),
+//! version 2 also the ordering guard's versions table, and version 1 (one plain table) is
+//! copied into day partitions, every record kept. Stop the consumers of the old release first
+//! (a version 1 table is replaced under them), run `install` once with the new release, then
+//! start the new consumers; the old release refuses the migrated tables with `SchemaTooNew`.
+//!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! use idemdb::{Fingerprint, Outcome};
@@ -220,8 +254,11 @@ impl StoreBuilder {
     /// The statements are kept per connection, by the address of the `Client` passed in
     /// (tokio-postgres gives a connection no other name): a client that moves in memory
     /// prepares them again, and one built where a dropped client was finds the old ones
-    /// missing on the server, forgets them and prepares them anew (a claim's start retries on
-    /// its own; a commit fails with nothing written, and the redelivery claims again).
+    /// missing on the server, forgets them and prepares them anew: every call that starts a
+    /// transaction (`begin`, `apply`, a batch, an external claim and its steps) meets the
+    /// missing statements there, before anything of it is written, and runs once more on its
+    /// own. Statements deallocated between a claim's start and its commit fail the commit with
+    /// [`Error::StatementDeallocated`] (retryable, nothing written).
     #[must_use]
     pub fn prepared_statements(mut self, on: bool) -> StoreBuilder {
         self.prepared_statements = on;
@@ -571,58 +608,29 @@ impl PgConsumer {
         if entity.is_some() {
             statements.push((&inner.read_version, &version_params));
         }
-        let (tx, answers) =
+        let (mut tx, answers) =
             ClaimTransaction::begin_with(client, &inner.statements, &statements).await?;
         let decided_at = Instant::now();
-        let mut answers = answers.into_iter();
-        let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
-        let lock = txn::single_row(next_rows()?)?;
-        let record = next_rows();
-        let current_version = next_rows();
-        let db_now_ms: i64 = lock.get(1);
-        inner.clock_offset.learn(db_now_ms);
-        let now_ms = self.store.now_ms(db_now_ms);
-        let settled = |outcome: Outcome<std::convert::Infallible>| {
-            (now_ms, outcome.map_fresh(|never| match never {}))
+        let entity = entity.map(|(entity_key, version, ..)| (entity_key, version));
+        // An error here (a record that does not decode, say) leaves the key's lock held until
+        // the rollback: waited for, so that the key is free when the error returns.
+        let decided = decide_claim(self, answers, message, entity);
+        let Decided {
+            db_now_ms,
+            now_ms,
+            verdict,
+        } = tx.release_on_error(decided).await?;
+        let Claimable {
+            replaces_epoch,
+            previous,
+            version,
+        } = match verdict {
+            Ok(claimable) => claimable,
+            Err(outcome) => {
+                tx.rollback().await?;
+                return Ok((now_ms, outcome.map_fresh(|never| match never {})));
+            }
         };
-        if !lock.get::<_, bool>(0) {
-            tx.rollback().await?;
-            return Ok(settled(Outcome::held_by_claim(now_ms)));
-        }
-        let record = record?
-            .first()
-            .map(|row| decode_record(key, row.get(0)))
-            .transpose()?;
-        let found = inspect_record(record, message.fingerprint(), now_ms);
-        let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
-        let (replaces_epoch, previous) =
-            match admit(found, message.production_time_ms(), now_ms, floor_ms) {
-                Found::Claimable {
-                    replaces_epoch,
-                    previous,
-                } => (replaces_epoch, previous),
-                Found::Settled(outcome) => {
-                    tx.rollback().await?;
-                    return Ok(settled(outcome));
-                }
-            };
-        let mut version = None;
-        if let Some((entity_key, new_version, ..)) = entity {
-            if !lock.get::<_, bool>(2) {
-                // Another claim of the same entity is in flight.
-                tx.rollback().await?;
-                return Ok(settled(Outcome::held_by_claim(now_ms)));
-            }
-            let current_version = current_version?
-                .first()
-                .map(|row| decode_version(entity_key, row.get(0)))
-                .transpose()?;
-            if let Some(stale) = guard_order(current_version, new_version) {
-                tx.rollback().await?;
-                return Ok(settled(stale));
-            }
-            version = Some((entity_key.to_vec(), new_version));
-        }
         let claim = PgClaim {
             tx,
             decided_at: (db_now_ms, decided_at),
@@ -648,6 +656,88 @@ impl PgConsumer {
         encode_key(&self.id, key)?;
         self.read(client, key).await
     }
+}
+
+/// What a claim's first round trip decided, before anything is written.
+struct Decided {
+    /// The database's clock in the lock statement.
+    db_now_ms: i64,
+    /// Now on the store's clock.
+    now_ms: u64,
+    /// The key claimable, or the outcome that settles the message without a claim.
+    verdict: std::result::Result<Claimable, Outcome<std::convert::Infallible>>,
+}
+
+/// A claimable key: what the claim replaces and records.
+struct Claimable {
+    replaces_epoch: u64,
+    previous: Option<PreviousAttempt>,
+    /// The ordering guard's (entity key, version) to record.
+    version: Option<(Vec<u8>, u64)>,
+}
+
+/// Decides a claim from the answers of its lock statement, its read and (with an entity
+/// version) the entity's read: no I/O.
+fn decide_claim(
+    consumer: &PgConsumer,
+    answers: txn::Answers,
+    message: &Message<'_>,
+    entity: Option<(&[u8], u64)>,
+) -> Result<Decided> {
+    let inner = &consumer.store.inner;
+    let key = message.key();
+    let mut answers = answers.into_iter();
+    let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+    let lock = txn::single_row(next_rows()?)?;
+    let record = next_rows();
+    let current_version = next_rows();
+    let db_now_ms: i64 = lock.get(1);
+    inner.clock_offset.learn(db_now_ms);
+    let now_ms = consumer.store.now_ms(db_now_ms);
+    let decided = |verdict| {
+        Ok(Decided {
+            db_now_ms,
+            now_ms,
+            verdict,
+        })
+    };
+    if !lock.get::<_, bool>(0) {
+        return decided(Err(Outcome::held_by_claim(now_ms)));
+    }
+    let record = record?
+        .first()
+        .map(|row| decode_record(key, row.get(0)))
+        .transpose()?;
+    let found = inspect_record(record, message.fingerprint(), now_ms);
+    let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
+    let (replaces_epoch, previous) =
+        match admit(found, message.production_time_ms(), now_ms, floor_ms) {
+            Found::Claimable {
+                replaces_epoch,
+                previous,
+            } => (replaces_epoch, previous),
+            Found::Settled(outcome) => return decided(Err(outcome)),
+        };
+    let mut version = None;
+    if let Some((entity_key, new_version)) = entity {
+        if !lock.get::<_, bool>(2) {
+            // Another claim of the same entity is in flight.
+            return decided(Err(Outcome::held_by_claim(now_ms)));
+        }
+        let current_version = current_version?
+            .first()
+            .map(|row| decode_version(entity_key, row.get(0)))
+            .transpose()?;
+        if let Some(stale) = guard_order(current_version, new_version) {
+            return decided(Err(stale));
+        }
+        version = Some((entity_key.to_vec(), new_version));
+    }
+    decided(Ok(Claimable {
+        replaces_epoch,
+        previous,
+        version,
+    }))
 }
 
 /// Decodes a stored version of `entity_key` (8 bytes, big-endian).
@@ -769,6 +859,9 @@ impl<'c> PgClaim<'c> {
     /// transaction rolls back). [`Error::Postgres`] when a statement or the commit fails; if the
     /// connection dropped during the commit its outcome is unknown: do not acknowledge the
     /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
+    /// [`Error::StatementDeallocated`] when the store's statement was deallocated since the
+    /// claim began (retryable). Whatever the error, with the connection up the transaction has
+    /// rolled back and the key is free when it returns.
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
         self.commit_with(result, &[]).await
     }
@@ -807,8 +900,11 @@ impl<'c> PgClaim<'c> {
     ) -> Result<()> {
         let started = Instant::now();
         let result = result.as_ref();
-        check_result(result)?;
-        txn::check_sendable(statements)?;
+        // Refused before anything is sent; the rollback is waited for, so that the key is
+        // free when the error returns.
+        if let Err(error) = check_result(result).and_then(|()| txn::check_sendable(statements)) {
+            return self.tx.fail(error).await;
+        }
         let consumer = &self.consumer;
         let store = &consumer.store;
         let (db_ms, decided) = self.decided_at;
@@ -929,7 +1025,12 @@ impl PgStore {
     /// Creates the partitions of the days ahead and drops those whose rows have all expired.
     /// Run it regularly (hourly, say, from one process or several): removal is one dropped
     /// partition per day, never a `DELETE` of rows, so it costs the same at any number of
-    /// records and leaves no dead rows behind. A dropped partition is first detached
+    /// records and leaves no dead rows behind.
+    ///
+    /// Calls that overlap, from one process or several, take turns: each waits for the
+    /// removals that began before it (a session-level advisory lock on the connection) and
+    /// then drops what is still removable, so every call succeeds, and when one returns
+    /// every partition removable when it took its turn is gone. A dropped partition is first detached
     /// concurrently (a lock that claims do not wait for), so claims go on meanwhile; the
     /// detach itself waits for the transactions that began before it (claims open then, and
     /// any other), so `maintain` takes as long as the longest of them.
@@ -951,13 +1052,25 @@ impl PgStore {
     /// finished by the next call.
     pub async fn maintain(&self, client: &mut Client) -> Result<Maintenance> {
         let through_day = self.ensure_partitions(client, true).await?;
+        let client: &Client = client;
+        // Partitions are listed once the turn is taken, so that a call that waited finds
+        // what the one before it dropped gone.
+        let turn = schema::RemovalTurn::take(client, &self.inner.names).await?;
         let mut dropped = Vec::new();
-        for (partition, removable) in self.day_partitions(client).await? {
-            if removable {
-                schema::drop_partition(client, &self.inner.names, &partition).await?;
-                dropped.push(partition.name);
+        let removed = async {
+            for (partition, removable) in self.day_partitions(client).await? {
+                if removable {
+                    schema::drop_partition(client, &self.inner.names, &partition).await?;
+                    dropped.push(partition.name);
+                }
             }
+            Ok::<(), Error>(())
         }
+        .await;
+        // Given up on an error too, and waited for: the next call's turn comes at once.
+        let ended = turn.end().await;
+        removed?;
+        ended?;
         Ok(Maintenance {
             partitions_through_day: through_day,
             dropped,
@@ -1198,6 +1311,11 @@ impl PgStore {
     pub(crate) fn write_failed(&self, error: tokio_postgres::Error, key: &[u8]) -> Error {
         if error.code() == Some(LOST_ROW) {
             return Error::LostKey { key: key.to_vec() };
+        }
+        if prepared::is_stale(&error) {
+            // Only the store's own writes come here, and they are prepared: the caller's SQL
+            // is sent unnamed.
+            return Error::StatementDeallocated;
         }
         if error.code() == Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION) {
             self.inner

@@ -18,11 +18,14 @@
 //! An address can outlive its connection (a client dropped, another built in its place). That
 //! is safe: statement names are unique within the process (tokio-postgres numbers them from
 //! one counter), so a statement kept for a gone connection does not exist on the new one, and
-//! running it fails with `invalid_sql_statement_name` (26000) before anything is written. A
-//! claim that meets it at its start ([`crate::txn::ClaimTransaction::begin_with`]) forgets the
-//! address and runs again with statements prepared anew; a commit that meets it (a kept
-//! write statement the new connection had not used yet) forgets the address and fails with
-//! nothing written, and the redelivery claims afresh.
+//! running it fails with `invalid_sql_statement_name` (26000) before anything is written. Every
+//! transaction starts with [`crate::txn::ClaimTransaction::begin_with`] or
+//! [`crate::txn::ClaimTransaction::run_whole`], and each sends the setting restored behind the
+//! store's statements, which every kind of transaction shares: so whatever kinds of call the
+//! old connection made, the new one meets a missing statement at the start of its first
+//! transaction, in any answer (the restored setting's included), forgets the address and runs
+//! again with statements prepared anew. A commit that still meets one (deallocated after its
+//! claim began) forgets the address and fails with `StatementDeallocated`, nothing written.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -1,5 +1,7 @@
 //! The tables idemdb keeps in PostgreSQL, their names, and their versioned installation.
 
+use std::future::Future;
+
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::{Error, Result};
@@ -641,6 +643,55 @@ pub(crate) async fn drop_partition(
     Ok(())
 }
 
+/// The turn of one removal (the partitions' detaches and drops) of the records table among
+/// every process's: a session-level advisory lock, since a concurrent detach cannot run inside
+/// a transaction block, where a transaction-level lock would be released. Two removals that
+/// overlap would otherwise detach the same partition twice ("already pending detach"), drop
+/// one the other is detaching, or deadlock on the detaches' waits.
+pub(crate) struct RemovalTurn<'c> {
+    client: &'c Client,
+    lock: i64,
+    held: bool,
+}
+
+impl<'c> RemovalTurn<'c> {
+    /// Waits for the turn: for every removal of the table that began before it.
+    pub(crate) async fn take(client: &'c Client, names: &Names) -> Result<RemovalTurn<'c>> {
+        let lock = removal_lock(names);
+        client
+            .batch_execute(&format!("SELECT pg_advisory_lock({lock})"))
+            .await?;
+        Ok(RemovalTurn {
+            client,
+            lock,
+            held: true,
+        })
+    }
+
+    /// Gives the turn to the next removal, and returns once the server has.
+    pub(crate) async fn end(mut self) -> Result<()> {
+        self.held = false;
+        self.client.batch_execute(&unlock_sql(self.lock)).await?;
+        Ok(())
+    }
+}
+
+impl Drop for RemovalTurn<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            // A removal given up half way (its future dropped, or an error): the unlock is
+            // sent without waiting (a simple query goes out at its first poll), and runs after
+            // whatever the connection was running. A session-level lock would otherwise stay
+            // with the connection until it closes.
+            let sql = unlock_sql(self.lock);
+            let mut unlock = std::pin::pin!(self.client.batch_execute(&sql));
+            let _ = unlock
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        }
+    }
+}
+
 /// Checks that the tables exist at a version this crate reads, and returns the width of the
 /// records' partitions in days.
 ///
@@ -687,6 +738,16 @@ fn schema_install_lock(names: &Names) -> i64 {
 /// The advisory lock installers of `names` take turns under.
 fn install_lock(names: &Names) -> i64 {
     advisory_lock_of(&format!("idemdb install {}", names.records()))
+}
+
+fn unlock_sql(lock: i64) -> String {
+    format!("SELECT pg_advisory_unlock({lock})")
+}
+
+/// The session-level advisory lock removals of the records table of `names` take turns under
+/// ([`RemovalTurn`]).
+fn removal_lock(names: &Names) -> i64 {
+    advisory_lock_of(&format!("idemdb removal {}", names.records()))
 }
 
 /// An advisory lock's number: a 64-bit hash of what it stands for.

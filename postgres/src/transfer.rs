@@ -158,53 +158,67 @@ impl PgStore {
                 .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
                 .start()
                 .await?;
-            tx.execute(
-                "SELECT count(pg_advisory_xact_lock(id)) FROM unnest($1::int8[]) AS id",
-                &[&locks],
-            )
-            .await?;
-            // A statement of its own, after the locks were granted: under READ COMMITTED its
-            // snapshot holds every commit of the keys' earlier holders.
-            let held: HashSet<(Vec<u8>, Vec<u8>)> = tx
-                .query(&existing, &[&consumers, &keys])
-                .await?
-                .iter()
-                .map(|row| (row.get(0), row.get(1)))
-                .collect();
-            let holds =
-                |row: &&ImportRow| held.contains(&(row.consumer.to_vec(), row.key.to_vec()));
-            let written: Vec<&ImportRow> = if overwrite {
-                chunk.clone()
-            } else {
-                chunk.iter().copied().filter(|row| !holds(row)).collect()
-            };
-            let replaced = chunk.iter().filter(|row| holds(row)).count() as u64;
-            if overwrite && replaced > 0 {
-                let replaced_rows: Vec<&&ImportRow> =
-                    chunk.iter().filter(|row| holds(row)).collect();
-                let consumers: Vec<&[u8]> = replaced_rows.iter().map(|row| row.consumer).collect();
-                let keys: Vec<&[u8]> = replaced_rows.iter().map(|row| row.key).collect();
-                tx.execute(&delete, &[&consumers, &keys]).await?;
-            }
-            let consumers: Vec<&[u8]> = written.iter().map(|row| row.consumer).collect();
-            let keys: Vec<&[u8]> = written.iter().map(|row| row.key).collect();
-            let values: Vec<&[u8]> = written.iter().map(|row| row.value.as_slice()).collect();
-            let expiries: Vec<i64> = written.iter().map(|row| row.expires_at_ms).collect();
-            let inserted = tx
-                .execute(&insert, &[&consumers, &keys, &values, &expiries])
+            // An error rolls back, waited for, so that the chunk's keys are free when it
+            // returns (a transaction dropped open rolls back a moment later).
+            let written = async {
+                tx.execute(
+                    "SELECT count(pg_advisory_xact_lock(id)) FROM unnest($1::int8[]) AS id",
+                    &[&locks],
+                )
                 .await?;
-            assert_eq!(
-                inserted,
-                written.len() as u64,
-                "every row to write is inserted"
-            );
+                // A statement of its own, after the locks were granted: under READ COMMITTED its
+                // snapshot holds every commit of the keys' earlier holders.
+                let held: HashSet<(Vec<u8>, Vec<u8>)> = tx
+                    .query(&existing, &[&consumers, &keys])
+                    .await?
+                    .iter()
+                    .map(|row| (row.get(0), row.get(1)))
+                    .collect();
+                let holds =
+                    |row: &&ImportRow| held.contains(&(row.consumer.to_vec(), row.key.to_vec()));
+                let written: Vec<&ImportRow> = if overwrite {
+                    chunk.clone()
+                } else {
+                    chunk.iter().copied().filter(|row| !holds(row)).collect()
+                };
+                let replaced = chunk.iter().filter(|row| holds(row)).count() as u64;
+                if overwrite && replaced > 0 {
+                    let replaced_rows: Vec<&&ImportRow> =
+                        chunk.iter().filter(|row| holds(row)).collect();
+                    let consumers: Vec<&[u8]> =
+                        replaced_rows.iter().map(|row| row.consumer).collect();
+                    let keys: Vec<&[u8]> = replaced_rows.iter().map(|row| row.key).collect();
+                    tx.execute(&delete, &[&consumers, &keys]).await?;
+                }
+                let consumers: Vec<&[u8]> = written.iter().map(|row| row.consumer).collect();
+                let keys: Vec<&[u8]> = written.iter().map(|row| row.key).collect();
+                let values: Vec<&[u8]> = written.iter().map(|row| row.value.as_slice()).collect();
+                let expiries: Vec<i64> = written.iter().map(|row| row.expires_at_ms).collect();
+                let inserted = tx
+                    .execute(&insert, &[&consumers, &keys, &values, &expiries])
+                    .await?;
+                assert_eq!(
+                    inserted,
+                    written.len() as u64,
+                    "every row to write is inserted"
+                );
+                Ok::<(u64, u64), Error>((replaced, inserted))
+            }
+            .await;
+            let (replaced, inserted) = match written {
+                Ok(counted) => counted,
+                Err(error) => {
+                    let _ = tx.rollback().await;
+                    return Err(error);
+                }
+            };
             tx.commit().await?;
             if overwrite {
                 counts.overwritten += replaced;
                 counts.imported += chunk.len() as u64 - replaced;
             } else {
                 counts.skipped += replaced;
-                counts.imported += written.len() as u64;
+                counts.imported += inserted;
             }
         }
         Ok(counts)

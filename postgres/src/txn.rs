@@ -121,11 +121,14 @@ impl<'c> ClaimTransaction<'c> {
                     .map(|(statement, prepared)| run(shared, prepared, *statement));
                 join(shared.batch_execute(begin), in_order(queries)).await
             };
-            // The caller's statements' answers only.
-            answers.truncate(statements.len());
+            // Looked for in every answer, the setting restored behind the caller's statements
+            // included: that statement is shared by every kind of transaction, so it is often
+            // the only one kept for a connection that is gone.
             let stale = answers
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
+            // The caller's statements' answers only.
+            answers.truncate(statements.len());
             if stale && !retried && begun.is_ok() {
                 retried = true;
                 cache.forget(client);
@@ -151,6 +154,10 @@ impl<'c> ClaimTransaction<'c> {
     /// before trusting the `COMMIT`'s. Every request is sent at the first poll, so a future
     /// dropped after it leaves no transaction open (the `COMMIT` or its rollback ends it).
     ///
+    /// A store statement that meets a statement kept for another connection (an address
+    /// reused) aborts the transaction before any of the caller's statements runs, and the
+    /// `COMMIT` then rolls back: the whole runs once more, with the statements prepared anew.
+    ///
     /// # Errors
     /// The error of `BEGIN` (nothing began), or of preparing a statement (nothing was sent).
     pub(crate) async fn run_whole(
@@ -160,19 +167,31 @@ impl<'c> ClaimTransaction<'c> {
         staged: &[Statement<'_>],
     ) -> Result<Whole> {
         let (begin, guarded) = begin_and_guarded(cache, statements);
-        let prepared = cache.prepare(client, &types_of(&guarded)).await?;
-        let shared: &Client = client;
-        let queries = guarded
-            .iter()
-            .zip(prepared)
-            .chain(staged.iter().map(|statement| (statement, None)))
-            .map(|(statement, prepared)| run(shared, prepared, *statement));
-        let ((begun, mut answers), committed) = join(
-            join(shared.batch_execute(begin), in_order(queries)),
-            shared.batch_execute("COMMIT"),
-        )
-        .await;
-        begun?;
+        let mut retried = false;
+        let (mut answers, committed) = loop {
+            let prepared = cache.prepare(client, &types_of(&guarded)).await?;
+            let shared: &Client = client;
+            let queries = guarded
+                .iter()
+                .zip(prepared)
+                .chain(staged.iter().map(|statement| (statement, None)))
+                .map(|(statement, prepared)| run(shared, prepared, *statement));
+            let ((begun, answers), committed) = join(
+                join(shared.batch_execute(begin), in_order(queries)),
+                shared.batch_execute("COMMIT"),
+            )
+            .await;
+            begun?;
+            let stale = answers[..guarded.len()]
+                .iter()
+                .any(|answer| answer.as_ref().is_err_and(is_stale));
+            if stale && !retried {
+                retried = true;
+                cache.forget(client);
+                continue;
+            }
+            break (answers, committed);
+        };
         let staged_answers = answers.split_off(guarded.len());
         // The store's statements' answers only (not the setting restored behind them).
         let restore = answers.split_off(statements.len());
@@ -212,10 +231,9 @@ impl<'c> ClaimTransaction<'c> {
         } else {
             writes.to_vec()
         };
-        // Prepared before `open` is cleared: a failure here leaves the drop to roll back.
+        let prepared = self.cache.prepare(self.client, &types_of(&guarded)).await;
         let prepared = self
-            .cache
-            .prepare(self.client, &types_of(&guarded))
+            .release_on_error(prepared)
             .await
             .map_err(CommitFailed::Store)?;
         self.open = false;
@@ -243,6 +261,36 @@ impl<'c> ClaimTransaction<'c> {
         }
         committed.map_err(CommitFailed::Store)?;
         Ok(rows)
+    }
+
+    /// `result` as it is, after rolling back and waiting for the server's answer when it is an
+    /// error: the transaction's locks (the key's) are free by the time the error reaches the
+    /// caller. A transaction dropped open rolls back too, but without waiting, so another
+    /// connection could still find the key held for a moment after the error returned.
+    pub(crate) async fn release_on_error<T, E>(
+        &mut self,
+        result: std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        if result.is_err() {
+            self.roll_back_now().await;
+        }
+        result
+    }
+
+    /// Rolls back and waits, for a call that fails with `error` before it ends the transaction.
+    pub(crate) async fn fail<T>(mut self, error: impl Into<Error>) -> Result<T> {
+        self.roll_back_now().await;
+        Err(error.into())
+    }
+
+    /// Rolls back and waits for the answer, unless the transaction was ended already. A
+    /// failure of the rollback is the connection's: the server rolls back on its own when it
+    /// notices, and the caller is told of the error that made it roll back.
+    async fn roll_back_now(&mut self) {
+        if self.open {
+            self.open = false;
+            let _ = self.client.batch_execute("ROLLBACK").await;
+        }
     }
 
     /// Commits.

@@ -32,6 +32,12 @@
 //! migration of a version 2 schema, derived keys equal to the embedded engine's, and the
 //! metrics and `tracing` events under the embedded names and fields with `backend="postgres"`.
 //!
+//! Reconnects: every kind of call (claim, `apply` both ways, batch, external claim) on a client
+//! rebuilt in the same variable after every other kind. Overlapping `maintain` calls each
+//! succeed and drop every removable partition once. A failed call (a refused commit, a record
+//! that does not decode) has freed its keys when its error returns, seen from another
+//! connection.
+//!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
 #[path = "support/server.rs"]
@@ -197,6 +203,9 @@ fn main() {
     scenario!(installs_of_several_tables_into_one_new_schema_race_and_all_land);
     scenario!(schema_names_postgresql_reserves_are_refused);
     scenario!(an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept);
+    scenario!(every_kind_of_call_goes_through_on_a_client_reconnected_into_the_same_place);
+    scenario!(overlapping_maintain_calls_take_turns_and_each_succeeds);
+    scenario!(a_failed_call_frees_its_keys_before_the_error_returns);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -3514,9 +3523,20 @@ async fn a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all(
             tried
         }));
     }
-    // Until some commits landed.
+    // Until some commits landed, and one of every worker (a worker that had not connected
+    // by the crash would have nothing cut off, on a loaded machine).
     for _ in 0..500 {
-        if count_rows(&client, "t_crash.orders").await? > 1 + 5 * WORKERS as i64 {
+        let workers_landed: i64 = client
+            .query_one(
+                "SELECT count(DISTINCT split_part(id, '-', 1)) FROM t_crash.orders \
+                 WHERE id LIKE 'w%-%'",
+                &[],
+            )
+            .await?
+            .get(0);
+        if workers_landed == WORKERS as i64
+            && count_rows(&client, "t_crash.orders").await? > 1 + 5 * WORKERS as i64
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -4684,7 +4704,7 @@ async fn prepared_statements_outlive_their_connection_and_a_deallocate(
     client.batch_execute("DEALLOCATE ALL").await?;
     claim_each_way(&consumer, &mut client, "third").await?;
     // The record's insert deallocated inside a claim: that commit fails with nothing written,
-    // and the next claim of the key prepares the statements again and commits.
+    // retryable, and the next claim of the key prepares the statements again and commits.
     let body = Fingerprint::of(b"m");
     let Outcome::Fresh(claim) = consumer.begin(&mut client, "d-1", body).await? else {
         return Err("d-1 not fresh".into());
@@ -4710,10 +4730,7 @@ async fn prepared_statements_outlive_their_connection_and_a_deallocate(
         .await?;
     let committed = claim.commit(b"ok").await;
     ensure!(
-        postgres_error(
-            &committed,
-            &tokio_postgres::error::SqlState::INVALID_SQL_STATEMENT_NAME
-        ),
+        matches!(&committed, Err(error @ Error::StatementDeallocated) if error.is_retryable()),
         "commit without its statement: {committed:?}"
     );
     ensure!(consumer.get(&client, "d-1").await?.is_none(), "d-1 written");
@@ -6197,5 +6214,332 @@ async fn an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept(
         "far again: {again:?}"
     );
     store.maintain(&mut client).await?;
+    Ok(())
+}
+
+/// The kinds of call a consumer makes, each of which prepares statements of its own on the
+/// connection: a claim and its commit, `apply` in one round trip and the long way, a batch,
+/// an external claim with a renewal and its completion.
+const CALL_KINDS: [&str; 5] = ["begin", "apply", "apply-long", "batch", "external"];
+
+/// Makes a call of `kind` on a key no call made before, and checks that it committed.
+async fn call_of_kind(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    kind: &str,
+    tag: &str,
+) -> Result<(), Failure> {
+    let body = Fingerprint::of(b"m");
+    let key = format!("{tag}-{kind}");
+    match kind {
+        "begin" => commit_one(consumer, client, &key, "m", "ok").await?,
+        "apply" => {
+            let message = Message::new(&key, body);
+            let applied = consumer.apply(client, &message, b"ok", &[]).await?;
+            ensure!(
+                matches!(applied, Outcome::Fresh(applied) if applied.one_round_trip),
+                "{key}: {applied:?}"
+            );
+        }
+        "apply-long" => {
+            // A message with an entity's version takes the two-round-trip way.
+            let entity = format!("{key}-entity");
+            let message = Message::new(&key, body).version(&entity, 1);
+            let applied = consumer.apply(client, &message, b"ok", &[]).await?;
+            ensure!(
+                matches!(applied, Outcome::Fresh(applied) if !applied.one_round_trip),
+                "{key}: {applied:?}"
+            );
+        }
+        "batch" => {
+            let keys = messages(&[(&format!("{key}-1"), "x"), (&format!("{key}-2"), "y")]);
+            let batch = consumer.begin_batch(client, &keys).await?;
+            ensure!(
+                batch
+                    .outcomes()
+                    .iter()
+                    .all(|outcome| matches!(outcome, PgBatchOutcome::Fresh)),
+                "{key}: {:?}",
+                batch.outcomes()
+            );
+            batch.commit(|_| b"ok").await?;
+        }
+        "external" => {
+            let lease = Duration::from_secs(60);
+            let Outcome::Fresh(mut external) = consumer
+                .begin_external(client, &key, body, lease, "worker")
+                .await?
+            else {
+                return Err(format!("{key}: not fresh").into());
+            };
+            external.renew(client, lease).await?;
+            external.completion(client).await?.commit(b"ok").await?;
+        }
+        other => return Err(format!("no call of kind {other}").into()),
+    }
+    Ok(())
+}
+
+async fn every_kind_of_call_goes_through_on_a_client_reconnected_into_the_same_place(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_reconnect").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    // The store learns the database's clock (apply's one round trip needs it).
+    commit_one(&consumer, &mut client, "warm-up", "m", "ok").await?;
+    // Every kind of call on a connection, then a new connection built in the same variable
+    // (as a consumer reconnects after a failover), then every kind of call on it: the
+    // statements kept for the old connection are missing on the new one, whichever kinds
+    // they were kept for.
+    let mut failed = Vec::new();
+    for first in CALL_KINDS {
+        for second in CALL_KINDS {
+            let tag = format!("{first}-then-{second}");
+            // This connection replaces the previous pair's: a reconnected client too.
+            client = connect(url).await?;
+            if let Err(error) =
+                call_of_kind(&consumer, &mut client, first, &format!("{tag}-old")).await
+            {
+                failed.push(format!("{tag}, its first call: {error}"));
+                continue;
+            }
+            let old_pid = backend_pid(&client).await?;
+            client = connect(url).await?;
+            ensure!(backend_pid(&client).await? != old_pid, "a new connection");
+            if let Err(error) =
+                call_of_kind(&consumer, &mut client, second, &format!("{tag}-new")).await
+            {
+                failed.push(format!("{tag}: {error}"));
+            }
+        }
+    }
+    ensure!(
+        failed.is_empty(),
+        "{} of {} pairs failed on the reconnected client: {failed:#?}",
+        failed.len(),
+        CALL_KINDS.len() * CALL_KINDS.len()
+    );
+    Ok(())
+}
+
+async fn overlapping_maintain_calls_take_turns_and_each_succeeds(url: &str) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    const CALLS: usize = 4;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_maintain_race").await?;
+    let clock = MockClock::new(100 * DAY + DAY / 2);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(DAY))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let mut maintainers = Vec::new();
+    for _ in 0..CALLS {
+        maintainers.push(connect(url).await?);
+    }
+    for round in 0..3_u64 {
+        // Records on each of four days, then the clock past all of them.
+        let first_day = 100 + round * 10;
+        for day in first_day..first_day + 4 {
+            clock.set(day * DAY + DAY / 2);
+            for key in ["a", "b"] {
+                let key = format!("{round}-{day}-{key}");
+                commit_one(&consumer, &mut client, &key, "m", "ok").await?;
+            }
+        }
+        clock.set((first_day + 8) * DAY);
+        let live = format!("{round}-live");
+        commit_one(&consumer, &mut client, &live, "m", "ok").await?;
+        let removable: Vec<String> = store
+            .partitions(&client)
+            .await?
+            .into_iter()
+            .filter(|partition| partition.removable)
+            .map(|partition| partition.name)
+            .collect();
+        ensure!(
+            removable.len() >= 4,
+            "round {round}: removable partitions {removable:?}"
+        );
+        let [a, b, c, d] = &mut maintainers[..] else {
+            return Err("four connections".into());
+        };
+        let (a, b, c, d) = tokio::join!(
+            store.maintain(a),
+            store.maintain(b),
+            store.maintain(c),
+            store.maintain(d)
+        );
+        let mut dropped = Vec::new();
+        for (call, done) in [a, b, c, d].into_iter().enumerate() {
+            match done {
+                Ok(done) => dropped.extend(done.dropped),
+                Err(error) => {
+                    return Err(format!("round {round}: call {call} failed: {error}").into());
+                }
+            }
+        }
+        dropped.sort();
+        ensure!(
+            dropped == removable,
+            "round {round}: dropped {dropped:?}, removable {removable:?} (each once)"
+        );
+        let left = store.partitions(&client).await?;
+        ensure!(
+            left.iter().all(|partition| !partition.removable),
+            "round {round}: left {left:?}"
+        );
+        let outcome = consumer
+            .begin(&mut client, &live, Fingerprint::of(b"m"))
+            .await?;
+        ensure!(
+            matches!(outcome, Outcome::Duplicate { .. }),
+            "round {round}: a live record after removal: {outcome:?}"
+        );
+    }
+    Ok(())
+}
+
+/// How many advisory locks the server process `pid` holds.
+async fn advisory_locks_of(watcher: &Client, pid: i32) -> Result<i64, Failure> {
+    Ok(watcher
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1",
+            &[&pid],
+        )
+        .await?
+        .get(0))
+}
+
+async fn a_failed_call_frees_its_keys_before_the_error_returns(url: &str) -> Result<(), Failure> {
+    // Looked at from another connection right after each error: a rollback sent without
+    // waiting (a dropped transaction's) is often still on its way then.
+    const ROUNDS: usize = 60;
+    let mut client = connect(url).await?;
+    let watcher = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_freed").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let pid = backend_pid(&client).await?;
+    let insert = "INSERT INTO t_freed.orders (id, body) VALUES ($1, $2)";
+    let number = 5_i64;
+    let unencodable: [(&(dyn ToSql + Sync), Type); 2] =
+        [(&number, Type::TEXT), (&number, Type::TEXT)];
+    let bad: [idemdb_postgres::TypedStatement<'_>; 1] = [(insert, &unencodable)];
+    let too_long = vec![0_u8; idemdb::RESULT_BYTES_MAX + 1];
+    // A record that does not decode, for the calls that read one.
+    commit_one(&consumer, &mut client, "corrupt", "m", "ok").await?;
+    client
+        .batch_execute(
+            "UPDATE t_freed.records SET record = '\\x00ff' WHERE message_key = 'corrupt'",
+        )
+        .await?;
+    let body = Fingerprint::of(b"m");
+    let mut held_after = Vec::new();
+    for round in 0..ROUNDS {
+        let Outcome::Fresh(claim) = consumer
+            .begin(&mut client, format!("{round}-c"), body)
+            .await?
+        else {
+            return Err(format!("{round}-c not fresh").into());
+        };
+        let failed = claim.commit_with(b"ok", &bad).await;
+        ensure!(
+            matches!(failed, Err(Error::BadStatement { .. })),
+            "{round}: commit_with {failed:?}"
+        );
+        held_after.push((
+            "a claim's commit_with refused",
+            advisory_locks_of(&watcher, pid).await?,
+        ));
+
+        let Outcome::Fresh(claim) = consumer
+            .begin(&mut client, format!("{round}-r"), body)
+            .await?
+        else {
+            return Err(format!("{round}-r not fresh").into());
+        };
+        let failed = claim.commit(&too_long).await;
+        ensure!(
+            matches!(
+                failed,
+                Err(Error::Idemdb(idemdb::Error::LimitExceeded { .. }))
+            ),
+            "{round}: commit {failed:?}"
+        );
+        held_after.push((
+            "a claim's result refused",
+            advisory_locks_of(&watcher, pid).await?,
+        ));
+
+        let keys = messages(&[(&format!("{round}-b1"), "x"), (&format!("{round}-b2"), "y")]);
+        let batch = consumer.begin_batch(&mut client, &keys).await?;
+        let failed = batch.commit_with(|_| b"ok", &bad).await;
+        ensure!(
+            matches!(failed, Err(Error::BadStatement { .. })),
+            "{round}: batch commit_with {failed:?}"
+        );
+        held_after.push((
+            "a batch's commit_with refused",
+            advisory_locks_of(&watcher, pid).await?,
+        ));
+
+        let failed = consumer
+            .begin(&mut client, "corrupt", body)
+            .await
+            .map(|_| ());
+        ensure!(
+            matches!(failed, Err(Error::Corrupt { .. })),
+            "{round}: begin {failed:?}"
+        );
+        held_after.push((
+            "a claim of a corrupt record",
+            advisory_locks_of(&watcher, pid).await?,
+        ));
+
+        let keys = messages(&[("corrupt", "m"), (&format!("{round}-b3"), "z")]);
+        let failed = consumer.begin_batch(&mut client, &keys).await.map(|_| ());
+        ensure!(
+            matches!(failed, Err(Error::Corrupt { .. })),
+            "{round}: begin_batch {failed:?}"
+        );
+        held_after.push((
+            "a batch with a corrupt record",
+            advisory_locks_of(&watcher, pid).await?,
+        ));
+
+        let failed = consumer
+            .begin_external(&mut client, "corrupt", body, Duration::from_secs(60), "w")
+            .await
+            .map(|_| ());
+        ensure!(
+            matches!(failed, Err(Error::Corrupt { .. })),
+            "{round}: begin_external {failed:?}"
+        );
+        held_after.push((
+            "an external claim of a corrupt record",
+            advisory_locks_of(&watcher, pid).await?,
+        ));
+    }
+    let mut still_held: std::collections::BTreeMap<&str, usize> = Default::default();
+    for (what, locks) in &held_after {
+        if *locks > 0 {
+            *still_held.entry(what).or_default() += 1;
+        }
+    }
+    ensure!(
+        still_held.is_empty(),
+        "a key still locked when the error returned (times of {ROUNDS} each): {still_held:?}"
+    );
+    // And another connection claims the keys at once.
+    let mut other = connect(url).await?;
+    let Outcome::Fresh(claim) = consumer.begin(&mut other, "0-c", body).await? else {
+        return Err("0-c not fresh after its failed commit".into());
+    };
+    claim.commit(b"ok").await?;
     Ok(())
 }
