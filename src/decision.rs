@@ -6,8 +6,8 @@
 
 use bytes::Bytes;
 
-use crate::fingerprint::Fingerprint;
-use crate::record::{Record, RecordState};
+use crate::format::fingerprint::Fingerprint;
+use crate::format::record::{Record, RecordState};
 
 /// What `begin` found. Match every variant: each asks the caller for a different action.
 ///

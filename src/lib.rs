@@ -401,84 +401,77 @@
 #![warn(clippy::semicolon_if_nothing_returned)]
 #![warn(clippy::must_use_candidate)] // a value computed for the caller is not dropped silently
 
-/// Declares the modules that exist only with the RocksDB engine (feature `engine`).
-macro_rules! engine_modules {
-    ($($visibility:vis mod $name:ident;)*) => {
-        $(
-            #[cfg(feature = "engine")]
-            $visibility mod $name;
-        )*
-    };
-}
-
-// The format and the decision core: built with or without RocksDB.
-mod clock;
-// The pure decision core: the embedded engine's, and every other backend's (idemdb-postgres).
-pub mod decision;
-mod error;
-mod fingerprint;
-mod key;
-mod merge;
+// The layers, bottom first (ARCHITECTURE.md, Codemap); each names only its own layer and the
+// ones below it (tests/layers.rs).
+//
+// The format: keys, records, merge operands, the compaction filter's decision, messages, the
+// clock and errors. Built with or without RocksDB; its codecs are the public module `format`.
+pub mod format;
+// Public modules whose files live with the format layer, at the paths users know.
+#[path = "format/merge_ops.rs"]
 pub mod merge_ops;
-// The engine reads a message's fields; a backend without RocksDB reads them through its getters.
-mod message;
-mod operand;
-mod printable;
-mod record;
 // Feature `transfer`: the export line every backend's export writes and import reads.
 #[cfg(feature = "transfer")]
+#[path = "format/transfer.rs"]
 pub mod transfer;
-mod ttl;
-
-// Storage, operations and handles on RocksDB.
-engine_modules! {
-    pub mod admin;
-    mod batch;
-    mod business_table;
-    mod claim;
-    mod engine;
-    mod fault;
-    mod latch;
-    mod lease;
-    mod observe;
-    mod options;
-    mod staging;
-    mod storage;
-    mod store_lock;
-    mod store_meta;
-}
-#[cfg(feature = "tokio")]
-mod committer;
+// The pure decision core: the embedded engine's, and every other backend's (idemdb-postgres).
+pub mod decision;
+// Storage: the open RocksDB store and what it is built from (feature `engine`).
+#[cfg(feature = "engine")]
+mod storage;
+// Operations: claims, batches, leases and the writes they stage (feature `engine`).
+#[cfg(feature = "engine")]
+mod operations;
+// Handles: what the application holds (feature `engine`).
+#[cfg(feature = "engine")]
+pub mod admin;
+#[cfg(feature = "engine")]
+mod consumer;
+#[cfg(feature = "engine")]
+mod engine;
 
 #[cfg(feature = "engine")]
-pub use batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
-#[cfg(feature = "engine")]
-pub use business_table::BusinessTable;
-#[cfg(feature = "engine")]
-pub use claim::{Claim, Expiry, Outcome};
-pub use clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
-#[cfg(feature = "tokio")]
-pub use committer::{BatchCommitFuture, CommitFuture};
+pub use consumer::Consumer;
 #[cfg(not(feature = "engine"))]
 pub use decision::Outcome;
 pub use decision::PreviousAttempt;
 #[cfg(feature = "engine")]
-pub use engine::{Consumer, Engine, EntityTable, RecordCounts};
-pub use error::{Error, Limit, Result, StorageErrorKind};
-#[cfg(feature = "engine")]
-pub use fault::{Fault, FaultInjector, IoPoint};
-pub use fingerprint::Fingerprint;
-pub use key::{
+pub use engine::{Engine, EntityTable, RecordCounts};
+pub use format::clock::{CLOCK_MS_MAX, Clock, MockClock, SystemClock};
+pub use format::error::{Error, Limit, Result, StorageErrorKind};
+pub use format::fingerprint::Fingerprint;
+pub use format::key::{
     CONSUMER_ID_BYTES_MAX, CONSUMER_ID_BYTES_MIN, MESSAGE_KEY_BYTES_MAX, MESSAGE_KEY_BYTES_MIN,
     cloudevents_key,
 };
+pub use format::message::Message;
+pub use format::record::{
+    Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, RESULT_BYTES_MAX,
+    Record, RecordState,
+};
 #[cfg(feature = "engine")]
-pub use lease::{ExternalClaim, FailurePolicy, InProgressEntry, LeaseTicket, Resolution};
-pub use message::Message;
+pub use operations::batch::{BATCH_MESSAGES_MAX, BatchOutcome, ClaimBatch};
 #[cfg(feature = "engine")]
-pub use observe::{ConsumerStats, Stats};
+pub use operations::claim::{Claim, Expiry, Outcome};
 #[cfg(feature = "engine")]
-pub use options::{
+pub use operations::lease::{
+    ExternalClaim, FailurePolicy, InProgressEntry, LeaseTicket, Resolution,
+};
+#[cfg(feature = "engine")]
+pub use operations::staging::{
+    STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN,
+    TABLE_VALUE_BYTES_MAX,
+};
+#[cfg(feature = "engine")]
+pub use storage::business_table::BusinessTable;
+#[cfg(feature = "tokio")]
+pub use storage::committer::{BatchCommitFuture, CommitFuture};
+#[cfg(feature = "engine")]
+pub use storage::fault::{Fault, FaultInjector, IoPoint};
+#[cfg(feature = "engine")]
+pub use storage::observe::{ConsumerStats, Stats};
+#[cfg(feature = "engine")]
+pub use storage::options::{
     BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN, Durability,
     EngineBuilder, METRICS_LABEL_VALUE_BYTES_MAX, METRICS_LABELS_MAX,
     PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX, PERIODIC_COMPACTION_S_MIN,
@@ -486,24 +479,3 @@ pub use options::{
     TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions, WRITE_BUFFER_BYTES_DEFAULT,
     WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };
-pub use record::{
-    Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, RESULT_BYTES_MAX,
-    Record, RecordState,
-};
-#[cfg(feature = "engine")]
-pub use staging::{
-    STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN,
-    TABLE_VALUE_BYTES_MAX,
-};
-
-/// The on-disk format, for tools, fuzzers and tests: key and record codecs and the compaction
-/// filter's decision. Specified byte by byte in docs/design.md.
-pub mod format {
-    pub use crate::error::DecodeError;
-    pub use crate::key::{decode_key, derive_key, encode_key};
-    pub use crate::merge::apply_operands;
-    pub use crate::operand::{encode_commit_operand, encode_replace_operand};
-    pub use crate::printable::printable;
-    pub use crate::record::{Record, RecordState};
-    pub use crate::ttl::{FilterDecision, compaction_decision};
-}

@@ -18,8 +18,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::error::{Error, Result};
-use crate::store_lock::StoreLock;
+use crate::format::error::{Error, Result};
+use crate::storage::store_lock::StoreLock;
 
 use super::open::{Store, TableInfo, discover};
 
@@ -97,11 +97,7 @@ impl Store {
     /// [`Error::InvalidArgument`] when `dir` exists, is inside the store, or its parent is not
     /// a directory (nothing is written); [`Error::ReadOnly`] on a read-only store; [`Error::Storage`] when a
     /// file cannot be read, written or synced (then nothing is left under `dir`).
-    pub fn backup(
-        &self,
-        dir: &Path,
-        mut progress: impl FnMut(u64, u64),
-    ) -> Result<TransferReport> {
+    pub fn backup(&self, dir: &Path, mut progress: impl FnMut(u64, u64)) -> Result<TransferReport> {
         let engine = self.engine()?;
         let target = NewDir::check(dir)?;
         target.refuse_inside(&self.path, "the store")?;
@@ -377,8 +373,7 @@ fn copy_dir(
     let files = regular_files(source)?;
     let total: u64 = files.iter().map(|(_, metadata)| metadata.len()).sum();
     let partial = Sibling::new(&target.parent, &target.stem, purpose)?;
-    fs::create_dir(&partial.path)
-        .map_err(|error| io_error("creating", &partial.path, &error))?;
+    fs::create_dir(&partial.path).map_err(|error| io_error("creating", &partial.path, &error))?;
     let mut buffer = vec![0u8; COPY_CHUNK_BYTES];
     let mut copied = 0u64;
     progress(0, total);
@@ -405,12 +400,7 @@ fn copy_dir(
 }
 
 /// Copies `from` to the new file `to` and fsyncs it; `copied(n)` after each chunk of n bytes.
-fn copy_file(
-    from: &Path,
-    to: &Path,
-    buffer: &mut [u8],
-    copied: &mut dyn FnMut(u64),
-) -> Result<()> {
+fn copy_file(from: &Path, to: &Path, buffer: &mut [u8], copied: &mut dyn FnMut(u64)) -> Result<()> {
     let mut source = File::open(from).map_err(|error| io_error("opening", from, &error))?;
     let mut target = File::create_new(to).map_err(|error| io_error("creating", to, &error))?;
     loop {

@@ -60,11 +60,12 @@ pub use backup::{Backup, Transfer, TransferReport, check_new_dir};
 pub use open::{Store, StoreBuilder, TableInfo, TableKind};
 pub use repair::{ImportCounts, ImportRecord, Invalidation, PurgeReport};
 pub use report::{
-    FileSystemSpace, GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX, VerifyReport,
+    FileSystemSpace, GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX,
+    VerifyReport,
 };
 pub use scan::{Cursor, Entry, EntryState, Filter, Page, Target};
 
-use crate::store_meta::RECORDS_TABLE;
+use crate::storage::store_meta::RECORDS_TABLE;
 
 /// The name of the table holding every consumer's records (the other marker tables are the
 /// entity tables, named by the application).

@@ -8,16 +8,20 @@ use std::time::Duration;
 
 use rocksdb::{Cache, ColumnFamily, ColumnFamilyDescriptor, DB};
 
-use crate::clock::{Clock, SystemClock};
 use crate::engine::Engine;
-use crate::error::{Error, Limit, Result, check_limit_u64};
-use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
-use crate::options::{
+use crate::format::clock::{Clock, SystemClock};
+use crate::format::error::{Error, Limit, Result, check_limit_u64};
+use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
+use crate::storage::options::{
     EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
 };
-use crate::storage::{db_options, marker_table_options, set_opaque_merge_operator, table_options};
-use crate::store_lock::StoreLock;
-use crate::store_meta::{DeclaredKind, FormatMarker, RECORDS_TABLE, StoredMeta, VERSIONS_TABLE};
+use crate::storage::rocksdb_options::{
+    db_options, marker_table_options, set_opaque_merge_operator, table_options,
+};
+use crate::storage::store_lock::StoreLock;
+use crate::storage::store_meta::{
+    DeclaredKind, FormatMarker, RECORDS_TABLE, StoredMeta, VERSIONS_TABLE,
+};
 
 use super::scan::Target;
 
@@ -193,7 +197,7 @@ impl StoreBuilder {
         let mut builder = EngineBuilder::new(&self.path);
         builder.clock = self.clock.clone();
         builder.retention_ms = self.retention_ms;
-        builder.durability = crate::Durability::Sync;
+        builder.durability = crate::storage::options::Durability::Sync;
         builder.open_mode = OpenMode::Admin;
         for table in &tables {
             match table.kind {

@@ -6,15 +6,15 @@ use std::time::Duration;
 
 use rocksdb::WriteBatch;
 
-use crate::claim::Expiry;
 use crate::engine::Engine;
-use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprint;
-use crate::key::{check_message_key, consumer_prefix, encode_with_prefix};
-use crate::lease::{LATCH_WAIT, Resolution};
-use crate::operand::Operand;
-use crate::record::{Record, RecordState, check_given_record, is_expired};
-use crate::store_meta::RECORDS_TABLE;
+use crate::format::error::{Error, Result};
+use crate::format::fingerprint::Fingerprint;
+use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
+use crate::format::operand::Operand;
+use crate::format::record::{Record, RecordState, check_given_record, is_expired};
+use crate::operations::claim::Expiry;
+use crate::operations::lease::{LATCH_WAIT, Resolution};
+use crate::storage::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableKind};
 use super::report::StateCounts;
@@ -139,7 +139,7 @@ impl Store {
         let engine = self.engine()?;
         let stored_key = encode_with_prefix(&consumer_prefix(consumer)?, key)?;
         let retention = Duration::from_millis(engine.storage().retention_ms);
-        crate::lease::resolve(
+        crate::operations::lease::resolve(
             engine.storage(),
             0,
             &stored_key,
@@ -263,7 +263,7 @@ impl Store {
             if !seen.insert((record.table.as_str(), record.stored_key.as_slice())) {
                 return Err(Error::invalid_argument(format!(
                     "key {} of table {:?} is given twice",
-                    crate::printable::printable(&record.stored_key),
+                    crate::format::printable::printable(&record.stored_key),
                     record.table
                 )));
             }
@@ -321,8 +321,8 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fingerprint::Fingerprint;
-    use crate::record::{HOLDER_BYTES_MAX, RecordState};
+    use crate::format::fingerprint::Fingerprint;
+    use crate::format::record::{HOLDER_BYTES_MAX, RecordState};
     use bytes::Bytes;
 
     #[test]

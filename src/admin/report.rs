@@ -8,11 +8,11 @@ use std::path::Path;
 use bytes::Bytes;
 use rocksdb::IteratorMode;
 
-use crate::error::{Error, Result};
-use crate::key::decode_key;
-use crate::error::DecodeError;
-use crate::record::decode_entity_version;
-use crate::store_meta::VERSIONS_TABLE;
+use crate::format::error::DecodeError;
+use crate::format::error::{Error, Result};
+use crate::format::key::decode_key;
+use crate::format::record::decode_entity_version;
+use crate::storage::store_meta::VERSIONS_TABLE;
 
 use super::open::Store;
 use super::scan::{EntryState, Filter};

@@ -7,11 +7,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use rocksdb::{Direction, IteratorMode};
 
-use crate::error::{Error, Result};
-use crate::key::{consumer_prefix, decode_key};
-use crate::error::DecodeError;
-use crate::record::{Record, RecordState, Standing};
-use crate::store_meta::RECORDS_TABLE;
+use crate::format::error::DecodeError;
+use crate::format::error::{Error, Result};
+use crate::format::key::{consumer_prefix, decode_key};
+use crate::format::record::{Record, RecordState, Standing};
+use crate::storage::store_meta::RECORDS_TABLE;
 
 use super::open::{Store, TableInfo, TableKind};
 

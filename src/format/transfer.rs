@@ -29,10 +29,10 @@ use bytes::Bytes;
 use hex::FromHex;
 use serde::{Deserialize, Serialize};
 
-use crate::fingerprint::Fingerprint;
-use crate::key::{RECORDS_TABLE, check_message_key, consumer_prefix};
-use crate::printable::printable;
-use crate::record::{Record, RecordState, check_given_record};
+use crate::format::fingerprint::Fingerprint;
+use crate::format::key::{RECORDS_TABLE, check_message_key, consumer_prefix};
+use crate::format::printable::printable;
+use crate::format::record::{Record, RecordState, check_given_record};
 
 /// The table of consumers' records, as export lines name it (`idemdb.records`). Entity tables
 /// are named by their own names.
@@ -276,7 +276,7 @@ impl TransferRecord {
         consumer: Option<Vec<u8>>,
         key: Vec<u8>,
         record: Record,
-    ) -> crate::Result<TransferRecord> {
+    ) -> crate::format::error::Result<TransferRecord> {
         if let Some(consumer) = &consumer {
             consumer_prefix(consumer)?;
         }
@@ -359,7 +359,7 @@ pub enum LineError {
     },
     /// A value outside the format's limits, or epoch 0.
     #[error(transparent)]
-    Invalid(#[from] crate::Error),
+    Invalid(#[from] crate::format::error::Error),
 }
 
 /// Why the lines of an input cannot be read: the input failed, or a line is malformed.

@@ -38,7 +38,7 @@ use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::format::error::{Error, Result};
 
 /// How long an open waits for a directory lock that no engine of this process holds. A process
 /// this one forks holds a copy of every open file, the locked directory's included, until it

@@ -6,8 +6,8 @@
 
 use bytes::Bytes;
 
-use crate::error::DecodeError;
-use crate::fingerprint::Fingerprint;
+use crate::format::error::DecodeError;
+use crate::format::fingerprint::Fingerprint;
 
 /// The largest result stored with a completed record, in bytes (64 MiB).
 pub const RESULT_BYTES_MAX: usize = 64 << 20;
@@ -52,9 +52,9 @@ const PAYLOAD_BYTES_MAX: usize = RESULT_BYTES_MAX;
 /// # Errors
 /// [`crate::Error::LimitExceeded`] for a larger one.
 #[cfg(any(feature = "engine", feature = "transfer"))]
-pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
-    crate::error::check_limit(
-        crate::error::Limit::ResultBytes,
+pub(crate) fn check_result(result: &[u8]) -> crate::format::error::Result<()> {
+    crate::format::error::check_limit(
+        crate::format::error::Limit::ResultBytes,
         result.len(),
         0,
         RESULT_BYTES_MAX,
@@ -68,16 +68,19 @@ pub(crate) fn check_result(result: &[u8]) -> crate::error::Result<()> {
 /// [`crate::Error::InvalidArgument`] for epoch 0; [`crate::Error::LimitExceeded`] for a result
 /// or holder over its limit.
 #[cfg(any(feature = "engine", feature = "transfer"))]
-pub(crate) fn check_given_record(epoch: u64, state: &RecordState) -> crate::error::Result<()> {
+pub(crate) fn check_given_record(
+    epoch: u64,
+    state: &RecordState,
+) -> crate::format::error::Result<()> {
     if epoch == 0 {
-        return Err(crate::error::Error::invalid_argument(
+        return Err(crate::format::error::Error::invalid_argument(
             "a record's epoch is 0; epochs start at 1",
         ));
     }
     match state {
         RecordState::Completed { result, .. } => check_result(result),
-        RecordState::InProgress { holder, .. } => crate::error::check_limit(
-            crate::error::Limit::HolderBytes,
+        RecordState::InProgress { holder, .. } => crate::format::error::check_limit(
+            crate::format::error::Limit::HolderBytes,
             holder.len(),
             0,
             HOLDER_BYTES_MAX,
@@ -509,7 +512,7 @@ impl Reader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::operand::Operand;
+    use crate::format::operand::Operand;
     use proptest::prelude::*;
 
     fn record(result: &[u8]) -> Record {

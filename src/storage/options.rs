@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{Clock, SystemClock};
-use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
-use crate::fault::FaultInjector;
+use crate::format::clock::{Clock, SystemClock};
+use crate::format::error::{Error, Limit, Result, check_limit, check_limit_u64};
+use crate::storage::fault::FaultInjector;
 
 /// The shortest default retention, in milliseconds. Zero would expire records as they are written.
 pub const RETENTION_MS_MIN: u64 = 1;
@@ -274,7 +274,8 @@ impl EngineBuilder {
     /// bytes. Otherwise the open fails with [`Error::InvalidOption`]. The labels are not
     /// stored: each open declares its own.
     pub fn metrics_label(mut self, name: &str, value: &str) -> EngineBuilder {
-        self.metrics_labels.push((name.to_owned(), value.to_owned()));
+        self.metrics_labels
+            .push((name.to_owned(), value.to_owned()));
         self
     }
 
@@ -418,9 +419,9 @@ pub(crate) enum OpenMode {
     Application,
     /// An operator tool's exclusive open of an existing store, with every table it holds
     /// declared and business tables given a stand-in for their (unknown) merge operators
-    /// (`storage::set_opaque_merge_operator`). Nothing is created, business tables are never
-    /// compacted, and recovery does not flush (`storage::admin_db_options`). Memtables are
-    /// `storage::ADMIN_WRITE_BUFFER_BYTES`, so replaying the WAL does not fill one either, and have no
+    /// (`rocksdb_options::set_opaque_merge_operator`). Nothing is created, business tables are never
+    /// compacted, and recovery does not flush (`rocksdb_options::admin_db_options`). Memtables are
+    /// `rocksdb_options::ADMIN_WRITE_BUFFER_BYTES`, so replaying the WAL does not fill one either, and have no
     /// bloom filter, which would be allocated up front at that size.
     Admin,
 }

@@ -41,7 +41,7 @@ const SHARDS: usize = 64;
 type Shard = CachePadded<Mutex<HashMap<LatchKey, u64, KeyHashBuilder>>>;
 
 /// A latch's copy of its key: inline up to 48 bytes (the claim's own copy keeps as many inline,
-/// `crate::key::StoredKey`), so taking a latch on a common key does not allocate.
+/// `crate::format::key::StoredKey`), so taking a latch on a common key does not allocate.
 type LatchKey = smallvec::SmallVec<[u8; 48]>;
 
 /// Builds [`KeyHasher`]s: seeded one-shot xxh3 of a whole key.

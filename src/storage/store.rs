@@ -6,33 +6,31 @@
 //! through [`Storage`], and the committer's jobs carry `Storage::write`; nothing here knows of
 //! a claim or a handle.
 
-use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rocksdb::{
-    BlockBasedIndexType, BlockBasedOptions, BottommostLevelCompaction, Cache, ColumnFamily,
-    ColumnFamilyDescriptor, CompactOptions, DB, DBCompressionType, DBRecoveryMode, WriteBatch,
-    WriteOptions,
+    BottommostLevelCompaction, Cache, ColumnFamily, ColumnFamilyDescriptor, CompactOptions, DB,
+    WriteBatch, WriteOptions,
 };
 
-use crate::clock::Clock;
-use crate::error::{Error, Result};
-use crate::fault::{Fault, FaultInjector, IoPoint};
-use crate::latch::Latches;
-use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
-use crate::observe::ConsumerMetrics;
-use crate::options::{Durability, EngineBuilder, MergeOperator, OpenMode, TableOptions};
-use crate::record::{Record, decode_entity_version};
-use crate::store_lock::StoreLock;
-use crate::store_meta::{
-    DeclaredKind, META_FORMAT_KEY, META_MERGE_OPERATOR_PREFIX, META_TABLE_KIND_PREFIX, MetaToWrite,
-    OPAQUE_MERGE_OPERATOR_NAME, STORE_FORMAT_V1, StoredMeta, encode_merge_operator, new_store_meta,
-    stored_merge_operators,
+use crate::format::clock::Clock;
+use crate::format::error::{Error, Result};
+use crate::format::record::{Record, decode_entity_version};
+use crate::storage::fault::{Fault, FaultInjector, IoPoint};
+use crate::storage::latch::Latches;
+use crate::storage::observe::ConsumerMetrics;
+use crate::storage::options::{Durability, EngineBuilder, MergeOperator, OpenMode, TableOptions};
+use crate::storage::rocksdb_options::{
+    admin_db_options, db_options, marker_table_options, set_opaque_merge_operator, table_options,
 };
-pub(crate) use crate::store_meta::{RECORDS_TABLE, VERSIONS_TABLE};
-use crate::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
+use crate::storage::store_lock::StoreLock;
+use crate::storage::store_meta::{
+    DeclaredKind, META_FORMAT_KEY, META_MERGE_OPERATOR_PREFIX, META_TABLE_KIND_PREFIX, MetaToWrite,
+    STORE_FORMAT_V1, StoredMeta, encode_merge_operator, new_store_meta, stored_merge_operators,
+};
+pub(crate) use crate::storage::store_meta::{RECORDS_TABLE, VERSIONS_TABLE};
 
 /// The position of the consumers' records table among the marker tables (`Storage::markers`);
 /// entity tables follow it.
@@ -53,7 +51,7 @@ pub(crate) struct Storage {
     sync_writes: bool,
     /// The async commits' committer thread, started by the first one.
     #[cfg(feature = "tokio")]
-    committer: crate::committer::CommitterSlot,
+    committer: crate::storage::committer::CommitterSlot,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
     /// Test seam: decides injected faults for the engine's I/O calls.
@@ -98,9 +96,16 @@ struct TableHandles<'db> {
 }
 
 impl TableHandles<'_> {
-    fn of<'db>(db: &'db DB, markers: &[MarkerTable], business: &[TableOptions]) -> TableHandles<'db> {
+    fn of<'db>(
+        db: &'db DB,
+        markers: &[MarkerTable],
+        business: &[TableOptions],
+    ) -> TableHandles<'db> {
         // Every table was declared and created at open, and tables are never dropped.
-        let handle = |name: &str| db.cf_handle(name).expect("table declared at open is present");
+        let handle = |name: &str| {
+            db.cf_handle(name)
+                .expect("table declared at open is present")
+        };
         TableHandles {
             markers: markers.iter().map(|table| handle(&table.name)).collect(),
             business: business.iter().map(|table| handle(&table.name)).collect(),
@@ -155,7 +160,7 @@ impl Storage {
             #[cfg(feature = "tokio")]
             sync_writes: builder.durability == Durability::Sync,
             #[cfg(feature = "tokio")]
-            committer: crate::committer::CommitterSlot::default(),
+            committer: crate::storage::committer::CommitterSlot::default(),
             poisoned: AtomicBool::new(false),
             fault_injector: builder.fault_injector.clone(),
             token_seed: token_seed(),
@@ -295,7 +300,7 @@ impl Storage {
     /// record's expiry (now + retention) would saturate and the record could be born expired.
     pub(crate) fn write_clock_ms(&self) -> Result<u64> {
         let now_ms = self.clock.now_ms();
-        if now_ms > crate::CLOCK_MS_MAX {
+        if now_ms > crate::format::clock::CLOCK_MS_MAX {
             return Err(Error::ClockOutOfRange { now_ms });
         }
         Ok(now_ms)
@@ -303,10 +308,7 @@ impl Storage {
 
     /// The ordering guard's highest applied version of an entity (its versions-table key).
     pub(crate) fn read_version(&self, version_key: &[u8]) -> Result<Option<u64>> {
-        let Some(value) = self
-            .db()
-            .get_pinned_cf(self.versions_cf(), version_key)?
-        else {
+        let Some(value) = self.db().get_pinned_cf(self.versions_cf(), version_key)? else {
             return Ok(None);
         };
         let version = decode_entity_version(&value).map_err(|reason| Error::Corrupt {
@@ -351,7 +353,7 @@ impl Storage {
 
     /// The committer of async commits, started on first use.
     #[cfg(feature = "tokio")]
-    pub(crate) fn committer(&self) -> Result<&crate::committer::Committer> {
+    pub(crate) fn committer(&self) -> Result<&crate::storage::committer::Committer> {
         self.committer.get_or_start()
     }
 
@@ -413,7 +415,7 @@ impl Storage {
                     let _ = call(true);
                 }
                 self.poisoned.store(true, Ordering::Release);
-                Err(crate::fault::injected(point))
+                Err(crate::storage::fault::injected(point))
             }
         }
     }
@@ -541,7 +543,7 @@ impl Storage {
 }
 
 #[cfg(feature = "tokio")]
-impl crate::committer::BatchWriter for Storage {
+impl crate::storage::committer::BatchWriter for Storage {
     fn write_batch(&self, batch: WriteBatch) -> Result<()> {
         self.write(batch)
     }
@@ -570,216 +572,6 @@ fn is_lock_held(error: &rocksdb::Error) -> bool {
     let message = error.as_ref();
     error.kind() == rocksdb::ErrorKind::IOError
         && (message.contains("While lock file") || message.contains("lock hold by current process"))
-}
-
-/// The memtable size of every table in [`OpenMode::Admin`]: the largest an application may
-/// configure ([`crate::WRITE_BUFFER_BYTES_MAX`]). A memtable that fills while the WAL is
-/// replayed is flushed even with `avoid_flush_during_recovery`, so it must hold whatever the
-/// application left unflushed; memory is taken only as data is replayed.
-pub(crate) const ADMIN_WRITE_BUFFER_BYTES: usize = crate::WRITE_BUFFER_BYTES_MAX;
-
-/// Gives a table whose merge operator is unknown (an operator tool opening a business table) a
-/// stand-in. Without one, replaying the WAL stops silently at the table's first merge operand
-/// (RocksDB refuses to insert it, and point-in-time recovery ends there): the tool would miss
-/// every later write, and after a write of its own the store would not open again (sequence
-/// numbers going backwards). Inserting operands into a memtable never calls the operator; the
-/// tools never read, flush or compact these tables, and if RocksDB ever asked for a fold the
-/// stand-in fails it rather than invent a value.
-///
-/// `stored` is what the store's OPTIONS file names for the table (`None`: no readable OPTIONS
-/// file; `Some(None)`: the table is not in it). The stand-in takes the application's operator
-/// name (RocksDB only writes the name down), so that a later application open is checked
-/// against the application's operator, not the stand-in (`store_meta::check_merge_operators`).
-/// A table the file records without an operator gets none: its operator is fixed when it is
-/// created, so it holds no merge operand, and the application's next open still finds it
-/// recorded without one.
-pub(crate) fn set_opaque_merge_operator(
-    options: &mut rocksdb::Options,
-    stored: Option<Option<&str>>,
-) {
-    fn decline(_: &[u8], _: Option<&[u8]>, _: &rocksdb::MergeOperands) -> Option<Vec<u8>> {
-        None
-    }
-    let name = match stored {
-        Some(Some("nullptr")) => return,
-        Some(Some(name)) => name,
-        _ => OPAQUE_MERGE_OPERATOR_NAME,
-    };
-    options.set_merge_operator(name, decline, decline);
-}
-
-/// Database-wide options of [`OpenMode::Admin`]: those of [`db_options`], except that nothing
-/// is created and the WAL is replayed into the memtables without flushing them. A recovery
-/// flush of a business table holding merge operands would need the application's merge
-/// operator, which an operator tool does not have, and would fail the open. The data stays in
-/// the WAL, which RocksDB keeps until the application's next open flushes it.
-fn admin_db_options() -> Result<rocksdb::Options> {
-    let mut options = db_options();
-    options.create_if_missing(false);
-    options.create_missing_column_families(false);
-    // rust-rocksdb has no setters for these; RocksDB's option-string parser sets them on a copy
-    // of the options above. Without fallocate, the new WAL does not reserve 1.1 times an
-    // ADMIN_WRITE_BUFFER_BYTES memtable of disk up front.
-    const SETTINGS: &str = "avoid_flush_during_recovery=true;allow_fallocate=false";
-    Ok(options.get_options_from_string(SETTINGS)?)
-}
-
-/// Database-wide options. Each is set explicitly because the engine's guarantees depend on it.
-pub(crate) fn db_options() -> rocksdb::Options {
-    let mut options = rocksdb::Options::default();
-    options.create_if_missing(true);
-    options.create_missing_column_families(true);
-    // Verify checksums and refuse to open over detected corruption rather than guess.
-    options.set_paranoid_checks(true);
-    // After a crash, replay the WAL up to the first damaged entry: every write acknowledged with
-    // fsync is before it. Later entries are dropped, never partially applied.
-    options.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
-    // Writes reach the WAL inside `write`; a buffered WAL would make `Durability::Buffered` lose
-    // commits on a process crash, not just on power loss.
-    options.set_manual_wal_flush(false);
-    // The WAL is always on, so a batch spanning tables is atomic through it; atomic flush (for
-    // WAL-less setups) is not needed.
-    options.set_atomic_flush(false);
-    // Durable commits: RocksDB already commits concurrent writers as a group (one leader
-    // writes the WAL and fsyncs it for all waiting writers; the next group queues meanwhile).
-    // Measured on this write pattern (BENCHMARKS.md, `compare.sh wal-options`): the leader
-    // inserting the whole group into the memtables is faster than waking every writer to insert
-    // its own at 32 producers (+24%, +37% and +39% in three runs on 2 cores; at 8 producers the
-    // runs disagreed); pipelined writes, larger write groups and a group commit of our own over
-    // `manual_wal_flush` gained nothing.
-    options.set_allow_concurrent_memtable_write(false);
-    options.set_enable_pipelined_write(false);
-    // No WAL recycling, although reusing obsolete WAL files made a durable commit's fdatasync
-    // cheaper (no file size to journal; p50 of a 1-producer durable write 207 -> 135 us). A
-    // recycled file is cut to its new length when RocksDB closes it, and that truncation is
-    // never fsynced: after a power cut the file can come back with the previous incarnation's
-    // bytes behind its last record. Recovery reads them as a damaged record and stops there,
-    // so every later WAL file is dropped (acknowledged commits with it), or the open fails
-    // when a table was already flushed past that file ("SST file contains data beyond the
-    // point of corruption"). The power-cut harness in tests/crash.rs hit the second case;
-    // RocksDB's own test of it is disabled (DBWALTest.RecycleMultipleWalsCrash) and its crash
-    // test runs without recycling.
-    options.set_recycle_log_file_num(0);
-    options.set_use_fsync(false);
-    options.set_max_background_jobs(2);
-    options.set_max_open_files(-1);
-    // An L0-to-L1 compaction split in two: L0 drains sooner, so a new key's lookup consults
-    // fewer L0 files' filters. Measured at 80M+ records (BENCHMARKS.md, Targets, P7): 17.9 us of
-    // CPU per stored record against 21.1-23.9 in four runs without it, the same at 3M.
-    options.set_max_subcompactions(2);
-    options
-}
-
-/// Options common to every table.
-pub(crate) fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
-    let mut block = BlockBasedOptions::default();
-    block.set_block_cache(cache);
-    // Most lookups are for keys never seen before: a whole-key bloom filter answers them without
-    // touching data blocks.
-    block.set_bloom_filter(10.0, false);
-    block.set_whole_key_filtering(true);
-    block.set_cache_index_and_filter_blocks(true);
-    // Partitioned filters and index: a table file's filter is about 1.25 bytes per key, so a
-    // 64 MiB file's whole filter (~1 MB) outgrows a shard of the block cache and was re-read
-    // and re-checksummed from the file on every lookup (measured: p50 of a claim 10 -> 215 us
-    // once the first files were flushed). 4 KiB partitions are cached like data blocks; the
-    // small top-level index of each file stays pinned.
-    block.set_index_type(BlockBasedIndexType::TwoLevelIndexSearch);
-    block.set_partition_filters(true);
-    block.set_metadata_block_size(4096);
-    block.set_pin_top_level_index_and_filter(true);
-    block.set_cache_index_and_filter_blocks_with_high_priority(true);
-    // No data-block hash index: measured on these lookups it gained nothing (BENCHMARKS.md,
-    // read-options), and it makes every data block bigger.
-    let mut options = rocksdb::Options::default();
-    options.set_block_based_table_factory(&block);
-    // A whole-key bloom filter over the memtable too: a new key's lookup skips the skiplist
-    // search. 2% of the memtable's size.
-    options.set_memtable_prefix_bloom_ratio(0.02);
-    options.set_memtable_whole_key_filtering(true);
-    options.set_compression_type(DBCompressionType::Lz4);
-    options.set_write_buffer_size(builder.write_buffer_bytes);
-    if builder.open_mode == OpenMode::Admin {
-        options.set_memtable_prefix_bloom_ratio(0.0);
-        options.set_write_buffer_size(ADMIN_WRITE_BUFFER_BYTES);
-    }
-    options.set_level_compaction_dynamic_level_bytes(true);
-    options.set_optimize_filters_for_hits(false);
-    options
-}
-
-/// Options of a marker table: the record merge operator, the TTL compaction filter, and periodic
-/// compaction so cold files are filtered too.
-pub(crate) fn marker_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
-    let mut options = table_options(builder, cache);
-    options.set_merge_operator(
-        MERGE_OPERATOR_NAME,
-        rocksdb_full_merge,
-        rocksdb_partial_merge,
-    );
-    // Fold operands only on reads and compactions, never eagerly on the write path.
-    options.set_max_successive_merges(0);
-    options.set_compaction_filter_factory(ExpiryFilterFactory {
-        clock: builder.clock.clone(),
-    });
-    options.set_periodic_compaction_seconds(builder.periodic_compaction_s);
-    options
-}
-
-/// How many records the expiry filter decides per reading of the clock. Reading it for every
-/// record cost 7% of a compaction's CPU at 100M records (`clock_gettime` in the profile); a
-/// time up to this many records old only keeps a record that expired meanwhile until the next
-/// compaction (reads hide it at its expiry millisecond whatever the filter does).
-const RECORDS_PER_CLOCK_READING: u32 = 256;
-
-/// Makes the marker tables' compaction filter, one per compaction (each runs on one thread).
-struct ExpiryFilterFactory {
-    clock: Arc<dyn Clock>,
-}
-
-/// Removes expired records in one compaction ([`compaction_decision`]).
-struct ExpiryFilter {
-    clock: Arc<dyn Clock>,
-    now_ms: u64,
-    /// Records left to decide with `now_ms` before the clock is read again.
-    left: u32,
-}
-
-impl rocksdb::compaction_filter_factory::CompactionFilterFactory for ExpiryFilterFactory {
-    type Filter = ExpiryFilter;
-
-    fn create(
-        &mut self,
-        _context: rocksdb::compaction_filter_factory::CompactionFilterContext,
-    ) -> ExpiryFilter {
-        ExpiryFilter {
-            clock: Arc::clone(&self.clock),
-            now_ms: 0,
-            left: 0,
-        }
-    }
-
-    fn name(&self) -> &CStr {
-        COMPACTION_FILTER_NAME
-    }
-}
-
-impl rocksdb::compaction_filter::CompactionFilter for ExpiryFilter {
-    fn filter(&mut self, _level: u32, _key: &[u8], value: &[u8]) -> rocksdb::CompactionDecision {
-        if self.left == 0 {
-            self.now_ms = self.clock.now_ms();
-            self.left = RECORDS_PER_CLOCK_READING;
-        }
-        self.left -= 1;
-        match compaction_decision(value, self.now_ms) {
-            FilterDecision::Keep => rocksdb::CompactionDecision::Keep,
-            FilterDecision::Remove => rocksdb::CompactionDecision::Remove,
-        }
-    }
-
-    fn name(&self) -> &CStr {
-        COMPACTION_FILTER_NAME
-    }
 }
 
 impl Storage {

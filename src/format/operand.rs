@@ -2,8 +2,8 @@
 //! for (install a record, replace an in-progress one), encoded as docs/design.md section 5
 //! describes. The merge operator (`merge.rs`) applies them.
 
-use crate::error::DecodeError;
-use crate::record::{EncodedBytes, RECORD_HEADER_BYTES, Reader, Record, RecordHeader};
+use crate::format::error::DecodeError;
+use crate::format::record::{EncodedBytes, RECORD_HEADER_BYTES, Reader, Record, RecordHeader};
 
 /// The merge-operand format this build writes and reads.
 const OPERAND_FORMAT_VERSION: u8 = 1;

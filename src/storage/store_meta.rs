@@ -14,10 +14,10 @@ use std::path::Path;
 
 use rocksdb::{DB, IteratorMode};
 
-use crate::error::{Error, Result};
-use crate::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
+use crate::format::error::{Error, Result};
+use crate::format::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
 
-pub(crate) use crate::key::RECORDS_TABLE;
+pub(crate) use crate::format::key::RECORDS_TABLE;
 /// The column family holding the ordering guard's highest applied version per entity.
 pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
 /// Meta key (default column family) holding the store format marker.
@@ -38,7 +38,7 @@ pub(crate) const CREATING_MARKER_FILE: &str = "IDEMDB-CREATING";
 /// What RocksDB's OPTIONS file says of a table without a merge operator.
 const NO_MERGE_OPERATOR: &str = "nullptr";
 /// The stand-in merge operator's name, written to the OPTIONS file by operator tools for a table
-/// whose operator they cannot find (`storage::set_opaque_merge_operator`).
+/// whose operator they cannot find (`rocksdb_options::set_opaque_merge_operator`).
 pub(crate) const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
 
 /// The kind of a user-declared table, recorded in the metadata when it is first declared.

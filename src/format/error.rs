@@ -153,7 +153,10 @@ pub enum Error {
 
     /// A stored record (or merge operand) failed to decode. The key is the stored key, printable
     /// with [`crate::format::printable`].
-    #[error("corrupt record at key {}: {reason}", crate::printable::printable(key))]
+    #[error(
+        "corrupt record at key {}: {reason}",
+        crate::format::printable::printable(key)
+    )]
     Corrupt {
         /// The stored key whose value did not decode.
         key: Vec<u8>,

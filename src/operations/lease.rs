@@ -13,19 +13,19 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rocksdb::WriteBatch;
 
-use crate::business_table::BusinessTable;
-use crate::claim::{Expiry, Observer, Outcome, check_expiry, expires_at_ms, inspect};
 use crate::decision::{Found, PreviousAttempt, admit};
-use crate::error::{Error, Limit, Result, check_limit, check_limit_u64};
-use crate::fingerprint::Fingerprint;
-use crate::key::StoredKey;
-use crate::observe::ConsumerMetrics;
-use crate::operand::Operand;
-use crate::record::{HOLDER_BYTES_MAX, Record, RecordState};
-use crate::staging::{Staged, staging_methods};
-use crate::storage::Storage;
+use crate::format::error::{Error, Limit, Result, check_limit, check_limit_u64};
+use crate::format::fingerprint::Fingerprint;
+use crate::format::key::StoredKey;
+use crate::format::operand::Operand;
+use crate::format::record::{HOLDER_BYTES_MAX, Record, RecordState};
+use crate::operations::claim::{Expiry, Observer, Outcome, check_expiry, expires_at_ms, inspect};
+use crate::operations::staging::{Staged, staging_methods};
+use crate::storage::business_table::BusinessTable;
+use crate::storage::observe::ConsumerMetrics;
+use crate::storage::store::Storage;
 
-use crate::record::{LEASE_MS_MAX, LEASE_MS_MIN};
+use crate::format::record::{LEASE_MS_MAX, LEASE_MS_MIN};
 
 /// How long a lease step waits for the key's latch, in real time, before [`Error::KeyBusy`]
 /// (the operator tools' writes wait as long).
@@ -268,7 +268,7 @@ pub(crate) fn resolve(
     expiry: Expiry,
 ) -> Result<()> {
     if let Resolution::Complete(result) = &resolution {
-        crate::record::check_result(result)?;
+        crate::format::record::check_result(result)?;
     }
     fenced_replace(
         inner,
@@ -437,7 +437,7 @@ impl ExternalClaim {
         let expiry = self.expiry;
         let inner = self.inner.clone();
         if let FailurePolicy::RecordFailure(result) = &policy {
-            crate::record::check_result(result)?;
+            crate::format::record::check_result(result)?;
         }
         let step = match policy {
             FailurePolicy::Release => "release",
@@ -474,7 +474,7 @@ impl ExternalClaim {
     /// ([`crate::format::derive_key`]).
     #[must_use]
     pub fn derive_key(&self, step: &str) -> String {
-        crate::key::derive_key(&self.ticket.stored_key, step)
+        crate::format::key::derive_key(&self.ticket.stored_key, step)
     }
 
     /// This holder's fencing epoch.
@@ -509,7 +509,7 @@ impl std::fmt::Debug for ExternalClaim {
         f.debug_struct("ExternalClaim")
             .field(
                 "stored_key",
-                &crate::printable::printable(&self.ticket.stored_key),
+                &crate::format::printable::printable(&self.ticket.stored_key),
             )
             .field("epoch", &self.ticket.epoch)
             .field("lease_until_ms", &self.ticket.lease_until_ms)

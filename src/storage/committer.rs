@@ -23,8 +23,8 @@ use crossbeam::channel::{Receiver, Sender, TryRecvError};
 use rocksdb::WriteBatch;
 use tokio::sync::oneshot;
 
-use crate::error::{Error, Result};
-use crate::record::Committed;
+use crate::format::error::{Error, Result};
+use crate::format::record::Committed;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
@@ -63,7 +63,7 @@ pub(crate) struct Job {
 
 fn committer_error(detail: &str) -> Error {
     Error::Storage {
-        kind: crate::error::StorageErrorKind::Other,
+        kind: crate::format::error::StorageErrorKind::Other,
         detail: detail.into(),
     }
 }
@@ -82,7 +82,7 @@ impl Committer {
             .name("idemdb-committer".into())
             .spawn(move || run(&jobs))
             .map_err(|error| Error::Storage {
-                kind: crate::error::StorageErrorKind::Io,
+                kind: crate::format::error::StorageErrorKind::Io,
                 detail: format!("cannot start the committer thread: {error}"),
             })?;
         Ok(Committer { queue })

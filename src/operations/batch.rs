@@ -7,13 +7,15 @@ use std::sync::Arc;
 
 use rocksdb::WriteBatch;
 
-use crate::claim::{Claim, Outcome, Pending, Request, batch_for, begin, decide_in_place};
 use crate::decision::inspect_record;
-use crate::error::{Error, Limit, Result, check_limit};
-use crate::fingerprint::Fingerprint;
-use crate::latch::KeyHashBuilder;
-use crate::record::{Committed, Record};
-use crate::storage::Storage;
+use crate::format::error::{Error, Limit, Result, check_limit};
+use crate::format::fingerprint::Fingerprint;
+use crate::format::record::{Committed, Record};
+use crate::operations::claim::{
+    Claim, Outcome, Pending, Request, batch_for, begin, decide_in_place,
+};
+use crate::storage::latch::KeyHashBuilder;
+use crate::storage::store::Storage;
 
 /// The most messages one batch claims.
 pub const BATCH_MESSAGES_MAX: usize = 4096;
@@ -291,7 +293,12 @@ impl ClaimBatch {
         mut result_of: impl FnMut(usize) -> R,
     ) -> Result<(WriteBatch, Vec<Option<Committed>>)> {
         // Results are not known yet: room for every claim's entries but its result.
-        let bytes = self.claims.iter().flatten().map(|claim| claim.commit_bytes(0)).sum();
+        let bytes = self
+            .claims
+            .iter()
+            .flatten()
+            .map(|claim| claim.commit_bytes(0))
+            .sum();
         let mut batch = batch_for(bytes);
         let mut committed = Vec::with_capacity(self.claims.len());
         for (index, claim) in self.claims.iter_mut().enumerate() {
@@ -326,8 +333,8 @@ impl ClaimBatch {
     pub fn commit_async<R: AsRef<[u8]>>(
         mut self,
         result_of: impl FnMut(usize) -> R,
-    ) -> crate::BatchCommitFuture {
-        use crate::committer::{BatchCommitFuture, Job};
+    ) -> crate::storage::committer::BatchCommitFuture {
+        use crate::storage::committer::{BatchCommitFuture, Job};
         let storage = self.inner.clone();
         if !storage.syncs_each_write() {
             return BatchCommitFuture::ready(self.commit(result_of));

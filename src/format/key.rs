@@ -7,8 +7,8 @@
 
 use smallvec::SmallVec;
 
-use crate::error::DecodeError;
-use crate::error::{Limit, Result, check_limit};
+use crate::format::error::DecodeError;
+use crate::format::error::{Limit, Result, check_limit};
 
 /// A stored key as the claim path holds it: up to [`STORED_KEY_INLINE_BYTES`] bytes inline, longer
 /// keys on the heap. Every claim keeps its key twice (in the claim and in the latch set), and
@@ -145,7 +145,7 @@ pub fn decode_key(stored_key: &[u8]) -> Result<(&[u8], &[u8]), DecodeError> {
 pub fn cloudevents_key(source: &str, id: &str) -> Result<Vec<u8>> {
     let len = 2 + source.len() + id.len();
     if source.is_empty() || id.is_empty() {
-        return Err(crate::error::Error::limit(
+        return Err(crate::format::error::Error::limit(
             Limit::MessageKeyBytes,
             source.len().min(id.len()),
             MESSAGE_KEY_BYTES_MIN,
@@ -196,7 +196,7 @@ pub fn derive_key(stored_key: &[u8], step: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
+    use crate::format::error::Error;
     use proptest::prelude::*;
 
     #[test]

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 #[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
-use crate::storage::Storage;
+use crate::format::error::Error;
+use crate::format::error::Result;
+use crate::storage::store::Storage;
 
 /// A handle on a business table: claims stage writes into it; `get` reads it.
 #[derive(Clone)]
@@ -24,7 +24,10 @@ impl BusinessTable {
     /// # Errors
     /// [`Error::Storage`] if the read (or a merge) fails.
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        Ok(self.inner.db().get_cf(self.inner.business_cf(self.index), key)?)
+        Ok(self
+            .inner
+            .db()
+            .get_cf(self.inner.business_cf(self.index), key)?)
     }
 
     /// The table's name.

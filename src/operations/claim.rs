@@ -8,16 +8,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rocksdb::WriteBatch;
 
-use crate::business_table::BusinessTable;
 use crate::decision::{Found, PreviousAttempt, admit, inspect_record};
-use crate::error::{Limit, Result, check_limit_u64};
-use crate::fingerprint::Fingerprint;
-use crate::key::StoredKey;
-use crate::observe::ConsumerMetrics;
-use crate::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
-use crate::record::{Committed, EXPIRES_NEVER_MS, EncodedBytes, Record};
-use crate::staging::{Staged, staging_methods};
-use crate::storage::Storage;
+use crate::format::error::{Limit, Result, check_limit_u64};
+use crate::format::fingerprint::Fingerprint;
+use crate::format::key::StoredKey;
+use crate::format::record::{Committed, EXPIRES_NEVER_MS, EncodedBytes, Record};
+use crate::operations::staging::{Staged, staging_methods};
+use crate::storage::business_table::BusinessTable;
+use crate::storage::observe::ConsumerMetrics;
+use crate::storage::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
+use crate::storage::store::Storage;
 
 /// What `begin` found, with the engine's [`Claim`] when fresh. The outcome type itself is
 /// shared by every backend and generic over the claim ([`crate::decision::Outcome`]).
@@ -119,7 +119,7 @@ impl Observer {
         tracing::debug!(
             target: "idemdb",
             consumer = %self.metrics.consumer,
-            key = %crate::printable::printable(stored_key),
+            key = %crate::format::printable::printable(stored_key),
             epoch,
             current_epoch,
             correlation_id = self.correlation_id.as_deref(),
@@ -356,7 +356,7 @@ impl Claim {
             .map_or(0, |(key, _)| BATCH_ENTRY_OVERHEAD_BYTES + key.len() + 8);
         let marker = BATCH_ENTRY_OVERHEAD_BYTES
             + self.stored_key.len()
-            + crate::record::RECORD_HEADER_BYTES
+            + crate::format::record::RECORD_HEADER_BYTES
             + result_len;
         self.staged.writes() * BATCH_ENTRY_OVERHEAD_BYTES + self.staged.bytes + version + marker
     }
@@ -381,11 +381,7 @@ impl Claim {
         );
         self.staged.drain_into(&self.inner, batch);
         if let Some((version_key, version)) = &self.version {
-            batch.put_cf(
-                self.inner.versions_cf(),
-                version_key,
-                version.to_be_bytes(),
-            );
+            batch.put_cf(self.inner.versions_cf(), version_key, version.to_be_bytes());
         }
         // The record itself, not an install operand: the latch makes this claim the key's only
         // writer from its read to this write (section 7 of docs/design.md), so the operand's
@@ -410,7 +406,7 @@ impl Claim {
     /// and idemdb versions ([`crate::format::derive_key`]).
     #[must_use]
     pub fn derive_key(&self, step: &str) -> String {
-        crate::key::derive_key(&self.stored_key, step)
+        crate::format::key::derive_key(&self.stored_key, step)
     }
 
     /// The fingerprint this claim will store.
@@ -474,7 +470,10 @@ const _: () = {
 impl std::fmt::Debug for Claim {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Claim")
-            .field("stored_key", &crate::printable::printable(&self.stored_key))
+            .field(
+                "stored_key",
+                &crate::format::printable::printable(&self.stored_key),
+            )
             .field("epoch", &self.epoch())
             .field("staged_writes", &self.staged.writes())
             .finish_non_exhaustive()
@@ -511,8 +510,11 @@ impl Claim {
     /// # Errors
     /// The future resolves to the errors of [`Claim::commit`]. In a group whose write fails,
     /// every claim gets the same error.
-    pub fn commit_async(mut self, result: impl AsRef<[u8]>) -> crate::CommitFuture {
-        use crate::committer::{CommitFuture, Job};
+    pub fn commit_async(
+        mut self,
+        result: impl AsRef<[u8]>,
+    ) -> crate::storage::committer::CommitFuture {
+        use crate::storage::committer::{CommitFuture, Job};
         let storage = self.inner().clone();
         if !storage.syncs_each_write() {
             return CommitFuture::ready(self.commit(result));

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use rocksdb::WriteBatch;
 
-use crate::business_table::BusinessTable;
-use crate::error::{Error, Limit, Result, check_limit};
-use crate::storage::Storage;
+use crate::format::error::{Error, Limit, Result, check_limit};
+use crate::storage::business_table::BusinessTable;
+use crate::storage::store::Storage;
 
 /// The shortest key of a staged business write, in bytes.
 pub const TABLE_KEY_BYTES_MIN: usize = 1;
@@ -186,7 +186,7 @@ impl Staged {
 
     /// Checks a result against its limit and the staged total; nothing is written on error.
     pub(crate) fn check_result(&self, result: &[u8]) -> Result<()> {
-        crate::record::check_result(result)?;
+        crate::format::record::check_result(result)?;
         check_limit(
             Limit::StagedBytes,
             self.bytes + result.len(),

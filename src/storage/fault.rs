@@ -45,9 +45,9 @@ pub trait FaultInjector: Send + Sync + std::fmt::Debug + 'static {
 }
 
 /// The error an injected fault surfaces as: an I/O error, like a real one.
-pub(crate) fn injected(point: IoPoint) -> crate::Error {
-    crate::Error::Storage {
-        kind: crate::StorageErrorKind::Io,
+pub(crate) fn injected(point: IoPoint) -> crate::format::error::Error {
+    crate::format::error::Error::Storage {
+        kind: crate::format::error::StorageErrorKind::Io,
         detail: format!("injected fault at {point:?}"),
     }
 }

@@ -9,8 +9,8 @@
 //! order, whenever and wherever (read, flush, compaction) the fold runs. docs/design.md gives the
 //! rules and the argument for why they compose with the claim latch and the compaction filter.
 
-use crate::operand::Operand;
-use crate::record::RecordHeader;
+use crate::format::operand::Operand;
+use crate::format::record::RecordHeader;
 
 /// The name RocksDB persists in the OPTIONS file; changing it makes old stores refuse to open.
 #[cfg(feature = "engine")]
@@ -92,8 +92,8 @@ pub(crate) fn rocksdb_partial_merge(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fingerprint::Fingerprint;
-    use crate::record::{Record, RecordState};
+    use crate::format::fingerprint::Fingerprint;
+    use crate::format::record::{Record, RecordState};
     use bytes::Bytes;
 
     fn record(epoch: u64, result: &str) -> Record {

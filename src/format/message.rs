@@ -1,7 +1,7 @@
 //! One delivery as the consumer describes it to `begin`: its key and fingerprint, and the
 //! optional facts the engine can act on (production time, entity version, correlation id).
 
-use crate::fingerprint::Fingerprint;
+use crate::format::fingerprint::Fingerprint;
 
 /// A delivery to claim. Only the key and the fingerprint are required.
 ///

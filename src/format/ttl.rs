@@ -3,7 +3,7 @@
 //! Expiry itself is exact and happens at read time (`Record::is_absent_at`); this filter only
 //! reclaims space. It therefore keeps anything it is not sure about.
 
-use crate::record::RecordHeader;
+use crate::format::record::RecordHeader;
 
 /// The name RocksDB persists in the OPTIONS file for the marker tables' compaction filter.
 #[cfg(feature = "engine")]
@@ -40,8 +40,8 @@ pub fn compaction_decision(value: &[u8], now_ms: u64) -> FilterDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fingerprint::Fingerprint;
-    use crate::record::{EXPIRES_NEVER_MS, Record};
+    use crate::format::fingerprint::Fingerprint;
+    use crate::format::record::{EXPIRES_NEVER_MS, Record};
     use bytes::Bytes;
 
     fn encoded(expires_at_ms: u64) -> Vec<u8> {
