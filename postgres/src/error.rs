@@ -118,8 +118,9 @@ pub enum Error {
         detail: String,
     },
     /// A statement the store had prepared on the connection was gone from it when a commit
-    /// sent it: deallocated (`DEALLOCATE`, `DISCARD ALL`, a pooler resetting the connection)
-    /// after the claim began. Nothing was written and the key is free; the store prepares its
+    /// sent it: deallocated on the connection (`DEALLOCATE`, or `DISCARD ALL` by a pooler
+    /// resetting it between calls) since the store prepared it, and not sent since by the
+    /// claim's start. Nothing was written and the key is free; the store prepares its
     /// statements anew at the next call on the connection. Retry: the redelivery claims afresh.
     #[error(
         "a statement prepared on this connection was deallocated before the commit; nothing was written: retry"

@@ -95,16 +95,19 @@
 //! connection are missing on the new one, and each call that meets one prepares them anew and
 //! runs again, before anything is written (see [`StoreBuilder::prepared_statements`]); that
 //! holds for [`PgConsumer::apply`], which starts a claim and commits it in one call, as for
-//! `begin` and the commits. A statement deallocated *inside* a claim (a pooler's `DISCARD
-//! ALL` between its `begin` and its commit) fails the commit with
-//! [`Error::StatementDeallocated`]: retryable, nothing written.
+//! `begin` and the commits. A store statement deallocated on the connection (`DEALLOCATE`
+//! run by the caller, inside a claim or between calls) is found missing when a commit sends
+//! it, which may be the commit of a later claim: that commit fails with
+//! [`Error::StatementDeallocated`], retryable, nothing written, and the statements are
+//! prepared anew.
 //!
 //! **Upgrading an older install.** [`SCHEMA_VERSION`] is 4. A store opened on tables at
 //! versions 1 to 3 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
 //! lock: version 3 gains the recorded partition width (1 day, the width it was made with),
 //! version 2 also the ordering guard's versions table, and version 1 (one plain table) is
-//! copied into day partitions, every record kept. Stop the consumers of the old release first
+//! copied into day partitions: every record whose removal time has not passed is kept, and
+//! those whose has (they read as absent already) are left out, as removal would drop them. Stop the consumers of the old release first
 //! (a version 1 table is replaced under them), run `install` once with the new release, then
 //! start the new consumers; the old release refuses the migrated tables with `SchemaTooNew`.
 //!
@@ -257,8 +260,9 @@ impl StoreBuilder {
     /// missing on the server, forgets them and prepares them anew: every call that starts a
     /// transaction (`begin`, `apply`, a batch, an external claim and its steps) meets the
     /// missing statements there, before anything of it is written, and runs once more on its
-    /// own. Statements deallocated between a claim's start and its commit fail the commit with
-    /// [`Error::StatementDeallocated`] (retryable, nothing written).
+    /// own. A statement deallocated on the connection (`DEALLOCATE`) that a claim's start did
+    /// not send fails the commit that sends it with [`Error::StatementDeallocated`]
+    /// (retryable, nothing written).
     #[must_use]
     pub fn prepared_statements(mut self, on: bool) -> StoreBuilder {
         self.prepared_statements = on;
@@ -1009,17 +1013,28 @@ impl PgStore {
     /// The records table's partitions, oldest first, each with whether every row of it is
     /// removable now (on the store's clock).
     async fn day_partitions(&self, client: &Client) -> Result<Vec<(schema::DayPartition, bool)>> {
-        let now_ms = i64::try_from(now_on_store_clock(client, self).await?).unwrap_or(i64::MAX);
-        let days = i64::from(self.inner.partition_days);
+        let removable = self.removable_rule(client).await?;
         Ok(schema::day_partitions(client, &self.inner.names)
             .await?
             .into_iter()
             .map(|partition| {
-                // Every row of the partition's last day is removable once that day has passed.
-                let removable = partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms;
+                let removable = removable(&partition);
                 (partition, removable)
             })
             .collect())
+    }
+
+    /// Whether every row of a partition is removable now, on the store's clock: once the day
+    /// after its last has begun.
+    async fn removable_rule(
+        &self,
+        client: &Client,
+    ) -> Result<impl Fn(&schema::DayPartition) -> bool + use<>> {
+        let now_ms = i64::try_from(now_on_store_clock(client, self).await?).unwrap_or(i64::MAX);
+        let days = i64::from(self.inner.partition_days);
+        Ok(move |partition: &schema::DayPartition| {
+            partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms
+        })
     }
 
     /// Creates the partitions of the days ahead and drops those whose rows have all expired.
@@ -1030,7 +1045,10 @@ impl PgStore {
     /// Calls that overlap, from one process or several, take turns: each waits for the
     /// removals that began before it (a session-level advisory lock on the connection) and
     /// then drops what is still removable, so every call succeeds, and when one returns
-    /// every partition removable when it took its turn is gone. A dropped partition is first detached
+    /// every partition removable when it took its turn is gone. A call given up half way (its
+    /// future dropped) gives its turn back once the server has run what it sent; a partition
+    /// it detached but did not drop is dropped by the next call (and listed in its
+    /// [`Maintenance::dropped`]). A dropped partition is first detached
     /// concurrently (a lock that claims do not wait for), so claims go on meanwhile; the
     /// detach itself waits for the transactions that began before it (claims open then, and
     /// any other), so `maintain` takes as long as the longest of them.
@@ -1062,6 +1080,14 @@ impl PgStore {
                 if removable {
                     schema::drop_partition(client, &self.inner.names, &partition).await?;
                     dropped.push(partition.name);
+                }
+            }
+            // What an earlier call detached and was given up before it could drop.
+            let removable = self.removable_rule(client).await?;
+            for table in schema::detached_day_tables(client, &self.inner.names).await? {
+                if removable(&table) {
+                    schema::drop_detached(client, &table).await?;
+                    dropped.push(table.name);
                 }
             }
             Ok::<(), Error>(())

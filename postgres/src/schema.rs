@@ -605,6 +605,49 @@ pub(crate) async fn day_partitions(client: &Client, names: &Names) -> Result<Vec
     Ok(found)
 }
 
+/// Tables of day partitions that are no longer attached to the records table: left by a
+/// removal given up between its detach and its drop (its future dropped while the detach
+/// waited; the detach itself went on, the drop was never sent). Only a detach makes one: a
+/// partition being made is attached in the transaction that creates it, so no other session
+/// sees it unattached. Oldest first.
+pub(crate) async fn detached_day_tables(
+    client: &Client,
+    names: &Names,
+) -> Result<Vec<DayPartition>> {
+    let prefix = format!("{}_d", names.table);
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relkind = 'r' AND NOT c.relispartition \
+             AND starts_with(c.relname::text, $2)",
+            &[&names.schema, &prefix],
+        )
+        .await?;
+    let mut found: Vec<DayPartition> = rows
+        .iter()
+        .filter_map(|row| {
+            let name: String = row.get(0);
+            let day = name.strip_prefix(&prefix)?.parse().ok()?;
+            Some(DayPartition {
+                day,
+                name: format!("{}.{name}", names.schema),
+                detach_pending: false,
+            })
+        })
+        .collect();
+    found.sort_by_key(|table| table.day);
+    Ok(found)
+}
+
+/// Drops a table [`detached_day_tables`] found.
+pub(crate) async fn drop_detached(client: &Client, table: &DayPartition) -> Result<()> {
+    client
+        .batch_execute(&format!("DROP TABLE IF EXISTS {}", table.name))
+        .await?;
+    Ok(())
+}
+
 /// A partition of removable rows: those of the table's `partition_days` days from `day`.
 pub(crate) struct DayPartition {
     /// Its first day.
@@ -658,14 +701,19 @@ impl<'c> RemovalTurn<'c> {
     /// Waits for the turn: for every removal of the table that began before it.
     pub(crate) async fn take(client: &'c Client, names: &Names) -> Result<RemovalTurn<'c>> {
         let lock = removal_lock(names);
-        client
-            .batch_execute(&format!("SELECT pg_advisory_lock({lock})"))
-            .await?;
-        Ok(RemovalTurn {
+        // Held from the moment the request goes out: a call given up while it waits (its
+        // future dropped) is granted the lock later all the same, and the unlock its drop
+        // sends runs after the grant (a connection runs its requests in order). Built after
+        // the grant, it would leave the lock with the connection for good.
+        let turn = RemovalTurn {
             client,
             lock,
             held: true,
-        })
+        };
+        client
+            .batch_execute(&format!("SELECT pg_advisory_lock({lock})"))
+            .await?;
+        Ok(turn)
     }
 
     /// Gives the turn to the next removal, and returns once the server has.

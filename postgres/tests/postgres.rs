@@ -34,7 +34,8 @@
 //!
 //! Reconnects: every kind of call (claim, `apply` both ways, batch, external claim) on a client
 //! rebuilt in the same variable after every other kind. Overlapping `maintain` calls each
-//! succeed and drop every removable partition once. A failed call (a refused commit, a record
+//! succeed and drop every removable partition once; one given up half way leaves neither its
+//! turn nor a detached table behind. A failed call (a refused commit, a record
 //! that does not decode) has freed its keys when its error returns, seen from another
 //! connection.
 //!
@@ -206,6 +207,7 @@ fn main() {
     scenario!(every_kind_of_call_goes_through_on_a_client_reconnected_into_the_same_place);
     scenario!(overlapping_maintain_calls_take_turns_and_each_succeeds);
     scenario!(a_failed_call_frees_its_keys_before_the_error_returns);
+    scenario!(a_maintain_given_up_half_way_leaves_no_lock_and_no_table);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -6541,5 +6543,99 @@ async fn a_failed_call_frees_its_keys_before_the_error_returns(url: &str) -> Res
         return Err("0-c not fresh after its failed commit".into());
     };
     claim.commit(b"ok").await?;
+    Ok(())
+}
+
+async fn a_maintain_given_up_half_way_leaves_no_lock_and_no_table(
+    url: &str,
+) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_maintain_cut").await?;
+    let clock = MockClock::new(100 * DAY + DAY / 2);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(DAY))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    for day in 100..104 {
+        clock.set(day * DAY + DAY / 2);
+        commit_one(&consumer, &mut client, &format!("k{day}"), "m", "ok").await?;
+    }
+    clock.set(110 * DAY);
+    // An open claim: a concurrent detach waits for its transaction.
+    let mut holder = connect(url).await?;
+    let Outcome::Fresh(held) = consumer
+        .begin(&mut holder, "held", Fingerprint::of(b"m"))
+        .await?
+    else {
+        return Err("held: not fresh".into());
+    };
+    // Given up while its own detach waits: the detach goes on, its drop is never sent.
+    let mut first = connect(url).await?;
+    let cut = tokio::time::timeout(Duration::from_millis(500), store.maintain(&mut first)).await;
+    ensure!(
+        cut.is_err(),
+        "a detach did not wait for an open claim: {cut:?}"
+    );
+    // Another call waits for its turn behind it; a third is given up while it waits.
+    let waiting = {
+        let (url, store) = (url.to_owned(), store.clone());
+        tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            Ok::<_, Failure>(store.maintain(&mut client).await?)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut third = connect(url).await?;
+    let third_pid = backend_pid(&third).await?;
+    let cut = tokio::time::timeout(Duration::from_millis(300), store.maintain(&mut third)).await;
+    ensure!(
+        cut.is_err(),
+        "the third call did not wait for its turn: {cut:?}"
+    );
+    held.commit(b"ok").await?;
+    let done = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .map_err(|_| "the waiting call never got its turn")???;
+    ensure!(
+        !done.dropped.is_empty(),
+        "the waiting call dropped nothing: {done:?}"
+    );
+    // Every later call gets its turn, and finds nothing left to drop.
+    let mut later = connect(url).await?;
+    for round in 0..3 {
+        let done = tokio::time::timeout(Duration::from_secs(20), store.maintain(&mut later))
+            .await
+            .map_err(|_| format!("call {round} after the cuts never got its turn"))??;
+        ensure!(
+            done.dropped.is_empty(),
+            "call {round}: dropped {:?} again",
+            done.dropped
+        );
+    }
+    // No table named as a partition is left unattached, and the given-up call's connection
+    // holds no lock once it has run what it sent.
+    let leftovers: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = 't_maintain_cut' AND c.relkind = 'r' AND NOT c.relispartition \
+             AND c.relname::text LIKE 'records\\_d%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(leftovers == 0, "{leftovers} detached tables left behind");
+    ensure!(
+        advisory_locks_of(&client, third_pid).await? == 0,
+        "the given-up call's connection still holds the turn"
+    );
+    let left = store.partitions(&client).await?;
+    ensure!(
+        left.iter().all(|partition| !partition.removable),
+        "left: {left:?}"
+    );
     Ok(())
 }
