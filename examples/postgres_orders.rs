@@ -9,9 +9,16 @@
 //!   is written in the claim's transaction; the commit writes the marker with it; then the ack.
 //! - `Duplicate`: ack. `Conflict`: dead-letter with both fingerprints, then ack.
 //! - `InProgress` (another process holds the order right now): nack with requeue.
-//! - A database error (the primary is gone, a failover is under way): nack with requeue, and
-//!   reconnect. A commit whose outcome is unknown is nacked too: its redelivery finds the
-//!   order `Duplicate` (the commit landed) or `Fresh` (it did not), never half of it.
+//! - A database error the docs call retryable (the primary is gone, a failover is under way):
+//!   nack with requeue, and reconnect into the same variable. A commit whose outcome is
+//!   unknown is nacked too: its redelivery finds the order `Duplicate` (the commit landed) or
+//!   `Fresh` (it did not), never half of it. Any other error stops the process, which the
+//!   checker counts as an unexpected exit: a consumer following the error docs would have
+//!   dead-lettered the message.
+//!
+//! Odd-numbered workers handle an order with `PgConsumer::apply` (the claim, the effect and the
+//! commit in one call), the others with `begin`, the effect in the claim's transaction and
+//! `commit`: both kinds of call run on connections rebuilt after every failover.
 //!
 //! `--pg` takes a libpq-style connection string; with several hosts and
 //! `target_session_attrs=read-write` a reconnect finds whichever server is the primary.
@@ -22,8 +29,9 @@
 //! twice.
 //!
 //! Message format and dead-letter headers: `common/orders.rs`. Ledger lines:
-//! `common/handler.rs` (kinds `fresh`, `duplicate`, `conflict`, `in_progress`, `db_error`,
-//! `unknown_commit`, `reconnected`, `self-kill`).
+//! `common/handler.rs` (kinds `fresh`, `by_apply` (a `fresh` committed by `apply`),
+//! `duplicate`, `conflict`, `in_progress`, `db_error`, `unknown_commit`, `reconnected`,
+//! `self-kill`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -31,13 +39,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_lite::StreamExt;
-use idemdb::{Fingerprint, Outcome};
+use idemdb::{Fingerprint, Message, Outcome};
 use idemdb_postgres::{PgConsumer, PgStore};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, NoTls};
 
 #[path = "common/handler.rs"]
@@ -116,6 +125,8 @@ struct Worker {
     ledger: Arc<Ledger>,
     kill_after_commit_per_mille: u64,
     draws: Arc<AtomicU64>,
+    /// Handles orders with `PgConsumer::apply` instead of `begin` and `commit`.
+    apply: bool,
 }
 
 async fn run() -> Result<(), BoxError> {
@@ -129,7 +140,7 @@ async fn run() -> Result<(), BoxError> {
     let draws = Arc::new(AtomicU64::new(0));
     let mut workers = tokio::task::JoinSet::new();
     let mut subscriptions = Vec::new();
-    for _ in 0..options.workers {
+    for index in 0..options.workers {
         let consuming = connection.create_channel().await?;
         let publisher = connection.create_channel().await?;
         publisher
@@ -154,6 +165,7 @@ async fn run() -> Result<(), BoxError> {
             ledger: ledger.clone(),
             kill_after_commit_per_mille: options.kill_after_commit_per_mille,
             draws: draws.clone(),
+            apply: index % 2 == 1,
         };
         workers.spawn(async move { worker.consume(deliveries).await });
     }
@@ -324,6 +336,20 @@ impl Worker {
         order_id: &str,
         fingerprint: Fingerprint,
     ) -> Result<Handled, Failure> {
+        if self.apply {
+            let body = String::from_utf8_lossy(&delivery.data).into_owned();
+            let message = Message::new(order_id, fingerprint);
+            let effect: [(&(dyn ToSql + Sync), Type); 2] =
+                [(&order_id, Type::TEXT), (&body, Type::TEXT)];
+            let outcome = consumer
+                .apply(client, &message, b"accepted", &[(APPLY_EFFECT, &effect)])
+                .await?;
+            if matches!(outcome, Outcome::Fresh(_)) {
+                self.ledger.event("by_apply", order_id, None);
+                return Ok(Handled::Committed);
+            }
+            return Ok(settled(outcome));
+        }
         let outcome = consumer.begin(client, order_id, fingerprint).await?;
         Ok(match outcome {
             Outcome::Fresh(claim) => {
@@ -411,11 +437,13 @@ enum Failure {
 
 impl From<idemdb_postgres::Error> for Failure {
     fn from(error: idemdb_postgres::Error) -> Failure {
-        match error {
-            // The connection or the server: retry on a fresh connection.
-            idemdb_postgres::Error::Postgres(_) => Failure::Database(error),
-            // Anything else is a bug or corruption: stop.
-            other => Failure::Other(other.into()),
+        // The connection or the server, as the error docs say: retry on a fresh connection.
+        // Anything else is a bug or corruption (a consumer would dead-letter the message):
+        // stop, and the checker counts the exit.
+        if error.is_retryable() {
+            Failure::Database(error)
+        } else {
+            Failure::Other(error.into())
         }
     }
 }
