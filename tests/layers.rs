@@ -25,10 +25,11 @@ const ENGINE_LAYERS: Layers = &[
 
 /// The PostgreSQL crate's layers, as ARCHITECTURE.md lists them.
 const POSTGRES_LAYERS: Layers = &[
-    ("connection", &["connection"]),
+    ("errors", &["error"]),
+    ("connection", &["sql"]),
     ("tables", &["tables"]),
-    ("claims", &["claims"]),
-    ("handles", &["store", "maintain", "transfer"]),
+    ("storage", &["storage"]),
+    ("operations", &["operations"]),
 ];
 
 /// What the code of one module of `src/` names.
@@ -179,8 +180,14 @@ fn every_module_names_only_its_own_layer_or_lower_ones() {
 }
 
 #[test]
+fn the_postgres_crate_names_only_its_own_layer_or_lower_ones() {
+    let problems = layering_problems(&postgres_src(), POSTGRES_LAYERS);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
 fn no_import_cycle_among_the_modules() {
-    for src in [engine_src()] {
+    for src in [engine_src(), postgres_src()] {
         let cycle = import_cycle(&src);
         assert!(
             cycle.is_none(),

@@ -20,7 +20,7 @@ pub enum Error {
         /// The name given.
         name: String,
     },
-    /// The tables are not there: run [`crate::install`] first.
+    /// The tables are not there: run [`crate::tables::install::install`] first.
     #[error("idemdb's tables are missing ({table}); run idemdb_postgres::install first")]
     SchemaMissing {
         /// The records table looked for.
@@ -36,7 +36,7 @@ pub enum Error {
         /// The version this release reads.
         supported: i32,
     },
-    /// The tables are at an older version: run [`crate::install`] to migrate them.
+    /// The tables are at an older version: run [`crate::tables::install::install`] to migrate them.
     #[error(
         "idemdb's tables are at version {found}; run idemdb_postgres::install to migrate them to {supported}"
     )]
@@ -46,7 +46,7 @@ pub enum Error {
         /// The version this release reads.
         supported: i32,
     },
-    /// A partition width outside 1 to [`crate::PARTITION_DAYS_MAX`] days, or not the width the
+    /// A partition width outside 1 to [`crate::tables::install::PARTITION_DAYS_MAX`] days, or not the width the
     /// records table was installed with (it is fixed when the table is created).
     #[error(
         "partitions of {requested} days refused{}: widths are 1 to 60 days, fixed when the table is created",
@@ -75,7 +75,7 @@ pub enum Error {
         /// The message key.
         key: Vec<u8>,
     },
-    /// Bytes given to [`crate::PgLeaseTicket::from_bytes`] that are not a ticket.
+    /// Bytes given to [`crate::operations::ticket::PgLeaseTicket::from_bytes`] that are not a ticket.
     #[error("not a lease ticket: {detail}")]
     MalformedTicket {
         /// What is wrong with them.

@@ -1,6 +1,6 @@
 //! A message's business SQL run exactly once, in one round trip when the key is new.
 //!
-//! [`PgConsumer::begin`] and [`PgClaim::commit_with`](crate::PgClaim::commit_with) cost two
+//! [`PgConsumer::begin`] and [`PgClaim::commit_with`](crate::operations::claim::PgClaim::commit_with) cost two
 //! round trips: the claim's answer must come back before the caller knows what to run. A
 //! handler whose SQL does not depend on the answer (insert the order, add to the balance) can
 //! send everything at once: `BEGIN`, the key's lock, a statement that reads the key's row and
@@ -20,11 +20,10 @@
 //!
 //! The record's times are written before the database's clock is read, so they come from this
 //! process's clock, corrected by the offset to the database's clock seen at the last claim of
-//! the store (see [`ClockOffset`]). The insert checks the estimate against the database's clock
+//! the store (see [`ClockOffset`](crate::sql::clock::ClockOffset)). The insert checks the estimate against the database's clock
 //! and refuses to write if they differ by more than [`CLOCK_TOLERANCE_MS`]; the slow path then
 //! writes the database's time and learns the offset again.
 
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Instant;
 
 use idemdb::decision::{Found, admit, inspect_record};
@@ -34,43 +33,19 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::observe::OutcomeKind;
-use crate::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
-use crate::{
-    PgConsumer, PgStore, check_result, completed_record, decode_record, expires_column,
-    local_now_ms, lock_id,
-};
-
-/// How far the record's time (this process's clock with the last offset seen) may be from the
-/// database's clock when the record is written in one round trip; further, the message takes
-/// the two-round-trip path, which writes the database's own time.
-pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
-
+use crate::sql::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
+use crate::storage::observe::OutcomeKind;
+use crate::storage::records::CLOCK_TOLERANCE_MS;
+use crate::storage::records::check_result;
+use crate::storage::records::completed_record;
+use crate::storage::records::decode_record;
+use crate::storage::records::expires_column;
+use crate::storage::records::lock_id;
+use crate::storage::store::PgConsumer;
+use crate::storage::store::PgStore;
 /// The one-round-trip path's lock statement: fails (division by zero) unless the key's lock is
 /// granted, which aborts the transaction.
 const LOCK_OR_FAIL: &str = "SELECT 1 / pg_try_advisory_xact_lock($1)::int4";
-
-/// Reads the key's row and inserts the new key's completed record only when there is none
-/// (of any day or state) and the record's time `$5` is within the tolerance of the database's
-/// clock (`$5` null skips that check: an injected clock decides the store's time). Returns the
-/// row's record as found, the database's time, and leaves in the transaction's setting
-/// `idemdb.applied` how many rows it inserted, for [`APPLIED_OR_FAIL`].
-pub(crate) fn insert_if_new_sql(records: &str) -> String {
-    format!(
-        "WITH found AS ( \
-             SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2 \
-         ), inserted AS ( \
-             INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
-             SELECT $1, $2, $3, $4 \
-             WHERE NOT EXISTS (SELECT 1 FROM found) AND ($5::int8 IS NULL OR abs( \
-                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 - $5::int8 \
-             ) <= {CLOCK_TOLERANCE_MS}) \
-             RETURNING 1 \
-         ) SELECT (SELECT record FROM found LIMIT 1), \
-             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
-             set_config('idemdb.applied', (SELECT count(*) FROM inserted)::text, true)"
-    )
-}
 
 /// Fails (division by zero), and aborts the transaction with the caller's statements behind
 /// it, unless the statement before inserted the record.
@@ -97,35 +72,6 @@ pub struct Applied {
     pub one_round_trip: bool,
 }
 
-/// The database's clock minus this process's, in milliseconds, as last seen by a claim of the
-/// store (`i64::MIN`: not seen yet).
-#[derive(Debug)]
-pub(crate) struct ClockOffset(AtomicI64);
-
-impl ClockOffset {
-    pub(crate) fn unknown() -> ClockOffset {
-        ClockOffset(AtomicI64::new(i64::MIN))
-    }
-
-    /// Keeps the offset of a reading `db_now_ms` of the database's clock, taken just now.
-    pub(crate) fn learn(&self, db_now_ms: i64) {
-        let offset = db_now_ms.saturating_sub(local_now_i64());
-        self.0.store(offset.max(i64::MIN + 1), Ordering::Relaxed);
-    }
-
-    /// This process's clock corrected by the last offset seen, if one was.
-    fn estimate_ms(&self) -> Option<u64> {
-        let offset = self.0.load(Ordering::Relaxed);
-        (offset != i64::MIN)
-            .then(|| u64::try_from(local_now_i64().saturating_add(offset)).unwrap_or(0))
-    }
-}
-
-/// [`local_now_ms`] as the database's clock readings are typed.
-fn local_now_i64() -> i64 {
-    i64::try_from(local_now_ms()).unwrap_or(i64::MAX)
-}
-
 impl PgStore {
     /// Now on the store's clock before asking the database, and the time the database must
     /// agree with (`None`: the injected clock decides, nothing to check). `None` overall until
@@ -147,7 +93,7 @@ impl PgConsumer {
     /// and returns what [`begin_message`](PgConsumer::begin_message) would have (`Duplicate`,
     /// `InProgress`, `Conflict`, `TooLate`, `Stale`). For handlers whose SQL does not depend on
     /// the claim's answer; the others [`begin_message`](PgConsumer::begin_message), run their
-    /// SQL, and [`commit_with`](crate::PgClaim::commit_with).
+    /// SQL, and [`commit_with`](crate::operations::claim::PgClaim::commit_with).
     ///
     /// A new key (no row at all, its lock free, no entity version) costs one round trip: the
     /// lock, the record, the statements and `COMMIT` go out together. Any other message is
@@ -178,7 +124,7 @@ impl PgConsumer {
     ///
     /// # Errors
     /// As [`begin_message`](PgConsumer::begin_message) and
-    /// [`commit_with`](crate::PgClaim::commit_with): a key or result outside the limits before
+    /// [`commit_with`](crate::operations::claim::PgClaim::commit_with): a key or result outside the limits before
     /// anything is sent, and so is a statement that cannot be sent ([`Error::BadStatement`]: a
     /// parameter that does not encode as its type); a statement's own failure as
     /// [`Error::Postgres`] with nothing written;
@@ -194,7 +140,7 @@ impl PgConsumer {
         let started = Instant::now();
         let result = result.as_ref();
         check_result(result)?;
-        crate::txn::check_sendable(statements)?;
+        crate::sql::txn::check_sendable(statements)?;
         let stored_key = encode_key(&self.id, message.key())?;
         // A message with an entity's version takes the long way (which checks the entity key).
         if message.entity_version().is_none() {

@@ -24,8 +24,8 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
 use crate::error::{Error, Result};
-use crate::pipeline::in_order;
-use crate::prepared::{StatementCache, is_stale};
+use crate::sql::pipeline::in_order;
+use crate::sql::prepared::{StatementCache, is_stale};
 
 /// `BEGIN` of every claim and lease step: READ COMMITTED whatever the session's default. A
 /// claim's read must take its snapshot after the key's lock was granted, which READ COMMITTED
@@ -35,7 +35,7 @@ const BEGIN: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// [`BEGIN`] when the store's statements are prepared: sequential scans off for the rest of
 /// the transaction, the session's setting kept aside, so that kept plans are made while it is
-/// off, whenever they are made (see [`crate::prepared`]). One simple query of three
+/// off, whenever they are made (see [`crate::sql::prepared`]). One simple query of three
 /// statements: one message, run in order.
 const BEGIN_INDEXES_ONLY: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED; \
      SELECT set_config('idemdb.enable_seqscan', current_setting('enable_seqscan'), true); \
@@ -97,7 +97,7 @@ impl<'c> ClaimTransaction<'c> {
     /// the transaction with every statement's answer. A statement's error aborts the
     /// transaction (every later statement then fails too); the caller decides what to do.
     ///
-    /// The statements are the store's own: they run prepared (see [`crate::prepared`]). One
+    /// The statements are the store's own: they run prepared (see [`crate::sql::prepared`]). One
     /// that meets a statement kept for another connection (an address reused) rolls back and
     /// runs once more, with the statements prepared anew.
     ///

@@ -13,8 +13,12 @@ use tokio_postgres::Client;
 use tokio_postgres::types::ToSql;
 
 use crate::error::{Error, Result};
-use crate::schema::NEVER_MS;
-use crate::{DAY_MS, PgConsumer, PgStore, expires_column, lock_id, schema};
+use crate::storage::records::expires_column;
+use crate::storage::records::lock_id;
+use crate::storage::store::PgConsumer;
+use crate::storage::store::PgStore;
+use crate::tables::names::DAY_MS;
+use crate::tables::names::NEVER_MS; // FIXME
 
 /// The most records one import transaction writes: its locks are held until it commits, so a
 /// claim of one of its keys waits (gets `InProgress`) for at most one transaction's worth.
@@ -127,8 +131,13 @@ impl PgStore {
             .filter(|row| row.expires_at_ms != NEVER_MS)
             .map(|row| row.expires_at_ms / DAY_MS)
             .collect();
-        schema::ensure_day_partitions(client, &self.inner.names, days, self.inner.partition_days)
-            .await?;
+        crate::tables::partitions::ensure_day_partitions(
+            client,
+            &self.inner.names,
+            days,
+            self.inner.partition_days,
+        )
+        .await?;
         let records_table = self.inner.names.records();
         let existing = format!(
             "SELECT r.consumer, r.message_key FROM {records_table} AS r \

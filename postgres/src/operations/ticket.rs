@@ -11,7 +11,8 @@ use idemdb::format::{Record, RecordState, encode_key};
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result};
-use crate::{PgConsumer, PgExternalClaim};
+use crate::operations::external::PgExternalClaim;
+use crate::storage::store::PgConsumer;
 
 /// The first byte of a ticket's bytes: the layout's version.
 const TICKET_VERSION: u8 = 1;

@@ -77,7 +77,7 @@ pub(crate) fn duplicate_age_ms<C>(outcome: &Outcome<C>, now_ms: u64) -> Option<u
 }
 
 /// One consumer's metric handles, registered with the recorder installed when the consumer's
-/// handle is made ([`crate::PgStore::consumer`]).
+/// handle is made ([`crate::storage::store::PgStore::consumer`]).
 pub(crate) struct ConsumerMetrics {
     /// The consumer id as text (lossy for ids that are not UTF-8), for labels and logs.
     pub(crate) consumer: String,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idemdb::decision::{Found, inspect_record};
-use idemdb::format::{Record, RecordState, derive_key, encode_key};
+use idemdb::format::{Record, RecordState, encode_key};
 use idemdb::{
     EXPIRES_NEVER_MS, Fingerprint, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, Outcome,
     PreviousAttempt,
@@ -25,9 +25,11 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
-use crate::txn::ClaimTransaction;
-use crate::{PgConsumer, PgStore, decode_record, lock_id};
-
+use crate::sql::txn::ClaimTransaction;
+use crate::storage::records::decode_record;
+use crate::storage::records::lock_id;
+use crate::storage::store::PgConsumer;
+use crate::storage::store::PgStore;
 /// How long a lease step waits for the key's lock (another step of the same key, or a
 /// claimant's read of it, holds it only for a round trip or two).
 pub const LEASE_STEP_LOCK_WAIT: Duration = Duration::from_millis(100);
@@ -61,7 +63,7 @@ pub struct PgExternalClaim {
     pub(crate) holder: Bytes,
     pub(crate) previous: Option<PreviousAttempt>,
     /// Counts the claim in the `idemdb_in_progress` gauge while any clone of it exists.
-    pub(crate) alive: Arc<crate::observe::Alive>,
+    pub(crate) alive: Arc<crate::storage::observe::Alive>,
 }
 
 impl PgConsumer {
@@ -133,7 +135,7 @@ impl PgConsumer {
         let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
         // Any error from here rolls back, waited for: the key is free when it returns.
         let read = (|| -> Result<(u64, Option<Option<Record>>)> {
-            let lock = crate::txn::single_row(next_rows()?)?;
+            let lock = crate::sql::txn::single_row(next_rows()?)?;
             let read = next_rows();
             let now_ms = self.store.now_ms(lock.get(1));
             if !lock.get::<_, bool>(0) {
@@ -170,7 +172,7 @@ impl PgConsumer {
                 };
                 let record = claim.record(claim.lease_until_ms);
                 // In progress: never removable by itself, whatever the lease.
-                let written = crate::write_record(
+                let written = crate::storage::records::write_record(
                     tx.client(),
                     self,
                     key,
@@ -264,7 +266,7 @@ impl PgConsumer {
         let key = key.as_ref();
         let stored_key = encode_key(&self.id, key)?;
         if let PgResolution::Complete(result) = &resolution {
-            crate::check_result(result)?;
+            crate::storage::records::check_result(result)?;
         }
         let (mut tx, now_ms, record) = locked_record(self, client, key, &stored_key).await?;
         let current = match record {
@@ -279,7 +281,7 @@ impl PgConsumer {
         };
         let written = match resolution {
             PgResolution::Complete(result) => {
-                crate::write_completed(
+                crate::storage::records::write_completed(
                     tx.client(),
                     self,
                     key,
@@ -300,7 +302,15 @@ impl PgConsumer {
                     released_at_ms: now_ms,
                     removable_at_ms,
                 };
-                crate::write_record(tx.client(), self, key, &record, removable_at_ms, true).await
+                crate::storage::records::write_record(
+                    tx.client(),
+                    self,
+                    key,
+                    &record,
+                    removable_at_ms,
+                    true,
+                )
+                .await
             }
         };
         tx.release_on_error(written).await?;
@@ -325,223 +335,10 @@ impl PgConsumer {
     }
 }
 
-impl PgExternalClaim {
-    /// This holder's fencing epoch.
-    #[must_use]
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// Until when the lease runs, as last written by this holder (the store's clock).
-    #[must_use]
-    pub fn lease_until_ms(&self) -> u64 {
-        self.lease_until_ms
-    }
-
-    /// The attempt this claim took over, if any: its side effect may have been partly applied.
-    #[must_use]
-    pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
-        self.previous.as_ref()
-    }
-
-    /// The idempotency key to give the downstream call at `step`: the same for every attempt
-    /// at this message, with either backend.
-    #[must_use]
-    pub fn derive_key(&self, step: &str) -> String {
-        derive_key(&self.stored_key, step)
-    }
-
-    /// Extends the lease to `lease` from now. Returns the new deadline.
-    ///
-    /// # Errors
-    /// [`Error::Idemdb`] with `LeaseLost` when another holder took the key over (nothing is
-    /// written), `KeyBusy` when the key's lock was not free within [`LEASE_STEP_LOCK_WAIT`],
-    /// `LimitExceeded` for a lease outside the limits; [`Error::Postgres`].
-    pub async fn renew(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
-        let started = Instant::now();
-        let renewed = self.renew_unobserved(client, lease).await;
-        self.observed("renew", renewed.as_ref().map(|_| ()), started);
-        renewed
-    }
-
-    async fn renew_unobserved(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
-        let lease_ms = lease_ms(lease)?;
-        let (mut tx, now_ms) = self.fenced(client).await?;
-        let until = now_ms.saturating_add(lease_ms);
-        let record = self.record(until);
-        let written = crate::write_record(
-            tx.client(),
-            &self.consumer,
-            &self.key,
-            &record,
-            EXPIRES_NEVER_MS,
-            true,
-        )
-        .await;
-        tx.release_on_error(written).await?;
-        tx.commit().await?;
-        self.lease_until_ms = until;
-        Ok(until)
-    }
-
-    /// Opens the transaction that completes this claim, once it is known to still hold the
-    /// key: run the business SQL in [`PgCompletion::transaction`], then
-    /// [`PgCompletion::commit`] with the result.
-    ///
-    /// # Errors
-    /// As [`PgExternalClaim::renew`].
-    pub async fn completion<'c>(&self, client: &'c mut Client) -> Result<PgCompletion<'c>> {
-        let (tx, _) = match self.fenced(client).await {
-            Ok(fenced) => fenced,
-            Err(error) => {
-                // The completion's step is refused here; a written one is counted at its commit.
-                self.observed("complete", Err(&error), Instant::now());
-                return Err(error);
-            }
-        };
-        Ok(PgCompletion {
-            tx,
-            claim: self.clone(),
-        })
-    }
-
-    /// Gives the key up without a result, after a transient failure: the next delivery
-    /// processes the message again, at a higher epoch.
-    ///
-    /// # Errors
-    /// As [`PgExternalClaim::renew`].
-    pub async fn release(self, client: &mut Client) -> Result<()> {
-        let started = Instant::now();
-        let released = self.release_unobserved(client).await;
-        self.observed("release", released.as_ref().copied(), started);
-        released
-    }
-
-    async fn release_unobserved(&self, client: &mut Client) -> Result<()> {
-        let (mut tx, now_ms) = self.fenced(client).await?;
-        let removable_at_ms = now_ms.saturating_add(self.consumer.store.inner.retention_ms);
-        let mut record = self.record(self.lease_until_ms);
-        // Kept, reading as absent, until the retention has passed, so that the key's epoch
-        // keeps increasing across the release.
-        record.state = RecordState::Released {
-            released_at_ms: now_ms,
-            removable_at_ms,
-        };
-        let written = crate::write_record(
-            tx.client(),
-            &self.consumer,
-            &self.key,
-            &record,
-            removable_at_ms,
-            true,
-        )
-        .await;
-        tx.release_on_error(written).await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    /// Records a permanent failure as the key's result: redeliveries get `Duplicate` with
-    /// `succeeded: false` and `result`, and replay it instead of retrying.
-    ///
-    /// # Errors
-    /// As [`PgExternalClaim::renew`], and a result over `RESULT_BYTES_MAX`.
-    pub async fn fail_permanently(
-        self,
-        client: &mut Client,
-        result: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        let started = Instant::now();
-        let failed = self.fail_unobserved(client, result.as_ref()).await;
-        self.observed("fail", failed.as_ref().copied(), started);
-        failed
-    }
-
-    async fn fail_unobserved(&self, client: &mut Client, result: &[u8]) -> Result<()> {
-        let (mut tx, _) = self.fenced(client).await?;
-        let written = crate::write_completed(
-            tx.client(),
-            &self.consumer,
-            &self.key,
-            self.fingerprint,
-            self.epoch,
-            true,
-            result,
-            false,
-        )
-        .await;
-        tx.release_on_error(written).await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    /// Counts and logs a lease step as the embedded engine does: `complete` (a commit) is
-    /// counted with the commits, a step refused with `LeaseLost` with the lost leases, and
-    /// every written or refused step is logged.
-    fn observed(
-        &self,
-        step: &'static str,
-        result: std::result::Result<(), &Error>,
-        started: Instant,
-    ) {
-        let metrics = &self.consumer.metrics;
-        match result {
-            Ok(()) => {
-                if step == "complete" {
-                    metrics.commit(started.elapsed());
-                }
-                if matches!(step, "complete" | "release" | "fail") {
-                    self.alive.finish();
-                }
-                metrics.log_step(step, &self.stored_key, self.epoch, None, None);
-            }
-            Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch })) => {
-                metrics.lease_lost();
-                metrics.log_step(
-                    step,
-                    &self.stored_key,
-                    self.epoch,
-                    Some(*current_epoch),
-                    None,
-                );
-            }
-            Err(_) => {}
-        }
-    }
-
-    /// The in-progress record of this holder with a lease until `lease_until_ms`.
-    fn record(&self, lease_until_ms: u64) -> Record {
-        Record::in_progress(
-            self.epoch,
-            self.fingerprint,
-            self.since_ms,
-            lease_until_ms,
-            self.holder.clone(),
-            self.token,
-        )
-    }
-
-    /// A transaction holding the key's lock, in which the record is still this holder's.
-    async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(ClaimTransaction<'c>, u64)> {
-        let (tx, now_ms, record) =
-            locked_record(&self.consumer, client, &self.key, &self.stored_key).await?;
-        let still_ours = record.as_ref().is_some_and(|record| {
-            record.epoch == self.epoch
-                && matches!(record.state, RecordState::InProgress { token, .. } if token == self.token)
-        });
-        if !still_ours {
-            let current_epoch = record.map_or(0, |record| record.epoch);
-            tx.rollback().await?;
-            return Err(Error::Idemdb(idemdb::Error::LeaseLost { current_epoch }));
-        }
-        Ok((tx, now_ms))
-    }
-}
-
 /// A transaction holding the lock of `key` (`stored_key` encoded), taken waiting at most
 /// [`LEASE_STEP_LOCK_WAIT`]; the store's time; and the key's record, read after the lock was
 /// granted. The lease steps and a resolution check the record before they write.
-async fn locked_record<'c>(
+pub(crate) async fn locked_record<'c>(
     consumer: &PgConsumer,
     client: &'c mut Client,
     key: &[u8],
@@ -622,55 +419,7 @@ pub struct PgInProgress {
     pub lease_until_ms: u64,
 }
 
-/// The transaction that completes an external claim: the record and the caller's SQL commit
-/// together. Dropped, it rolls back and the claim still holds the key.
-pub struct PgCompletion<'c> {
-    tx: ClaimTransaction<'c>,
-    claim: PgExternalClaim,
-}
-
-impl std::fmt::Debug for PgCompletion<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgCompletion")
-            .field("claim", &self.claim)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<'c> PgCompletion<'c> {
-    /// The connection of the open transaction, for the business SQL. Do not commit or roll it
-    /// back yourself.
-    #[must_use]
-    pub fn transaction(&self) -> &Client {
-        self.tx.client()
-    }
-
-    /// Writes the completed record with `result` and commits, with the business SQL.
-    ///
-    /// # Errors
-    /// As [`crate::PgClaim::commit`].
-    pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
-        let started = Instant::now();
-        let PgCompletion { mut tx, claim } = self;
-        let written = crate::write_completed(
-            tx.client(),
-            &claim.consumer,
-            &claim.key,
-            claim.fingerprint,
-            claim.epoch,
-            true,
-            result.as_ref(),
-            true,
-        )
-        .await;
-        tx.release_on_error(written).await?;
-        tx.commit().await?;
-        claim.observed("complete", Ok(()), started);
-        Ok(())
-    }
-}
-
-fn lease_ms(lease: Duration) -> Result<u64> {
+pub(crate) fn lease_ms(lease: Duration) -> Result<u64> {
     let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
     check(idemdb::Limit::LeaseMs, ms, LEASE_MS_MIN, LEASE_MS_MAX)?;
     Ok(ms)

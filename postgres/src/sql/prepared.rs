@@ -11,7 +11,7 @@
 //! day partition was nearly empty scans it whole (the cheapest way to read a page or two),
 //! and keeps scanning it whole as it grows to millions of rows, until an `ANALYZE` happens to
 //! throw the plan away. So the store's statements are always planned with sequential scans
-//! off ([`crate::txn::ClaimTransaction`] turns them off for its own statements and back to
+//! off ([`crate::sql::txn::ClaimTransaction`] turns them off for its own statements and back to
 //! the session's setting before the caller's run): their plans look keys up in the indexes,
 //! right at every size.
 //!
@@ -19,8 +19,8 @@
 //! is safe: statement names are unique within the process (tokio-postgres numbers them from
 //! one counter), so a statement kept for a gone connection does not exist on the new one, and
 //! running it fails with `invalid_sql_statement_name` (26000) before anything is written. Every
-//! transaction starts with [`crate::txn::ClaimTransaction::begin_with`] or
-//! [`crate::txn::ClaimTransaction::run_whole`], and each sends the setting restored behind the
+//! transaction starts with [`crate::sql::txn::ClaimTransaction::begin_with`] or
+//! [`crate::sql::txn::ClaimTransaction::run_whole`], and each sends the setting restored behind the
 //! store's statements, which every kind of transaction shares: so whatever kinds of call the
 //! old connection made, the new one meets a missing statement at the start of its first
 //! transaction, in any answer (the restored setting's included), forgets the address and runs
@@ -33,7 +33,7 @@ use std::sync::Mutex;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Statement};
 
-use crate::pipeline::in_order;
+use crate::sql::pipeline::in_order;
 
 /// How many connections' statements are kept; past it the least recently used connection's
 /// are dropped (and closed on the server, when that connection is still open).

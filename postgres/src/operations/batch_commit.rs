@@ -1,0 +1,295 @@
+//! A batch's commit: every winner's record in one statement with the business SQL of the
+//! whole batch, and `COMMIT`, in one round trip when every record is a new row.
+
+use std::time::Instant;
+
+use idemdb::PreviousAttempt;
+use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::{Error, Result};
+use crate::operations::batch::BatchClaim;
+use crate::operations::batch::PgBatchOutcome;
+use crate::operations::batch::PgClaimBatch;
+use crate::sql::txn::CommitFailed;
+use crate::sql::txn::Statement;
+use crate::storage::store::PgConsumer;
+use std::collections::HashSet;
+
+/// The rows a batch's commit writes with one of its two lists (inserted or updated), as the
+/// statement's parallel arrays.
+#[derive(Default)]
+struct Rows<'k> {
+    keys: Vec<&'k [u8]>,
+    records: Vec<Vec<u8>>,
+    expires_at_ms: Vec<i64>,
+}
+
+impl<'c> PgClaimBatch<'c> {
+    /// The batch's transaction, for the business SQL of its fresh messages. Do not commit or
+    /// roll it back yourself: [`PgClaimBatch::commit`] does, and dropping the batch rolls back.
+    #[must_use]
+    pub fn transaction(&self) -> &Client {
+        self.tx.client()
+    }
+
+    /// Each message's outcome, in the order the messages were given.
+    #[must_use]
+    pub fn outcomes(&self) -> &[PgBatchOutcome] {
+        &self.outcomes
+    }
+
+    /// The outcome of message `index`; `None` past the end of the batch.
+    #[must_use]
+    pub fn outcome(&self, index: usize) -> Option<&PgBatchOutcome> {
+        self.outcomes.get(index)
+    }
+
+    /// The number of messages in the batch.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.outcomes.len()
+    }
+
+    /// True for a batch of no messages.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.outcomes.is_empty()
+    }
+
+    /// The epoch the committed record of message `index` will have; `None` unless it is
+    /// fresh and not released.
+    #[must_use]
+    pub fn epoch(&self, index: usize) -> Option<u64> {
+        Some(self.claims.get(index)?.as_ref()?.epoch())
+    }
+
+    /// The external attempt the claim of message `index` took over after its lease ran out,
+    /// if any (its side effect may have been partly applied).
+    #[must_use]
+    pub fn previous_attempt(&self, index: usize) -> Option<&PreviousAttempt> {
+        self.claims.get(index)?.as_ref()?.previous.as_ref()
+    }
+
+    /// The idempotency key to give a downstream call made for message `index` at `step`: the
+    /// embedded engine's derivation ([`idemdb::format::derive_key`]), as
+    /// [`crate::operations::claim::PgClaim::derive_key`] gives it. `None` unless the message is fresh and not
+    /// released.
+    #[must_use]
+    pub fn derive_key(&self, index: usize, step: &str) -> Option<String> {
+        let claim = self.claims.get(index)?.as_ref()?;
+        Some(idemdb::format::derive_key(&claim.stored_key, step))
+    }
+
+    /// Leaves message `index` out of the commit (its handler failed): no record is written for
+    /// it, so its redelivery is fresh again. Its key stays locked until the batch ends, and
+    /// SQL already run for it in the batch's transaction stays in it: roll that back to a
+    /// savepoint first. Does nothing for a message that holds no claim.
+    pub fn release(&mut self, index: usize) {
+        if let Some(slot) = self.claims.get_mut(index) {
+            *slot = None;
+        }
+    }
+
+    /// Writes the completed record of every claim still held, with the result `result_of`
+    /// gives for its index (returned to duplicates), in **one** statement, and commits the
+    /// transaction: the records and the business SQL of the batch land together or not at
+    /// all. `result_of` is called for those indexes only, in order.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`; [`Error::LostKey`] if a
+    /// replaced row was gone (the key's lock should make it impossible); [`Error::Postgres`]
+    /// when a statement or the commit fails, a business statement of the batch included. A
+    /// failed statement makes the COMMIT sent behind it roll back, and nothing is written; if
+    /// the connection dropped during the COMMIT its outcome is unknown: do not acknowledge the
+    /// batch, and its redelivery finds every message `Duplicate` or every message `Fresh`,
+    /// never half of the batch.
+    pub async fn commit<R: AsRef<[u8]>>(self, result_of: impl FnMut(usize) -> R) -> Result<()> {
+        self.commit_with(result_of, &[]).await
+    }
+
+    /// [`commit`](PgClaimBatch::commit) with the batch's business SQL: runs `statements` in
+    /// order in the batch's transaction, then writes the records and commits, in one round
+    /// trip when every record is a new row (statements run on
+    /// [`transaction`](PgClaimBatch::transaction) first cost one each). Statements are sent
+    /// unnamed with their parameters' types, as [`crate::operations::claim::PgClaim::commit_with`]'s.
+    ///
+    /// # Errors
+    /// As [`commit`](PgClaimBatch::commit); a statement's own failure is [`Error::Postgres`]
+    /// with its error; a statement that cannot be sent (a parameter that does not encode as
+    /// its type) is [`Error::BadStatement`], found before anything is sent.
+    pub async fn commit_with<R: AsRef<[u8]>>(
+        self,
+        mut result_of: impl FnMut(usize) -> R,
+        statements: &[crate::sql::txn::Statement<'_>],
+    ) -> Result<()> {
+        let started = Instant::now();
+        let PgClaimBatch {
+            mut tx,
+            consumer,
+            claims,
+            decided_at: (db_ms, decided),
+            ..
+        } = self;
+        // Refused before anything is sent; the rollback is waited for, so that every key of
+        // the batch is free when the error returns.
+        if let Err(error) = crate::sql::txn::check_sendable(statements) {
+            return tx.fail(error).await;
+        }
+        let mut held = Vec::new();
+        for (index, claim) in claims.iter().enumerate() {
+            if let Some(claim) = claim {
+                let result = result_of(index);
+                if let Err(error) = crate::storage::records::check_result(result.as_ref()) {
+                    return tx.fail(error).await;
+                }
+                held.push((claim, result));
+            }
+        }
+        let now_ms = consumer.store.now_ms(
+            db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
+        );
+        let rows = Records::of(&consumer, &held, now_ms);
+        // The ordering guard's new versions, written with the records.
+        let (entity_keys, versions): (Vec<&[u8]>, Vec<Vec<u8>>) = held
+            .iter()
+            .filter_map(|(claim, _)| claim.version.as_ref())
+            .map(|(entity_key, version)| (entity_key.as_slice(), version.to_be_bytes().to_vec()))
+            .unzip();
+        let consumer_id: &[u8] = &consumer.id;
+        let version_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&consumer_id, Type::BYTEA),
+            (&entity_keys, Type::BYTEA_ARRAY),
+            (&versions, Type::BYTEA_ARRAY),
+        ];
+        let write_versions: Option<Statement<'_>> = (!entity_keys.is_empty())
+            .then_some((&consumer.store.inner.write_versions_many, &version_params));
+        if rows.updated.keys.is_empty() {
+            // Every record is a new row, or there is none to write (but maybe the caller's
+            // SQL: a statement on an aborted transaction fails, so a failed business statement
+            // is reported here rather than by a COMMIT that PostgreSQL answers with a silent
+            // rollback). Either way its statement and COMMIT go out together: an insert
+            // writes its rows or fails.
+            let params: [(&(dyn ToSql + Sync), Type); 4] = [
+                (&consumer_id, Type::BYTEA),
+                (&rows.inserted.keys, Type::BYTEA_ARRAY),
+                (&rows.inserted.records, Type::BYTEA_ARRAY),
+                (&rows.inserted.expires_at_ms, Type::INT8_ARRAY),
+            ];
+            let write: Statement<'_> = if held.is_empty() {
+                ("SELECT 1", &[])
+            } else {
+                (&consumer.store.inner.insert_many, &params)
+            };
+            let writes: Vec<Statement<'_>> = std::iter::once(write).chain(write_versions).collect();
+            match tx.commit_with(statements, &writes, false).await {
+                Ok(_) => {}
+                Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
+                Err(CommitFailed::Store(error)) => {
+                    let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
+                    return Err(consumer.store.write_failed(error, key));
+                }
+            }
+        } else {
+            // An update of a row that is gone writes nothing and says nothing: the keys it
+            // wrote are checked (and a lost one named) before the COMMIT is sent.
+            let written = async {
+                for (sql, params) in statements {
+                    tx.client().query_typed(sql, params).await?;
+                }
+                write_records(tx.client(), &consumer, &rows).await?;
+                if let Some((sql, params)) = write_versions
+                    && let Err(error) = tx.client().query_typed(sql, params).await
+                {
+                    let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
+                    return Err(consumer.store.write_failed(error, key));
+                }
+                Ok(())
+            }
+            .await;
+            tx.release_on_error(written).await?;
+            tx.commit().await?;
+        }
+        // Each claim's commit is counted and logged, as the embedded batch reports its claims.
+        for (claim, _) in &held {
+            consumer.metrics.commit(started.elapsed());
+            consumer
+                .metrics
+                .log_step("commit", &claim.stored_key, claim.epoch(), None, None);
+        }
+        Ok(())
+    }
+}
+
+/// The rows of a batch's completed records: new ones to insert, and those that replace a row
+/// (expired, released, or a lease run out) to update.
+struct Records<'k> {
+    inserted: Rows<'k>,
+    updated: Rows<'k>,
+}
+
+impl<'k> Records<'k> {
+    /// The completed record of each claim in `held` with its result, committed at `now_ms`.
+    fn of<R: AsRef<[u8]>>(
+        consumer: &PgConsumer,
+        held: &[(&'k BatchClaim, R)],
+        now_ms: u64,
+    ) -> Records<'k> {
+        let mut records = Records {
+            inserted: Rows::default(),
+            updated: Rows::default(),
+        };
+        for (claim, result) in held {
+            let (record, expires_at_ms) = crate::storage::records::completed_record(
+                &consumer.store,
+                claim.epoch(),
+                claim.fingerprint,
+                now_ms,
+                result.as_ref(),
+                true,
+            );
+            let rows = if claim.replaces_epoch == 0 {
+                &mut records.inserted
+            } else {
+                &mut records.updated
+            };
+            rows.keys.push(&claim.key);
+            rows.records.push(record.encode());
+            rows.expires_at_ms
+                .push(crate::storage::records::expires_column(expires_at_ms));
+        }
+        records
+    }
+}
+
+/// Writes `records` in one statement (inserts and updates), and checks that every key was
+/// written.
+async fn write_records(tx: &Client, consumer: &PgConsumer, records: &Records<'_>) -> Result<()> {
+    let store = &consumer.store;
+    let Records { inserted, updated } = records;
+    let consumer_id: &[u8] = &consumer.id;
+    let params: [(&(dyn ToSql + Sync), Type); 7] = [
+        (&consumer_id, Type::BYTEA),
+        (&inserted.keys, Type::BYTEA_ARRAY),
+        (&inserted.records, Type::BYTEA_ARRAY),
+        (&inserted.expires_at_ms, Type::INT8_ARRAY),
+        (&updated.keys, Type::BYTEA_ARRAY),
+        (&updated.records, Type::BYTEA_ARRAY),
+        (&updated.expires_at_ms, Type::INT8_ARRAY),
+    ];
+    let all_keys = || inserted.keys.iter().chain(&updated.keys);
+    let rows = match tx.query_typed(&store.inner.write_many, &params).await {
+        Ok(rows) => rows,
+        Err(error) => {
+            let key = all_keys().next().copied().unwrap_or_default();
+            return Err(store.write_failed(error, key));
+        }
+    };
+    let written: HashSet<&[u8]> = rows.iter().map(|row| row.get(0)).collect();
+    // An insert either writes its row or fails on the primary key; an update of a row that is
+    // gone writes nothing, and says nothing: name the key.
+    if let Some(lost) = all_keys().find(|key| !written.contains(**key)) {
+        return Err(Error::LostKey { key: lost.to_vec() });
+    }
+    Ok(())
+}

@@ -1,0 +1,494 @@
+//! A single claim: `begin` opens its transaction and decides it (the key's lock and its
+//! read in one round trip, the decision core's answer), and [`PgClaim`] commits the record with
+//! the caller's SQL in one more.
+
+use std::time::Instant;
+
+use idemdb::decision::{Found, admit, guard_order, inspect_record};
+use idemdb::format::{Record, derive_key, encode_key};
+use idemdb::{Fingerprint, Message, Outcome, PreviousAttempt};
+use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::{Error, Result};
+use crate::sql::txn::ClaimTransaction;
+use crate::sql::txn::CommitFailed;
+use crate::sql::txn::Statement as TypedStatement;
+use crate::storage::records::RecordRow;
+use crate::storage::records::check_result;
+use crate::storage::records::completed_record;
+use crate::storage::records::decode_record;
+use crate::storage::records::decode_version;
+use crate::storage::records::entity_lock_id;
+use crate::storage::records::lock_id;
+use crate::storage::store::PgConsumer;
+
+impl PgConsumer {
+    /// Claims `key` for a message with `fingerprint`, in a new transaction on `client`. Never
+    /// waits for another holder. `Fresh` hands out the transaction in its claim; every other
+    /// outcome has rolled it back. The same as [`PgConsumer::begin_message`] with a message of
+    /// only a key and a fingerprint.
+    ///
+    /// `client` must not be in a transaction of the caller's: PostgreSQL answers the claim's
+    /// `START TRANSACTION` there with a warning only, so the claim would run inside it, and
+    /// its commit or rollback would end the caller's earlier statements with it. The same
+    /// holds for every call that takes a `&mut Client`. The caller's statements given to
+    /// [`PgClaim::commit_with`] or [`PgConsumer::apply`] must not end the transaction either
+    /// (`COMMIT`, `ROLLBACK`): the record is written after them.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`] for a stored record
+    /// that does not decode; [`Error::Postgres`] when the database fails (nothing is written).
+    pub async fn begin<'c>(
+        &self,
+        client: &'c mut Client,
+        key: impl AsRef<[u8]>,
+        fingerprint: Fingerprint,
+    ) -> Result<Outcome<PgClaim<'c>>> {
+        self.begin_message(client, &Message::new(key.as_ref(), fingerprint))
+            .await
+    }
+
+    /// Like [`PgConsumer::begin`], for an [`idemdb::Message`] that may carry its production
+    /// time (the admission floor: [`StoreBuilder::admission_floor`](crate::StoreBuilder::admission_floor)), an entity version (the
+    /// ordering guard) and a correlation id (carried into the log events).
+    ///
+    /// **Ordering guard.** A message with `version(entity, v)` is claimed only if `v` is newer
+    /// than the entity's highest applied version, which the claim's commit records in the same
+    /// transaction; otherwise it is [`Outcome::Stale`] with that version. The claim holds the
+    /// entity's own advisory lock until it ends, so another message of the same entity meanwhile
+    /// gets `InProgress` at once (never a wait), whatever its key. The entity key follows the
+    /// message-key limits. The entity is looked at only when the key is claimable: a duplicate
+    /// stays a duplicate whatever its version.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &mut tokio_postgres::Client, customers: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// use idemdb::{Fingerprint, Message, Outcome};
+    /// let message = Message::new("event-981", Fingerprint::of(b"address changed"))
+    ///     .version("customer-7", 12) // the 12th change of customer 7
+    ///     .correlation_id("req-9f2c");
+    /// match customers.begin_message(client, &message).await? {
+    ///     Outcome::Fresh(claim) => claim.commit(b"applied").await?, // records version 12 too
+    ///     Outcome::Stale { .. } => { /* 12 or newer applied already: acknowledge */ }
+    ///     _ => { /* as for begin */ }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`PgConsumer::begin`]; [`Error::Idemdb`] with `LimitExceeded` for an entity key
+    /// outside the message-key limits; [`Error::Corrupt`] for a stored version that is not 8
+    /// bytes.
+    pub async fn begin_message<'c>(
+        &self,
+        client: &'c mut Client,
+        message: &Message<'_>,
+    ) -> Result<Outcome<PgClaim<'c>>> {
+        let started = Instant::now();
+        let (now_ms, outcome) = self.claim_message(client, message).await?;
+        self.metrics.begun(
+            &outcome,
+            now_ms,
+            started.elapsed(),
+            message.key(),
+            message.correlation(),
+        );
+        Ok(outcome)
+    }
+
+    /// `begin_message` without its metrics and log: the locks, the reads and the decision, and
+    /// the time it was decided at (the store's clock).
+    async fn claim_message<'c>(
+        &self,
+        client: &'c mut Client,
+        message: &Message<'_>,
+    ) -> Result<(u64, Outcome<PgClaim<'c>>)> {
+        let key = message.key();
+        let stored_key = encode_key(&self.id, key)?;
+        let inner = &self.store.inner;
+        let lock_number = lock_id(&inner.lock_namespace, &stored_key);
+        // The ordering guard's entity, checked before anything is sent.
+        let entity = match message.entity_version() {
+            Some((entity_key, version)) => {
+                let stored_entity = encode_key(&self.id, entity_key)?;
+                let (high, low) = entity_lock_id(&inner.entity_lock_namespace, &stored_entity);
+                Some((entity_key, version, high, low))
+            }
+            None => None,
+        };
+        self.store.ensure_partitions(client, false).await?;
+        // BEGIN, the locks and the reads go out together (one round trip), as separate
+        // statements: the server runs them in order, and each read's snapshot is taken when it
+        // starts, after the locks were granted, so it sees the commit of whoever held the lock
+        // before. (One statement would read with a snapshot taken before the lock.) Without
+        // its lock, a read's answer is not looked at.
+        let (high, low) = entity.map_or((0, 0), |(_, _, high, low)| (high, low));
+        let lock_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&lock_number, Type::INT8),
+            (&high, Type::INT4),
+            (&low, Type::INT4),
+        ];
+        let id: &[u8] = &self.id;
+        let entity_key: &[u8] = entity.map_or(&[], |(entity_key, ..)| entity_key);
+        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&id, Type::BYTEA), (&key, Type::BYTEA)];
+        let version_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&id, Type::BYTEA), (&entity_key, Type::BYTEA)];
+        let mut statements: Vec<TypedStatement<'_>> = vec![
+            if entity.is_some() {
+                (LOCK_KEY_AND_ENTITY, &lock_params[..])
+            } else {
+                (LOCK_KEY, &lock_params[..1])
+            },
+            (&inner.read, &read_params),
+        ];
+        if entity.is_some() {
+            statements.push((&inner.read_version, &version_params));
+        }
+        let (mut tx, answers) =
+            ClaimTransaction::begin_with(client, &inner.statements, &statements).await?;
+        let decided_at = Instant::now();
+        let entity = entity.map(|(entity_key, version, ..)| (entity_key, version));
+        // An error here (a record that does not decode, say) leaves the key's lock held until
+        // the rollback: waited for, so that the key is free when the error returns.
+        let decided = decide_claim(self, answers, message, entity);
+        let Decided {
+            db_now_ms,
+            now_ms,
+            verdict,
+        } = tx.release_on_error(decided).await?;
+        let Claimable {
+            replaces_epoch,
+            previous,
+            version,
+        } = match verdict {
+            Ok(claimable) => claimable,
+            Err(outcome) => {
+                tx.rollback().await?;
+                return Ok((now_ms, outcome.map_fresh(|never| match never {})));
+            }
+        };
+        let claim = PgClaim {
+            tx,
+            decided_at: (db_now_ms, decided_at),
+            consumer: self.clone(),
+            key: key.to_vec(),
+            stored_key,
+            fingerprint: message.fingerprint(),
+            replaces_epoch,
+            previous,
+            version,
+            correlation_id: message.correlation().map(Into::into),
+        };
+        Ok((now_ms, Outcome::Fresh(claim)))
+    }
+
+    /// The record stored under `key`, as it is (it may be expired; see
+    /// [`Record::is_absent_at`]).
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`]; [`Error::Postgres`].
+    pub async fn get(&self, client: &Client, key: impl AsRef<[u8]>) -> Result<Option<Record>> {
+        let key = key.as_ref();
+        encode_key(&self.id, key)?;
+        self.read(client, key).await
+    }
+}
+
+/// What a claim's first round trip decided, before anything is written.
+struct Decided {
+    /// The database's clock in the lock statement.
+    db_now_ms: i64,
+    /// Now on the store's clock.
+    now_ms: u64,
+    /// The key claimable, or the outcome that settles the message without a claim.
+    verdict: std::result::Result<Claimable, Outcome<std::convert::Infallible>>,
+}
+
+/// A claimable key: what the claim replaces and records.
+struct Claimable {
+    replaces_epoch: u64,
+    previous: Option<PreviousAttempt>,
+    /// The ordering guard's (entity key, version) to record.
+    version: Option<(Vec<u8>, u64)>,
+}
+
+/// Decides a claim from the answers of its lock statement, its read and (with an entity
+/// version) the entity's read: no I/O.
+fn decide_claim(
+    consumer: &PgConsumer,
+    answers: crate::sql::txn::Answers,
+    message: &Message<'_>,
+    entity: Option<(&[u8], u64)>,
+) -> Result<Decided> {
+    let inner = &consumer.store.inner;
+    let key = message.key();
+    let mut answers = answers.into_iter();
+    let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
+    let lock = crate::sql::txn::single_row(next_rows()?)?;
+    let record = next_rows();
+    let current_version = next_rows();
+    let db_now_ms: i64 = lock.get(1);
+    inner.clock_offset.learn(db_now_ms);
+    let now_ms = consumer.store.now_ms(db_now_ms);
+    let decided = |verdict| {
+        Ok(Decided {
+            db_now_ms,
+            now_ms,
+            verdict,
+        })
+    };
+    if !lock.get::<_, bool>(0) {
+        return decided(Err(Outcome::held_by_claim(now_ms)));
+    }
+    let record = record?
+        .first()
+        .map(|row| decode_record(key, row.get(0)))
+        .transpose()?;
+    let found = inspect_record(record, message.fingerprint(), now_ms);
+    let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
+    let (replaces_epoch, previous) =
+        match admit(found, message.production_time_ms(), now_ms, floor_ms) {
+            Found::Claimable {
+                replaces_epoch,
+                previous,
+            } => (replaces_epoch, previous),
+            Found::Settled(outcome) => return decided(Err(outcome)),
+        };
+    let mut version = None;
+    if let Some((entity_key, new_version)) = entity {
+        if !lock.get::<_, bool>(2) {
+            // Another claim of the same entity is in flight.
+            return decided(Err(Outcome::held_by_claim(now_ms)));
+        }
+        let current_version = current_version?
+            .first()
+            .map(|row| decode_version(entity_key, row.get(0)))
+            .transpose()?;
+        if let Some(stale) = guard_order(current_version, new_version) {
+            return decided(Err(stale));
+        }
+        version = Some((entity_key.to_vec(), new_version));
+    }
+    decided(Ok(Claimable {
+        replaces_epoch,
+        previous,
+        version,
+    }))
+}
+
+/// A won claim: a live transaction that holds the key. Run the business SQL in
+/// [`PgClaim::transaction`], then [`PgClaim::commit`]. Dropped instead, it rolls back: nothing
+/// of it lands, and the key is free again.
+pub struct PgClaim<'c> {
+    tx: ClaimTransaction<'c>,
+    /// When the claim was decided: the database's clock in its lock statement, and this
+    /// process's monotonic clock when the answer came. The commit's time is the first advanced
+    /// by the second's elapsed time: no extra round trip to read the database's clock again.
+    decided_at: (i64, Instant),
+    consumer: PgConsumer,
+    key: Vec<u8>,
+    /// The key as the embedded engine stores it (consumer and message key): what downstream
+    /// keys are derived from.
+    stored_key: Vec<u8>,
+    fingerprint: Fingerprint,
+    replaces_epoch: u64,
+    previous: Option<PreviousAttempt>,
+    /// The ordering guard's (entity key, version), whose entity lock this claim holds; the
+    /// commit records the version.
+    version: Option<(Vec<u8>, u64)>,
+    /// The message's correlation id, for the commit's log event.
+    correlation_id: Option<Box<str>>,
+}
+
+impl std::fmt::Debug for PgClaim<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgClaim")
+            .field("consumer", &self.consumer.id)
+            .field("key", &idemdb::format::printable(&self.key))
+            .field("epoch", &self.epoch())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c> PgClaim<'c> {
+    /// The connection of the claim's open transaction, for the business SQL. Do not commit or
+    /// roll it back yourself: [`PgClaim::commit`] does, and dropping the claim rolls back.
+    #[must_use]
+    pub fn transaction(&self) -> &Client {
+        self.tx.client()
+    }
+
+    /// The epoch the committed record will have.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.replaces_epoch.saturating_add(1)
+    }
+
+    /// The external attempt this claim took over after its lease ran out, if any.
+    #[must_use]
+    pub fn previous_attempt(&self) -> Option<&PreviousAttempt> {
+        self.previous.as_ref()
+    }
+
+    /// The idempotency key to give a downstream call made for this message at `step`: the
+    /// same message and step give the same key across redeliveries, takeovers and restarts,
+    /// and the same as the embedded engine's `Claim::derive_key` for the same consumer and
+    /// message key ([`idemdb::format::derive_key`]), so a handler moved from one backend to the
+    /// other keeps its downstream keys.
+    ///
+    /// ```no_run
+    /// # async fn example(claim: idemdb_postgres::PgClaim<'_>) {
+    /// let payment_key = claim.derive_key("charge-card"); // the payment API's Idempotency-Key
+    /// # let _ = payment_key;
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn derive_key(&self, step: &str) -> String {
+        derive_key(&self.stored_key, step)
+    }
+
+    /// The ordering guard's (entity key, version) this claim records at its commit, if its
+    /// message carried one.
+    #[must_use]
+    pub fn entity_version(&self) -> Option<(&[u8], u64)> {
+        self.version
+            .as_ref()
+            .map(|(entity, version)| (entity.as_slice(), *version))
+    }
+
+    /// Rolls the claim back, business SQL included, and returns once the server has: the key
+    /// is free for the next claimant then. (Dropping the claim rolls back too, but without
+    /// waiting: the key is free a moment later.)
+    ///
+    /// # Errors
+    /// [`Error::Postgres`] when the connection failed; the server then rolls back on its own
+    /// when it notices.
+    pub async fn abort(self) -> Result<()> {
+        self.tx.rollback().await?;
+        Ok(())
+    }
+
+    /// Writes the completed record with `result` (returned to duplicates) and commits the
+    /// transaction: the record and the business SQL land together or not at all.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX` (nothing is written; the
+    /// transaction rolls back). [`Error::Postgres`] when a statement or the commit fails; if the
+    /// connection dropped during the commit its outcome is unknown: do not acknowledge the
+    /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
+    /// [`Error::StatementDeallocated`] when the store's statement was deallocated since the
+    /// claim began (retryable). Whatever the error, with the connection up the transaction has
+    /// rolled back and the key is free when it returns.
+    pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
+        self.commit_with(result, &[]).await
+    }
+
+    /// [`commit`](PgClaim::commit) with the business SQL: runs `statements` in order in the
+    /// claim's transaction, writes the completed record and commits, all in one round trip
+    /// (statements run on [`transaction`](PgClaim::transaction) first cost one each). The
+    /// statements are sent unnamed with their parameters' types given, so none needs a round
+    /// trip to be prepared. Any failure rolls everything back.
+    ///
+    /// ```no_run
+    /// # async fn example(claim: idemdb_postgres::PgClaim<'_>, order: &[u8], total: i64)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// use tokio_postgres::types::Type;
+    /// claim
+    ///     .commit_with(
+    ///         b"accepted",
+    ///         &[(
+    ///             "INSERT INTO orders (id, total) VALUES ($1, $2)",
+    ///             &[(&order, Type::BYTEA), (&total, Type::INT8)],
+    ///         )],
+    ///     )
+    ///     .await
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`commit`](PgClaim::commit); a statement's own failure is [`Error::Postgres`] with
+    /// its error (the record is not written); a statement that cannot be sent (a parameter
+    /// that does not encode as its type) is [`Error::BadStatement`], found before anything
+    /// is sent.
+    pub async fn commit_with(
+        self,
+        result: impl AsRef<[u8]>,
+        statements: &[TypedStatement<'_>],
+    ) -> Result<()> {
+        let started = Instant::now();
+        let result = result.as_ref();
+        // Refused before anything is sent; the rollback is waited for, so that the key is
+        // free when the error returns.
+        if let Err(error) =
+            check_result(result).and_then(|()| crate::sql::txn::check_sendable(statements))
+        {
+            return self.tx.fail(error).await;
+        }
+        let consumer = &self.consumer;
+        let store = &consumer.store;
+        let (db_ms, decided) = self.decided_at;
+        let now_ms = store.now_ms(
+            db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
+        );
+        let epoch = self.epoch();
+        let (record, expires_at_ms) =
+            completed_record(store, epoch, self.fingerprint, now_ms, result, true);
+        let row = RecordRow::new(
+            consumer,
+            &self.key,
+            &record,
+            expires_at_ms,
+            self.replaces_epoch != 0,
+        );
+        let row_params = row.params();
+        let id: &[u8] = &consumer.id;
+        let (entity_key, version_bytes) = match &self.version {
+            Some((entity_key, version)) => (entity_key.as_slice(), version.to_be_bytes()),
+            None => (&[][..], [0; 8]),
+        };
+        let version_value: &[u8] = &version_bytes;
+        let version_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&id, Type::BYTEA),
+            (&entity_key, Type::BYTEA),
+            (&version_value, Type::BYTEA),
+        ];
+        let mut writes: Vec<TypedStatement<'_>> = vec![(row.sql, &row_params)];
+        if self.version.is_some() {
+            writes.push((&store.inner.write_version, &version_params));
+        }
+        // The record (and the entity's version) and COMMIT in one round trip.
+        match self
+            .tx
+            .commit_with(statements, &writes, self.replaces_epoch != 0)
+            .await
+        {
+            Ok(_) => {}
+            Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
+            Err(CommitFailed::Store(error)) => return Err(store.write_failed(error, &self.key)),
+        }
+        let metrics = &consumer.metrics;
+        metrics.commit(started.elapsed());
+        metrics.log_step(
+            "commit",
+            &self.stored_key,
+            epoch,
+            None,
+            self.correlation_id.as_deref(),
+        );
+        Ok(())
+    }
+}
+
+/// A claim's lock statement: the key's lock, and the statement's time (the claim's "now" on
+/// the database's clock).
+const LOCK_KEY: &str = "SELECT pg_try_advisory_xact_lock($1), \
+     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8";
+
+/// A claim's lock statement with the ordering guard: the key's lock, the time, and the
+/// entity's lock (two `int4`s: see [`entity_lock_id`]).
+const LOCK_KEY_AND_ENTITY: &str = "SELECT pg_try_advisory_xact_lock($1), \
+     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
+     pg_try_advisory_xact_lock($2, $3)";

@@ -1,0 +1,286 @@
+//! A record's row: the completed record built for a commit, its encoding and removal time,
+//! its write (insert or update) and what a failed write means, and the advisory-lock numbers of
+//! keys and entities.
+
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use idemdb::format::Record;
+use idemdb::{EXPIRES_NEVER_MS, Fingerprint, RESULT_BYTES_MAX};
+use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::{Error, Result};
+use crate::sql::clock::database_now_ms;
+use crate::sql::txn::LOST_ROW;
+use crate::storage::store::PgConsumer;
+use crate::storage::store::PgStore;
+use crate::tables::names::DAY_MS;
+use crate::tables::names::NEVER_MS;
+
+/// Decodes a stored version of `entity_key` (8 bytes, big-endian).
+pub(crate) fn decode_version(entity_key: &[u8], bytes: &[u8]) -> Result<u64> {
+    match <[u8; 8]>::try_from(bytes) {
+        Ok(be) => Ok(u64::from_be_bytes(be)),
+        Err(_) => Err(Error::Corrupt {
+            key: entity_key.to_vec(),
+            detail: format!("an entity version of {} bytes, not 8", bytes.len()),
+        }),
+    }
+}
+
+/// Decodes a stored record of `key`; one that does not decode is reported, never overwritten.
+pub(crate) fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
+    Record::decode(bytes).map_err(|error| Error::Corrupt {
+        key: key.to_vec(),
+        detail: error.to_string(),
+    })
+}
+
+/// Writes the completed record of `key` at `epoch` in `tx`: an update of the row there is
+/// (`replaces`), else an insert. `succeeded` false records a failure as the result. Errors
+/// come before any COMMIT is sent: PostgreSQL answers a COMMIT of a transaction a failed
+/// statement aborted with a rollback and no error.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn write_completed(
+    tx: &Client,
+    consumer: &PgConsumer,
+    key: &[u8],
+    fingerprint: Fingerprint,
+    epoch: u64,
+    replaces: bool,
+    result: &[u8],
+    succeeded: bool,
+) -> Result<()> {
+    check_result(result)?;
+    let now_ms = now_on_store_clock(tx, &consumer.store).await?;
+    let (record, expires_at_ms) = completed_record(
+        &consumer.store,
+        epoch,
+        fingerprint,
+        now_ms,
+        result,
+        succeeded,
+    );
+    write_record(tx, consumer, key, &record, expires_at_ms, replaces).await
+}
+
+/// Refuses a result over `RESULT_BYTES_MAX`, as the embedded engine does, before anything is
+/// written.
+pub(crate) fn check_result(result: &[u8]) -> Result<()> {
+    if result.len() > RESULT_BYTES_MAX {
+        return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+            limit: idemdb::Limit::ResultBytes,
+            actual: result.len() as u64,
+            min: 0,
+            max: RESULT_BYTES_MAX as u64,
+        }));
+    }
+    Ok(())
+}
+
+/// Now on the store's clock: the injected one, or the database's wall clock at this statement
+/// (`clock_timestamp()`, not the transaction's start: a claim may be held a while before it
+/// commits, and its record's retention runs from the commit). Commits and removal read it.
+pub(crate) async fn now_on_store_clock(
+    client: &impl tokio_postgres::GenericClient,
+    store: &PgStore,
+) -> Result<u64> {
+    Ok(match &store.inner.clock {
+        Some(clock) => clock.now_ms(),
+        None => database_now_ms(client).await?,
+    })
+}
+
+/// The completed record committed at `now_ms`, and when it expires (after the store's
+/// retention).
+pub(crate) fn completed_record(
+    store: &PgStore,
+    epoch: u64,
+    fingerprint: Fingerprint,
+    now_ms: u64,
+    result: &[u8],
+    succeeded: bool,
+) -> (Record, u64) {
+    let expires_at_ms = now_ms.saturating_add(store.inner.retention_ms);
+    let mut record = Record::new(
+        epoch,
+        now_ms,
+        expires_at_ms,
+        fingerprint,
+        Bytes::copy_from_slice(result),
+    );
+    if !succeeded {
+        record.state = idemdb::format::RecordState::Completed {
+            committed_at_ms: now_ms,
+            expires_at_ms,
+            result: Bytes::copy_from_slice(result),
+            succeeded: false,
+        };
+    }
+    (record, expires_at_ms)
+}
+
+/// The `expires_at_ms` column of a row removable from `removable_at_ms` on: [`NEVER_MS`] for
+/// never (and for a time past what int8 holds), which puts the row in the open partition.
+pub(crate) fn expires_column(removable_at_ms: u64) -> i64 {
+    if removable_at_ms == EXPIRES_NEVER_MS {
+        return NEVER_MS;
+    }
+    match i64::try_from(removable_at_ms) {
+        // Past the last day with a partition of its own: the open partition keeps it.
+        Ok(column) if column / DAY_MS <= crate::tables::names::DAY_PARTITION_LAST => column,
+        _ => NEVER_MS,
+    }
+}
+
+/// The row of a record, for the statement that writes it: an update of the key's row when the
+/// record replaces one, else an insert.
+pub(crate) struct RecordRow<'a> {
+    pub(crate) sql: &'a str,
+    id: &'a [u8],
+    key: &'a [u8],
+    record: Vec<u8>,
+    expires_column: i64,
+}
+
+impl<'a> RecordRow<'a> {
+    /// `record` of `key`, removable from `removable_at_ms` on.
+    pub(crate) fn new(
+        consumer: &'a PgConsumer,
+        key: &'a [u8],
+        record: &Record,
+        removable_at_ms: u64,
+        replaces: bool,
+    ) -> RecordRow<'a> {
+        let inner = &consumer.store.inner;
+        RecordRow {
+            sql: if replaces {
+                &inner.update
+            } else {
+                &inner.insert
+            },
+            id: &consumer.id,
+            key,
+            record: record.encode(),
+            expires_column: expires_column(removable_at_ms),
+        }
+    }
+
+    pub(crate) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 4] {
+        [
+            (&self.id, Type::BYTEA),
+            (&self.key, Type::BYTEA),
+            (&self.record, Type::BYTEA),
+            (&self.expires_column, Type::INT8),
+        ]
+    }
+}
+
+impl PgStore {
+    /// The error of a failed write of `key`'s record (or of its entity's version). A write that
+    /// found no row to update is [`Error::LostKey`]. A row with no partition to go to means the
+    /// day partitions this process made sure of are gone (the tables were dropped and
+    /// installed again under it): the next claim makes sure again.
+    pub(crate) fn write_failed(&self, error: tokio_postgres::Error, key: &[u8]) -> Error {
+        if error.code() == Some(LOST_ROW) {
+            return Error::LostKey { key: key.to_vec() };
+        }
+        if crate::sql::prepared::is_stale(&error) {
+            // Only the store's own writes come here, and they are prepared: the caller's SQL
+            // is sent unnamed.
+            return Error::StatementDeallocated;
+        }
+        if error.code() == Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION) {
+            self.inner
+                .partitions_through_day
+                .store(i64::MIN, Ordering::Release);
+        }
+        Error::Postgres(error)
+    }
+}
+
+/// Writes `record` as the row of `key` (an update when `replaces`, else an insert), removable
+/// from `removable_at_ms` on.
+pub(crate) async fn write_record(
+    tx: &Client,
+    consumer: &PgConsumer,
+    key: &[u8],
+    record: &Record,
+    removable_at_ms: u64,
+    replaces: bool,
+) -> Result<()> {
+    let row = RecordRow::new(consumer, key, record, removable_at_ms, replaces);
+    match tx.query_typed(row.sql, &row.params()).await {
+        Ok(_) => Ok(()),
+        Err(error) => Err(consumer.store.write_failed(error, key)),
+    }
+}
+
+/// The advisory lock of an entity's version (the ordering guard): a 64-bit hash of the
+/// versions table's name and the stored entity key, as the two `int4` keys of PostgreSQL's
+/// two-key form. Advisory locks on one `int8` key and on two `int4` keys are separate key
+/// spaces in PostgreSQL's lock table, so an entity's lock is never a key's lock (those take
+/// the `int8` form), whatever the hashes; two entities whose hashes collide only cost a
+/// spurious `InProgress` while the other is held.
+pub(crate) fn entity_lock_id(namespace: &str, stored_entity: &[u8]) -> (i32, i32) {
+    let hash = lock_id(namespace, stored_entity).to_be_bytes();
+    let [a, b, c, d, e, f, g, h] = hash;
+    (
+        i32::from_be_bytes([a, b, c, d]),
+        i32::from_be_bytes([e, f, g, h]),
+    )
+}
+
+/// The advisory lock of a stored key in a table: a 64-bit hash of both.
+pub(crate) fn lock_id(namespace: &str, stored_key: &[u8]) -> i64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    hasher.update(namespace.as_bytes());
+    hasher.update(&[0]);
+    hasher.update(stored_key);
+    i64::from_ne_bytes(hasher.digest().to_ne_bytes())
+}
+
+/// How far the record's time (this process's clock with the last offset seen) may be from the
+/// database's clock when the record is written in one round trip; further, the message takes
+/// the two-round-trip path, which writes the database's own time.
+pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
+
+/// Reads the key's row and inserts the new key's completed record only when there is none
+/// (of any day or state) and the record's time `$5` is within the tolerance of the database's
+/// clock (`$5` null skips that check: an injected clock decides the store's time). Returns the
+/// row's record as found, the database's time, and leaves in the transaction's setting
+/// `idemdb.applied` how many rows it inserted, for [`APPLIED_OR_FAIL`].
+pub(crate) fn insert_if_new_sql(records: &str) -> String {
+    format!(
+        "WITH found AS ( \
+             SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2 \
+         ), inserted AS ( \
+             INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+             SELECT $1, $2, $3, $4 \
+             WHERE NOT EXISTS (SELECT 1 FROM found) AND ($5::int8 IS NULL OR abs( \
+                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 - $5::int8 \
+             ) <= {CLOCK_TOLERANCE_MS}) \
+             RETURNING 1 \
+         ) SELECT (SELECT record FROM found LIMIT 1), \
+             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
+             set_config('idemdb.applied', (SELECT count(*) FROM inserted)::text, true)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: u64 = DAY_MS as u64;
+
+    #[test]
+    fn expiries_past_the_last_day_partition_go_to_the_open_partition() {
+        let last = crate::tables::names::DAY_PARTITION_LAST;
+        let at_last_day = u64::try_from(last * DAY_MS).unwrap_or(0);
+        assert_eq!(expires_column(at_last_day), last * DAY_MS);
+        assert_eq!(expires_column(at_last_day + DAY), NEVER_MS);
+        assert_eq!(expires_column(u64::MAX - 1), NEVER_MS);
+        assert_eq!(expires_column(EXPIRES_NEVER_MS), NEVER_MS);
+    }
+}

@@ -1,0 +1,322 @@
+//! The store and its builder ([`PgStore`], [`StoreBuilder`]): the tables' names, the
+//! statements made for them once, the clock and the options every claim reads; and the
+//! consumer handle ([`PgConsumer`]) the claims are made through.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicI64;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemdb::Clock;
+use idemdb::format::encode_key;
+use tokio_postgres::Client;
+
+use crate::error::{Error, Result};
+use crate::storage::observe::ConsumerMetrics;
+use crate::tables::names::DAY_MS;
+use crate::tables::names::NEVER_MS;
+use crate::tables::names::Names;
+
+/// How long a completed record is kept when the builder is not told: 7 days, as in the
+/// embedded engine.
+pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
+
+/// The longest retention: 60 days. Records are partitioned by the day they become removable,
+/// and every read looks into each partition, so the number of partitions (the retention in
+/// days, plus two) is kept small.
+pub const RETENTION_MS_MAX: u64 = 60 * DAY_MS as u64;
+
+/// Builds a [`PgStore`].
+#[derive(Debug)]
+pub struct StoreBuilder {
+    names: Names,
+    retention_ms: u64,
+    admission_floor: bool,
+    prepared_statements: bool,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl StoreBuilder {
+    /// The tables to use (default `idemdb.records`).
+    #[must_use]
+    pub fn names(mut self, names: Names) -> StoreBuilder {
+        self.names = names;
+        self
+    }
+
+    /// How long a completed record answers `Duplicate` (default [`RETENTION_MS_DEFAULT`]).
+    /// Longer than any redelivery can be.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> StoreBuilder {
+        self.retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// The admission floor, as the embedded engine's: when on, a message whose production time
+    /// ([`Message::produced_at_ms`](idemdb::Message::produced_at_ms)) is at or before now minus the retention, and whose key
+    /// is claimable (no live record), is [`Outcome::TooLate`](idemdb::Outcome::TooLate) instead of new: its record may
+    /// have expired already. "Now" is the store's clock (the database's). A key with a live
+    /// record is reported as usual. Default off (such a message is treated as new).
+    ///
+    /// ```no_run
+    /// # async fn example(client: &tokio_postgres::Client) -> Result<(), idemdb_postgres::Error> {
+    /// let store = idemdb_postgres::PgStore::builder()
+    ///     .retention(std::time::Duration::from_secs(3 * 24 * 3600))
+    ///     .admission_floor(true) // messages produced over 3 days ago are TooLate
+    ///     .open(client)
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn admission_floor(mut self, on: bool) -> StoreBuilder {
+        self.admission_floor = on;
+        self
+    }
+
+    /// Whether the store's statements for single messages and leases are prepared once per
+    /// connection (default on): parsed once, their plans kept, where an unnamed statement is
+    /// parsed and planned over every day partition at every run. In the comparison harness
+    /// that made a claim with its commit about a fifth faster at 1 client and a tenth at 32.
+    /// The kept plans always look keys up in the index, however small the table was when
+    /// they were made. Batches are planned at every run either way. Turn it off behind a pooler that hands each transaction to any server
+    /// connection and does not track prepared statements (PgBouncer in transaction mode
+    /// before 1.21, or without `max_prepared_statements`): there a statement prepared on one
+    /// server connection is missing on the next.
+    ///
+    /// The statements are kept per connection, by the address of the `Client` passed in
+    /// (tokio-postgres gives a connection no other name): a client that moves in memory
+    /// prepares them again, and one built where a dropped client was finds the old ones
+    /// missing on the server, forgets them and prepares them anew: every call that starts a
+    /// transaction (`begin`, `apply`, a batch, an external claim and its steps) meets the
+    /// missing statements there, before anything of it is written, and runs once more on its
+    /// own. A statement deallocated on the connection (`DEALLOCATE`) that a claim's start did
+    /// not send fails the commit that sends it with [`Error::StatementDeallocated`]
+    /// (retryable, nothing written).
+    #[must_use]
+    pub fn prepared_statements(mut self, on: bool) -> StoreBuilder {
+        self.prepared_statements = on;
+        self
+    }
+
+    /// Decides time with this clock instead of the database's (tests: `idemdb::MockClock`).
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> StoreBuilder {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    /// Checks the tables and returns the store.
+    ///
+    /// # Errors
+    /// [`Error::SchemaMissing`], [`Error::SchemaTooNew`] or [`Error::SchemaTooOld`] when the
+    /// tables are not at [`SCHEMA_VERSION`](crate::SCHEMA_VERSION); [`Error::Idemdb`] for a retention of 0 or over
+    /// [`RETENTION_MS_MAX`].
+    pub async fn open(self, client: &Client) -> Result<PgStore> {
+        if !(1..=RETENTION_MS_MAX).contains(&self.retention_ms) {
+            return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+                limit: idemdb::Limit::RetentionMs,
+                actual: self.retention_ms,
+                min: 1,
+                max: RETENTION_MS_MAX,
+            }));
+        }
+        let partition_days = crate::tables::install::check(client, &self.names).await?;
+        let records = self.names.records();
+        let entity = self.names.entity_versions();
+        Ok(PgStore {
+            inner: Arc::new(Inner {
+                read: format!(
+                    "SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2"
+                ),
+                insert: format!(
+                    "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                     VALUES ($1, $2, $3, $4)"
+                ),
+                // An update of a row that is gone writes nothing and says nothing; this one
+                // divides by the rows it wrote, so that it fails instead (`LOST_ROW`): the
+                // COMMIT sent behind it then rolls back.
+                update: format!(
+                    "WITH updated AS ( \
+                         UPDATE {records} SET record = $3, expires_at_ms = $4 \
+                         WHERE consumer = $1 AND message_key = $2 RETURNING 1 \
+                     ) SELECT 1 / count(*)::int4 FROM updated"
+                ),
+                read_many: format!(
+                    "SELECT message_key, record FROM {records} \
+                     WHERE consumer = $1 AND message_key = ANY($2::bytea[])"
+                ),
+                insert_if_new: crate::storage::records::insert_if_new_sql(&records),
+                insert_many: format!(
+                    "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                     SELECT $1, n.message_key, n.record, n.expires_at_ms \
+                     FROM unnest($2::bytea[], $3::bytea[], $4::int8[]) \
+                         AS n(message_key, record, expires_at_ms)"
+                ),
+                // New rows are inserted (the primary key refuses a second record of a key);
+                // replaced rows (expired, released, or an external claim whose lease ran out)
+                // are updated. Both in one statement: every key appears in one of the two
+                // lists only, and each returns the keys it wrote, so a key that was not
+                // written is named.
+                write_many: format!(
+                    "WITH inserted AS ( \
+                         INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                         SELECT $1, n.message_key, n.record, n.expires_at_ms \
+                         FROM unnest($2::bytea[], $3::bytea[], $4::int8[]) \
+                             AS n(message_key, record, expires_at_ms) \
+                         RETURNING message_key \
+                     ), updated AS ( \
+                         UPDATE {records} AS r SET record = u.record, expires_at_ms = u.expires_at_ms \
+                         FROM unnest($5::bytea[], $6::bytea[], $7::int8[]) \
+                             AS u(message_key, record, expires_at_ms) \
+                         WHERE r.consumer = $1 AND r.message_key = u.message_key \
+                         RETURNING r.message_key \
+                     ) \
+                     SELECT message_key FROM inserted UNION ALL SELECT message_key FROM updated"
+                ),
+                never_expiring: format!(
+                    "SELECT message_key, record FROM {records} \
+                     WHERE consumer = $1 AND expires_at_ms = {NEVER_MS} ORDER BY message_key"
+                ),
+                read_version: format!(
+                    "SELECT version FROM {entity} WHERE consumer = $1 AND entity_key = $2"
+                ),
+                // Under the entity's lock the version is always newer; the condition backs the
+                // lock up, and a row it leaves unwritten fails the statement (`LOST_ROW`), as
+                // the update of a record does.
+                write_version: format!(
+                    "WITH written AS ( \
+                         INSERT INTO {entity} AS e (consumer, entity_key, version) \
+                         VALUES ($1, $2, $3) \
+                         ON CONFLICT (consumer, entity_key) DO UPDATE SET version = excluded.version \
+                         WHERE e.version < excluded.version RETURNING 1 \
+                     ) SELECT 1 / count(*)::int4 FROM written"
+                ),
+                // The versions of a batch's fresh messages, one per entity (the batch gives an
+                // entity to one message at most); every row must be written, as above.
+                write_versions_many: format!(
+                    "WITH written AS ( \
+                         INSERT INTO {entity} AS e (consumer, entity_key, version) \
+                         SELECT $1, v.entity_key, v.version \
+                         FROM unnest($2::bytea[], $3::bytea[]) AS v(entity_key, version) \
+                         ON CONFLICT (consumer, entity_key) DO UPDATE SET version = excluded.version \
+                         WHERE e.version < excluded.version RETURNING 1 \
+                     ) SELECT 1 / (count(*) = cardinality($2::bytea[]))::int4 FROM written"
+                ),
+                read_versions_many: format!(
+                    "SELECT entity_key, version FROM {entity} \
+                     WHERE consumer = $1 AND entity_key = ANY($2::bytea[])"
+                ),
+                lock_namespace: records,
+                entity_lock_namespace: entity,
+                names: self.names,
+                partitions_through_day: AtomicI64::new(i64::MIN),
+                retention_ms: self.retention_ms,
+                admission_floor: self.admission_floor,
+                statements: Arc::new(crate::sql::prepared::StatementCache::new(
+                    self.prepared_statements,
+                )),
+                batch_statements: Arc::new(crate::sql::prepared::StatementCache::new(false)),
+                clock: self.clock,
+                clock_offset: crate::sql::clock::ClockOffset::unknown(),
+                partition_days,
+            }),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) read: String,
+    pub(crate) insert: String,
+    pub(crate) update: String,
+    /// The rows of many keys of one consumer (a batch's read).
+    pub(crate) read_many: String,
+    /// Inserts a new key's completed record unless the key has a row ([`PgConsumer::apply`]).
+    pub(crate) insert_if_new: String,
+    /// Inserts many rows of one consumer (a batch's commit where every key was new).
+    pub(crate) insert_many: String,
+    /// Inserts and updates many rows of one consumer (a batch's commit).
+    pub(crate) write_many: String,
+    /// A consumer's rows without expiry: in-progress records (and completed ones that never
+    /// expire).
+    pub(crate) never_expiring: String,
+    /// The ordering guard's read of an entity's highest applied version.
+    pub(crate) read_version: String,
+    /// The ordering guard's write of an entity's new version (at a claim's commit).
+    pub(crate) write_version: String,
+    /// The versions of many entities of one consumer (a batch's ordering guard).
+    pub(crate) read_versions_many: String,
+    /// The new versions of many entities (a batch's commit).
+    pub(crate) write_versions_many: String,
+    /// The records table's name, hashed into every key's lock so that two stores in one
+    /// database do not share locks.
+    pub(crate) lock_namespace: String,
+    /// The versions table's name, hashed into every entity's lock (see [`entity_lock_id`]).
+    pub(crate) entity_lock_namespace: String,
+    pub(crate) names: Names,
+    /// The last day whose partition this process knows to exist (`i64::MIN`: none yet).
+    pub(crate) partitions_through_day: AtomicI64,
+    pub(crate) retention_ms: u64,
+    /// The admission floor is on: [`StoreBuilder::admission_floor`].
+    pub(crate) admission_floor: bool,
+    /// The statements above, prepared on each connection the store ran on.
+    pub(crate) statements: Arc<crate::sql::prepared::StatementCache>,
+    /// Batches' statements are sent unnamed, planned at every run: a batch's read is then
+    /// planned for its own keys, and planning is little beside the batch's rows. (Kept plans
+    /// made the harness's 64-message batches slower: 10k against 17k messages/s.)
+    pub(crate) batch_statements: Arc<crate::sql::prepared::StatementCache>,
+    pub(crate) clock: Option<Arc<dyn Clock>>,
+    /// The database's clock against this process's, as the last claim saw them.
+    pub(crate) clock_offset: crate::sql::clock::ClockOffset,
+    /// The width of the records' partitions, in days, as installed.
+    pub(crate) partition_days: u32,
+}
+
+/// The records tables of one database, opened. Cheap to clone; holds no connection: every call
+/// takes the client (or pooled connection) to run on.
+#[derive(Clone, Debug)]
+pub struct PgStore {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl PgStore {
+    /// A builder with the defaults: tables `idemdb.records`, 7 days' retention, the database's
+    /// clock.
+    #[must_use]
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder {
+            names: Names::default(),
+            retention_ms: RETENTION_MS_DEFAULT,
+            admission_floor: false,
+            prepared_statements: true,
+            clock: None,
+        }
+    }
+
+    /// The handle of one consumer's records. Its metric handles are registered now, with the
+    /// `metrics` recorder installed at this moment (install it first), as the embedded engine
+    /// does.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `LimitExceeded` for an id outside
+    /// `CONSUMER_ID_BYTES_MIN..=CONSUMER_ID_BYTES_MAX`.
+    pub fn consumer(&self, id: impl AsRef<[u8]>) -> Result<PgConsumer> {
+        let id = id.as_ref();
+        encode_key(id, b"-")?;
+        Ok(PgConsumer {
+            store: self.clone(),
+            id: Bytes::copy_from_slice(id),
+            metrics: Arc::new(ConsumerMetrics::new(id)),
+        })
+    }
+}
+
+/// One consumer's records: claims, and reads of what was recorded.
+#[derive(Clone, Debug)]
+pub struct PgConsumer {
+    pub(crate) store: PgStore,
+    pub(crate) id: Bytes,
+    pub(crate) metrics: Arc<ConsumerMetrics>,
+}

@@ -1,0 +1,201 @@
+//! The names of the tables and their partitions: validated, qualified, and the day units
+//! partitions are named in.
+
+use crate::error::{Error, Result};
+
+/// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the longest suffix added to the
+/// table's name (`_version`; a day's partition adds `_d` and at most 6 digits, `_entity` 7,
+/// `_open` 5).
+const NAME_BYTES_MAX: usize = 63 - "_version".len();
+
+/// One day in milliseconds: the width of a partition of removable rows.
+pub const DAY_MS: i64 = 86_400_000;
+
+/// The last day with a partition of its own: its name (`_d` and the day) must fit
+/// [`NAME_BYTES_MAX`]'s allowance of 6 digits. Rows removable later (after the year 4707) go to
+/// the open partition, as rows that are never removable do.
+pub(crate) const DAY_PARTITION_LAST: i64 = 999_999;
+
+/// The `expires_at_ms` of a row that is never removable by time (in-progress records, and
+/// retentions past what `int8` holds): the first value of the open partition.
+pub(crate) const NEVER_MS: i64 = i64::MAX;
+
+/// The words PostgreSQL 15 does not take as a schema name unquoted (`pg_get_keywords()`,
+/// categories R and T: reserved, and reserved but for function and type names), sorted.
+const SCHEMA_WORDS_RESERVED: [&str; 100] = [
+    "all",
+    "analyse",
+    "analyze",
+    "and",
+    "any",
+    "array",
+    "as",
+    "asc",
+    "asymmetric",
+    "authorization",
+    "binary",
+    "both",
+    "case",
+    "cast",
+    "check",
+    "collate",
+    "collation",
+    "column",
+    "concurrently",
+    "constraint",
+    "create",
+    "cross",
+    "current_catalog",
+    "current_date",
+    "current_role",
+    "current_schema",
+    "current_time",
+    "current_timestamp",
+    "current_user",
+    "default",
+    "deferrable",
+    "desc",
+    "distinct",
+    "do",
+    "else",
+    "end",
+    "except",
+    "false",
+    "fetch",
+    "for",
+    "foreign",
+    "freeze",
+    "from",
+    "full",
+    "grant",
+    "group",
+    "having",
+    "ilike",
+    "in",
+    "initially",
+    "inner",
+    "intersect",
+    "into",
+    "is",
+    "isnull",
+    "join",
+    "lateral",
+    "leading",
+    "left",
+    "like",
+    "limit",
+    "localtime",
+    "localtimestamp",
+    "natural",
+    "not",
+    "notnull",
+    "null",
+    "offset",
+    "on",
+    "only",
+    "or",
+    "order",
+    "outer",
+    "overlaps",
+    "placing",
+    "primary",
+    "references",
+    "returning",
+    "right",
+    "select",
+    "session_user",
+    "similar",
+    "some",
+    "symmetric",
+    "table",
+    "tablesample",
+    "then",
+    "to",
+    "trailing",
+    "true",
+    "union",
+    "unique",
+    "user",
+    "using",
+    "variadic",
+    "verbose",
+    "when",
+    "where",
+    "window",
+    "with",
+];
+
+/// Where the records live: `schema.table`, plus `schema.table_version`. Names are lower-case
+/// ASCII letters, digits and underscores, starting with a letter or underscore, so that they
+/// never need quoting and never carry SQL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Names {
+    pub(crate) schema: String,
+    pub(crate) table: String,
+}
+
+impl Default for Names {
+    /// `idemdb.records`.
+    fn default() -> Names {
+        Names {
+            schema: "idemdb".to_owned(),
+            table: "records".to_owned(),
+        }
+    }
+}
+
+impl Names {
+    /// Checks and keeps the names.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] for a name that is empty, too long (over 55 bytes), or holds
+    /// anything but `a-z`, `0-9` and `_` (or starts with a digit); and for a schema name that
+    /// PostgreSQL reserves (`user`, `select`, `table` and the other reserved words; names
+    /// starting with `pg_`).
+    pub fn new(schema: &str, table: &str) -> Result<Names> {
+        // A schema name stands alone in statements (`CREATE SCHEMA name`, `name.table`), where
+        // PostgreSQL takes no reserved word unquoted; a table name always follows `schema.`,
+        // where any word goes.
+        if SCHEMA_WORDS_RESERVED.binary_search(&schema).is_ok() || schema.starts_with("pg_") {
+            return Err(Error::InvalidName {
+                name: schema.to_owned(),
+            });
+        }
+        for name in [schema, table] {
+            let mut bytes = name.bytes();
+            let first_ok = bytes
+                .next()
+                .is_some_and(|b| b.is_ascii_lowercase() || b == b'_');
+            let rest_ok = bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+            if !first_ok || !rest_ok || name.len() > NAME_BYTES_MAX {
+                return Err(Error::InvalidName {
+                    name: name.to_owned(),
+                });
+            }
+        }
+        Ok(Names {
+            schema: schema.to_owned(),
+            table: table.to_owned(),
+        })
+    }
+
+    /// `schema.table`.
+    pub(crate) fn records(&self) -> String {
+        format!("{}.{}", self.schema, self.table)
+    }
+
+    /// `schema.table_entity`: the ordering guard's highest applied version of each entity.
+    pub(crate) fn entity_versions(&self) -> String {
+        format!("{}.{}_entity", self.schema, self.table)
+    }
+
+    /// `schema.table_version`.
+    pub(crate) fn version(&self) -> String {
+        format!("{}.{}_version", self.schema, self.table)
+    }
+
+    /// The partition of the rows removable during `day` (days since 1970-01-01, UTC).
+    pub(crate) fn day_partition(&self, day: i64) -> String {
+        format!("{}.{}_d{day}", self.schema, self.table)
+    }
+}
