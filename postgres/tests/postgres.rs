@@ -4441,7 +4441,7 @@ async fn log_events_carry_the_embedded_names_and_fields(url: &str) -> Result<(),
         .collect();
 
     // The embedded engine's events for the same steps (`Consumer::observe` in src/engine.rs
-    // for `begin`, `Observer::log_step` in src/claim.rs for the steps), each with `backend`.
+    // for `begin`, `Observer::log_step` in src/operations/claim.rs for the steps), each with `backend`.
     let text = |value: &str| FieldValue::Text(value.to_owned());
     let stored_key = |message_key: &str| -> Result<FieldValue, Failure> {
         let stored = idemdb::format::encode_key(b"billing", message_key.as_bytes())?;
