@@ -5,20 +5,13 @@
 //! Run with `./scripts/compare.sh` (installs Redis and PostgreSQL when missing, then runs
 //! `cargo run --release -p idemdb-compare -- all`). See BENCHMARKS.md.
 
-mod charts;
+// By concept: the contenders (each one's setup, in one place), the workloads they run and the
+// other runs, and the reports and charts of a run. The servers the harness starts for itself
+// are one file.
 mod contenders;
-mod embedded;
-mod machine;
-mod peers;
-mod pg_backend;
-mod pg_expiry;
-mod pg_floor;
-mod profile;
 mod report;
-mod scale;
 mod servers;
-mod tuning;
-mod workload;
+mod workloads;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -27,7 +20,9 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use crate::contenders::{Kind, Ports, Spec};
-use crate::workload::{Generator, Sample};
+use crate::report::{charts, machine};
+use crate::workloads::{Generator, Sample};
+use crate::workloads::{pg_expiry, profile, scale, tuning};
 
 #[derive(Parser)]
 #[command(about = "Runs one dedup workload against idemdb and its peers, side by side")]
@@ -207,7 +202,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
             // No contender pays for another's deferred writes: PostgreSQL writes its dirty
             // buffers now, and every file system writes back its dirty pages.
             if postgres_server.is_some() {
-                peers::PostgresSession::checkpoint(ports.postgres)?;
+                contenders::peers::PostgresSession::checkpoint(ports.postgres)?;
             }
             // SAFETY: sync(2) takes no arguments and cannot fail.
             unsafe { libc::sync() };
@@ -218,7 +213,7 @@ fn peers(args: &PeersArgs) -> Result<PeersRun> {
             let seed = 0x1de3_d000 + round as u64;
             let duplicate_ratio = args.duplicate_ratio;
             let replay = matches!(spec.kind, Kind::IdemdbDuplicates { .. });
-            let sample = workload::drive(prepared.sessions, spec.shape, duration, |thread| {
+            let sample = workloads::drive(prepared.sessions, spec.shape, duration, |thread| {
                 let generator = Generator::new(thread, seed, duplicate_ratio);
                 if replay {
                     generator.replaying(contenders::DUPLICATE_RUN_KEYS)

@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use idemdb::{BatchOutcome, Durability, Engine, Fingerprint, Message, MockClock, Outcome};
 
-use crate::workload::{elapsed_ns, quantile};
+use crate::workloads::{elapsed_ns, quantile};
 
 #[derive(Args, Clone)]
 pub struct ScaleArgs {
@@ -106,7 +106,7 @@ pub fn scale(args: &ScaleArgs) -> Result<Vec<ScalePoint>> {
     let engine = Engine::builder(&dir)
         .durability(Durability::Buffered)
         .open()?;
-    let consumer = engine.consumer(crate::workload::CONSUMER)?;
+    let consumer = engine.consumer(crate::workloads::CONSUMER)?;
     let mut points = Vec::new();
     let mut stored = 0u64;
     let mut next_counter = vec![0u64; args.threads];
@@ -230,7 +230,7 @@ pub fn ttl(args: &TtlArgs) -> Result<Vec<TtlPoint>> {
         .retention(Duration::from_millis(PERIOD_MS))
         .write_buffer_bytes(4 << 20)
         .open()?;
-    let consumer = engine.consumer(crate::workload::CONSUMER)?;
+    let consumer = engine.consumer(crate::workloads::CONSUMER)?;
     let step = Duration::from_micros(PERIOD_MS * 1000 * TTL_BATCH / args.per_period);
     let mut counter = 0u64;
     let mut points = Vec::new();

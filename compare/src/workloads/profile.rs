@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use crate::contenders::{self, Ports};
-use crate::workload::{Delivery, Generator};
+use crate::workloads::{Delivery, Generator};
 
 #[derive(Args, Clone)]
 pub struct ProfileArgs {
@@ -75,7 +75,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
 /// profiler can switch counting on and off by its name.
 #[inline(never)]
 fn profiled_deliveries(
-    session: &mut dyn crate::workload::Session,
+    session: &mut dyn crate::workloads::Session,
     generator: &mut Generator,
     per_call: usize,
     calls: u64,

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 
 use crate::contenders::{Kind, SWEEP_THREADS};
 use crate::report::summarize;
-use crate::scale::ScalePoint;
+use crate::workloads::scale::ScalePoint;
 use crate::{Measured, PeersRun};
 
 const SIZE: (u32, u32) = (960, 600);
@@ -120,7 +120,7 @@ fn cdf_points(measured: &Measured) -> Vec<(f64, f64)> {
     (1..=200)
         .map(|i| {
             let q = f64::from(i) / 200.0;
-            ((crate::workload::quantile(sorted, q) / 1000.0).max(1.0), q)
+            ((crate::workloads::quantile(sorted, q) / 1000.0).max(1.0), q)
         })
         .collect()
 }

@@ -16,7 +16,7 @@ use rocksdb::{
     TransactionDBOptions, TransactionOptions, WriteBatch, WriteOptions,
 };
 
-use crate::workload::{Delivery, Session};
+use crate::workloads::{Delivery, Session};
 
 /// Bytes of an idemdb record with an empty result: the marker value the raw contenders write.
 const MARKER_VALUE: [u8; 46] = [1; 46];
@@ -45,7 +45,7 @@ impl Idemdb {
 
     fn batch_session(&self) -> Result<IdemdbSession> {
         Ok(IdemdbSession {
-            consumer: self.engine.consumer(crate::workload::CONSUMER)?,
+            consumer: self.engine.consumer(crate::workloads::CONSUMER)?,
             orders: self.engine.business_table("orders")?,
         })
     }

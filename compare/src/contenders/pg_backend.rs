@@ -2,7 +2,7 @@
 //! whose transaction also writes the business row, sent with the commit of the completed
 //! record (`commit_with`: two round trips in all), or sent with the claim (`apply`: one round
 //! trip for a new key).
-//! Its peer is the raw `INSERT ... ON CONFLICT DO NOTHING` of [`crate::peers::PostgresSession`],
+//! Its peer is the raw `INSERT ... ON CONFLICT DO NOTHING` of [`crate::contenders::peers::PostgresSession`],
 //! on the same server with the same `synchronous_commit`, which writes the dedup row only.
 //!
 //! The backend is async (tokio-postgres); each session drives its own single-threaded runtime,
@@ -16,7 +16,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, NoTls};
 
 use crate::servers::postgres_url;
-use crate::workload::{CONSUMER, Delivery, Session};
+use crate::workloads::{CONSUMER, Delivery, Session};
 
 /// The schema of the backend's tables and the business table, apart from the raw peer's.
 const SCHEMA: &str = "bench_idemdb";

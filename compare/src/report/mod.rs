@@ -1,4 +1,9 @@
 //! Medians, ratios and targets, printed and written as markdown and CSV under the output folder.
+//!
+//! Beside it: `charts` (the PNG charts of a run) and `machine` (the machine a run measured).
+
+pub mod charts;
+pub mod machine;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -7,10 +12,10 @@ use anyhow::Result;
 use idemdb::Durability;
 
 use crate::contenders::Kind;
-use crate::peers::SqliteSync;
-use crate::scale::{ScaleArgs, ScalePoint, TtlArgs, TtlPoint};
-use crate::tuning::{ReadArgs, ReadRow, WalArgs, WalRow};
-use crate::workload::median;
+use crate::contenders::peers::SqliteSync;
+use crate::workloads::median;
+use crate::workloads::scale::{ScaleArgs, ScalePoint, TtlArgs, TtlPoint};
+use crate::workloads::tuning::{ReadArgs, ReadRow, WalArgs, WalRow};
 use crate::{Measured, PeersRun};
 
 /// A contender's medians over the rounds.
@@ -402,7 +407,7 @@ pub fn targets(run: &PeersRun) -> Vec<Target> {
 }
 
 /// A results document: its title and, where given, the machine it was measured on.
-fn document(title: &str, machine: Option<&crate::machine::Machine>) -> Result<String> {
+fn document(title: &str, machine: Option<&crate::report::machine::Machine>) -> Result<String> {
     let mut md = format!("# {title}\n\n");
     if let Some(machine) = machine {
         writeln!(md, "```\n{machine}\n```\n")?;
@@ -410,8 +415,8 @@ fn document(title: &str, machine: Option<&crate::machine::Machine>) -> Result<St
     Ok(md)
 }
 
-fn machine_here() -> crate::machine::Machine {
-    crate::machine::Machine::describe(&std::env::temp_dir())
+fn machine_here() -> crate::report::machine::Machine {
+    crate::report::machine::Machine::describe(&std::env::temp_dir())
 }
 
 /// Writes `md` to `out_dir/file` and prints it.
@@ -631,8 +636,8 @@ pub fn write_read_options(out_dir: &Path, args: &ReadArgs, rows: &[ReadRow]) -> 
 
 pub fn write_pg_expiry(
     out_dir: &Path,
-    args: &crate::pg_expiry::PgExpiryArgs,
-    runs: &[crate::pg_expiry::ExpiryRun],
+    args: &crate::workloads::pg_expiry::PgExpiryArgs,
+    runs: &[crate::workloads::pg_expiry::ExpiryRun],
 ) -> Result<()> {
     let mut md = document(
         "PostgreSQL backend: commits during removal",
@@ -710,7 +715,7 @@ pub fn write_pg_expiry(
     }
     if let Some(run) = runs
         .iter()
-        .find(|run| run.removal == crate::pg_expiry::Removal::DropPartitions)
+        .find(|run| run.removal == crate::workloads::pg_expiry::Removal::DropPartitions)
     {
         let ratio = run.during_p99_us / run.quiet_p99_us;
         writeln!(

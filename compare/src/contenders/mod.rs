@@ -1,13 +1,22 @@
 //! The list of contenders and how to set each up fresh for one timed run.
+//!
+//! Each contender's code is a file here: `embedded` (idemdb and what a user would write on
+//! RocksDB), `peers` (Redis, SQLite, PostgreSQL), `pg_backend` (idemdb-postgres), `pg_floor` (the
+//! least a claim costs on PostgreSQL). A new contender is a variant of [`Kind`] and its file.
+
+pub mod embedded;
+pub mod peers;
+pub mod pg_backend;
+pub mod pg_floor;
 
 use std::path::Path;
 
 use anyhow::Result;
 use idemdb::Durability;
 
-use crate::embedded::{Idemdb, Raw, RawMode, Transactional};
-use crate::peers::{PostgresSession, RedisSession, SqliteSession, SqliteSync};
-use crate::workload::{Session, Shape, WARM_UP_THREAD};
+use crate::contenders::embedded::{Idemdb, Raw, RawMode, Transactional};
+use crate::contenders::peers::{PostgresSession, RedisSession, SqliteSession, SqliteSync};
+use crate::workloads::{Session, Shape, WARM_UP_THREAD};
 
 /// What runs: a store and its settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -34,7 +43,7 @@ pub enum Kind {
     /// hand-written deduplication with a business row costs, beside [`Kind::IdemdbPostgres`].
     PostgresWithRow,
     /// The least a claim can cost on the same server as statements between `BEGIN` and
-    /// `COMMIT`, with the business row (`crate::pg_floor`): the ceiling of a design of
+    /// `COMMIT`, with the business row (`crate::contenders::pg_floor`): the ceiling of a design of
     /// idemdb-postgres built that way.
     PostgresClaimFloor,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
@@ -438,7 +447,7 @@ fn warm_up(
     flush: impl Fn() -> Result<()>,
 ) -> Result<()> {
     for _ in 0..2 {
-        crate::workload::fill(&mut *session()?, WARM_UP_THREAD, WARM_UP_MESSAGES)?;
+        crate::workloads::fill(&mut *session()?, WARM_UP_THREAD, WARM_UP_MESSAGES)?;
         flush()?;
     }
     Ok(())
@@ -464,7 +473,7 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
         }
         Kind::IdemdbDuplicates { flushed } => {
             let store = Idemdb::open(dir, Durability::Buffered)?;
-            crate::workload::fill(&mut *store.session()?, 0, DUPLICATE_RUN_KEYS)?;
+            crate::workloads::fill(&mut *store.session()?, 0, DUPLICATE_RUN_KEYS)?;
             if flushed {
                 store.flush()?;
             }
@@ -515,28 +524,32 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
             })
         }
         Kind::PostgresClaimFloor => {
-            crate::pg_floor::reset(ports.postgres)?;
+            crate::contenders::pg_floor::reset(ports.postgres)?;
             Prepared::connected(threads, || {
-                Ok(Box::new(crate::pg_floor::ClaimFloorSession::connect(
-                    ports.postgres,
-                )?))
+                Ok(Box::new(
+                    crate::contenders::pg_floor::ClaimFloorSession::connect(ports.postgres)?,
+                ))
             })
         }
         Kind::IdemdbPostgres {
             apply,
             partition_days,
         } => {
-            crate::pg_backend::reset(ports.postgres, partition_days)?;
+            crate::contenders::pg_backend::reset(ports.postgres, partition_days)?;
             Prepared::connected(threads, || {
-                Ok(Box::new(crate::pg_backend::IdemdbPgSession::connect(
-                    ports.postgres,
-                    true,
-                    apply,
-                )?))
+                Ok(Box::new(
+                    crate::contenders::pg_backend::IdemdbPgSession::connect(
+                        ports.postgres,
+                        true,
+                        apply,
+                    )?,
+                ))
             })
         }
         Kind::Fdatasync { append } => Ok(Prepared {
-            sessions: vec![Box::new(crate::embedded::Fdatasync::create(dir, append)?)],
+            sessions: vec![Box::new(crate::contenders::embedded::Fdatasync::create(
+                dir, append,
+            )?)],
             store: None,
         }),
     }

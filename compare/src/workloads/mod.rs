@@ -1,5 +1,15 @@
 //! The workload every contender runs: the same keys, values, duplicate ratio and thread count,
 //! driven for a fixed time, with per-call latencies.
+//!
+//! The runs beside it, each a workload of its own: `scale` (the store as it grows, and over many
+//! retention periods), `tuning` (RocksDB options on idemdb's access patterns), `pg_expiry`
+//! (PostgreSQL commits while expired records are removed), `profile` (one contender under a
+//! profiler).
+
+pub mod pg_expiry;
+pub mod profile;
+pub mod scale;
+pub mod tuning;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

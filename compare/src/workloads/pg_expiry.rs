@@ -24,8 +24,8 @@ use idemdb::format::Record;
 use idemdb::{Fingerprint, MockClock};
 use idemdb_postgres::{DAY_MS, PgStore};
 
-use crate::pg_backend::{self, IdemdbPgSession};
-use crate::workload::{Generator, Session, quantile};
+use crate::contenders::pg_backend::{self, IdemdbPgSession};
+use crate::workloads::{Generator, Session, quantile};
 
 #[derive(Args, Clone)]
 pub struct PgExpiryArgs {

@@ -21,8 +21,8 @@ use tokio::runtime::Runtime;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Statement};
 
-use crate::pg_backend::runtime;
-use crate::workload::{Delivery, Session};
+use crate::contenders::pg_backend::runtime;
+use crate::workloads::{Delivery, Session};
 
 /// The floor's own schema, apart from the raw peer's tables and idemdb-postgres's.
 const SCHEMA: &str = "bench_floor";
@@ -48,7 +48,7 @@ const ORDERS: &str = "INSERT INTO bench_floor.orders (key, value) \
 /// Drops and re-creates the floor's tables: every run starts empty.
 pub fn reset(port: u16) -> Result<()> {
     runtime()?.block_on(async {
-        let client = crate::pg_backend::connect(port, true).await?;
+        let client = crate::contenders::pg_backend::connect(port, true).await?;
         client
             .batch_execute(&format!(
                 "DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}; \
@@ -74,7 +74,7 @@ impl ClaimFloorSession {
     pub fn connect(port: u16) -> Result<ClaimFloorSession> {
         let runtime = runtime()?;
         let (client, [claim, order, claim_many, orders]) = runtime.block_on(async {
-            let client = crate::pg_backend::connect(port, true).await?;
+            let client = crate::contenders::pg_backend::connect(port, true).await?;
             let mut prepared = Vec::new();
             for sql in [CLAIM, ORDER, CLAIM_MANY, ORDERS] {
                 prepared.push(client.prepare(sql).await?);

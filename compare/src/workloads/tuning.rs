@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use rocksdb::{DB, WriteBatch, WriteOptions};
 
-use crate::workload::{Delivery, SplitMix64, elapsed_ns, median, quantile};
+use crate::workloads::{Delivery, SplitMix64, elapsed_ns, median, quantile};
 
 #[derive(Args, Clone)]
 pub struct WalArgs {
@@ -83,14 +83,14 @@ impl WalVariant {
     }
 
     fn options(self) -> Result<rocksdb::Options> {
-        let mut options = crate::embedded::base_db_options();
+        let mut options = crate::contenders::embedded::base_db_options();
         match self {
             WalVariant::Baseline | WalVariant::ManualFlushGroupCommit => {}
             WalVariant::PipelinedWrite => options.set_enable_pipelined_write(true),
             WalVariant::RecycleLogs => options.set_recycle_log_file_num(4),
             WalVariant::NoAdaptiveYield => options.set_enable_write_thread_adaptive_yield(false),
             WalVariant::SerialMemtableWrites => options.set_allow_concurrent_memtable_write(false),
-            WalVariant::IdemdbChoice => options = crate::embedded::db_options(),
+            WalVariant::IdemdbChoice => options = crate::contenders::embedded::db_options(),
             WalVariant::LargeWriteGroups => {
                 options = rocksdb::Options::get_options_from_string(
                     &mut options,
@@ -357,7 +357,7 @@ impl ReadVariant {
             block.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
             block.set_data_block_hash_ratio(0.75);
         }
-        let mut options = crate::embedded::db_options();
+        let mut options = crate::contenders::embedded::db_options();
         options.set_block_based_table_factory(&block);
         options.set_compression_type(rocksdb::DBCompressionType::Lz4);
         options.set_write_buffer_size(64 << 20);
@@ -412,7 +412,7 @@ pub struct ReadRow {
 fn read_key(n: u64) -> [u8; 22] {
     let mut key = [0u8; 22];
     key[..6].copy_from_slice(b"bench:");
-    key[6..14].copy_from_slice(&crate::scale::mix64(n).to_be_bytes());
+    key[6..14].copy_from_slice(&crate::workloads::scale::mix64(n).to_be_bytes());
     key
 }
 

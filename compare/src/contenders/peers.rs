@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 
 use crate::servers::postgres_url;
-use crate::workload::{Delivery, Session};
+use crate::workloads::{Delivery, Session};
 
 /// How long the Redis marker lives: one hour, like a typical retention.
 const REDIS_TTL_MS: u64 = 3_600_000;
