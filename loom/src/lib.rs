@@ -1,7 +1,7 @@
 //! Compiles idemdb's claim latch alone, so loom can explore its interleavings without building
 //! RocksDB. Run: `RUSTFLAGS="--cfg loom" cargo test --release` in this folder. The tests live
-//! in `src/latch.rs` (module `loom_tests`).
+//! in `src/storage/latch.rs` (module `loom_tests`).
 #![allow(dead_code)]
 
-#[path = "../../src/latch.rs"]
+#[path = "../../src/storage/latch.rs"]
 mod latch;
