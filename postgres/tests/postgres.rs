@@ -35,7 +35,8 @@
 //! Reconnects: every kind of call (claim, `apply` both ways, batch, external claim) on a client
 //! rebuilt in the same variable after every other kind. Overlapping `maintain` calls each
 //! succeed and drop every removable partition once; one given up half way leaves neither its
-//! turn nor a detached table behind. A failed call (a refused commit, a record
+//! turn nor a detached table behind (and drops no table that only looks like one). A claim
+//! given up during its first round trip frees its key. A failed call (a refused commit, a record
 //! that does not decode) has freed its keys when its error returns, seen from another
 //! connection.
 //!
@@ -208,6 +209,7 @@ fn main() {
     scenario!(overlapping_maintain_calls_take_turns_and_each_succeeds);
     scenario!(a_failed_call_frees_its_keys_before_the_error_returns);
     scenario!(a_maintain_given_up_half_way_leaves_no_lock_and_no_table);
+    scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -6565,6 +6567,10 @@ async fn a_maintain_given_up_half_way_leaves_no_lock_and_no_table(
         commit_one(&consumer, &mut client, &format!("k{day}"), "m", "ok").await?;
     }
     clock.set(110 * DAY);
+    // A table that only looks like a day partition left behind: never ours to drop.
+    client
+        .batch_execute("CREATE TABLE t_maintain_cut.records_d5 (kept int)")
+        .await?;
     // An open claim: a concurrent detach waits for its transaction.
     let mut holder = connect(url).await?;
     let Outcome::Fresh(held) = consumer
@@ -6627,7 +6633,21 @@ async fn a_maintain_given_up_half_way_leaves_no_lock_and_no_table(
         )
         .await?
         .get(0);
-    ensure!(leftovers == 0, "{leftovers} detached tables left behind");
+    ensure!(
+        leftovers == 1,
+        "{leftovers} tables named as partitions and unattached (only the lookalike may stay)"
+    );
+    let lookalike: bool = client
+        .query_one(
+            "SELECT to_regclass('t_maintain_cut.records_d5') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        lookalike,
+        "maintain dropped a table that only looked like a partition"
+    );
     ensure!(
         advisory_locks_of(&client, third_pid).await? == 0,
         "the given-up call's connection still holds the turn"
@@ -6637,5 +6657,51 @@ async fn a_maintain_given_up_half_way_leaves_no_lock_and_no_table(
         left.iter().all(|partition| !partition.removable),
         "left: {left:?}"
     );
+    Ok(())
+}
+
+async fn a_claim_given_up_mid_round_trip_frees_its_key(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let watcher = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_given_up").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    // The statements prepared and the partitions made: the next claim sends its first round
+    // trip at its first poll.
+    commit_one(&consumer, &mut client, "warm-up", "m", "ok").await?;
+    let pid = backend_pid(&client).await?;
+    for round in 0..20 {
+        let key = format!("k{round}");
+        // Polled once (BEGIN, the key's lock and its read go out), then dropped.
+        let once = futures_util::FutureExt::now_or_never(consumer.begin(
+            &mut client,
+            &key,
+            Fingerprint::of(b"m"),
+        ));
+        ensure!(once.is_none(), "{key}: answered within one poll");
+        // The connection is not used again: its lock must go without it.
+        let mut freed = false;
+        for _ in 0..100 {
+            if advisory_locks_of(&watcher, pid).await? == 0 {
+                freed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        ensure!(
+            freed,
+            "{key}: the given-up claim's connection still holds the key"
+        );
+        let mut other = connect(url).await?;
+        let outcome = consumer
+            .begin(&mut other, &key, Fingerprint::of(b"m"))
+            .await?;
+        ensure!(
+            matches!(outcome, Outcome::Fresh(_)),
+            "{key}: another connection's claim: {outcome:?}"
+        );
+    }
+    // And the connection itself goes on.
+    commit_one(&consumer, &mut client, "after", "m", "ok").await?;
     Ok(())
 }

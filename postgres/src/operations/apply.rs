@@ -285,7 +285,9 @@ impl PgConsumer {
         if let Some(Err(error)) = staged.into_iter().find(std::result::Result::is_err) {
             return Err(Error::Postgres(error));
         }
-        committed.map_err(|error| store.write_failed(error, key))?;
+        // A COMMIT's own failure is the connection's or a deferred check of the caller's, never
+        // the record's write (whose answer was read above).
+        committed.map_err(Error::Postgres)?;
         metrics.outcome(OutcomeKind::Fresh, started.elapsed(), None);
         metrics.log_begin(key, OutcomeKind::Fresh, correlation);
         metrics.commit(started.elapsed());

@@ -185,6 +185,7 @@ impl<'c> PgClaimBatch<'c> {
             match tx.commit_with(statements, &writes, false).await {
                 Ok(_) => {}
                 Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
+                Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),
                 Err(CommitFailed::Store(error)) => {
                     let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
                     return Err(consumer.store.write_failed(error, key));

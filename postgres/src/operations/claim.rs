@@ -468,6 +468,7 @@ impl<'c> PgClaim<'c> {
             Ok(_) => {}
             Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
             Err(CommitFailed::Store(error)) => return Err(store.write_failed(error, &self.key)),
+            Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),
         }
         let metrics = &consumer.metrics;
         metrics.commit(started.elapsed());

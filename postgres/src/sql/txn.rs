@@ -78,8 +78,35 @@ pub(crate) struct Whole {
 pub(crate) enum CommitFailed {
     /// A statement of the caller's failed.
     Staged(tokio_postgres::Error),
-    /// One of the store's writes, or the `COMMIT`, failed.
+    /// One of the store's writes failed.
     Store(tokio_postgres::Error),
+    /// The `COMMIT` failed: the connection was lost (the outcome is unknown), or a deferred
+    /// check of the caller's (a deferred constraint, a trigger) refused it.
+    Commit(tokio_postgres::Error),
+}
+
+/// Sends `ROLLBACK` without waiting, when dropped armed: a call given up after its `BEGIN`
+/// went out and before its transaction was handed to anyone.
+struct RollbackOnDrop<'a> {
+    client: &'a Client,
+    armed: bool,
+}
+
+impl Drop for RollbackOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            send_rollback(self.client);
+        }
+    }
+}
+
+/// Sends `ROLLBACK` on `client` without waiting for the answer: polled once, a simple query is
+/// handed to the connection's task, which runs it after whatever it was sent before.
+fn send_rollback(client: &Client) {
+    let mut rollback = pin!(client.batch_execute("ROLLBACK"));
+    let _ = rollback
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()));
 }
 
 /// An open READ COMMITTED transaction on a borrowed connection. Dropped while open, it sends
@@ -115,11 +142,21 @@ impl<'c> ClaimTransaction<'c> {
             let prepared = cache.prepare(client, &types_of(&guarded)).await?;
             let (begun, mut answers) = {
                 let shared: &Client = client;
+                // From the first poll on, `BEGIN` and the key's lock are on their way: a call
+                // given up while it waits for the answers (its future dropped, by a timeout
+                // say) must still end the transaction, or the connection would sit in it,
+                // holding the key, until its next use.
+                let mut given_up = RollbackOnDrop {
+                    client: shared,
+                    armed: true,
+                };
                 let queries = guarded
                     .iter()
                     .zip(prepared)
                     .map(|(statement, prepared)| run(shared, prepared, *statement));
-                join(shared.batch_execute(begin), in_order(queries)).await
+                let answered = join(shared.batch_execute(begin), in_order(queries)).await;
+                given_up.armed = false;
+                answered
             };
             // Looked for in every answer, the setting restored behind the caller's statements
             // included: that statement is shared by every kind of transaction, so it is often
@@ -128,20 +165,34 @@ impl<'c> ClaimTransaction<'c> {
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
             // The caller's statements' answers only.
-            answers.truncate(statements.len());
+            let restored = answers.split_off(statements.len());
             if stale && !retried && begun.is_ok() {
                 retried = true;
                 cache.forget(client);
                 client.batch_execute("ROLLBACK").await?;
                 continue;
             }
-            // Built before the error is returned, so that its drop rolls back whatever began.
-            let transaction = ClaimTransaction {
+            let mut transaction = ClaimTransaction {
                 client,
                 cache: Arc::clone(cache),
                 open: true,
             };
-            begun?;
+            if let Err(error) = begun {
+                // Nothing began (the statements ran outside a transaction, and failed or
+                // released their locks as they ended): nothing to roll back.
+                transaction.open = false;
+                return Err(error.into());
+            }
+            // The setting restored behind the store's statements failed on its own (every
+            // statement before it answered; not a missing statement met twice): the
+            // transaction is aborted, and the caller's SQL would fail in it. Reported as such,
+            // rolled back first. (Behind a failed statement it fails too, and the caller reads
+            // that statement's error.)
+            if answers.iter().all(std::result::Result::is_ok)
+                && let Some(Err(error)) = restored.into_iter().next()
+            {
+                return transaction.fail(error).await;
+            }
             return Ok((transaction, answers));
         }
     }
@@ -259,7 +310,7 @@ impl<'c> ClaimTransaction<'c> {
                 }
             }
         }
-        committed.map_err(CommitFailed::Store)?;
+        committed.map_err(CommitFailed::Commit)?;
         Ok(rows)
     }
 
@@ -309,12 +360,8 @@ impl<'c> ClaimTransaction<'c> {
 impl Drop for ClaimTransaction<'_> {
     fn drop(&mut self) {
         if self.open {
-            // Polled once, the request is handed to the connection's task; its answer is not
-            // waited for (the future is dropped, and the connection discards the answer).
-            let mut rollback = pin!(self.client.batch_execute("ROLLBACK"));
-            let _ = rollback
-                .as_mut()
-                .poll(&mut Context::from_waker(Waker::noop()));
+            // Its answer is not waited for (the connection discards it).
+            send_rollback(self.client);
         }
     }
 }

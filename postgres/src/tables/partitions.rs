@@ -1,7 +1,7 @@
 //! The records table's day partitions: made ahead (attached apart, a lock claims do not wait
 //! for), listed, detached concurrently and dropped, one removal at a time ([`RemovalTurn`]).
 
-use tokio_postgres::{Client, GenericClient};
+use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::Result;
 use crate::tables::locks::advisory_lock_of;
@@ -63,14 +63,33 @@ pub(crate) async fn ensure_partitions(
     partition_days: u32,
 ) -> Result<()> {
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
-        .await?;
-    let step = usize::try_from(partition_days.max(1)).unwrap_or(1);
-    for day in (partition_first_day(first_day, partition_days)..=last_day).step_by(step) {
-        create_day_partition(&tx, names, day, partition_days).await?;
+    let made = async {
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
+            .await?;
+        let step = usize::try_from(partition_days.max(1)).unwrap_or(1);
+        for day in (partition_first_day(first_day, partition_days)..=last_day).step_by(step) {
+            create_day_partition(&tx, names, day, partition_days).await?;
+        }
+        Ok(())
     }
-    tx.commit().await?;
-    Ok(())
+    .await;
+    end(tx, made).await
+}
+
+/// Commits `tx` if `made` is `Ok`; else rolls it back and waits, so that the installers' lock
+/// it holds is free when the error returns (a transaction dropped open frees it a moment
+/// later).
+async fn end(tx: Transaction<'_>, made: Result<()>) -> Result<()> {
+    match made {
+        Ok(()) => {
+            tx.commit().await?;
+            Ok(())
+        }
+        Err(error) => {
+            let _ = tx.rollback().await;
+            Err(error)
+        }
+    }
 }
 
 /// Makes sure the partition of each of `days` exists (an import's rows, whatever their days).
@@ -81,20 +100,23 @@ pub(crate) async fn ensure_day_partitions(
     days: impl IntoIterator<Item = i64>,
     partition_days: u32,
 ) -> Result<()> {
-    let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
-        .await?;
     let mut firsts: Vec<i64> = days
         .into_iter()
         .map(|day| partition_first_day(day, partition_days))
         .collect();
     firsts.sort_unstable();
     firsts.dedup();
-    for day in firsts {
-        create_day_partition(&tx, names, day, partition_days).await?;
+    let tx = client.transaction().await?;
+    let made = async {
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&install_lock(names)])
+            .await?;
+        for day in firsts {
+            create_day_partition(&tx, names, day, partition_days).await?;
+        }
+        Ok(())
     }
-    tx.commit().await?;
-    Ok(())
+    .await;
+    end(tx, made).await
 }
 
 /// The day partitions of the records table, as (day, qualified name), oldest first.
@@ -126,9 +148,11 @@ pub(crate) async fn day_partitions(client: &Client, names: &Names) -> Result<Vec
 
 /// Tables of day partitions that are no longer attached to the records table: left by a
 /// removal given up between its detach and its drop (its future dropped while the detach
-/// waited; the detach itself went on, the drop was never sent). Only a detach makes one: a
-/// partition being made is attached in the transaction that creates it, so no other session
-/// sees it unattached. Oldest first.
+/// waited; the detach itself went on, the drop was never sent). Only a removal's detach makes
+/// one, and it marks the partition first ([`detached_marker`]): a table of the schema that
+/// only looks like one (an operator's detached partition, a table of the same name pattern) is
+/// never taken for it, and a partition being made is attached in the transaction that creates
+/// it, so no other session sees it unattached. Oldest first.
 pub(crate) async fn detached_day_tables(
     client: &Client,
     names: &Names,
@@ -139,8 +163,9 @@ pub(crate) async fn detached_day_tables(
             "SELECT c.relname::text FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relkind = 'r' AND NOT c.relispartition \
-             AND starts_with(c.relname::text, $2)",
-            &[&names.schema, &prefix],
+             AND starts_with(c.relname::text, $2) \
+             AND obj_description(c.oid, 'pg_class') = $3",
+            &[&names.schema, &prefix, &detached_marker(names)],
         )
         .await?;
     let mut found: Vec<DayPartition> = rows
@@ -157,6 +182,11 @@ pub(crate) async fn detached_day_tables(
         .collect();
     found.sort_by_key(|table| table.day);
     Ok(found)
+}
+
+/// The comment a removal puts on a partition before it detaches it.
+fn detached_marker(names: &Names) -> String {
+    format!("idemdb: removed from {}", names.records())
 }
 
 /// Drops a table [`detached_day_tables`] found.
@@ -192,6 +222,15 @@ pub(crate) async fn drop_partition(
     } else {
         "CONCURRENTLY"
     };
+    // Marked first, so that a table this detach leaves behind (its call given up before the
+    // drop) is known for one of ours, and no other table of the schema is ever taken for one.
+    client
+        .batch_execute(&format!(
+            "COMMENT ON TABLE {} IS '{}'",
+            partition.name,
+            detached_marker(names)
+        ))
+        .await?;
     client
         .batch_execute(&format!(
             "ALTER TABLE {} DETACH PARTITION {} {how}",
