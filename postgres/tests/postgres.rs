@@ -4653,29 +4653,8 @@ async fn claim_each_way(
     client: &mut Client,
     round: &str,
 ) -> Result<(), Failure> {
-    let body = Fingerprint::of(b"m");
-    let batch_messages = messages(&[(&format!("{round}-b1"), "x"), (&format!("{round}-b2"), "y")]);
-    let batch = consumer.begin_batch(client, &batch_messages).await?;
-    ensure!(
-        batch
-            .outcomes()
-            .iter()
-            .all(|outcome| matches!(outcome, PgBatchOutcome::Fresh)),
-        "{round}: batch {:?}",
-        batch.outcomes()
-    );
-    batch.commit(|_| b"ok").await?;
-    match consumer.begin(client, format!("{round}-t"), body).await? {
-        Outcome::Fresh(claim) => claim.commit(b"ok").await?,
-        other => return Err(format!("{round}: claim {other:?}").into()),
-    }
-    let lease = Duration::from_secs(60);
-    match consumer
-        .begin_external(client, format!("{round}-e"), body, lease, "worker")
-        .await?
-    {
-        Outcome::Fresh(external) => external.completion(client).await?.commit(b"ok").await?,
-        other => return Err(format!("{round}: external {other:?}").into()),
+    for kind in ["batch", "begin", "external"] {
+        call_of_kind(consumer, client, kind, round).await?;
     }
     Ok(())
 }

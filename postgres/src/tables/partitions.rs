@@ -130,11 +130,17 @@ pub(crate) async fn day_partitions(client: &Client, names: &Names) -> Result<Vec
             &[&names.records()],
         )
         .await?;
+    Ok(day_tables(&rows, names, &prefix))
+}
+
+/// The day tables among `rows` (each a table's name and whether its detach is pending), named
+/// `<prefix><day>`, oldest first.
+fn day_tables(rows: &[tokio_postgres::Row], names: &Names, prefix: &str) -> Vec<DayPartition> {
     let mut found: Vec<DayPartition> = rows
         .iter()
         .filter_map(|row| {
             let name: String = row.get(0);
-            let day = name.strip_prefix(&prefix)?.parse().ok()?;
+            let day = name.strip_prefix(prefix)?.parse().ok()?;
             Some(DayPartition {
                 day,
                 name: format!("{}.{name}", names.schema),
@@ -143,7 +149,7 @@ pub(crate) async fn day_partitions(client: &Client, names: &Names) -> Result<Vec
         })
         .collect();
     found.sort_by_key(|partition| partition.day);
-    Ok(found)
+    found
 }
 
 /// Tables of day partitions that are no longer attached to the records table: left by a
@@ -160,7 +166,7 @@ pub(crate) async fn detached_day_tables(
     let prefix = format!("{}_d", names.table);
     let rows = client
         .query(
-            "SELECT c.relname::text FROM pg_class c \
+            "SELECT c.relname::text, false FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relkind = 'r' AND NOT c.relispartition \
              AND starts_with(c.relname::text, $2) \
@@ -168,20 +174,7 @@ pub(crate) async fn detached_day_tables(
             &[&names.schema, &prefix, &detached_marker(names)],
         )
         .await?;
-    let mut found: Vec<DayPartition> = rows
-        .iter()
-        .filter_map(|row| {
-            let name: String = row.get(0);
-            let day = name.strip_prefix(&prefix)?.parse().ok()?;
-            Some(DayPartition {
-                day,
-                name: format!("{}.{name}", names.schema),
-                detach_pending: false,
-            })
-        })
-        .collect();
-    found.sort_by_key(|table| table.day);
-    Ok(found)
+    Ok(day_tables(&rows, names, &prefix))
 }
 
 /// The comment a removal puts on a partition before it detaches it.
