@@ -6307,11 +6307,15 @@ async fn every_kind_of_call_goes_through_on_a_client_reconnected_into_the_same_p
     Ok(())
 }
 
-async fn overlapping_maintain_calls_take_turns_and_each_succeeds(url: &str) -> Result<(), Failure> {
+/// A store of its own schema whose records live one day, on a mock clock at noon of day 100:
+/// a connection, the store, consumer `c` and the clock.
+async fn daily_store(
+    url: &str,
+    schema: &str,
+) -> Result<(Client, PgStore, PgConsumer, MockClock), Failure> {
     const DAY: u64 = idemdb_postgres::DAY_MS as u64;
-    const CALLS: usize = 4;
     let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, "t_maintain_race").await?;
+    let names = fresh_schema(&mut client, schema).await?;
     let clock = MockClock::new(100 * DAY + DAY / 2);
     let store = PgStore::builder()
         .names(names)
@@ -6320,6 +6324,13 @@ async fn overlapping_maintain_calls_take_turns_and_each_succeeds(url: &str) -> R
         .open(&client)
         .await?;
     let consumer = store.consumer("c")?;
+    Ok((client, store, consumer, clock))
+}
+
+async fn overlapping_maintain_calls_take_turns_and_each_succeeds(url: &str) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    const CALLS: usize = 4;
+    let (mut client, store, consumer, clock) = daily_store(url, "t_maintain_race").await?;
     let mut maintainers = Vec::new();
     for _ in 0..CALLS {
         maintainers.push(connect(url).await?);
@@ -6531,16 +6542,7 @@ async fn a_maintain_given_up_half_way_leaves_no_lock_and_no_table(
     url: &str,
 ) -> Result<(), Failure> {
     const DAY: u64 = idemdb_postgres::DAY_MS as u64;
-    let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, "t_maintain_cut").await?;
-    let clock = MockClock::new(100 * DAY + DAY / 2);
-    let store = PgStore::builder()
-        .names(names)
-        .retention(Duration::from_millis(DAY))
-        .clock(clock.clone())
-        .open(&client)
-        .await?;
-    let consumer = store.consumer("c")?;
+    let (mut client, store, consumer, clock) = daily_store(url, "t_maintain_cut").await?;
     for day in 100..104 {
         clock.set(day * DAY + DAY / 2);
         commit_one(&consumer, &mut client, &format!("k{day}"), "m", "ok").await?;

@@ -11,6 +11,7 @@ use crate::sql::clock::local_now_ms;
 use crate::storage::records::now_on_store_clock;
 use crate::storage::store::PgStore;
 use crate::tables::names::DAY_MS;
+use crate::tables::partitions::{self, DayPartition, RemovalTurn};
 
 /// What [`PgStore::maintain`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -45,36 +46,17 @@ impl PgStore {
     /// # Errors
     /// [`Error::Postgres`] when a statement fails.
     pub async fn partitions(&self, client: &Client) -> Result<Vec<Partition>> {
-        Ok(self
-            .day_partitions(client)
+        let removable = self.removable_rule(client).await?;
+        Ok(partitions::day_partitions(client, &self.inner.names)
             .await?
             .into_iter()
-            .map(|(partition, removable)| Partition {
+            .map(|partition| Partition {
+                removable: removable(&partition),
                 name: partition.name,
                 first_day: partition.day,
                 days: self.inner.partition_days,
-                removable,
             })
             .collect())
-    }
-
-    /// The records table's partitions, oldest first, each with whether every row of it is
-    /// removable now (on the store's clock).
-    async fn day_partitions(
-        &self,
-        client: &Client,
-    ) -> Result<Vec<(crate::tables::partitions::DayPartition, bool)>> {
-        let removable = self.removable_rule(client).await?;
-        Ok(
-            crate::tables::partitions::day_partitions(client, &self.inner.names)
-                .await?
-                .into_iter()
-                .map(|partition| {
-                    let removable = removable(&partition);
-                    (partition, removable)
-                })
-                .collect(),
-        )
     }
 
     /// Whether every row of a partition is removable now, on the store's clock: once the day
@@ -82,10 +64,10 @@ impl PgStore {
     async fn removable_rule(
         &self,
         client: &Client,
-    ) -> Result<impl Fn(&crate::tables::partitions::DayPartition) -> bool + use<>> {
+    ) -> Result<impl Fn(&DayPartition) -> bool + use<>> {
         let now_ms = i64::try_from(now_on_store_clock(client, self).await?).unwrap_or(i64::MAX);
         let days = i64::from(self.inner.partition_days);
-        Ok(move |partition: &crate::tables::partitions::DayPartition| {
+        Ok(move |partition: &DayPartition| {
             partition.day.saturating_add(days).saturating_mul(DAY_MS) <= now_ms
         })
     }
@@ -126,27 +108,21 @@ impl PgStore {
         let client: &Client = client;
         // Partitions are listed once the turn is taken, so that a call that waited finds
         // what the one before it dropped gone.
-        let turn = crate::tables::partitions::RemovalTurn::take(client, &self.inner.names).await?;
+        let turn = RemovalTurn::take(client, &self.inner.names).await?;
         let mut dropped = Vec::new();
         let removed = async {
-            for (partition, removable) in self.day_partitions(client).await? {
-                if removable {
-                    crate::tables::partitions::drop_partition(
-                        client,
-                        &self.inner.names,
-                        &partition,
-                    )
-                    .await?;
+            // One reading of the clock decides both lists.
+            let removable = self.removable_rule(client).await?;
+            for partition in partitions::day_partitions(client, &self.inner.names).await? {
+                if removable(&partition) {
+                    partitions::drop_partition(client, &self.inner.names, &partition).await?;
                     dropped.push(partition.name);
                 }
             }
             // What an earlier call detached and was given up before it could drop.
-            let removable = self.removable_rule(client).await?;
-            for table in
-                crate::tables::partitions::detached_day_tables(client, &self.inner.names).await?
-            {
+            for table in partitions::detached_day_tables(client, &self.inner.names).await? {
                 if removable(&table) {
-                    crate::tables::partitions::drop_detached(client, &table).await?;
+                    partitions::drop_detached(client, &table).await?;
                     dropped.push(table.name);
                 }
             }
@@ -198,7 +174,7 @@ impl PgStore {
         };
         let (first_day, last_day) =
             partition_span(local_ms.min(db_ms), local_ms.max(db_ms), retention_ms);
-        crate::tables::partitions::ensure_partitions(
+        partitions::ensure_partitions(
             client,
             &self.inner.names,
             first_day,

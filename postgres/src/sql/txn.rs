@@ -100,13 +100,17 @@ impl Drop for RollbackOnDrop<'_> {
     }
 }
 
-/// Sends `ROLLBACK` on `client` without waiting for the answer: polled once, a simple query is
-/// handed to the connection's task, which runs it after whatever it was sent before.
+/// Sends `ROLLBACK` on `client` without waiting for the answer.
 fn send_rollback(client: &Client) {
-    let mut rollback = pin!(client.batch_execute("ROLLBACK"));
-    let _ = rollback
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()));
+    send_without_waiting(client, "ROLLBACK");
+}
+
+/// Sends the simple query `sql` on `client` without waiting for the answer, for a drop that
+/// cannot await: polled once, a simple query is handed to the connection's task, which runs it
+/// after whatever it was sent before (and discards the answer).
+pub(crate) fn send_without_waiting(client: &Client, sql: &str) {
+    let mut sent = pin!(client.batch_execute(sql));
+    let _ = sent.as_mut().poll(&mut Context::from_waker(Waker::noop()));
 }
 
 /// An open READ COMMITTED transaction on a borrowed connection. Dropped while open, it sends

@@ -4,6 +4,7 @@
 use tokio_postgres::{Client, GenericClient, Transaction};
 
 use crate::error::Result;
+use crate::sql::txn::send_without_waiting;
 use crate::tables::locks::advisory_lock_of;
 use crate::tables::locks::install_lock;
 use crate::tables::names::DAY_MS;
@@ -279,14 +280,9 @@ impl Drop for RemovalTurn<'_> {
     fn drop(&mut self) {
         if self.held {
             // A removal given up half way (its future dropped, or an error): the unlock is
-            // sent without waiting (a simple query goes out at its first poll), and runs after
-            // whatever the connection was running. A session-level lock would otherwise stay
-            // with the connection until it closes.
-            let sql = unlock_sql(self.lock);
-            let mut unlock = std::pin::pin!(self.client.batch_execute(&sql));
-            let _ = unlock
-                .as_mut()
-                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+            // sent without waiting, and runs after whatever the connection was running. A
+            // session-level lock would otherwise stay with the connection until it closes.
+            send_without_waiting(self.client, &unlock_sql(self.lock));
         }
     }
 }
