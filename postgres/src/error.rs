@@ -46,18 +46,6 @@ pub enum Error {
         /// The version this release reads.
         supported: i32,
     },
-    /// A partition width outside 1 to [`crate::tables::install::PARTITION_DAYS_MAX`] days, or not the width the
-    /// records table was installed with (it is fixed when the table is created).
-    #[error(
-        "partitions of {requested} days refused{}: widths are 1 to 60 days, fixed when the table is created",
-        installed.map(|days| format!(" (the records table has partitions of {days} days)")).unwrap_or_default()
-    )]
-    PartitionDays {
-        /// The width asked for.
-        requested: u32,
-        /// The installed table's width, when there is one and it was looked at.
-        installed: Option<u32>,
-    },
     /// A stored record that does not decode: reported, never overwritten.
     #[error("the record of {key:?} does not decode: {detail}")]
     Corrupt {

@@ -8,20 +8,26 @@
 //! record and commits, so the marker and the business rows land together or not at all.
 //! Dropping the claim rolls everything back and frees the key.
 //!
-//! **Exactly one winner, never a wait.** Every writer of a key holds the key's
-//! transaction-level advisory lock (`pg_try_advisory_xact_lock` on a 64-bit hash of the table
-//! and the stored key) while it reads and writes the key's row. A claimant that does not get the
-//! lock gets `InProgress` at once. One that gets it reads the row in a second statement: under
-//! READ COMMITTED each statement takes a fresh snapshot, and PostgreSQL makes a transaction's
-//! commit visible before it releases its locks, so that read sees every earlier holder's
-//! commit. Two keys whose hashes collide only get a spurious `InProgress` while the other is
-//! held.
+//! **Exactly one winner, never a wait.** The records are one table whose primary key is
+//! (consumer, message key): at most one row per key, whoever writes it, and a read of a key is
+//! one probe of that index. Every writer of a key holds the key's transaction-level advisory
+//! lock (`pg_try_advisory_xact_lock` on a 64-bit hash of the table and the stored key) while it
+//! reads and writes the key's row. A claimant that does not get the lock gets `InProgress` at
+//! once. One that gets it reads the row in a second statement: under READ COMMITTED each
+//! statement takes a fresh snapshot, and PostgreSQL makes a transaction's commit visible
+//! before it releases its locks, so that read sees every earlier holder's commit. Two keys
+//! whose hashes collide only get a spurious `InProgress` while the other is held. Removal
+//! takes no key's lock: it deletes only expired rows, and a claim that replaces an expired row
+//! writes its record whether removal got there first or not.
 //!
-//! **Two round trips.** `BEGIN`, the lock and the read go out together, and so do the record's
-//! write and `COMMIT`: a claim and its commit cost two round trips besides the caller's SQL.
+//! **Two round trips.** `BEGIN`, the lock and the read go out together, and so do the caller's
+//! SQL, the record's write and `COMMIT`: a claim and its commit cost two round trips and six
+//! statements. No statement of the store's touches the session's settings.
 //! The commit's time is the database's clock read by the claim's lock statement, advanced by
 //! this process's monotonic clock since. A handler whose SQL does not depend on the answer
-//! sends it with the claim instead: [`PgConsumer::apply`] costs one round trip for a new key.
+//! sends it with the claim instead: [`PgConsumer::apply`] costs one round trip for a new key,
+//! and four statements (`BEGIN`, one that takes the key's lock and inserts the record,
+//! the caller's SQL, `COMMIT`): what a hand-written dedup insert in front of the same SQL sends.
 //!
 //! **Batches.** [`PgConsumer::begin_batch`] claims a broker batch in one transaction: one
 //! statement takes every key's lock, one reads every key's row, sent together; each message
@@ -59,16 +65,13 @@
 //! registered when a consumer's handle is made ([`PgStore::consumer`]): install the recorder
 //! first. Not here: the opener's extra labels.
 //!
-//! **Removal.** Records are range-partitioned by the day they become removable (schema
-//! version 2 on; `install` migrates older versions), one day per partition unless the table was
-//! installed with wider ones ([`InstallOptions::partition_days`]). Reads are exact at the expiry
-//! millisecond whatever is stored; [`PgStore::maintain`], run regularly, drops each partition
-//! once all of it has expired: no `DELETE`, no dead rows, the same cost at any number of
-//! records. Claims create the partitions of the days ahead before their transaction begins.
-//! Every read of a key looks into each partition that may hold a live record, about
-//! `retention / partition_days + 2` of them: with the default 7 days' retention, weekly
-//! partitions make a read look into 3 instead of 9 (and keep expired records up to a week
-//! longer). Retention is at most [`RETENTION_MS_MAX`] (60 days).
+//! **Removal.** Reads are exact at the expiry millisecond whatever is stored;
+//! [`PgStore::maintain`], run regularly, deletes the expired records oldest first through the
+//! index on their removal time, in batches of 1,000 rows (each its own transaction, skipping
+//! rows a claim holds), so it costs what expired since the last run, not what the table
+//! holds, and never holds many locks or frees much at once. The table is installed with
+//! autovacuum told to visit it after 1% of its rows changed, so new records reuse the space of
+//! removed ones. Retention is at most [`RETENTION_MS_MAX`] (60 days).
 //!
 //! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
@@ -77,10 +80,8 @@
 //! **Which millisecond.** Every bound is "at or after": a record whose expiry is `t` answers
 //! `Duplicate` through `t - 1` and is claimable again from `t` on; a lease that runs until
 //! `lease_until_ms` holds the key through `lease_until_ms - 1`, and from `lease_until_ms` on
-//! another claimant takes it over (the holder's next step is `LeaseLost`). The partition
-//! `<table>_d<N>` of width `W` days holds the rows removable from `N * DAY_MS` through
-//! `(N + W) * DAY_MS - 1`, and [`PgStore::maintain`] drops it from `(N + W) * DAY_MS` on, when
-//! every row of it has expired.
+//! another claimant takes it over (the holder's next step is `LeaseLost`). A row removable
+//! from `t` on is deleted by a [`PgStore::maintain`] whose clock read `t` or later when it began.
 //!
 //! **When a call fails, the key is free.** A call that returns an error (a claim's commit
 //! refused before anything was sent, a statement's failure, a record that does not decode) has
@@ -101,15 +102,17 @@
 //! [`Error::StatementDeallocated`], retryable, nothing written, and the statements are
 //! prepared anew.
 //!
-//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 4. A store opened on tables at
-//! versions 1 to 3 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 5. A store opened on tables at
+//! versions 1 to 4 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock: version 3 gains the recorded partition width (1 day, the width it was made with),
-//! version 2 also the ordering guard's versions table, and version 1 (one plain table) is
-//! copied into day partitions: every record whose removal time has not passed is kept, and
-//! those whose has (they read as absent already) are left out, as removal would drop them. Stop the consumers of the old release first
-//! (a version 1 table is replaced under them), run `install` once with the new release, then
-//! start the new consumers; the old release refuses the migrated tables with `SchemaTooNew`.
+//! lock: the old records table (plain at version 1, partitioned by removal day at 2 to 4) is
+//! renamed aside, the new one made, every record whose removal time has not passed copied into
+//! it (those whose has read as absent already, and removal would delete them), and the old
+//! table dropped with its partitions; version 1 and 2 tables also gain the ordering guard's
+//! versions table. The copy takes as long as the live records take to write, and holds the old
+//! table meanwhile. Stop the consumers of the old release first (their table is replaced
+//! under them), run `install` once with the new release, then start the new consumers; the
+//! old release refuses the migrated tables with `SchemaTooNew`.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -151,7 +154,7 @@ mod error;
 // How statements reach PostgreSQL: pipelined, prepared once per connection, in a claim's
 // transaction; the clocks.
 mod sql;
-// The tables: names, installation and migrations, day partitions, the installers' locks.
+// The tables: names, installation and migrations, the installers' locks.
 mod tables;
 // Storage: the store, its builder, statements and clock, the consumer handle, records' rows, metrics.
 mod storage;
@@ -159,8 +162,8 @@ mod storage;
 // steps, tickets, removal, export and import.
 mod operations;
 
-/// A statement of the caller's with its parameters and their types, sent unnamed (it needs no
-/// round trip to be prepared): see [`PgClaim::commit_with`].
+/// A statement of the caller's with its parameters and their types, prepared once per
+/// connection: see [`PgClaim::commit_with`].
 pub use sql::txn::Statement as TypedStatement;
 
 pub use error::{Error, Result};
@@ -169,16 +172,17 @@ pub use operations::batch::{BATCH_MESSAGES_MAX, PgBatchOutcome, PgClaimBatch};
 pub use operations::claim::PgClaim;
 pub use operations::external::{LEASE_STEP_LOCK_WAIT, PgExternalClaim, PgInProgress, PgResolution};
 pub use operations::lease::PgCompletion;
-pub use operations::maintain::{Maintenance, Partition};
+pub use operations::maintain::{Maintenance, Removal};
 pub use operations::ticket::PgLeaseTicket;
 pub use operations::transfer::{
     CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts,
 };
+pub use sql::prepared::CALLER_STATEMENTS_MAX;
 pub use storage::records::CLOCK_TOLERANCE_MS;
 pub use storage::store::{
     PgConsumer, PgStore, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, StoreBuilder,
 };
 pub use tables::install::{
-    InstallOptions, PARTITION_DAYS_MAX, SCHEMA_VERSION, install, install_with,
+    SCHEMA_VERSION, install,
 };
 pub use tables::names::{DAY_MS, Names};

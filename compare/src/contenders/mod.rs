@@ -46,13 +46,16 @@ pub enum Kind {
     /// `COMMIT`, with the business row (`crate::contenders::pg_floor`): the ceiling of a design of
     /// idemdb-postgres built that way.
     PostgresClaimFloor,
+    /// [`Kind::PostgresClaimFloor`] with the claim's answer waited for before the business row
+    /// and `COMMIT` are sent: two round trips, as a claim API that answers before the caller's
+    /// SQL runs must take.
+    PostgresClaimFloorTwoTrips,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit; or with `apply`, the deliveries through
     /// `PgConsumer::apply` (the business row sent with the claim, one round trip for a new
-    /// key). The records table is installed with partitions of `partition_days` days.
+    /// key).
     IdemdbPostgres {
         apply: bool,
-        partition_days: u32,
     },
     /// 4 KiB write + fdatasync of a preallocated, already written file: the disk's own
     /// durable-write latency. With `append`, a 200-byte record appended to a file preallocated
@@ -298,14 +301,8 @@ pub fn all() -> Vec<Spec> {
     ));
     // The PostgreSQL backend beside the raw inserts of the sweep and the 64-row batches.
     for threads in POSTGRES_BACKEND_CLIENTS {
-        specs.push(sweep("idemdb-postgres", PG_DAILY, threads));
-        specs.push(sweep("idemdb-postgres apply", PG_DAILY_APPLY, threads));
-        specs.push(sweep("idemdb-postgres weekly", PG_WEEKLY, threads));
-        specs.push(sweep(
-            "idemdb-postgres weekly apply",
-            PG_WEEKLY_APPLY,
-            threads,
-        ));
+        specs.push(sweep("idemdb-postgres", PG_CLAIM, threads));
+        specs.push(sweep("idemdb-postgres apply", PG_APPLY, threads));
         specs.push(sweep(
             "postgres sync on + business row",
             Kind::PostgresWithRow,
@@ -314,6 +311,11 @@ pub fn all() -> Vec<Spec> {
         specs.push(sweep(
             "postgres claim floor",
             Kind::PostgresClaimFloor,
+            threads,
+        ));
+        specs.push(sweep(
+            "postgres claim floor, two round trips",
+            Kind::PostgresClaimFloorTwoTrips,
             threads,
         ));
     }
@@ -333,14 +335,7 @@ pub fn all() -> Vec<Spec> {
     ));
     specs.push(Spec::new(
         "idemdb-postgres, 8 clients, batch 64",
-        PG_DAILY,
-        8,
-        64,
-        1,
-    ));
-    specs.push(Spec::new(
-        "idemdb-postgres weekly, 8 clients, batch 64",
-        PG_WEEKLY,
+        PG_CLAIM,
         8,
         64,
         1,
@@ -348,25 +343,9 @@ pub fn all() -> Vec<Spec> {
     specs
 }
 
-/// The PostgreSQL backend's contenders: daily partitions (what `install` makes) or weekly ones
-/// (`InstallOptions::partition_days(7)`, the store's default retention), each through `begin` +
-/// `commit_with` or through `apply`.
-const PG_DAILY: Kind = Kind::IdemdbPostgres {
-    apply: false,
-    partition_days: 1,
-};
-const PG_DAILY_APPLY: Kind = Kind::IdemdbPostgres {
-    apply: true,
-    partition_days: 1,
-};
-const PG_WEEKLY: Kind = Kind::IdemdbPostgres {
-    apply: false,
-    partition_days: 7,
-};
-const PG_WEEKLY_APPLY: Kind = Kind::IdemdbPostgres {
-    apply: true,
-    partition_days: 7,
-};
+/// The PostgreSQL backend's contenders: through `begin` + `commit_with`, or through `apply`.
+const PG_CLAIM: Kind = Kind::IdemdbPostgres { apply: false };
+const PG_APPLY: Kind = Kind::IdemdbPostgres { apply: true };
 
 /// Client counts of the PostgreSQL backend's runs (each against the raw insert's).
 pub const POSTGRES_BACKEND_CLIENTS: [usize; 3] = [1, 8, 32];
@@ -379,6 +358,7 @@ pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
             | Kind::Postgres { .. }
             | Kind::PostgresWithRow
             | Kind::PostgresClaimFloor
+            | Kind::PostgresClaimFloorTwoTrips
             | Kind::IdemdbPostgres { .. }
     ) {
         "clients"
@@ -523,19 +503,20 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 )?))
             })
         }
-        Kind::PostgresClaimFloor => {
+        Kind::PostgresClaimFloor | Kind::PostgresClaimFloorTwoTrips => {
             crate::contenders::pg_floor::reset(ports.postgres)?;
+            let two_trips = spec.kind == Kind::PostgresClaimFloorTwoTrips;
             Prepared::connected(threads, || {
                 Ok(Box::new(
-                    crate::contenders::pg_floor::ClaimFloorSession::connect(ports.postgres)?,
+                    crate::contenders::pg_floor::ClaimFloorSession::connect(
+                        ports.postgres,
+                        two_trips,
+                    )?,
                 ))
             })
         }
-        Kind::IdemdbPostgres {
-            apply,
-            partition_days,
-        } => {
-            crate::contenders::pg_backend::reset(ports.postgres, partition_days)?;
+        Kind::IdemdbPostgres { apply } => {
+            crate::contenders::pg_backend::reset(ports.postgres)?;
             Prepared::connected(threads, || {
                 Ok(Box::new(
                     crate::contenders::pg_backend::IdemdbPgSession::connect(

@@ -10,7 +10,7 @@
 
 use anyhow::{Context, Result};
 use idemdb::{Fingerprint, Message, Outcome};
-use idemdb_postgres::{InstallOptions, Names, PgBatchOutcome, PgConsumer, PgStore, install_with};
+use idemdb_postgres::{Names, PgBatchOutcome, PgConsumer, PgStore, install};
 use tokio::runtime::Runtime;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, NoTls};
@@ -52,7 +52,7 @@ pub fn names() -> Result<Names> {
 }
 
 /// Drops and re-creates the backend's tables and the business table: every run starts empty.
-pub fn reset(port: u16, partition_days: u32) -> Result<()> {
+pub fn reset(port: u16) -> Result<()> {
     runtime()?.block_on(async {
         let mut client = connect(port, true).await?;
         client
@@ -61,8 +61,7 @@ pub fn reset(port: u16, partition_days: u32) -> Result<()> {
                  CREATE TABLE {SCHEMA}.orders (key bytea PRIMARY KEY, value bytea NOT NULL);"
             ))
             .await?;
-        let options = InstallOptions::default().partition_days(partition_days);
-        install_with(&mut client, &names()?, options).await?;
+        install(&mut client, &names()?).await?;
         client.batch_execute("CHECKPOINT").await?;
         Ok(())
     })
@@ -78,10 +77,24 @@ pub struct IdemdbPgSession {
 
 impl IdemdbPgSession {
     pub fn connect(port: u16, synchronous_commit: bool, apply: bool) -> Result<IdemdbPgSession> {
+        IdemdbPgSession::connect_with(port, synchronous_commit, apply, None)
+    }
+
+    /// [`IdemdbPgSession::connect`] with a store of `retention` (the default when `None`).
+    pub fn connect_with(
+        port: u16,
+        synchronous_commit: bool,
+        apply: bool,
+        retention: Option<std::time::Duration>,
+    ) -> Result<IdemdbPgSession> {
         let runtime = runtime()?;
         let (client, consumer) = runtime.block_on(async {
             let client = connect(port, synchronous_commit).await?;
-            let store = PgStore::builder().names(names()?).open(&client).await?;
+            let mut builder = PgStore::builder().names(names()?);
+            if let Some(retention) = retention {
+                builder = builder.retention(retention);
+            }
+            let store = builder.open(&client).await?;
             let consumer = store.consumer(CONSUMER)?;
             anyhow::Ok((client, consumer))
         })?;

@@ -62,6 +62,9 @@ pub fn reset(port: u16) -> Result<()> {
 }
 
 pub struct ClaimFloorSession {
+    /// A single delivery waits for its claim's answer before sending the business row and
+    /// `COMMIT` (two round trips).
+    two_trips: bool,
     runtime: Runtime,
     client: Client,
     claim: Statement,
@@ -71,7 +74,7 @@ pub struct ClaimFloorSession {
 }
 
 impl ClaimFloorSession {
-    pub fn connect(port: u16) -> Result<ClaimFloorSession> {
+    pub fn connect(port: u16, two_trips: bool) -> Result<ClaimFloorSession> {
         let runtime = runtime()?;
         let (client, [claim, order, claim_many, orders]) = runtime.block_on(async {
             let client = crate::contenders::pg_backend::connect(port, true).await?;
@@ -85,6 +88,7 @@ impl ClaimFloorSession {
             anyhow::Ok((client, prepared))
         })?;
         Ok(ClaimFloorSession {
+            two_trips,
             runtime,
             client,
             claim,
@@ -98,6 +102,7 @@ impl ClaimFloorSession {
 impl Session for ClaimFloorSession {
     fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
         let ClaimFloorSession {
+            two_trips,
             runtime,
             client,
             claim,
@@ -107,6 +112,34 @@ impl Session for ClaimFloorSession {
         } = self;
         let client: &Client = client;
         runtime.block_on(async {
+            if let [delivery] = deliveries
+                && *two_trips
+            {
+                let (key, value) = (delivery.peer_key(), delivery.value());
+                let (key, value): (&[u8], &[u8]) = (&key, &value);
+                let (begun, claimed) = join(
+                    client.batch_execute("BEGIN"),
+                    client.execute(claim, &[&key, &value]),
+                )
+                .await;
+                begun?;
+                match claimed {
+                    Ok(_) => {
+                        let (ordered, committed) = join(
+                            client.execute(order, &[&key, &value]),
+                            client.batch_execute("COMMIT"),
+                        )
+                        .await;
+                        ordered?;
+                        committed?;
+                    }
+                    Err(error) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
+                        client.batch_execute("ROLLBACK").await?;
+                    }
+                    Err(error) => return Err(error.into()),
+                }
+                return Ok(());
+            }
             if let [delivery] = deliveries {
                 let (key, value) = (delivery.peer_key(), delivery.value());
                 let (key, value): (&[u8], &[u8]) = (&key, &value);

@@ -1,44 +1,51 @@
-//! Commit latency of idemdb's PostgreSQL backend while millions of expired records are removed:
-//! by [`PgStore::maintain`], which drops whole day partitions, and, for contrast, by the
-//! `DELETE ... WHERE expires_at_ms < now` that an inbox table without partitions needs. Two
-//! controls tell what the drops cost: the same drops with the partitions' files out of the
-//! page cache, and an `unlink` of as many bytes of files that are not PostgreSQL's.
+//! idemdb's PostgreSQL backend while expired records are removed, at a constant rate of
+//! claims: what removal costs the commits, and what the table weighs after many retention
+//! periods.
 //!
-//! One continuous run per removal method, on a fresh server: the expired records are written
-//! straight into the day partitions of three days ago (one SQL statement, real encoded records),
-//! then clients claim and commit new messages (the business row in the claim's transaction, as
-//! in the peers run) for a quiet window, then the removal starts on its own connection while
-//! they go on. Reported: the p99 of the commits started in the quiet window, and of those
-//! started while the removal ran.
+//! Two runs. **Backlog**: the expired records are written straight into the records table
+//! (one SQL statement, real encoded records), then clients claim and commit new messages (the
+//! business row in the claim's transaction, as in the peers run) at a constant total rate for
+//! a quiet window, then the removal starts on its own connection while they go on, until the
+//! backlog is gone. Reported per removal method, each on a fresh server: the p99 of the
+//! commits started in the quiet window, and of those started while the removal ran.
+//! **Steady state**: a fresh server, a short retention, claims at a constant rate for several
+//! retention periods, `maintain` every tenth of a period; at the end of every period the
+//! records table with its indexes is weighed against a freshly built copy of its live rows
+//! (same indexes), which is what the live records take at the least.
 
-use std::io::Write;
-use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use idemdb::Fingerprint;
 use idemdb::format::Record;
-use idemdb::{Fingerprint, MockClock};
-use idemdb_postgres::{DAY_MS, PgStore};
+use idemdb_postgres::PgStore;
 
 use crate::contenders::pg_backend::{self, IdemdbPgSession};
 use crate::workloads::{Generator, Session, quantile};
 
 #[derive(Args, Clone)]
 pub struct PgExpiryArgs {
-    /// Expired records present when the removal starts.
+    /// Expired records present when the removal starts (backlog run).
     #[arg(long, default_value_t = 10_000_000)]
     pub records: u64,
     /// Concurrent clients claiming and committing throughout.
     #[arg(long, default_value_t = 8)]
     pub clients: usize,
-    /// Seconds of the quiet window before the removal starts (and the least the run goes on
-    /// after it started).
+    /// Messages per second, all clients together (paced; a client behind schedule sends at once).
+    #[arg(long, default_value_t = 2_000)]
+    pub rate: u64,
+    /// Seconds of the quiet window before the removal starts (backlog run).
     #[arg(long, default_value_t = 20.0)]
     pub seconds: f64,
+    /// Retention of the steady-state run, in seconds.
+    #[arg(long, default_value_t = 30)]
+    pub retention_s: u64,
+    /// Retention periods of the steady-state run (0: no steady-state run).
+    #[arg(long, default_value_t = 10)]
+    pub periods: u32,
     /// The port of the private PostgreSQL server.
     #[arg(long, default_value_t = 16381)]
     pub port: u16,
@@ -52,7 +59,10 @@ impl PgExpiryArgs {
         PgExpiryArgs {
             records: 10_000_000,
             clients: 8,
+            rate: 2_000,
             seconds: 20.0,
+            retention_s: 30,
+            periods: 10,
             port: 16381,
             out,
         }
@@ -62,115 +72,87 @@ impl PgExpiryArgs {
 /// How the expired records are removed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Removal {
-    /// `PgStore::maintain`: detach and drop the expired day partitions.
-    DropPartitions,
-    /// One `DELETE` of every expired row.
+    /// `PgStore::maintain`: batches of 1,000 rows, each its own transaction, no pause.
+    Maintain,
+    /// `PgStore::maintain_with`, batches of 1,000 rows with [`PACED_PAUSE`] after each.
+    MaintainPaced,
+    /// One `DELETE` of every expired row: what a hand-written inbox table's removal does.
     Delete,
-    /// `maintain`'s two steps apart, to tell which one the commits feel: every expired day
-    /// partition detached concurrently, then a pause, then every one dropped.
-    StepsApart,
-    /// [`Removal::DropPartitions`] after the expired partitions' files were pushed out of the
-    /// operating system's page cache, as after a retention period of other writes on a server
-    /// whose memory is smaller than that: whether freeing cached pages is what costs.
-    DropColdPartitions,
-    /// No PostgreSQL at all: files of as many bytes as the expired partitions', written beside
-    /// the server's data directory on the same file system, removed with `unlink`. What
-    /// freeing that much disk space costs the commits, whoever frees it.
-    UnlinkOtherFiles,
-    /// [`Removal::DropPartitions`] with the records table in a tablespace on a file system of
-    /// its own (an ext4 image on the same disk, loop-mounted), the WAL and the business table
-    /// where they were: whether keeping the partitions' files out of the WAL's file system
-    /// spares the commits. Skipped where mounting is refused.
-    DropOnOwnFileSystem,
 }
 
-/// The pause between the detaches and the drops of [`Removal::StepsApart`].
-const STEPS_PAUSE: Duration = Duration::from_secs(3);
+/// The pause between batches of [`Removal::MaintainPaced`].
+const PACED_PAUSE: Duration = Duration::from_millis(10);
 
 impl Removal {
     pub fn name(self) -> &'static str {
         match self {
-            Removal::DropPartitions => "maintain (drops day partitions)",
-            Removal::Delete => "DELETE WHERE expires_at_ms < now",
-            Removal::StepsApart => "maintain's steps apart (detach all, pause, drop all)",
-            Removal::DropColdPartitions => "maintain, the expired partitions out of the page cache",
-            Removal::UnlinkOtherFiles => {
-                "unlink of as many bytes of other files (not PostgreSQL's; its records stay)"
-            }
-            Removal::DropOnOwnFileSystem => {
-                "maintain, the records table's tablespace on a file system of its own"
-            }
+            Removal::Maintain => "maintain (batches of 1,000 rows)",
+            Removal::MaintainPaced => "maintain_with (batches of 1,000 rows, 10 ms pauses)",
+            Removal::Delete => "one DELETE of every expired row",
         }
     }
 }
 
-/// One removal method's run.
+/// One removal method's backlog run.
 pub struct ExpiryRun {
     pub removal: Removal,
     pub removal_seconds: f64,
+    pub removed: u64,
     pub quiet_commits: usize,
     pub quiet_p50_us: f64,
     pub quiet_p99_us: f64,
     pub during_commits: usize,
     pub during_p50_us: f64,
     pub during_p99_us: f64,
-    /// The slowest commit started while the removal ran: unlike a p99, not raised by a short
-    /// removal's having few commits.
+    /// The slowest commit started while the removal ran.
     pub during_max_us: f64,
-    /// Commits started in the `--seconds` after the removal started (its aftermath too).
-    pub after_commits: usize,
-    pub after_p99_us: f64,
     pub rows_left: i64,
-    /// For [`Removal::StepsApart`]: the commits started while the partitions were being
-    /// detached, during the pause, and while they were being dropped.
-    pub steps: Option<[Step; 3]>,
 }
 
-/// One step of [`Removal::StepsApart`].
-pub struct Step {
-    pub name: &'static str,
-    pub seconds: f64,
+/// One retention period of the steady-state run, weighed at its end.
+pub struct Period {
+    /// Bytes of the records table with its indexes (and TOAST).
+    pub table_bytes: i64,
+    /// Bytes of a freshly built copy of the live rows with the same indexes.
+    pub live_bytes: i64,
+    pub live_rows: i64,
+    /// Expired rows still in the table when it was weighed.
+    pub expired_rows: i64,
+    /// Rows `maintain` removed during the period.
+    pub removed: u64,
     pub commits: usize,
-    pub p50_us: f64,
     pub p99_us: f64,
 }
 
-pub fn run(args: &PgExpiryArgs) -> Result<Vec<ExpiryRun>> {
-    let mut runs = Vec::new();
-    for removal in [
-        Removal::DropPartitions,
-        Removal::StepsApart,
-        Removal::Delete,
-        Removal::DropColdPartitions,
-        Removal::UnlinkOtherFiles,
-        Removal::DropOnOwnFileSystem,
-    ] {
-        let dir = tempfile::Builder::new()
-            .prefix("idemdb-pg-expiry-")
-            .tempdir()
-            .context("temporary directory")?;
-        // Mounted before the server starts and unmounted after it stopped (drop order).
-        let own_file_system = if removal == Removal::DropOnOwnFileSystem {
-            match LoopMount::new(&dir.path().join("records-fs"), args.records) {
-                Ok(mounted) => Some(mounted),
-                Err(why) => {
-                    eprintln!(
-                        "skipped \"{}\": cannot mount a file system ({why:#})",
-                        removal.name()
-                    );
-                    continue;
-                }
-            }
-        } else {
-            None
-        };
+pub struct ExpiryReport {
+    pub backlog: Vec<ExpiryRun>,
+    pub steady: Vec<Period>,
+}
+
+pub fn run(args: &PgExpiryArgs) -> Result<ExpiryReport> {
+    let mut backlog = Vec::new();
+    for removal in [Removal::Maintain, Removal::MaintainPaced, Removal::Delete] {
+        let dir = tempdir()?;
         eprintln!("starting postgres on 127.0.0.1:{}", args.port);
         let server = crate::servers::postgres(dir.path(), args.port)?;
-        runs.push(one(args, removal, dir.path(), own_file_system.as_ref())?);
+        backlog.push(backlog_run(args, removal)?);
         drop(server);
-        drop(own_file_system);
     }
-    Ok(runs)
+    let mut steady = Vec::new();
+    if args.periods > 0 {
+        let dir = tempdir()?;
+        let server = crate::servers::postgres(dir.path(), args.port)?;
+        steady = steady_run(args)?;
+        drop(server);
+    }
+    Ok(ExpiryReport { backlog, steady })
+}
+
+fn tempdir() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("idemdb-pg-expiry-")
+        .tempdir()
+        .context("temporary directory")
 }
 
 fn now_ms() -> u64 {
@@ -182,88 +164,29 @@ fn now_ms() -> u64 {
 /// (start since the run began, latency) of one commit, in nanoseconds.
 type Call = (u64, u64);
 
-fn one(
+/// Clients delivering at `rate` messages per second in all until `stop`, each on its own
+/// connection, with the store's `retention`.
+fn paced_clients(
     args: &PgExpiryArgs,
-    removal: Removal,
-    dir: &Path,
-    own_file_system: Option<&LoopMount>,
-) -> Result<ExpiryRun> {
-    let port = args.port;
-    pg_backend::reset(port, 1)?;
-    if let Some(mounted) = own_file_system {
-        records_on(port, &mounted.point, &dir.join("postgres"))?;
-    }
-    let runtime = pg_backend::runtime()?;
-    // The day partitions of three days ago onward, made by a store whose clock is then.
-    let filled_from_ms = now_ms() - 3 * DAY_MS as u64;
-    let fill_started = Instant::now();
-    let mut other_files = Vec::new();
-    runtime.block_on(async {
-        let mut client = pg_backend::connect(port, true).await?;
-        let past = PgStore::builder()
-            .names(pg_backend::names()?)
-            .clock(MockClock::new(filled_from_ms))
-            .open(&client)
-            .await?;
-        past.maintain(&mut client).await?;
-        // Committed three days ago, expired two days ago (the default retention is 7 days,
-        // but what matters is when the row is removable): half in each of two day partitions.
-        let day0 = filled_from_ms as i64 / DAY_MS * DAY_MS;
-        let record = Record::new(
-            1,
-            filled_from_ms,
-            day0 as u64 + 1,
-            Fingerprint::of(b"expired"),
-            bytes::Bytes::new(),
-        )
-        .encode();
-        eprintln!("writing {} expired records", args.records);
-        client
-            .execute(
-                "INSERT INTO bench_idemdb.records (consumer, message_key, record, expires_at_ms) \
-                 SELECT 'bench'::bytea, convert_to('x' || lpad(i::text, 15, '0'), 'UTF8'), $1, \
-                        $2 + (i % 2) * $3 + (i % 1000) \
-                 FROM generate_series(1, $4::int8) AS i",
-                &[&record, &(day0 + 1), &DAY_MS, &(args.records as i64)],
-            )
-            .await?;
-        // Nothing left for autovacuum to do during the measurement, and no dirty buffers.
-        client
-            .batch_execute("VACUUM (ANALYZE) bench_idemdb.records")
-            .await?;
-        client.batch_execute("CHECKPOINT").await?;
-        let files = expired_files(&client, &dir.join("postgres")).await?;
-        if removal == Removal::DropOnOwnFileSystem {
-            anyhow::ensure!(
-                files
-                    .iter()
-                    .all(|file| file.to_string_lossy().contains("/pg_tblspc/")),
-                "the expired partitions are not in the tablespace: {files:?}"
-            );
-        }
-        match removal {
-            Removal::DropColdPartitions => evict(&files)?,
-            Removal::UnlinkOtherFiles => other_files = write_other_files(dir, &files)?,
-            _ => {}
-        }
-        anyhow::Ok(())
-    })?;
-    let fill_seconds = fill_started.elapsed().as_secs_f64();
-    eprintln!(
-        "filled in {fill_seconds:.0} s; {} clients start",
-        args.clients
-    );
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let started = Instant::now();
-    let clients: Vec<_> = (0..args.clients)
+    retention: Option<Duration>,
+    started: Instant,
+    stop: &Arc<AtomicBool>,
+) -> Result<Vec<std::thread::JoinHandle<Result<Vec<Call>>>>> {
+    let interval = Duration::from_secs_f64(args.clients as f64 / args.rate.max(1) as f64);
+    (0..args.clients)
         .map(|thread| {
             let stop = stop.clone();
-            let mut session = IdemdbPgSession::connect(port, true, false)?;
+            let mut session = IdemdbPgSession::connect_with(args.port, true, false, retention)?;
             Ok(std::thread::spawn(move || -> Result<Vec<Call>> {
                 let mut generator = Generator::new(thread, 0x5eed, 0.1);
                 let mut calls = Vec::with_capacity(1 << 16);
+                // Clients start spread over one interval, not all at once.
+                let mut next = started + interval.mul_f64(thread as f64 / 8.0);
                 while !stop.load(Ordering::Relaxed) {
+                    if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                    next += interval;
                     let delivery = generator.next_delivery();
                     let at = started.elapsed().as_nanos() as u64;
                     let call = Instant::now();
@@ -273,93 +196,10 @@ fn one(
                 Ok(calls)
             }))
         })
-        .collect::<Result<_>>()?;
-    let quiet = Duration::from_secs_f64(args.seconds);
-    std::thread::sleep(quiet);
-    let removal_start = started.elapsed();
-    let mut step_windows = Vec::new();
-    let (removal_end, rows_left) = runtime.block_on(async {
-        let mut client = pg_backend::connect(port, true).await?;
-        match removal {
-            Removal::StepsApart => {
-                let store = PgStore::builder()
-                    .names(pg_backend::names()?)
-                    .open(&client)
-                    .await?;
-                let expired: Vec<String> = store
-                    .partitions(&client)
-                    .await?
-                    .into_iter()
-                    .filter(|partition| partition.removable)
-                    .map(|partition| partition.name)
-                    .collect();
-                let mut step = |name: &'static str, from: Duration| {
-                    step_windows.push((name, from, started.elapsed()));
-                };
-                let from = started.elapsed();
-                for partition in &expired {
-                    client
-                        .batch_execute(&format!(
-                            "ALTER TABLE bench_idemdb.records DETACH PARTITION {partition} CONCURRENTLY"
-                        ))
-                        .await?;
-                }
-                step("detach", from);
-                let from = started.elapsed();
-                tokio::time::sleep(STEPS_PAUSE).await;
-                step("pause", from);
-                let from = started.elapsed();
-                for partition in &expired {
-                    client
-                        .batch_execute(&format!("DROP TABLE {partition}"))
-                        .await?;
-                }
-                step("drop", from);
-                eprintln!("detached, then dropped {expired:?}");
-            }
-            Removal::UnlinkOtherFiles => {
-                for file in &other_files {
-                    std::fs::remove_file(file)?;
-                }
-                eprintln!("unlinked {} files", other_files.len());
-            }
-            Removal::DropPartitions
-            | Removal::DropColdPartitions
-            | Removal::DropOnOwnFileSystem => {
-                let store = PgStore::builder()
-                    .names(pg_backend::names()?)
-                    .open(&client)
-                    .await?;
-                let done = store.maintain(&mut client).await?;
-                eprintln!("maintain dropped {:?}", done.dropped);
-            }
-            Removal::Delete => {
-                let deleted = client
-                    .execute(
-                        "DELETE FROM bench_idemdb.records \
-                         WHERE expires_at_ms < floor(extract(epoch FROM now()) * 1000)::int8",
-                        &[],
-                    )
-                    .await?;
-                eprintln!("DELETE removed {deleted} rows");
-            }
-        }
-        let end = started.elapsed();
-        let left: i64 = client
-            .query_one(
-                "SELECT count(*) FROM bench_idemdb.records WHERE message_key >= 'x' AND message_key < 'y'",
-                &[],
-            )
-            .await?
-            .get(0);
-        anyhow::Ok((end, left))
-    })?;
-    // At least `quiet` after the removal started, so that a short removal's aftermath counts.
-    let until = removal_start + quiet;
-    if let Some(rest) = until.checked_sub(started.elapsed()) {
-        std::thread::sleep(rest);
-    }
-    stop.store(true, Ordering::Relaxed);
+        .collect()
+}
+
+fn join_all(clients: Vec<std::thread::JoinHandle<Result<Vec<Call>>>>) -> Result<Vec<Call>> {
     let mut calls = Vec::new();
     for client in clients {
         calls.extend(
@@ -368,238 +208,239 @@ fn one(
                 .map_err(|_| anyhow::anyhow!("a client thread panicked"))??,
         );
     }
-    let window = |from: Duration, to: Duration| -> Vec<u32> {
-        let (from, to) = (from.as_nanos() as u64, to.as_nanos() as u64);
-        let mut latencies: Vec<u32> = calls
-            .iter()
-            .filter(|(at, _)| (from..to).contains(at))
-            .map(|(_, latency)| u32::try_from(*latency).unwrap_or(u32::MAX))
-            .collect();
-        latencies.sort_unstable();
-        latencies
-    };
+    Ok(calls)
+}
+
+/// The latencies of the calls started between `from` and `to`, sorted.
+fn window(calls: &[Call], from: Duration, to: Duration) -> Vec<u32> {
+    let (from, to) = (from.as_nanos() as u64, to.as_nanos() as u64);
+    let mut latencies: Vec<u32> = calls
+        .iter()
+        .filter(|(at, _)| (from..to).contains(at))
+        .map(|(_, latency)| u32::try_from(*latency).unwrap_or(u32::MAX))
+        .collect();
+    latencies.sort_unstable();
+    latencies
+}
+
+fn us(sorted: &[u32], q: f64) -> f64 {
+    quantile(sorted, q) / 1000.0
+}
+
+fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
+    let port = args.port;
+    pg_backend::reset(port)?;
+    let runtime = pg_backend::runtime()?;
+    let fill_started = Instant::now();
+    runtime.block_on(async {
+        let client = pg_backend::connect(port, true).await?;
+        // Committed a day ago, expired an hour ago (what matters is when the row is removable),
+        // their removal times spread over a minute.
+        let expired_at_ms = now_ms() - 3_600_000;
+        let record = Record::new(
+            1,
+            expired_at_ms - 86_400_000,
+            expired_at_ms,
+            Fingerprint::of(b"expired"),
+            bytes::Bytes::new(),
+        )
+        .encode();
+        eprintln!("writing {} expired records", args.records);
+        client
+            .execute(
+                "INSERT INTO bench_idemdb.records (consumer, message_key, record, expires_at_ms) \
+                 SELECT 'bench'::bytea, convert_to('x' || lpad(i::text, 15, '0'), 'UTF8'), $1, \
+                        $2 - (i % 60000) \
+                 FROM generate_series(1, $3::int8) AS i",
+                &[&record, &(expired_at_ms as i64), &(args.records as i64)],
+            )
+            .await?;
+        // Nothing left for autovacuum to do before the measurement, and no dirty buffers.
+        client
+            .batch_execute("VACUUM (ANALYZE) bench_idemdb.records; CHECKPOINT")
+            .await?;
+        anyhow::Ok(())
+    })?;
+    eprintln!(
+        "filled in {:.0} s; {} clients start at {} messages/s",
+        fill_started.elapsed().as_secs_f64(),
+        args.clients,
+        args.rate
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let clients = paced_clients(args, None, started, &stop)?;
+    std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let removal_start = started.elapsed();
+    let (removal_end, removed, rows_left) = runtime.block_on(async {
+        let client = pg_backend::connect(port, true).await?;
+        let store = PgStore::builder()
+            .names(pg_backend::names()?)
+            .open(&client)
+            .await?;
+        let removed = match removal {
+            Removal::Maintain => store.maintain(&client).await?.removed,
+            Removal::MaintainPaced => {
+                let paced = idemdb_postgres::Removal::default().pause(PACED_PAUSE);
+                store.maintain_with(&client, paced).await?.removed
+            }
+            Removal::Delete => client
+                .execute(
+                    "DELETE FROM bench_idemdb.records \
+                     WHERE expires_at_ms <= floor(extract(epoch FROM now()) * 1000)::int8",
+                    &[],
+                )
+                .await?,
+        };
+        let end = started.elapsed();
+        let left: i64 = client
+            .query_one(
+                "SELECT count(*) FROM bench_idemdb.records \
+                 WHERE message_key >= 'x' AND message_key < 'y'",
+                &[],
+            )
+            .await?
+            .get(0);
+        anyhow::Ok((end, removed, left))
+    })?;
+    stop.store(true, Ordering::Relaxed);
+    let calls = join_all(clients)?;
     // The quiet window skips the first second (connections warming up).
-    let quiet_calls = window(Duration::from_secs(1), removal_start);
-    let during_calls = window(
+    let quiet = window(&calls, Duration::from_secs(1), removal_start);
+    let during = window(
+        &calls,
         removal_start,
         removal_end.max(removal_start + Duration::from_millis(1)),
     );
-    let after_calls = window(removal_start, until);
-    let us = |sorted: &[u32], q: f64| quantile(sorted, q) / 1000.0;
-    let steps: Vec<Step> = step_windows
-        .iter()
-        .map(|(name, from, to)| {
-            let calls = window(*from, (*to).max(*from + Duration::from_millis(1)));
-            Step {
-                name,
-                seconds: (*to - *from).as_secs_f64(),
-                commits: calls.len(),
-                p50_us: us(&calls, 0.5),
-                p99_us: us(&calls, 0.99),
-            }
-        })
-        .collect();
-    let steps = <[Step; 3]>::try_from(steps).ok();
     let result = ExpiryRun {
         removal,
         removal_seconds: (removal_end - removal_start).as_secs_f64(),
-        quiet_commits: quiet_calls.len(),
-        quiet_p50_us: us(&quiet_calls, 0.5),
-        quiet_p99_us: us(&quiet_calls, 0.99),
-        during_commits: during_calls.len(),
-        during_p50_us: us(&during_calls, 0.5),
-        during_p99_us: us(&during_calls, 0.99),
-        during_max_us: us(&during_calls, 1.0),
-        after_commits: after_calls.len(),
-        after_p99_us: us(&after_calls, 0.99),
+        removed,
+        quiet_commits: quiet.len(),
+        quiet_p50_us: us(&quiet, 0.5),
+        quiet_p99_us: us(&quiet, 0.99),
+        during_commits: during.len(),
+        during_p50_us: us(&during, 0.5),
+        during_p99_us: us(&during, 0.99),
+        during_max_us: us(&during, 1.0),
         rows_left,
-        steps,
     };
     eprintln!(
-        "{}: removal {:.2} s; p99 quiet {:.0} us ({} commits), during {:.0} us ({} commits); {} expired rows left",
+        "{}: {} removed in {:.1} s; p99 quiet {:.0} us ({} commits), during {:.0} us ({} commits); {} expired rows left",
         removal.name(),
+        result.removed,
         result.removal_seconds,
         result.quiet_p99_us,
         result.quiet_commits,
         result.during_p99_us,
         result.during_commits,
-        rows_left
+        result.rows_left
     );
     Ok(result)
 }
 
-/// The files of the expired partitions (each one's table and indexes, every 1 GB segment), in
-/// the server's data directory `data`.
-async fn expired_files(client: &tokio_postgres::Client, data: &Path) -> Result<Vec<PathBuf>> {
-    // A relation in a tablespace is under pg_tblspc/<oid>/, a link to the tablespace.
-    let store = PgStore::builder()
-        .names(pg_backend::names()?)
-        .open(client)
-        .await?;
-    let mut files = Vec::new();
-    for partition in store.partitions(client).await? {
-        if !partition.removable {
-            continue;
-        }
-        let relations = client
-            .query(
-                "SELECT pg_relation_filepath(c.oid) FROM pg_class c \
-                 WHERE c.oid = $1::text::regclass \
-                    OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass)",
-                &[&partition.name],
-            )
-            .await?;
-        for relation in relations {
-            let path: String = relation.get(0);
-            let first = data.join(&path);
-            files.push(first.clone());
-            for segment in 1.. {
-                let next = data.join(format!("{path}.{segment}"));
-                if !next.exists() {
-                    break;
-                }
-                files.push(next);
-            }
-        }
-    }
-    anyhow::ensure!(!files.is_empty(), "no expired partition has files");
-    Ok(files)
-}
-
-/// Pushes `files` out of the page cache (they are clean: the checkpoint wrote them).
-fn evict(files: &[PathBuf]) -> Result<()> {
-    let mut bytes = 0;
-    for path in files {
-        let file = std::fs::File::open(path).with_context(|| format!("opening {path:?}"))?;
-        bytes += file.metadata()?.len();
-        // SAFETY: a plain system call on a file descriptor this function owns.
-        let error =
-            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        anyhow::ensure!(error == 0, "posix_fadvise on {path:?} failed: {error}");
-    }
-    eprintln!("pushed {bytes} bytes of expired partitions out of the page cache");
-    Ok(())
-}
-
-/// Writes, under `dir` (the file system of the server's data directory), one file per file of
-/// `like` with as many bytes, synced: what [`Removal::UnlinkOtherFiles`] removes.
-fn write_other_files(dir: &Path, like: &[PathBuf]) -> Result<Vec<PathBuf>> {
-    let other = dir.join("other-files");
-    std::fs::create_dir_all(&other)?;
-    let mut written = Vec::new();
-    let mut bytes = 0;
-    for (index, path) in like.iter().enumerate() {
-        let len = std::fs::metadata(path)?.len();
-        let target = other.join(format!("file-{index}"));
-        write_synced(&target, len, 0x5a)?;
-        bytes += len;
-        written.push(target);
-    }
-    eprintln!("wrote {bytes} bytes of other files to unlink");
-    Ok(written)
-}
-
-/// Writes a file of `len` bytes of `byte` at `path` (every block written, none left a hole),
-/// and syncs it.
-fn write_synced(path: &Path, len: u64, byte: u8) -> Result<()> {
-    let chunk = vec![byte; 1 << 20];
-    let mut file = std::fs::File::create(path)?;
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(chunk.len() as u64) as usize;
-        file.write_all(&chunk[..n])?;
-        left -= n as u64;
-    }
-    file.sync_all()?;
-    Ok(())
-}
-
-/// An ext4 file system in an image file, loop-mounted at `point`; unmounted when dropped.
-struct LoopMount {
-    point: PathBuf,
-}
-
-impl LoopMount {
-    /// An image under `at` with room for `records` expired records and the run's new ones
-    /// (about 160 bytes each on disk, twice over), written out in full first, so that the
-    /// file system's writes never allocate blocks of the disk's file system under it.
-    fn new(at: &Path, records: u64) -> Result<LoopMount> {
-        std::fs::create_dir_all(at)?;
-        let image = at.join("image");
-        let point = at.join("mnt");
-        std::fs::create_dir_all(&point)?;
-        let bytes = (records * 320).max(1 << 30);
-        write_synced(&image, bytes, 0)?;
-        // No discard (on an image file, mkfs would punch the written blocks out again) and
-        // the inode tables and journal written now, not by a kernel thread during the run.
-        run_tool(
-            std::process::Command::new("mkfs.ext4")
-                .args([
-                    "-q",
-                    "-F",
-                    "-E",
-                    "nodiscard,lazy_itable_init=0,lazy_journal_init=0",
-                ])
-                .arg(&image),
-        )?;
-        run_tool(
-            std::process::Command::new("mount")
-                .args(["-o", "loop"])
-                .arg(&image)
-                .arg(&point),
-        )?;
-        eprintln!(
-            "mounted a {bytes}-byte ext4 image at {point:?} (a run interrupted before its end \
-             leaves it mounted: umount it by hand)"
-        );
-        Ok(LoopMount { point })
-    }
-}
-
-impl Drop for LoopMount {
-    fn drop(&mut self) {
-        let unmounted = std::process::Command::new("umount")
-            .arg(&self.point)
-            .status();
-        if !unmounted.is_ok_and(|status| status.success()) {
-            eprintln!("could not unmount {:?}: unmount it by hand", self.point);
-        }
-    }
-}
-
-fn run_tool(command: &mut std::process::Command) -> Result<()> {
-    let output = command
-        .output()
-        .with_context(|| format!("running {command:?}"))?;
-    anyhow::ensure!(
-        output.status.success(),
-        "{command:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr).trim()
-    );
-    Ok(())
-}
-
-/// A tablespace at `point` (a directory there owned as the data directory `data` is), set as
-/// the records table's: every partition made from now on goes there.
-fn records_on(port: u16, point: &Path, data: &Path) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let location = point.join("tablespace");
-    std::fs::create_dir_all(&location)?;
-    let owner = std::fs::metadata(data)?;
-    std::os::unix::fs::chown(point, Some(owner.uid()), Some(owner.gid()))?;
-    std::os::unix::fs::chown(&location, Some(owner.uid()), Some(owner.gid()))?;
+fn steady_run(args: &PgExpiryArgs) -> Result<Vec<Period>> {
+    let port = args.port;
+    pg_backend::reset(port)?;
     let runtime = pg_backend::runtime()?;
+    let retention = Duration::from_secs(args.retention_s);
+    // The run squeezes days into seconds; autovacuum's pass over the tables is squeezed with
+    // them (once a minute by default, against a retention of days in production).
     runtime.block_on(async {
         let client = pg_backend::connect(port, true).await?;
         client
-            .batch_execute(&format!(
-                "CREATE TABLESPACE bench_records LOCATION '{}'",
-                location.display()
-            ))
-            .await?;
-        client
-            .batch_execute("ALTER TABLE bench_idemdb.records SET TABLESPACE bench_records")
+            .batch_execute("ALTER SYSTEM SET autovacuum_naptime = '1s'; SELECT pg_reload_conf()")
             .await?;
         anyhow::Ok(())
-    })
+    })?;
+    eprintln!(
+        "steady state: {} periods of {} s at {} messages/s",
+        args.periods, args.retention_s, args.rate
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let clients = paced_clients(args, Some(retention), started, &stop)?;
+    let mut periods = Vec::new();
+    let mut marks = Vec::new();
+    runtime.block_on(async {
+        let client = pg_backend::connect(port, true).await?;
+        let store = PgStore::builder()
+            .names(pg_backend::names()?)
+            .retention(retention)
+            .open(&client)
+            .await?;
+        for period in 1..=args.periods {
+            let mut removed = 0;
+            let period_end = retention * period;
+            while started.elapsed() < period_end {
+                removed += store.maintain(&client).await?.removed;
+                let next = (started.elapsed() + retention / 10).min(period_end);
+                if let Some(wait) = next.checked_sub(started.elapsed()) {
+                    tokio::time::sleep(wait).await;
+                }
+            }
+            let (table_bytes, live_bytes, live_rows, expired_rows) = weigh(&client).await?;
+            eprintln!(
+                "period {period}: table {:.1} MB, live copy {:.1} MB ({:.2}x), {live_rows} live rows, {expired_rows} expired left, {removed} removed",
+                table_bytes as f64 / 1e6,
+                live_bytes as f64 / 1e6,
+                table_bytes as f64 / live_bytes.max(1) as f64
+            );
+            marks.push(started.elapsed());
+            periods.push(Period {
+                table_bytes,
+                live_bytes,
+                live_rows,
+                expired_rows,
+                removed,
+                commits: 0,
+                p99_us: 0.0,
+            });
+        }
+        anyhow::Ok(())
+    })?;
+    stop.store(true, Ordering::Relaxed);
+    let calls = join_all(clients)?;
+    let mut from = Duration::from_secs(1);
+    for (period, to) in periods.iter_mut().zip(marks) {
+        let latencies = window(&calls, from, to);
+        period.commits = latencies.len();
+        period.p99_us = us(&latencies, 0.99);
+        from = to;
+    }
+    Ok(periods)
+}
+
+/// The records table with its indexes, and a copy of its live rows built fresh with the same
+/// indexes: (table bytes, copy bytes, live rows, expired rows left).
+async fn weigh(client: &tokio_postgres::Client) -> Result<(i64, i64, i64, i64)> {
+    let now = floor_now_sql();
+    client
+        .batch_execute(&format!(
+            "DROP TABLE IF EXISTS bench_idemdb.live_copy; \
+             CREATE TABLE bench_idemdb.live_copy AS \
+                 SELECT * FROM bench_idemdb.records WHERE expires_at_ms > {now}; \
+             ALTER TABLE bench_idemdb.live_copy ADD PRIMARY KEY (consumer, message_key); \
+             CREATE INDEX ON bench_idemdb.live_copy (expires_at_ms);"
+        ))
+        .await?;
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT pg_total_relation_size('bench_idemdb.records'), \
+                        pg_total_relation_size('bench_idemdb.live_copy'), \
+                        (SELECT count(*) FROM bench_idemdb.live_copy), \
+                        (SELECT count(*) FROM bench_idemdb.records WHERE expires_at_ms <= {now})"
+            ),
+            &[],
+        )
+        .await?;
+    client
+        .batch_execute("DROP TABLE bench_idemdb.live_copy")
+        .await?;
+    Ok((row.get(0), row.get(1), row.get(2), row.get(3)))
+}
+
+fn floor_now_sql() -> &'static str {
+    "floor(extract(epoch FROM clock_timestamp()) * 1000)::int8"
 }

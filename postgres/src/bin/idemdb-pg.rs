@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Write};
 use std::process::ExitCode;
 
-use idemdb_postgres::{Error, ExportReport, InstallOptions, Names, PgStore, install_with};
+use idemdb_postgres::{Error, ExportReport, Names, PgStore, install};
 use tokio_postgres::{Client, NoTls};
 
 const HELP: &str = "\
@@ -16,6 +16,7 @@ USAGE:
     idemdb-pg export [OPTIONS] [--consumer ID] [-o FILE]
     idemdb-pg import [OPTIONS] [--overwrite] [FILE | -]
     idemdb-pg install [OPTIONS]
+    idemdb-pg maintain [OPTIONS]
 
 The lines are those `idemdb export` writes and `idemdb import` reads (one JSON object per line,
 bytes as exact hex), so a store moves either way:
@@ -31,8 +32,9 @@ import   reads every line and checks it before anything is written. A key that h
          lock, so a claim running meanwhile is never doubled. PostgreSQL keeps consumers'
          records only: a line of an embedded store's entity table is refused.
 install  creates the tables (as idemdb_postgres::install does), if they are missing, or
-         migrates older ones. --partition-days N makes a new table's partitions of removable
-         records N days wide (1 to 60; default 1); fixed once the table exists.
+         migrates older ones.
+maintain deletes the records that have expired (as PgStore::maintain does: oldest first, in
+         batches of 1,000 rows, each its own transaction) and prints how many.
 
 OPTIONS:
     --url URL        the connection (libpq keywords or postgresql://...; no TLS);
@@ -62,12 +64,11 @@ struct Args {
     output: Option<String>,
     input: Option<String>,
     overwrite: bool,
-    partition_days: Option<u32>,
 }
 
 fn parse_args(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
     let command = words.next().ok_or("no command given")?;
-    if !["export", "import", "install"].contains(&command.as_str()) {
+    if !["export", "import", "install", "maintain"].contains(&command.as_str()) {
         return Err(format!("unknown command {command:?}"));
     }
     let mut args = Args {
@@ -79,7 +80,6 @@ fn parse_args(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
         output: None,
         input: None,
         overwrite: false,
-        partition_days: None,
     };
     while let Some(word) = words.next() {
         let mut value = |name: &str| words.next().ok_or(format!("{name} needs a value"));
@@ -90,13 +90,6 @@ fn parse_args(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
             "--consumer" if args.command == "export" => args.consumer = Some(value("--consumer")?),
             "-o" | "--output" if args.command == "export" => args.output = Some(value("-o")?),
             "--overwrite" if args.command == "import" => args.overwrite = true,
-            "--partition-days" if args.command == "install" => {
-                let days = value("--partition-days")?;
-                args.partition_days =
-                    Some(days.parse().map_err(|_| {
-                        format!("--partition-days {days:?} is not a number of days")
-                    })?);
-            }
             other
                 if args.command == "import" && args.input.is_none() && !other.starts_with("--") =>
             {
@@ -150,7 +143,6 @@ fn main() -> ExitCode {
             let code = match error {
                 Error::Idemdb(_)
                 | Error::InvalidName { .. }
-                | Error::PartitionDays { .. }
                 | Error::ImportInput(_)
                 | Error::NotImportable { .. } => EXIT_USAGE,
                 _ => EXIT_FAILED,
@@ -168,14 +160,18 @@ async fn run(args: &Args) -> Result<u8, Error> {
     };
     let mut client = connect(url).await?;
     if args.command == "install" {
-        let mut options = InstallOptions::default();
-        if let Some(days) = args.partition_days {
-            options = options.partition_days(days);
-        }
-        install_with(&mut client, &names, options).await?;
+        install(&mut client, &names).await?;
         return Ok(0);
     }
     let store = PgStore::builder().names(names).open(&client).await?;
+    if args.command == "maintain" {
+        let done = store.maintain(&client).await?;
+        println!(
+            "removed {} expired records in {} batches",
+            done.removed, done.batches
+        );
+        return Ok(0);
+    }
     if args.command == "export" {
         let mut out: Box<dyn Write> = match &args.output {
             Some(path) => Box::new(BufWriter::new(

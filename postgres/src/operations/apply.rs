@@ -3,20 +3,20 @@
 //! [`PgConsumer::begin`] and [`PgClaim::commit_with`](crate::operations::claim::PgClaim::commit_with) cost two
 //! round trips: the claim's answer must come back before the caller knows what to run. A
 //! handler whose SQL does not depend on the answer (insert the order, add to the balance) can
-//! send everything at once: `BEGIN`, the key's lock, a statement that reads the key's row and
-//! inserts the completed record only when there is none, a guard that fails when it did not,
-//! the caller's SQL and `COMMIT`. When the key is new (most deliveries), that one round trip is
-//! the whole of it. When it is not, the guard (or the lock, held elsewhere) fails, the
-//! transaction rolls back with the caller's SQL, and the row read decides: a duplicate, a
-//! conflict or a live external claim is answered from it, in the same round trip; a record
-//! that can be taken over (expired, released, a lease run out) is decided and committed as
-//! [`PgConsumer::begin_message`] and `commit_with` do, in two more round trips.
+//! send everything at once: `BEGIN`, one statement that takes the key's lock and inserts the
+//! completed record when the key has no row (and fails otherwise), the caller's SQL and
+//! `COMMIT`: four statements, as a hand-written dedup insert in front of the same SQL would
+//! send. When the key is new (most deliveries), that one round trip is the whole of it. When
+//! it is not, the statement fails, the transaction rolls back with the caller's SQL, and the
+//! key's row, read in one more round trip, decides: a duplicate, a conflict or a live external
+//! claim is answered from it; a record that can be taken over (expired, released, a lease run
+//! out), or a key held by a claim in flight, is decided and committed as
+//! [`PgConsumer::begin_message`] and `commit_with` do.
 //!
-//! Why the shortcut cannot give a second winner: the lock is taken by a statement of its own,
-//! and the read and insert run in a later statement, with a snapshot taken after the lock was
-//! granted (READ COMMITTED), so it sees the commit of whoever held the lock before, as the
-//! claim's read does. A lock not granted fails the lock statement itself, and the transaction
-//! with it: the key is in progress, as a claim would have found it.
+//! Why the shortcut cannot give a second winner: the insert is decided by the records' unique
+//! key, whose check sees rows committed after the statement began and rows still being
+//! written; and the key's lock, taken in the same statement, keeps it from a claim that holds
+//! the key but writes its row only at its commit.
 //!
 //! The record's times are written before the database's clock is read, so they come from this
 //! process's clock, corrected by the offset to the database's clock seen at the last claim of
@@ -43,14 +43,6 @@ use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
-/// The one-round-trip path's lock statement: fails (division by zero) unless the key's lock is
-/// granted, which aborts the transaction.
-const LOCK_OR_FAIL: &str = "SELECT 1 / pg_try_advisory_xact_lock($1)::int4";
-
-/// Fails (division by zero), and aborts the transaction with the caller's statements behind
-/// it, unless the statement before inserted the record.
-const APPLIED_OR_FAIL: &str = "SELECT 1 / current_setting('idemdb.applied')::int4";
-
 /// What the one round trip did.
 enum OneTrip {
     /// Committed the record at epoch 1 with the caller's statements.
@@ -203,7 +195,6 @@ impl PgConsumer {
         {
             return Ok(OneTrip::LongWay);
         }
-        store.ensure_partitions(client, false).await?;
         const EPOCH: u64 = 1;
         let (record, removable_at_ms) =
             completed_record(store, EPOCH, message.fingerprint(), now_ms, result, true);
@@ -212,55 +203,48 @@ impl PgConsumer {
         let encoded = record.encode();
         let expires = expires_column(removable_at_ms);
         let lock_number = lock_id(&inner.lock_namespace, stored_key);
-        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&lock_number, Type::INT8)];
-        let insert_params: [(&(dyn ToSql + Sync), Type); 5] = [
+        let insert_params: [(&(dyn ToSql + Sync), Type); 6] = [
             (&id, Type::BYTEA),
             (&key, Type::BYTEA),
             (&encoded, Type::BYTEA),
             (&expires, Type::INT8),
             (&db_check_ms, Type::INT8),
+            (&lock_number, Type::INT8),
         ];
-        let store_statements: [Statement<'_>; 3] = [
-            (LOCK_OR_FAIL, &lock_params),
-            (&inner.insert_if_new, &insert_params),
-            (APPLIED_OR_FAIL, &[]),
-        ];
+        let store_statements: [Statement<'_>; 1] = [(&inner.insert_if_new, &insert_params)];
         let Whole {
             store: answers,
             staged,
             committed,
         } = ClaimTransaction::run_whole(client, &inner.statements, &store_statements, statements)
             .await?;
-        let mut answers = answers.into_iter();
-        let mut next = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
-        let (lock, read, applied) = (next(), next(), next());
-        let restored = next();
+        let claimed = answers
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Ok(Vec::new()));
         let metrics = &self.metrics;
         let correlation = message.correlation();
-        let settled = |outcome: Outcome<std::convert::Infallible>, now_ms: u64| {
-            metrics.begun(&outcome, now_ms, started.elapsed(), key, correlation);
-            Ok(OneTrip::Settled(outcome))
-        };
-        match lock {
-            Ok(_) => {}
-            // Held by another transaction: in progress, as a claim finds it.
-            Err(error) if error.code() == Some(LOST_ROW) => {
-                return settled(Outcome::held_by_claim(now_ms), now_ms);
+        match claimed {
+            Ok(rows) => {
+                let db_now_ms: i64 = single_row(rows)?.get(1);
+                if db_check_ms.is_some() {
+                    inner.clock_offset.learn(db_now_ms);
+                }
             }
-            Err(error) => return self.one_trip_failed(error, None),
-        }
-        let row = match read {
-            Ok(rows) => single_row(rows)?,
-            Err(error) => return self.one_trip_failed(error, Some(key)),
-        };
-        let db_now_ms: i64 = row.get(1);
-        if db_check_ms.is_some() {
-            inner.clock_offset.learn(db_now_ms);
-        }
-        match applied {
-            Ok(_) => {}
+            // Nothing inserted, nothing of the transaction written: the key's row decides.
             Err(error) if error.code() == Some(LOST_ROW) => {
-                // Not inserted: the key has a row, or the clocks disagree (no row).
+                // The rollback's answer came with the COMMIT's; the read runs after it, unnamed:
+                // planned for the table as it is now (a kept plan could be one made when the
+                // table was small, which scans it whole), and outside any transaction, where
+                // the seqscan setting of the claims' reads cannot be set and restored around it.
+                let read_params: [(&(dyn ToSql + Sync), Type); 2] =
+                    [(&id, Type::BYTEA), (&key, Type::BYTEA)];
+                let row = single_row(client.query_typed(&inner.read_at, &read_params).await?)?;
+                let db_now_ms: i64 = row.get(1);
+                if db_check_ms.is_some() {
+                    inner.clock_offset.learn(db_now_ms);
+                }
+                // No row: the lock was held (a claim in flight) or the clocks were apart.
                 let Some(bytes) = row.get::<_, Option<&[u8]>>(0) else {
                     return Ok(OneTrip::LongWay);
                 };
@@ -272,15 +256,15 @@ impl PgConsumer {
                 );
                 let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
                 return match admit(found, message.production_time_ms(), db_now, floor_ms) {
-                    Found::Settled(outcome) => settled(outcome, db_now),
+                    Found::Settled(outcome) => {
+                        metrics.begun(&outcome, db_now, started.elapsed(), key, correlation);
+                        Ok(OneTrip::Settled(outcome))
+                    }
                     // Expired, released, or a lease run out: taken over at the next epoch.
                     Found::Claimable { .. } => Ok(OneTrip::LongWay),
                 };
             }
-            Err(error) => return self.one_trip_failed(error, Some(key)),
-        }
-        if let Err(error) = restored {
-            return Err(Error::Postgres(error));
+            Err(error) => return Err(store.write_failed(error, key)),
         }
         if let Some(Err(error)) = staged.into_iter().find(std::result::Result::is_err) {
             return Err(Error::Postgres(error));
@@ -293,15 +277,5 @@ impl PgConsumer {
         metrics.commit(started.elapsed());
         metrics.log_step("commit", stored_key, EPOCH, None, correlation);
         Ok(OneTrip::Applied)
-    }
-
-    /// A store statement of the one round trip failed otherwise than by design: an error to
-    /// report (`key`: the record's write, whose errors are typed as a commit's). (A statement
-    /// kept for a gone connection was met and retried by [`ClaimTransaction::run_whole`].)
-    fn one_trip_failed(&self, error: tokio_postgres::Error, key: Option<&[u8]>) -> Result<OneTrip> {
-        Err(match key {
-            Some(key) => self.store.write_failed(error, key),
-            None => Error::Postgres(error),
-        })
     }
 }

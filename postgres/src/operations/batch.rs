@@ -238,7 +238,7 @@ impl PgConsumer {
             .filter(|(index, _)| first_of[*index] == *index)
             .map(|(_, message)| message.key())
             .collect();
-        self.store.ensure_partitions(client, false).await?;
+        self.store.check_clock()?;
         // BEGIN, the lock statement and the read go out together (one round trip). The
         // server runs them in the order sent, so the read's snapshot is taken after every lock
         // was granted or refused. From here every error drops `tx`, which rolls back and frees
@@ -259,7 +259,7 @@ impl PgConsumer {
             &statements
         };
         let (mut tx, answers) =
-            ClaimTransaction::begin_with(client, &self.store.inner.batch_statements, statements)
+            ClaimTransaction::begin_with(client, &self.store.inner.statements, statements)
                 .await?;
         let taken = if messages.is_empty() {
             Ok(Taken::default())
@@ -468,10 +468,10 @@ impl PgConsumer {
             now_ms: self.store.now_ms(db_now_ms),
             rows: rows
                 .iter()
-                .map(|row| {
+                .filter_map(|row| {
                     let key: &[u8] = row.get(0);
-                    let record: &[u8] = row.get(1);
-                    (key.to_vec(), record.to_vec())
+                    let record: Option<&[u8]> = row.get(1);
+                    record.map(|record| (key.to_vec(), record.to_vec()))
                 })
                 .collect(),
         })

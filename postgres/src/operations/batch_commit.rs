@@ -111,8 +111,8 @@ impl<'c> PgClaimBatch<'c> {
     /// [`commit`](PgClaimBatch::commit) with the batch's business SQL: runs `statements` in
     /// order in the batch's transaction, then writes the records and commits, in one round
     /// trip when every record is a new row (statements run on
-    /// [`transaction`](PgClaimBatch::transaction) first cost one each). Statements are sent
-    /// unnamed with their parameters' types, as [`crate::operations::claim::PgClaim::commit_with`]'s.
+    /// [`transaction`](PgClaimBatch::transaction) first cost one each). Statements are
+    /// prepared once per connection, as [`crate::operations::claim::PgClaim::commit_with`]'s.
     ///
     /// # Errors
     /// As [`commit`](PgClaimBatch::commit); a statement's own failure is [`Error::Postgres`]
@@ -182,7 +182,7 @@ impl<'c> PgClaimBatch<'c> {
                 (&consumer.store.inner.insert_many, &params)
             };
             let writes: Vec<Statement<'_>> = std::iter::once(write).chain(write_versions).collect();
-            match tx.commit_with(statements, &writes, false).await {
+            match tx.commit_with(statements, &writes).await {
                 Ok(_) => {}
                 Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
                 Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),

@@ -118,7 +118,7 @@ impl PgConsumer {
             }
             None => None,
         };
-        self.store.ensure_partitions(client, false).await?;
+        self.store.check_clock()?;
         // BEGIN, the locks and the reads go out together (one round trip), as separate
         // statements: the server runs them in order, and each read's snapshot is taken when it
         // starts, after the locks were granted, so it sees the commit of whoever held the lock
@@ -389,8 +389,10 @@ impl<'c> PgClaim<'c> {
     /// [`commit`](PgClaim::commit) with the business SQL: runs `statements` in order in the
     /// claim's transaction, writes the completed record and commits, all in one round trip
     /// (statements run on [`transaction`](PgClaim::transaction) first cost one each). The
-    /// statements are sent unnamed with their parameters' types given, so none needs a round
-    /// trip to be prepared. Any failure rolls everything back.
+    /// statements carry their parameters' types; each is prepared on the connection the first
+    /// time it is sent there (one round trip then) and only bound and run after that, unless
+    /// the store's prepared statements are off ([`StoreBuilder::prepared_statements`](crate::StoreBuilder::prepared_statements)). Any
+    /// failure rolls everything back.
     ///
     /// ```no_run
     /// # async fn example(claim: idemdb_postgres::PgClaim<'_>, order: &[u8], total: i64)
@@ -462,7 +464,7 @@ impl<'c> PgClaim<'c> {
         // The record (and the entity's version) and COMMIT in one round trip.
         match self
             .tx
-            .commit_with(statements, &writes, self.replaces_epoch != 0)
+            .commit_with(statements, &writes)
             .await
         {
             Ok(_) => {}

@@ -111,7 +111,7 @@ impl PgConsumer {
         )?;
         let stored_key = idemdb::format::encode_key(&self.id, key)?;
         let inner = &self.store.inner;
-        self.store.ensure_partitions(client, false).await?;
+        self.store.check_clock()?;
         // BEGIN, the lock and the read in one round trip, as a claim's (see `begin_message`).
         let lock_number = lock_id(&inner.lock_namespace, &stored_key);
         let id: &[u8] = &self.id;
@@ -345,7 +345,7 @@ pub(crate) async fn locked_record<'c>(
     stored_key: &[u8],
 ) -> Result<(ClaimTransaction<'c>, u64, Option<Record>)> {
     let store: &PgStore = &consumer.store;
-    store.ensure_partitions(client, false).await?;
+    store.check_clock()?;
     // BEGIN, the lock wait's bound, the lock and the read in one round trip: the server runs
     // them in order, so the read's snapshot is taken once the lock is granted.
     let timeout = format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis());

@@ -2,7 +2,7 @@
 //! lines `idemdb export` writes and `idemdb import` reads), and imports of such lines under
 //! each key's lock.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::io::{BufRead, Write};
 
 use futures_util::StreamExt;
@@ -17,8 +17,6 @@ use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
-use crate::tables::names::DAY_MS;
-use crate::tables::names::NEVER_MS; // FIXME
 
 /// The most records one import transaction writes: its locks are held until it commits, so a
 /// claim of one of its keys waits (gets `InProgress`) for at most one transaction's worth.
@@ -76,8 +74,8 @@ impl PgStore {
     /// that holds no row gets its record; a key that holds one (any state, expired included)
     /// keeps it unless `overwrite`, which replaces it. As the embedded store's import does.
     ///
-    /// Everything is checked before anything is written. Then the partitions of the records'
-    /// days are made, and the records are written in transactions of up to
+    /// Everything is checked before anything is written. Then the records are written in
+    /// transactions of up to
     /// [`IMPORT_TRANSACTION_RECORDS`], each under its keys' advisory locks, taken as claims
     /// take them but waiting for them: a claim in flight finishes first (and its record is then
     /// the one that stays, without `overwrite`), and a claim that comes during the transaction
@@ -126,18 +124,6 @@ impl PgStore {
         overwrite: bool,
     ) -> Result<ImportCounts> {
         let rows = check_import(records, positions, &self.inner.lock_namespace)?;
-        let days: BTreeSet<i64> = rows
-            .iter()
-            .filter(|row| row.expires_at_ms != NEVER_MS)
-            .map(|row| row.expires_at_ms / DAY_MS)
-            .collect();
-        crate::tables::partitions::ensure_day_partitions(
-            client,
-            &self.inner.names,
-            days,
-            self.inner.partition_days,
-        )
-        .await?;
         let records_table = self.inner.names.records();
         let existing = format!(
             "SELECT r.consumer, r.message_key FROM {records_table} AS r \
@@ -347,8 +333,7 @@ fn check_import<'a>(
     Ok(rows)
 }
 
-/// The row's `expires_at_ms` (its partition) for a record: when it becomes removable, as the
-/// claims write it; a day past the last with a partition of its own goes to the open one.
+/// The row's `expires_at_ms` for a record: when it becomes removable, as the claims write it.
 fn row_expiry(record: &Record) -> i64 {
     let removable_at_ms = match &record.state {
         RecordState::Completed { expires_at_ms, .. } => *expires_at_ms,

@@ -1,31 +1,23 @@
 //! The store's statements, prepared once per connection and then only bound and run.
 //!
-//! An unnamed statement is parsed and planned every time it runs, and planning a statement on
-//! the partitioned records table costs more than running it (every day partition is a
-//! relation to open and lock at plan time). A named statement is parsed once per connection,
-//! and the server keeps its plan.
+//! An unnamed statement is parsed and planned every time it runs; a named statement is parsed
+//! once per connection, and the server keeps its plan (and makes it again when the table's
+//! statistics change). Reads are planned with sequential scans off (see
+//! [`crate::sql::txn::ClaimTransaction::begin_with`]), so that a plan kept from when the table
+//! was small does not scan it whole once it is large.
 //!
 //! tokio-postgres has no handle on "this connection" to hang statements on, and the API takes
 //! the caller's `&Client` on every call, so the statements are kept by the client's address.
-//! A kept plan has a trap: it is planned once, on the table as it was then. A plan made while a
-//! day partition was nearly empty scans it whole (the cheapest way to read a page or two),
-//! and keeps scanning it whole as it grows to millions of rows, until an `ANALYZE` happens to
-//! throw the plan away. So the store's statements are always planned with sequential scans
-//! off ([`crate::sql::txn::ClaimTransaction`] turns them off for its own statements and back to
-//! the session's setting before the caller's run): their plans look keys up in the indexes,
-//! right at every size.
-//!
 //! An address can outlive its connection (a client dropped, another built in its place). That
 //! is safe: statement names are unique within the process (tokio-postgres numbers them from
 //! one counter), so a statement kept for a gone connection does not exist on the new one, and
 //! running it fails with `invalid_sql_statement_name` (26000) before anything is written. Every
 //! transaction starts with [`crate::sql::txn::ClaimTransaction::begin_with`] or
-//! [`crate::sql::txn::ClaimTransaction::run_whole`], and each sends the setting restored behind the
-//! store's statements, which every kind of transaction shares: so whatever kinds of call the
-//! old connection made, the new one meets a missing statement at the start of its first
-//! transaction, in any answer (the restored setting's included), forgets the address and runs
-//! again with statements prepared anew. A commit that still meets one (deallocated after its
-//! claim began) forgets the address and fails with `StatementDeallocated`, nothing written.
+//! [`crate::sql::txn::ClaimTransaction::run_whole`], which look at every answer for a missing
+//! statement, forget the address and run once more with statements prepared anew; a
+//! statement run on its own does the same ([`run_prepared`]). A commit that meets one
+//! (deallocated after its claim began) forgets the address and fails with
+//! `StatementDeallocated`, nothing written.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -57,7 +49,28 @@ struct Connections {
 #[derive(Debug)]
 struct Prepared {
     last_used: u64,
+    /// The store's statements by their SQL, and the caller's by [`caller_key`].
     by_sql: HashMap<String, Statement>,
+    /// How many of `by_sql` are the caller's.
+    callers: usize,
+}
+
+/// The most statements of the caller's kept per connection: a handler's SQL is a few fixed
+/// texts, and one that builds its SQL anew each time stops being prepared past this many (its
+/// statements are then sent unnamed), so the server's memory does not grow with it.
+pub const CALLER_STATEMENTS_MAX: usize = 64;
+
+/// The key of a caller's statement: its SQL and its parameters' types (the same text may come
+/// with other types). A NUL byte cannot occur in SQL that is sent (`check_sendable`).
+fn caller_key(sql: &str, types: &[Type]) -> String {
+    let mut key = String::with_capacity(sql.len() + 8 * types.len() + 1);
+    key.push_str(sql);
+    key.push('\0');
+    for ty in types {
+        key.push_str(&ty.oid().to_string());
+        key.push(',');
+    }
+    key
 }
 
 impl StatementCache {
@@ -123,6 +136,7 @@ impl StatementCache {
             .or_insert_with(|| Prepared {
                 last_used: now,
                 by_sql: HashMap::new(),
+                callers: 0,
             });
         for (index, statement) in missing.into_iter().zip(prepared) {
             kept.by_sql
@@ -130,6 +144,86 @@ impl StatementCache {
             found[index] = Some(statement);
         }
         Ok(found)
+    }
+
+    /// The prepared form of each of the caller's `statements`, in order, on `client`: kept, or
+    /// prepared now (one round trip for all that are missing). `Ok(None)` where a statement is
+    /// to be sent unnamed: the cache is off, or the connection keeps
+    /// [`CALLER_STATEMENTS_MAX`] of the caller's already. `Err` where preparing failed (the
+    /// statement's own error: it would fail the same way when run).
+    pub(crate) async fn prepare_callers(
+        &self,
+        client: &Client,
+        statements: &[(&str, Vec<Type>)],
+    ) -> Vec<Result<Option<Statement>, tokio_postgres::Error>> {
+        if !self.enabled || statements.is_empty() {
+            return statements.iter().map(|_| Ok(None)).collect();
+        }
+        let address = address(client);
+        let keys: Vec<String> = statements
+            .iter()
+            .map(|(sql, types)| caller_key(sql, types))
+            .collect();
+        let (mut found, room) = {
+            let mut connections = self.lock();
+            connections.clock += 1;
+            let now = connections.clock;
+            match connections.by_address.get_mut(&address) {
+                Some(prepared) => {
+                    prepared.last_used = now;
+                    let found: Vec<Option<Statement>> =
+                        keys.iter().map(|key| prepared.by_sql.get(key).cloned()).collect();
+                    (found, CALLER_STATEMENTS_MAX.saturating_sub(prepared.callers))
+                }
+                None => (vec![None; statements.len()], CALLER_STATEMENTS_MAX),
+            }
+        };
+        let missing: Vec<usize> = (0..statements.len())
+            .filter(|&index| found[index].is_none())
+            .take(room)
+            .collect();
+        if missing.is_empty() {
+            return found.into_iter().map(Ok).collect();
+        }
+        let prepared = in_order(missing.iter().map(|&index| {
+            let (sql, types) = &statements[index];
+            client.prepare_typed(sql, types)
+        }))
+        .await;
+        let mut errors: Vec<Option<tokio_postgres::Error>> =
+            statements.iter().map(|_| None).collect();
+        let mut connections = self.lock();
+        let kept = connections
+            .by_address
+            .entry(address)
+            .or_insert_with(|| Prepared {
+                last_used: 0,
+                by_sql: HashMap::new(),
+                callers: 0,
+            });
+        for (index, answer) in missing.into_iter().zip(prepared) {
+            match answer {
+                Ok(statement) => {
+                    if kept
+                        .by_sql
+                        .insert(keys[index].clone(), statement.clone())
+                        .is_none()
+                    {
+                        kept.callers += 1;
+                    }
+                    found[index] = Some(statement);
+                }
+                Err(error) => errors[index] = Some(error),
+            }
+        }
+        found
+            .into_iter()
+            .zip(errors)
+            .map(|(statement, error)| match error {
+                Some(error) => Err(error),
+                None => Ok(statement),
+            })
+            .collect()
     }
 
     /// Drops what is kept for `client`'s address: it was another connection's.

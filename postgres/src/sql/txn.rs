@@ -33,20 +33,23 @@ use crate::sql::prepared::{StatementCache, is_stale};
 /// the previous holder's commit.
 const BEGIN: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-/// [`BEGIN`] when the store's statements are prepared: sequential scans off for the rest of
-/// the transaction, the session's setting kept aside, so that kept plans are made while it is
-/// off, whenever they are made (see [`crate::sql::prepared`]). One simple query of three
-/// statements: one message, run in order.
+/// [`BEGIN`] for a claim's reads when the store's statements are prepared: sequential scans
+/// off for the rest of the transaction, the session's setting kept aside, so that kept plans
+/// of the reads are made while it is off, whenever they are made (see [`SESSION_SCANS`]). One
+/// simple query of three statements: one message, run in order.
 const BEGIN_INDEXES_ONLY: &str = "START TRANSACTION ISOLATION LEVEL READ COMMITTED; \
      SELECT set_config('idemdb.enable_seqscan', current_setting('enable_seqscan'), true); \
      SET LOCAL enable_seqscan = off";
 
-/// Sent before a commit's writes when one of them looks a row up (an update): planned with
-/// sequential scans off, as the claim's statements. The `COMMIT` ends it.
-const SCANS_OFF: &str = "SELECT set_config('enable_seqscan', 'off', true)";
-
-/// Sent after the store's statements at the start of a claim: the session's setting back, for
-/// the caller's SQL.
+/// Sent after the store's reads at the start of a claim: the session's setting back, for the
+/// caller's SQL.
+///
+/// Why reads are planned with sequential scans off: a kept plan of a read by key, made while
+/// the table held a few rows (after an analyze), scans the table, and goes on scanning as the
+/// table grows, until the next analyze makes the plan again (checked on PostgreSQL 15: a
+/// generic plan made over 20 rows still scanned 100,000). Planned with scans off, a read looks
+/// the key up in the index at any size. The writes need none of it: an insert, with or without
+/// `ON CONFLICT`, has no plan to choose.
 const SESSION_SCANS: &str =
     "SELECT set_config('enable_seqscan', current_setting('idemdb.enable_seqscan'), true)";
 
@@ -64,8 +67,7 @@ pub(crate) type Answers = Vec<std::result::Result<Vec<Row>, tokio_postgres::Erro
 
 /// The answers of [`ClaimTransaction::run_whole`].
 pub(crate) struct Whole {
-    /// Each store statement's rows or error, in order (one more error at the end when the
-    /// setting restored behind them failed).
+    /// Each store statement's rows or error, in order.
     pub(crate) store: Answers,
     /// Each caller's statement's rows or error, in order.
     pub(crate) staged: Answers,
@@ -162,9 +164,8 @@ impl<'c> ClaimTransaction<'c> {
                 given_up.armed = false;
                 answered
             };
-            // Looked for in every answer, the setting restored behind the caller's statements
-            // included: that statement is shared by every kind of transaction, so it is often
-            // the only one kept for a connection that is gone.
+            // Looked for in every answer: a statement shared by several kinds of transaction
+            // (the key's read) may be the only one kept for a connection that is gone.
             let stale = answers
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
@@ -188,10 +189,8 @@ impl<'c> ClaimTransaction<'c> {
                 return Err(error.into());
             }
             // The setting restored behind the store's statements failed on its own (every
-            // statement before it answered; not a missing statement met twice): the
-            // transaction is aborted, and the caller's SQL would fail in it. Reported as such,
-            // rolled back first. (Behind a failed statement it fails too, and the caller reads
-            // that statement's error.)
+            // statement before it answered): the transaction is aborted, and the caller's SQL
+            // would fail in it. Reported as such, rolled back first.
             if answers.iter().all(std::result::Result::is_ok)
                 && let Some(Err(error)) = restored.into_iter().next()
             {
@@ -221,23 +220,31 @@ impl<'c> ClaimTransaction<'c> {
         statements: &[Statement<'_>],
         staged: &[Statement<'_>],
     ) -> Result<Whole> {
-        let (begin, guarded) = begin_and_guarded(cache, statements);
         let mut retried = false;
         let (mut answers, committed) = loop {
-            let prepared = cache.prepare(client, &types_of(&guarded)).await?;
+            let prepared = cache.prepare(client, &types_of(statements)).await?;
+            // A caller's statement that does not prepare is sent unnamed, and fails in the
+            // transaction as it would have anyway (nothing was sent yet).
+            let callers = cache
+                .prepare_callers(client, &types_of(staged))
+                .await
+                .into_iter()
+                .map(|prepared| prepared.ok().flatten());
             let shared: &Client = client;
-            let queries = guarded
+            let queries = statements
                 .iter()
                 .zip(prepared)
-                .chain(staged.iter().map(|statement| (statement, None)))
+                .chain(staged.iter().zip(callers))
                 .map(|(statement, prepared)| run(shared, prepared, *statement));
             let ((begun, answers), committed) = join(
-                join(shared.batch_execute(begin), in_order(queries)),
+                join(shared.batch_execute(BEGIN), in_order(queries)),
                 shared.batch_execute("COMMIT"),
             )
             .await;
             begun?;
-            let stale = answers[..guarded.len()]
+            // The caller's statements are kept per connection too: one kept for a gone
+            // connection fails the same way, before anything lands.
+            let stale = answers
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
             if stale && !retried {
@@ -247,13 +254,7 @@ impl<'c> ClaimTransaction<'c> {
             }
             break (answers, committed);
         };
-        let staged_answers = answers.split_off(guarded.len());
-        // The store's statements' answers only (not the setting restored behind them).
-        let restore = answers.split_off(statements.len());
-        if let Some(Err(error)) = restore.into_iter().next() {
-            // Only a lost connection makes a `set_config` fail: report it as the store's.
-            answers.push(Err(error));
-        }
+        let staged_answers = answers.split_off(statements.len());
         Ok(Whole {
             store: answers,
             staged: staged_answers,
@@ -266,46 +267,54 @@ impl<'c> ClaimTransaction<'c> {
         self.client
     }
 
-    /// Sends the caller's `staged` statements (unnamed), the store's `writes` (prepared) and
-    /// then `COMMIT`, without waiting in between. The first statement's error is returned, if
+    /// Sends the caller's `staged` statements, the store's `writes` (both prepared, when the
+    /// store prepares statements) and then `COMMIT`, without waiting in between. The first statement's error is returned, if
     /// any (the `COMMIT` behind it rolled back: nothing of the transaction landed); otherwise
     /// the `COMMIT`'s (a lost connection leaves the outcome unknown); else every write's rows.
-    ///
-    /// `looks_up` says that a write reads rows (an update): it is then planned with sequential
-    /// scans off, as the claim's statements.
     pub(crate) async fn commit_with(
         mut self,
         staged: &[Statement<'_>],
         writes: &[Statement<'_>],
-        looks_up: bool,
     ) -> std::result::Result<Vec<Vec<Row>>, CommitFailed> {
-        let guarded: Vec<Statement<'_>> = if self.cache.enabled() && looks_up {
-            std::iter::once((SCANS_OFF, &[][..]))
-                .chain(writes.iter().copied())
-                .collect()
-        } else {
-            writes.to_vec()
-        };
-        let prepared = self.cache.prepare(self.client, &types_of(&guarded)).await;
+        let prepared = self.cache.prepare(self.client, &types_of(writes)).await;
         let prepared = self
             .release_on_error(prepared)
             .await
             .map_err(CommitFailed::Store)?;
+        // A caller's statement that does not prepare has aborted the transaction (a parse
+        // error inside a transaction does): its own error, after the rollback.
+        let mut callers = Vec::with_capacity(staged.len());
+        for answer in self
+            .cache
+            .prepare_callers(self.client, &types_of(staged))
+            .await
+        {
+            match answer {
+                Ok(prepared) => callers.push(prepared),
+                Err(error) => {
+                    self.roll_back_now().await;
+                    return Err(CommitFailed::Staged(error));
+                }
+            }
+        }
         self.open = false;
         let client: &Client = self.client;
-        let queries = staged
-            .iter()
-            .map(|statement| (None, *statement))
-            .chain(prepared.into_iter().zip(guarded.iter().copied()))
+        let queries = callers
+            .into_iter()
+            .zip(staged.iter().copied())
+            .chain(prepared.into_iter().zip(writes.iter().copied()))
             .map(|(prepared, statement)| run(client, prepared, statement));
         let (written, committed) = join(in_order(queries), client.batch_execute("COMMIT")).await;
-        let first_write = staged.len() + guarded.len() - writes.len();
+        let first_write = staged.len();
         let mut rows = Vec::with_capacity(writes.len());
         for (index, answer) in written.into_iter().enumerate() {
             match answer {
                 Ok(answer) if index >= first_write => rows.push(answer),
                 Ok(_) => {}
-                Err(error) if index < staged.len() => return Err(CommitFailed::Staged(error)),
+                // A caller's statement kept for a gone connection: the store's doing.
+                Err(error) if index < staged.len() && !is_stale(&error) => {
+                    return Err(CommitFailed::Staged(error));
+                }
                 Err(error) => {
                     if is_stale(&error) {
                         self.cache.forget(client);
@@ -372,7 +381,7 @@ impl Drop for ClaimTransaction<'_> {
 
 /// The `BEGIN` for the store's `statements`, and the statements to send behind it: with
 /// prepared statements, sequential scans go off in `BEGIN` and back on after them (see
-/// [`BEGIN_INDEXES_ONLY`]), before any of the caller's.
+/// [`SESSION_SCANS`]), before any of the caller's.
 fn begin_and_guarded<'a>(
     cache: &StatementCache,
     statements: &[Statement<'a>],

@@ -2,8 +2,6 @@
 //! its write (insert or update) and what a failed write means, and the advisory-lock numbers of
 //! keys and entities.
 
-use std::sync::atomic::Ordering;
-
 use bytes::Bytes;
 use idemdb::format::Record;
 use idemdb::{EXPIRES_NEVER_MS, Fingerprint, RESULT_BYTES_MAX};
@@ -15,7 +13,6 @@ use crate::sql::clock::database_now_ms;
 use crate::sql::txn::LOST_ROW;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
-use crate::tables::names::DAY_MS;
 use crate::tables::names::NEVER_MS;
 
 /// Decodes a stored version of `entity_key` (8 bytes, big-endian).
@@ -37,7 +34,7 @@ pub(crate) fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
     })
 }
 
-/// Writes the completed record of `key` at `epoch` in `tx`: an update of the row there is
+/// Writes the completed record of `key` at `epoch` in `tx`: replacing the row there is
 /// (`replaces`), else an insert. `succeeded` false records a failure as the result. Errors
 /// come before any COMMIT is sent: PostgreSQL answers a COMMIT of a transaction a failed
 /// statement aborted with a rollback and no error.
@@ -122,20 +119,16 @@ pub(crate) fn completed_record(
 }
 
 /// The `expires_at_ms` column of a row removable from `removable_at_ms` on: [`NEVER_MS`] for
-/// never (and for a time past what int8 holds), which puts the row in the open partition.
+/// never (and for a time past what int8 holds).
 pub(crate) fn expires_column(removable_at_ms: u64) -> i64 {
     if removable_at_ms == EXPIRES_NEVER_MS {
         return NEVER_MS;
     }
-    match i64::try_from(removable_at_ms) {
-        // Past the last day with a partition of its own: the open partition keeps it.
-        Ok(column) if column / DAY_MS <= crate::tables::names::DAY_PARTITION_LAST => column,
-        _ => NEVER_MS,
-    }
+    i64::try_from(removable_at_ms).unwrap_or(NEVER_MS)
 }
 
-/// The row of a record, for the statement that writes it: an update of the key's row when the
-/// record replaces one, else an insert.
+/// The row of a record, for the statement that writes it: an upsert when the record replaces
+/// the key's row (which removal may have deleted meanwhile), else an insert.
 pub(crate) struct RecordRow<'a> {
     pub(crate) sql: &'a str,
     id: &'a [u8],
@@ -156,7 +149,7 @@ impl<'a> RecordRow<'a> {
         let inner = &consumer.store.inner;
         RecordRow {
             sql: if replaces {
-                &inner.update
+                &inner.upsert
             } else {
                 &inner.insert
             },
@@ -179,9 +172,7 @@ impl<'a> RecordRow<'a> {
 
 impl PgStore {
     /// The error of a failed write of `key`'s record (or of its entity's version). A write that
-    /// found no row to update is [`Error::LostKey`]. A row with no partition to go to means the
-    /// day partitions this process made sure of are gone (the tables were dropped and
-    /// installed again under it): the next claim makes sure again.
+    /// found no row to update is [`Error::LostKey`].
     pub(crate) fn write_failed(&self, error: tokio_postgres::Error, key: &[u8]) -> Error {
         if error.code() == Some(LOST_ROW) {
             return Error::LostKey { key: key.to_vec() };
@@ -191,16 +182,12 @@ impl PgStore {
             // is sent unnamed.
             return Error::StatementDeallocated;
         }
-        if error.code() == Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION) {
-            self.inner
-                .partitions_through_day
-                .store(i64::MIN, Ordering::Release);
-        }
         Error::Postgres(error)
     }
 }
 
-/// Writes `record` as the row of `key` (an update when `replaces`, else an insert), removable
+/// Writes `record` as the row of `key` (replacing the row there when `replaces`, else an
+/// insert), removable
 /// from `removable_at_ms` on.
 pub(crate) async fn write_record(
     tx: &Client,
@@ -246,25 +233,37 @@ pub(crate) fn lock_id(namespace: &str, stored_key: &[u8]) -> i64 {
 /// the two-round-trip path, which writes the database's own time.
 pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
 
-/// Reads the key's row and inserts the new key's completed record only when there is none
-/// (of any day or state) and the record's time `$5` is within the tolerance of the database's
-/// clock (`$5` null skips that check: an injected clock decides the store's time). Returns the
-/// row's record as found, the database's time, and leaves in the transaction's setting
-/// `idemdb.applied` how many rows it inserted, for [`APPLIED_OR_FAIL`].
+/// A new key's whole claim in one statement ([`PgConsumer::apply`]'s one round trip): takes the
+/// key's lock without waiting and inserts the completed record when the key has no row, and
+/// the record's time `$5` is within the tolerance of the database's clock (`$5` null skips
+/// that check: an injected clock decides the store's time). Answers the database's time, or
+/// fails with [`LOST_ROW`] when it inserted nothing (the lock held elsewhere, a row there, or
+/// the clocks apart), which aborts the transaction and the caller's statements behind it.
+///
+/// The lock is taken in the same statement as the insert: the insert's check of the unique
+/// key sees every row committed or being written, whatever the statement's snapshot, so a
+/// row the lock's previous holder committed is found. The lock keeps out claims that hold the
+/// key without a row yet (a [`PgConsumer::begin`] writes its row at its commit).
 pub(crate) fn insert_if_new_sql(records: &str) -> String {
     format!(
-        "WITH found AS ( \
-             SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2 \
-         ), inserted AS ( \
+        "WITH inserted AS ( \
              INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
              SELECT $1, $2, $3, $4 \
-             WHERE NOT EXISTS (SELECT 1 FROM found) AND ($5::int8 IS NULL OR abs( \
+             WHERE pg_try_advisory_xact_lock($6) AND ($5::int8 IS NULL OR abs( \
                  floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 - $5::int8 \
              ) <= {CLOCK_TOLERANCE_MS}) \
-             RETURNING 1 \
-         ) SELECT (SELECT record FROM found LIMIT 1), \
-             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
-             set_config('idemdb.applied', (SELECT count(*) FROM inserted)::text, true)"
+             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING 1 \
+         ) SELECT 1 / count(*)::int4, \
+             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 FROM inserted"
+    )
+}
+
+/// The key's row as it is, if any, and the database's time: what a one-round-trip claim that
+/// inserted nothing is answered from.
+pub(crate) fn read_at_sql(records: &str) -> String {
+    format!(
+        "SELECT (SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2), \
+             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8"
     )
 }
 
@@ -272,14 +271,9 @@ pub(crate) fn insert_if_new_sql(records: &str) -> String {
 mod tests {
     use super::*;
 
-    const DAY: u64 = DAY_MS as u64;
-
     #[test]
-    fn expiries_past_the_last_day_partition_go_to_the_open_partition() {
-        let last = crate::tables::names::DAY_PARTITION_LAST;
-        let at_last_day = u64::try_from(last * DAY_MS).unwrap_or(0);
-        assert_eq!(expires_column(at_last_day), last * DAY_MS);
-        assert_eq!(expires_column(at_last_day + DAY), NEVER_MS);
+    fn removal_times_past_int8_and_never_are_the_never_column() {
+        assert_eq!(expires_column(1_000), 1_000);
         assert_eq!(expires_column(u64::MAX - 1), NEVER_MS);
         assert_eq!(expires_column(EXPIRES_NEVER_MS), NEVER_MS);
     }

@@ -3,7 +3,6 @@
 //! consumer handle ([`PgConsumer`]) the claims are made through.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicI64;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,9 +20,8 @@ use crate::tables::names::Names;
 /// embedded engine.
 pub const RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3600 * 1000;
 
-/// The longest retention: 60 days. Records are partitioned by the day they become removable,
-/// and every read looks into each partition, so the number of partitions (the retention in
-/// days, plus two) is kept small.
+/// The longest retention: 60 days, as in the embedded engine's default limits. (A record's
+/// removal time must fit the clock's range; 60 days is far beyond any redelivery.)
 pub const RETENTION_MS_MAX: u64 = 60 * DAY_MS as u64;
 
 /// Builds a [`PgStore`].
@@ -75,15 +73,18 @@ impl StoreBuilder {
         self
     }
 
-    /// Whether the store's statements for single messages and leases are prepared once per
-    /// connection (default on): parsed once, their plans kept, where an unnamed statement is
-    /// parsed and planned over every day partition at every run. In the comparison harness
-    /// that made a claim with its commit about a fifth faster at 1 client and a tenth at 32.
-    /// The kept plans always look keys up in the index, however small the table was when
-    /// they were made. Batches are planned at every run either way. Turn it off behind a pooler that hands each transaction to any server
-    /// connection and does not track prepared statements (PgBouncer in transaction mode
-    /// before 1.21, or without `max_prepared_statements`): there a statement prepared on one
-    /// server connection is missing on the next.
+    /// Whether statements are prepared once per connection (default on): the store's, and the
+    /// caller's statements given to `commit_with`, `apply` and batch commits (up to
+    /// [`CALLER_STATEMENTS_MAX`](crate::CALLER_STATEMENTS_MAX) distinct ones per connection;
+    /// past that they are sent unnamed). Prepared, a statement is parsed once and its plan
+    /// kept, where an unnamed one is parsed and planned at every run; the store's reads are
+    /// planned with sequential scans off, so a plan kept from when the table was small looks
+    /// keys up in the index at any size. As with any prepared statement, a caller's statement
+    /// whose result columns change under it (`SELECT *` of a table altered since) fails with
+    /// "cached plan must not change result type" until the connection is replaced. Turn it off behind a pooler that hands each
+    /// transaction to any server connection and does not track prepared statements (PgBouncer
+    /// in transaction mode before 1.21, or without `max_prepared_statements`): there a
+    /// statement prepared on one server connection is missing on the next.
     ///
     /// The statements are kept per connection, by the address of the `Client` passed in
     /// (tokio-postgres gives a connection no other name): a client that moves in memory
@@ -122,7 +123,7 @@ impl StoreBuilder {
                 max: RETENTION_MS_MAX,
             }));
         }
-        let partition_days = crate::tables::install::check(client, &self.names).await?;
+        crate::tables::install::check(client, &self.names).await?;
         let records = self.names.records();
         let entity = self.names.entity_versions();
         Ok(PgStore {
@@ -134,20 +135,27 @@ impl StoreBuilder {
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      VALUES ($1, $2, $3, $4)"
                 ),
-                // An update of a row that is gone writes nothing and says nothing; this one
-                // divides by the rows it wrote, so that it fails instead (`LOST_ROW`): the
-                // COMMIT sent behind it then rolls back.
-                update: format!(
-                    "WITH updated AS ( \
-                         UPDATE {records} SET record = $3, expires_at_ms = $4 \
-                         WHERE consumer = $1 AND message_key = $2 RETURNING 1 \
-                     ) SELECT 1 / count(*)::int4 FROM updated"
+                // The key's row replaced, or inserted if removal deleted it meanwhile (it had
+                // expired: removal takes no key's lock). The writer holds the key's lock, so
+                // no other claim's row can be there.
+                upsert: format!(
+                    "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                     VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, message_key) DO UPDATE \
+                     SET record = excluded.record, expires_at_ms = excluded.expires_at_ms"
                 ),
+                // One lookup per key, the key as a parameter of its own lookup: a kept plan
+                // of `message_key = ANY($2)` made while the table was small looks up only
+                // `consumer` in the index and filters every row of the consumer, and goes on
+                // doing so as the table grows. Every key answers, with a null record when it
+                // has no row.
                 read_many: format!(
-                    "SELECT message_key, record FROM {records} \
-                     WHERE consumer = $1 AND message_key = ANY($2::bytea[])"
+                    "SELECT k.message_key, (SELECT record FROM {records} \
+                         WHERE consumer = $1 AND message_key = k.message_key) \
+                     FROM unnest($2::bytea[]) AS k(message_key)"
                 ),
                 insert_if_new: crate::storage::records::insert_if_new_sql(&records),
+                read_at: crate::storage::records::read_at_sql(&records),
+                remove_expired: crate::operations::maintain::remove_expired_sql(&records),
                 insert_many: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      SELECT $1, n.message_key, n.record, n.expires_at_ms \
@@ -156,9 +164,9 @@ impl StoreBuilder {
                 ),
                 // New rows are inserted (the primary key refuses a second record of a key);
                 // replaced rows (expired, released, or an external claim whose lease ran out)
-                // are updated. Both in one statement: every key appears in one of the two
-                // lists only, and each returns the keys it wrote, so a key that was not
-                // written is named.
+                // are upserted, as a single claim's are. Both in one statement: every key
+                // appears in one of the two lists only, and each returns the keys it wrote,
+                // so a key that was not written is named.
                 write_many: format!(
                     "WITH inserted AS ( \
                          INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
@@ -166,14 +174,16 @@ impl StoreBuilder {
                          FROM unnest($2::bytea[], $3::bytea[], $4::int8[]) \
                              AS n(message_key, record, expires_at_ms) \
                          RETURNING message_key \
-                     ), updated AS ( \
-                         UPDATE {records} AS r SET record = u.record, expires_at_ms = u.expires_at_ms \
+                     ), replaced AS ( \
+                         INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
+                         SELECT $1, u.message_key, u.record, u.expires_at_ms \
                          FROM unnest($5::bytea[], $6::bytea[], $7::int8[]) \
                              AS u(message_key, record, expires_at_ms) \
-                         WHERE r.consumer = $1 AND r.message_key = u.message_key \
-                         RETURNING r.message_key \
+                         ON CONFLICT (consumer, message_key) DO UPDATE \
+                         SET record = excluded.record, expires_at_ms = excluded.expires_at_ms \
+                         RETURNING message_key \
                      ) \
-                     SELECT message_key FROM inserted UNION ALL SELECT message_key FROM updated"
+                     SELECT message_key FROM inserted UNION ALL SELECT message_key FROM replaced"
                 ),
                 never_expiring: format!(
                     "SELECT message_key, record FROM {records} \
@@ -211,16 +221,13 @@ impl StoreBuilder {
                 lock_namespace: records,
                 entity_lock_namespace: entity,
                 names: self.names,
-                partitions_through_day: AtomicI64::new(i64::MIN),
                 retention_ms: self.retention_ms,
                 admission_floor: self.admission_floor,
                 statements: Arc::new(crate::sql::prepared::StatementCache::new(
                     self.prepared_statements,
                 )),
-                batch_statements: Arc::new(crate::sql::prepared::StatementCache::new(false)),
                 clock: self.clock,
                 clock_offset: crate::sql::clock::ClockOffset::unknown(),
-                partition_days,
             }),
         })
     }
@@ -230,11 +237,17 @@ impl StoreBuilder {
 pub(crate) struct Inner {
     pub(crate) read: String,
     pub(crate) insert: String,
-    pub(crate) update: String,
-    /// The rows of many keys of one consumer (a batch's read).
+    /// Writes a record that replaces the key's row (expired, released, a lease run out).
+    pub(crate) upsert: String,
+    /// The record of each of many keys of one consumer, null where none (a batch's read).
     pub(crate) read_many: String,
     /// Inserts a new key's completed record unless the key has a row ([`PgConsumer::apply`]).
     pub(crate) insert_if_new: String,
+    /// The key's row and the database's time, read after a one-round-trip claim inserted
+    /// nothing.
+    pub(crate) read_at: String,
+    /// One batch of removal ([`PgStore::maintain`]).
+    pub(crate) remove_expired: String,
     /// Inserts many rows of one consumer (a batch's commit where every key was new).
     pub(crate) insert_many: String,
     /// Inserts and updates many rows of one consumer (a batch's commit).
@@ -256,22 +269,14 @@ pub(crate) struct Inner {
     /// The versions table's name, hashed into every entity's lock (see [`entity_lock_id`]).
     pub(crate) entity_lock_namespace: String,
     pub(crate) names: Names,
-    /// The last day whose partition this process knows to exist (`i64::MIN`: none yet).
-    pub(crate) partitions_through_day: AtomicI64,
     pub(crate) retention_ms: u64,
     /// The admission floor is on: [`StoreBuilder::admission_floor`].
     pub(crate) admission_floor: bool,
     /// The statements above, prepared on each connection the store ran on.
     pub(crate) statements: Arc<crate::sql::prepared::StatementCache>,
-    /// Batches' statements are sent unnamed, planned at every run: a batch's read is then
-    /// planned for its own keys, and planning is little beside the batch's rows. (Kept plans
-    /// made the harness's 64-message batches slower: 10k against 17k messages/s.)
-    pub(crate) batch_statements: Arc<crate::sql::prepared::StatementCache>,
     pub(crate) clock: Option<Arc<dyn Clock>>,
     /// The database's clock against this process's, as the last claim saw them.
     pub(crate) clock_offset: crate::sql::clock::ClockOffset,
-    /// The width of the records' partitions, in days, as installed.
-    pub(crate) partition_days: u32,
 }
 
 /// The records tables of one database, opened. Cheap to clone; holds no connection: every call

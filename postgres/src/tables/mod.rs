@@ -1,9 +1,7 @@
 //! The tables idemdb keeps in PostgreSQL: their names ([`names`]), their versioned
-//! installation and migrations ([`install`]), the records table's day partitions
-//! ([`partitions`]), and the advisory locks installers and removals take turns under
-//! ([`locks`]).
+//! installation and migrations ([`install`]), and the advisory locks installers take turns
+//! under ([`locks`]).
 
 pub(crate) mod install;
 pub(crate) mod locks;
 pub(crate) mod names;
-pub(crate) mod partitions;

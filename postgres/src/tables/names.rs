@@ -1,23 +1,16 @@
-//! The names of the tables and their partitions: validated, qualified, and the day units
-//! partitions are named in.
+//! The names of the tables: validated and qualified.
 
 use crate::error::{Error, Result};
 
 /// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the longest suffix added to the
-/// table's name (`_version`; a day's partition adds `_d` and at most 6 digits, `_entity` 7,
-/// `_open` 5).
+/// table's name (`_version`; `_entity` and `_expiry` add 7).
 const NAME_BYTES_MAX: usize = 63 - "_version".len();
 
-/// One day in milliseconds: the width of a partition of removable rows.
+/// One day in milliseconds.
 pub const DAY_MS: i64 = 86_400_000;
 
-/// The last day with a partition of its own: its name (`_d` and the day) must fit
-/// [`NAME_BYTES_MAX`]'s allowance of 6 digits. Rows removable later (after the year 4707) go to
-/// the open partition, as rows that are never removable do.
-pub(crate) const DAY_PARTITION_LAST: i64 = 999_999;
-
 /// The `expires_at_ms` of a row that is never removable by time (in-progress records, and
-/// retentions past what `int8` holds): the first value of the open partition.
+/// removal times past what `int8` holds).
 pub(crate) const NEVER_MS: i64 = i64::MAX;
 
 /// The words PostgreSQL 15 does not take as a schema name unquoted (`pg_get_keywords()`,
@@ -194,8 +187,9 @@ impl Names {
         format!("{}.{}_version", self.schema, self.table)
     }
 
-    /// The partition of the rows removable during `day` (days since 1970-01-01, UTC).
-    pub(crate) fn day_partition(&self, day: i64) -> String {
-        format!("{}.{}_d{day}", self.schema, self.table)
+    /// `table_expiry`: the records' index on their removal time (unqualified: an index is
+    /// created in its table's schema).
+    pub(crate) fn expiry_index(&self) -> String {
+        format!("{}_expiry", self.table)
     }
 }
