@@ -182,7 +182,5 @@ pub use storage::records::CLOCK_TOLERANCE_MS;
 pub use storage::store::{
     PgConsumer, PgStore, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, StoreBuilder,
 };
-pub use tables::install::{
-    SCHEMA_VERSION, install,
-};
+pub use tables::install::{SCHEMA_VERSION, install};
 pub use tables::names::{DAY_MS, Names};

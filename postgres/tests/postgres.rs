@@ -12,11 +12,16 @@
 //! with its business rows, a dropped or failed batch leaves nothing, the batch-size limit, and
 //! racing connections claiming overlapping batches have one winner per key. Resolution of an
 //! in-progress key by hand: completed or released, refused for a key not in progress.
-//! Removal: whole day partitions dropped once expired, nothing before, and listed with what
-//! removal would do; the migration of a version 1 table. `apply`: one round trip for a new key,
-//! and a clock estimate put off by a slow round trip refused, then relearned. Faults: a connection lost before the commit (nothing lands, the key is
-//! free) and during it (the COMMIT waits for a standby, its server process is terminated: the
-//! redelivery finds `Duplicate` and the business row once); a deadlock in the business SQL
+//! Removal (schema version 5: one table, expired rows deleted oldest first in small batches):
+//! exactly the rows whose removal time has come go, not a millisecond before, an external
+//! claim in progress never; a commit whose replaced row removal took meanwhile writes it
+//! whole. Migrations from every older layout (a plain table at version 1, day partitions at
+//! 2 to 4, with detached and half-detached day tables left by removal at 4): every live record
+//! answers as before and exports the same, expired ones are left out. `apply`: one round trip
+//! for a new key, and a clock estimate put off by a slow round trip refused, then relearned.
+//! Faults: a connection lost before the commit (nothing lands, the key is free) and during it
+//! (the COMMIT waits for a standby, its server process is terminated: the redelivery finds
+//! `Duplicate` and the business row once); a deadlock in the business SQL
 //! (retryable, nothing of the victim lands, its key is free); a serialization failure raised by
 //! the business SQL (retryable, nothing lands); claims stay READ COMMITTED in a database whose
 //! default is SERIALIZABLE; tables dropped under an open store (typed errors) and installed
@@ -29,16 +34,24 @@
 //! external claim resumed after its holder's restart, refused once taken over or completed.
 //! Parity with the embedded engine: the admission floor, the ordering guard (stale
 //! versions, the entity held by an open claim, versions recorded only by commits), the
-//! migration of a version 2 schema, derived keys equal to the embedded engine's, and the
-//! metrics and `tracing` events under the embedded names and fields with `backend="postgres"`.
+//! migration of version 2 and 3 schemas (the versions table made or kept), derived keys equal
+//! to the embedded engine's, and the metrics and `tracing` events under the embedded names and
+//! fields with `backend="postgres"`.
 //!
 //! Reconnects: every kind of call (claim, `apply` both ways, batch, external claim) on a client
-//! rebuilt in the same variable after every other kind. Overlapping `maintain` calls each
-//! succeed and drop every removable partition once; one given up half way leaves neither its
-//! turn nor a detached table behind (and drops no table that only looks like one). A claim
-//! given up during its first round trip frees its key. A failed call (a refused commit, a record
-//! that does not decode) has freed its keys when its error returns, seen from another
-//! connection.
+//! rebuilt in the same variable after every other kind. Kept plans look keys up in the index,
+//! and the store leaves the session's `enable_seqscan` as the caller set it. Overlapping
+//! `maintain` calls share the work and each succeed; one given up half way (between batches
+//! or mid-statement) leaves nothing locked. A claim given up during its first round trip frees
+//! its key. A failed call (a refused commit, a record that does not decode) has freed its keys
+//! when its error returns, seen from another connection.
+//!
+//! Races with expiry and removal, on a mock clock moved on as the work goes: many connections
+//! claiming a few keys every way (`apply`, `begin_message` and `commit_with`, claims held and
+//! aborted) while records expire, are taken again and removed have one winner per key at a
+//! time (epochs in order, no commit while the previous record is live, one business row per
+//! commit); removal running in a loop beside claims that take keys again as they expire never
+//! takes a live record, nor one written over an expired one.
 //!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
@@ -164,11 +177,11 @@ fn main() {
     scenario!(batch_size_is_bounded_by_a_typed_error);
     scenario!(connections_racing_with_overlapping_batches_have_one_winner_each);
     scenario!(resolve_completes_or_releases_an_in_progress_key_only);
-    scenario!(expired_records_are_removed_by_dropping_whole_day_partitions);
+    scenario!(expired_records_are_removed_at_their_expiry_millisecond_in_batches);
     scenario!(a_version_1_table_is_migrated_by_install);
     scenario!(a_connection_lost_mid_claim_or_mid_commit_leaves_all_or_nothing);
     scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
-    scenario!(a_commit_whose_row_vanished_is_lost_key_and_lands_nothing);
+    scenario!(a_commit_whose_replaced_row_vanished_writes_it_whole);
     scenario!(random_sequences_agree_with_the_embedded_engines_model);
     scenario!(an_external_claim_is_resumed_from_its_ticket);
     scenario!(missing_tables_are_typed_errors_and_a_reinstall_is_used_again);
@@ -186,6 +199,8 @@ fn main() {
     scenario!(the_admission_floor_makes_messages_older_than_the_retention_too_late);
     scenario!(the_ordering_guard_applies_only_newer_versions_of_an_entity);
     scenario!(a_version_2_schema_is_migrated_by_install);
+    scenario!(a_version_3_schema_is_migrated_by_install);
+    scenario!(migration_from_schema_4_keeps_every_live_record);
     scenario!(derived_keys_are_the_embedded_engines);
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
     scenario!(the_in_progress_gauge_counts_the_external_claims_alive);
@@ -199,17 +214,17 @@ fn main() {
     scenario!(apply_takes_an_expired_key_again_and_keeps_the_admission_floor);
     scenario!(connections_racing_to_apply_the_same_keys_have_one_winner_each);
     scenario!(apply_writes_the_databases_time_when_its_estimate_of_it_is_off);
-    scenario!(partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install);
-    scenario!(partitions_are_made_in_the_records_tables_tablespace);
     scenario!(a_statement_that_cannot_be_sent_fails_the_call_before_anything_is_written);
     scenario!(installs_of_several_tables_into_one_new_schema_race_and_all_land);
     scenario!(schema_names_postgresql_reserves_are_refused);
     scenario!(an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept);
     scenario!(every_kind_of_call_goes_through_on_a_client_reconnected_into_the_same_place);
-    scenario!(overlapping_maintain_calls_take_turns_and_each_succeeds);
+    scenario!(overlapping_maintain_calls_share_the_work_and_each_succeeds);
     scenario!(a_failed_call_frees_its_keys_before_the_error_returns);
-    scenario!(a_maintain_given_up_half_way_leaves_no_lock_and_no_table);
+    scenario!(a_maintain_given_up_half_way_leaves_nothing_locked);
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
+    scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
+    scenario!(removal_never_takes_a_live_or_reclaimed_record);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -1718,28 +1733,6 @@ async fn resolve_completes_or_releases_an_in_progress_key_only(url: &str) -> Res
     Ok(())
 }
 
-/// The day partitions of `schema.records`, by day.
-async fn day_partitions(client: &Client, schema: &str) -> Result<Vec<i64>, Failure> {
-    let rows = client
-        .query(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1)",
-            &[&format!("{schema}.records")],
-        )
-        .await?;
-    let mut days: Vec<i64> = rows
-        .iter()
-        .filter_map(|row| {
-            row.get::<_, String>(0)
-                .strip_prefix("records_d")?
-                .parse()
-                .ok()
-        })
-        .collect();
-    days.sort_unstable();
-    Ok(days)
-}
-
 async fn count_rows(client: &Client, table: &str) -> Result<i64, Failure> {
     Ok(client
         .query_one(&format!("SELECT count(*) FROM {table}"), &[])
@@ -1747,10 +1740,40 @@ async fn count_rows(client: &Client, table: &str) -> Result<i64, Failure> {
         .get(0))
 }
 
-async fn expired_records_are_removed_by_dropping_whole_day_partitions(
+/// The rows of `schema.records` as `consumer/key` (printable), sorted.
+async fn stored_rows(client: &Client, schema: &str) -> Result<Vec<String>, Failure> {
+    let mut rows: Vec<String> = client
+        .query(
+            &format!("SELECT consumer, message_key FROM {schema}.records"),
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| {
+            let (consumer, key): (&[u8], &[u8]) = (row.get(0), row.get(1));
+            format!(
+                "{}/{}",
+                idemdb::format::printable(consumer),
+                idemdb::format::printable(key)
+            )
+        })
+        .collect();
+    rows.sort();
+    Ok(rows)
+}
+
+/// Removal deletes exactly the rows whose removal time has come on the store's clock: a
+/// record one millisecond before its expiry stays (it still answers `Duplicate`), at its expiry
+/// it goes, whatever else expires when; a released record goes at its removal time; an
+/// external claim in progress is never removed by time, not even long after its lease ran
+/// out (it is taken over, at the next epoch, instead); another consumer's record of the same
+/// key is its own. Small batches run one after another until a short one ends the call, and
+/// the counts say how many rows went in how many batches.
+async fn expired_records_are_removed_at_their_expiry_millisecond_in_batches(
     url: &str,
 ) -> Result<(), Failure> {
-    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    use idemdb_postgres::Removal;
+    const START: u64 = 1_000_000;
     let mut client = connect(url).await?;
     let names = fresh_schema(&mut client, "t_removal").await?;
     // A retention past the longest is refused, typed.
@@ -1766,102 +1789,199 @@ async fn expired_records_are_removed_by_dropping_whole_day_partitions(
         ),
         "retention over the maximum: {too_long:?}"
     );
-    // Day 100, at noon; records live one day.
-    let clock = MockClock::new(100 * DAY + DAY / 2);
+    // Records live one second: e0 to e9 are committed 100 ms apart, so e<i> expires at
+    // START + 1000 + 100 i.
+    let clock = MockClock::new(START);
     let store = PgStore::builder()
         .names(names)
-        .retention(Duration::from_millis(DAY))
+        .retention(Duration::from_millis(1_000))
         .clock(clock.clone())
         .open(&client)
         .await?;
     let consumer = store.consumer("c")?;
-    for key in ["a", "b", "c"] {
-        commit_one(&consumer, &mut client, key, key, key).await?;
+    let mut held = None;
+    for i in 0..10 {
+        clock.set(START + 100 * i);
+        commit_one(&consumer, &mut client, &format!("e{i}"), "m", "ok").await?;
+        match i {
+            // An external claim in progress (its lease runs out at START + 1050) ...
+            0 => {
+                clock.set(START + 50);
+                let Outcome::Fresh(claim) = consumer
+                    .begin_external(
+                        &mut client,
+                        "held",
+                        Fingerprint::of(b"held"),
+                        Duration::from_secs(1),
+                        "worker-1",
+                    )
+                    .await?
+                else {
+                    return Err("held: not fresh".into());
+                };
+                held = Some(claim);
+            }
+            // ... and a released one, removable at START + 1250.
+            2 => {
+                clock.set(START + 250);
+                let Outcome::Fresh(claim) = consumer
+                    .begin_external(
+                        &mut client,
+                        "released",
+                        Fingerprint::of(b"released"),
+                        Duration::from_secs(1),
+                        "worker-2",
+                    )
+                    .await?
+                else {
+                    return Err("released: not fresh".into());
+                };
+                claim.release(&mut client).await?;
+            }
+            _ => {}
+        }
     }
-    // An external claim in progress: its row has no expiry, in the open partition.
-    let holder = consumer
-        .begin_external(
-            &mut client,
-            "held",
-            Fingerprint::of(b"held"),
-            Duration::from_secs(3600),
-            "worker-1",
-        )
-        .await?;
+    // Another consumer's record of e0, expiring at START + 1950.
+    clock.set(START + 950);
+    let other = store.consumer("other")?;
+    commit_one(&other, &mut client, "e0", "m", "ok").await?;
+    let every_key: Vec<String> = ["c/held", "c/released", "other/e0"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain((0..10).map(|i| format!("c/e{i}")))
+        .collect();
+    let left = |gone: &[&str]| {
+        let mut left: Vec<String> = every_key
+            .iter()
+            .filter(|row| !gone.contains(&row.as_str()))
+            .cloned()
+            .collect();
+        left.sort();
+        left
+    };
+
+    // One millisecond before e0's expiry: nothing has expired, nothing goes, e0 is a duplicate.
+    clock.set(START + 999);
+    let done = store.maintain(&client).await?;
     ensure!(
-        matches!(holder, Outcome::Fresh(_)),
-        "external claim: {holder:?}"
+        done.removed == 0 && done.batches == 1,
+        "before any expiry: {done:?}"
     );
-    // The first claim made the partitions from today through the day after the last expiry.
-    let days = day_partitions(&client, "t_removal").await?;
-    ensure!(days == vec![100, 101, 102], "partitions: {days:?}");
     ensure!(
-        count_rows(&client, "t_removal.records_d101").await? == 3,
-        "the three records expire on day 101"
-    );
-    // One millisecond before the records' expiry: they answer Duplicate, and maintenance
-    // drops only the partition of day 100, past and empty, not day 101's.
-    clock.set(101 * DAY + DAY / 2 - 1);
-    let done = store.maintain(&mut client).await?;
-    ensure!(
-        done.dropped == vec!["t_removal.records_d100"],
-        "only what is wholly expired: {done:?}"
+        stored_rows(&client, "t_removal").await? == left(&[]),
+        "rows before any expiry: {:?}",
+        stored_rows(&client, "t_removal").await?
     );
     let outcome = consumer
-        .begin(&mut client, "a", Fingerprint::of(b"a"))
+        .begin(&mut client, "e0", Fingerprint::of(b"m"))
         .await?;
     ensure!(
         matches!(outcome, Outcome::Duplicate { .. }),
-        "before expiry: {outcome:?}"
+        "e0 a millisecond before its expiry: {outcome:?}"
     );
     drop(outcome);
-    // Expired at their millisecond, before any removal: claimable again.
-    clock.set(101 * DAY + DAY / 2);
-    let outcome = consumer
-        .begin(&mut client, "b", Fingerprint::of(b"b"))
+    // At its expiry millisecond: e0 goes, alone.
+    clock.set(START + 1_000);
+    let done = store.maintain(&client).await?;
+    ensure!(
+        done.removed == 1 && done.batches == 1,
+        "at e0's expiry: {done:?}"
+    );
+    ensure!(
+        stored_rows(&client, "t_removal").await? == left(&["c/e0"]),
+        "rows at e0's expiry: {:?}",
+        stored_rows(&client, "t_removal").await?
+    );
+    // A millisecond before the released record's removal time: e1 and e2 go, it stays; at
+    // its removal time it goes.
+    clock.set(START + 1_249);
+    let done = store.maintain(&client).await?;
+    ensure!(done.removed == 2, "e1 and e2: {done:?}");
+    clock.set(START + 1_250);
+    let done = store.maintain(&client).await?;
+    ensure!(done.removed == 1, "the released record: {done:?}");
+    ensure!(
+        stored_rows(&client, "t_removal").await? == left(&["c/e0", "c/e1", "c/e2", "c/released"]),
+        "rows after the released one's removal time: {:?}",
+        stored_rows(&client, "t_removal").await?
+    );
+    // e3 to e8 (six rows) in batches of four: a full batch, then a short one that ends it.
+    clock.set(START + 1_899);
+    let done = store
+        .maintain_with(&client, Removal::default().batch_rows(4))
         .await?;
     ensure!(
-        matches!(&outcome, Outcome::Fresh(claim) if claim.epoch() == 2),
-        "at expiry: {outcome:?}"
+        done.removed == 6 && done.batches == 2,
+        "six rows in batches of four: {done:?}"
+    );
+    let expected = left(&[
+        "c/e0",
+        "c/e1",
+        "c/e2",
+        "c/e3",
+        "c/e4",
+        "c/e5",
+        "c/e6",
+        "c/e7",
+        "c/e8",
+        "c/released",
+    ]);
+    ensure!(
+        stored_rows(&client, "t_removal").await? == expected,
+        "rows a millisecond before e9's expiry: {:?}",
+        stored_rows(&client, "t_removal").await?
+    );
+    let outcome = consumer
+        .begin(&mut client, "e9", Fingerprint::of(b"m"))
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "e9 a millisecond before its expiry: {outcome:?}"
     );
     drop(outcome);
-    // Day 102: every row of day 101 has expired; its partition goes whole.
-    clock.set(102 * DAY);
-    let done = store.maintain(&mut client).await?;
-    ensure!(
-        done.dropped == vec!["t_removal.records_d101"],
-        "dropped: {done:?}"
-    );
-    ensure!(
-        done.partitions_through_day == 104,
-        "partitions ahead: {done:?}"
-    );
-    let days = day_partitions(&client, "t_removal").await?;
-    ensure!(days == vec![102, 103, 104], "partitions after: {days:?}");
-    ensure!(
-        count_rows(&client, "t_removal.records").await? == 1,
-        "only the record in progress is left"
-    );
-    let in_progress = consumer.in_progress(&client, Duration::ZERO, 10).await?;
-    ensure!(
-        in_progress.len() == 1,
-        "the external claim survives removal: {in_progress:?}"
-    );
-    // Removed records are gone for good: the keys start over at epoch 1.
+    // A removed record is gone for good: its key starts over at epoch 1.
     match consumer
-        .begin(&mut client, "a", Fingerprint::of(b"other"))
+        .begin(&mut client, "e3", Fingerprint::of(b"other"))
         .await?
     {
         Outcome::Fresh(claim) => {
             ensure!(claim.epoch() == 1, "a removed key starts over");
-            claim.commit(b"again").await?;
+            claim.abort().await?;
         }
-        other => return Err(format!("after removal: {other:?}").into()),
+        other => return Err(format!("e3 after removal: {other:?}").into()),
     }
+    // A year later, in batches of one: e9 and the other consumer's record go (two full
+    // batches, then an empty one); the external claim stays, though its lease ran out long
+    // ago, and is taken over at the next epoch.
+    clock.set(START + 365 * idemdb_postgres::DAY_MS as u64);
+    let done = store
+        .maintain_with(&client, Removal::default().batch_rows(1))
+        .await?;
     ensure!(
-        count_rows(&client, "t_removal.records_d103").await? == 1,
-        "the new record lands in its day's partition"
+        done.removed == 2 && done.batches == 3,
+        "e9 and other/e0 one by one: {done:?}"
     );
+    let rows = stored_rows(&client, "t_removal").await?;
+    ensure!(rows == ["c/held"], "rows a year later: {rows:?}");
+    drop(held);
+    let in_progress = consumer.in_progress(&client, Duration::ZERO, 10).await?;
+    ensure!(
+        in_progress.len() == 1 && in_progress[0].message_key.as_ref() == b"held",
+        "the external claim survives removal: {in_progress:?}"
+    );
+    match consumer
+        .begin(&mut client, "held", Fingerprint::of(b"held"))
+        .await?
+    {
+        Outcome::Fresh(claim) => {
+            ensure!(
+                claim.epoch() == 2 && claim.previous_attempt().is_some(),
+                "the takeover: {claim:?}"
+            );
+            claim.commit(b"taken over").await?;
+        }
+        other => return Err(format!("held after its lease: {other:?}").into()),
+    }
     Ok(())
 }
 
@@ -1970,13 +2090,17 @@ async fn a_version_1_table_is_migrated_by_install(url: &str) -> Result<(), Failu
         expired_gone.is_none(),
         "the expired record is not carried over"
     );
-    let open_rows: i64 = client
-        .query_one("SELECT count(*) FROM t_migrate.records_open", &[])
+    let never_rows: i64 = client
+        .query_one(
+            "SELECT count(*) FROM t_migrate.records \
+             WHERE message_key = 'never'::bytea AND expires_at_ms = $1",
+            &[&i64::MAX],
+        )
         .await?
         .get(0);
     ensure!(
-        open_rows == 1,
-        "the never-expiring record is in the open partition"
+        never_rows == 1,
+        "the never-expiring record is kept as never removable"
     );
     // A second install leaves it as it is.
     install(&mut client, &names).await?;
@@ -2546,7 +2670,7 @@ async fn run_model(
                 }
             }
             Op::AdvanceClock { ms } => clock.advance(Duration::from_millis(ms)),
-            // The engine compacts; here removal runs (it drops only whole past days).
+            // The engine compacts; here removal runs (it deletes the expired records).
             Op::Compact => {
                 store.maintain(client).await.map_err(|e| fail(&e))?;
             }
@@ -2877,7 +3001,7 @@ async fn missing_tables_are_typed_errors_and_a_reinstall_is_used_again(
         .open(&client)
         .await?;
     let consumer = store.consumer("c")?;
-    // A claim first, so that the store knows its partitions exist.
+    // A claim first, so that the store's statements are prepared and kept for the connection.
     commit_one(&consumer, &mut client, "before", "before", "done").await?;
     client
         .batch_execute("DROP SCHEMA t_missing CASCADE")
@@ -2926,10 +3050,8 @@ async fn missing_tables_are_typed_errors_and_a_reinstall_is_used_again(
     );
     // The connection is usable after all of it.
     client.batch_execute("SELECT 1").await?;
-    // Installed again under the store that was open all along. The store remembers having
-    // made the partitions of the days ahead, and they went with the drop: its first commit
-    // may fail (check_violation: no partition for the row; not retryable), writing nothing.
-    // `maintain` makes them again; claims work from then on.
+    // Installed again under the store that was open all along: its statements, kept for the
+    // connection, are planned again on the new tables, and claims and `apply` work at once.
     install(&mut client, &names).await?;
     client
         .batch_execute("CREATE TABLE t_missing.orders (id text PRIMARY KEY, body text NOT NULL)")
@@ -2939,29 +3061,21 @@ async fn missing_tables_are_typed_errors_and_a_reinstall_is_used_again(
         return Err("after the reinstall: not fresh".into());
     };
     claim.transaction().execute(order, &[]).await?;
-    let committed = claim.commit(b"after").await;
-    if committed.is_err() {
-        ensure!(
-            postgres_error(&committed, &SqlState::CHECK_VIOLATION),
-            "the first commit after the reinstall: {committed:?}"
-        );
-        ensure!(
-            count_rows(&client, "t_missing.orders").await? == 0
-                && count_rows(&client, "t_missing.records").await? == 0,
-            "nothing of the refused commit landed"
-        );
-        println!("  the store's first commit after a reinstall failed: {committed:?}");
-        store.maintain(&mut client).await?;
-        let Outcome::Fresh(claim) = consumer.begin(&mut client, "after", body).await? else {
-            return Err("after maintain: not fresh".into());
-        };
-        claim.transaction().execute(order, &[]).await?;
-        claim.commit(b"after").await?;
-    }
+    claim.commit(b"after").await?;
     let again = consumer.begin(&mut client, "after", body).await?;
     ensure!(
         matches!(&again, Outcome::Duplicate { result, .. } if result.as_ref() == b"after"),
         "after the reinstall, committed: {again:?}"
+    );
+    drop(again);
+    ensure!(
+        count_rows(&client, "t_missing.orders").await? == 1,
+        "the business row of the claim after the reinstall"
+    );
+    let applied = apply_order(&consumer, &mut client, "t_missing", "applied", "x").await?;
+    ensure!(
+        matches!(applied, Outcome::Fresh(_)),
+        "apply after the reinstall: {applied:?}"
     );
     Ok(())
 }
@@ -3394,15 +3508,23 @@ async fn claims_held_across_one_restart(
         .execute(&order, &[&"ext", &"sent"])
         .await?;
     completion.commit(b"sent").await?;
-    // Days later, the same store makes the partitions of the new days on its connections.
-    clock.set(start_ms + 3 * DAY);
+    // Days later, the same store writes on its connections as before: the new record's row
+    // is removable at its expiry.
+    let later_ms = start_ms + 3 * DAY;
+    clock.set(later_ms);
     commit_one(&consumer, &mut client, "later", "later", "later").await?;
-    let days = day_partitions(&client, schema).await?;
-    let last_needed = (start_ms + 3 * DAY + idemdb_postgres::RETENTION_MS_DEFAULT) / DAY + 1;
+    let expires: i64 = client
+        .query_one(
+            &format!(
+                "SELECT expires_at_ms FROM {schema}.records WHERE message_key = 'later'::bytea"
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
     ensure!(
-        days.last() == Some(&(last_needed as i64)),
-        "partitions through {:?}, needed through {last_needed}",
-        days.last()
+        u64::try_from(expires)? == later_ms + idemdb_postgres::RETENTION_MS_DEFAULT,
+        "the later record's row is removable at {expires}"
     );
     let orders = count_rows(&client, &format!("{schema}.orders")).await?;
     let records = count_rows(&client, &format!("{schema}.records")).await?;
@@ -3423,9 +3545,6 @@ async fn a_commit_in_flight_at_a_crash_lands_whole_or_not_at_all(
     let store = PgStore::builder().names(names).open(&client).await?;
     let consumer = store.consumer("c")?;
     let order = "INSERT INTO t_crash.orders VALUES ($1, 'body')";
-    // The partitions first: their creation commits too, and would be the one waiting below.
-    commit_one(&consumer, &mut client, "first", "first", "first").await?;
-
     // A COMMIT on the server, waiting for a synchronous standby that never comes, when the
     // server is killed: its commit record is in the WAL, so recovery makes it committed, and
     // the redelivery is a duplicate with the business row once.
@@ -3665,11 +3784,13 @@ fn transfer_lines(result: &str) -> Vec<u8> {
     text
 }
 
-/// Every row of `transfer.records` sits where claims would have put it: `expires_at_ms` is when
-/// its record becomes removable (a completed record's expiry, a released one's removal time;
-/// never for one in progress), and the row is in that day's partition, or in the open one when
-/// that is never.
-async fn expect_rows_in_their_partitions(client: &Client, lines: &[u8]) -> Result<(), Failure> {
+/// Every row of `transfer.records` is as claims would have written it: `expires_at_ms` is when
+/// its record becomes removable (a completed record's expiry, a released one's removal time),
+/// or never (`i64::MAX`) for one in progress or one that never expires.
+async fn expect_rows_with_their_removal_times(
+    client: &Client,
+    lines: &[u8],
+) -> Result<(), Failure> {
     use idemdb::format::{RecordState, printable};
     let mut expected = Vec::new();
     for (_, record) in idemdb::transfer::read_lines(lines)? {
@@ -3681,39 +3802,31 @@ async fn expect_rows_in_their_partitions(client: &Client, lines: &[u8]) -> Resul
             // In progress: never removable by itself.
             _ => idemdb::EXPIRES_NEVER_MS,
         };
-        let (column, partition) = if removable_at_ms == idemdb::EXPIRES_NEVER_MS {
-            (i64::MAX, "transfer.records_open".to_owned())
+        let column = if removable_at_ms == idemdb::EXPIRES_NEVER_MS {
+            i64::MAX
         } else {
-            let column = i64::try_from(removable_at_ms)?;
-            let day = column / idemdb_postgres::DAY_MS;
-            (column, format!("transfer.records_d{day}"))
+            i64::try_from(removable_at_ms)?
         };
         let consumer = record.consumer().ok_or("a line without a consumer")?;
-        expected.push((
-            printable(consumer),
-            printable(record.key()),
-            column,
-            partition,
-        ));
+        expected.push((printable(consumer), printable(record.key()), column));
     }
     expected.sort();
-    let mut rows: Vec<(String, String, i64, String)> = client
+    let mut rows: Vec<(String, String, i64)> = client
         .query(
-            "SELECT consumer, message_key, expires_at_ms, tableoid::regclass::text \
-             FROM transfer.records",
+            "SELECT consumer, message_key, expires_at_ms FROM transfer.records",
             &[],
         )
         .await?
         .iter()
         .map(|row| {
             let (consumer, key): (&[u8], &[u8]) = (row.get(0), row.get(1));
-            (printable(consumer), printable(key), row.get(2), row.get(3))
+            (printable(consumer), printable(key), row.get(2))
         })
         .collect();
     rows.sort();
     ensure!(
         rows == expected,
-        "rows (consumer, key, expires_at_ms, partition):\n{rows:?}\nexpected:\n{expected:?}"
+        "rows (consumer, key, expires_at_ms):\n{rows:?}\nexpected:\n{expected:?}"
     );
     Ok(())
 }
@@ -3754,10 +3867,9 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
         billing_lines
     );
     assert_eq!(billing_lines.len(), 4);
-    // The rows sit in their days' partitions (the never-expiring and the in-progress one in
-    // the open partition), and claims read the imported records.
-    assert_eq!(count_rows(&client, "transfer.records_open").await?, 2);
-    expect_rows_in_their_partitions(&client, &lines).await?;
+    // The rows carry their removal times (the never-expiring and the in-progress one: never),
+    // and claims read the imported records.
+    expect_rows_with_their_removal_times(&client, &lines).await?;
     // The imported in-progress record's lease ran out long ago (2023): the key is taken over
     // at the next epoch, with the imported attempt as the previous one.
     match store
@@ -3791,7 +3903,7 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
         export_text(&store, &client).await?,
         String::from_utf8_lossy(&second)
     );
-    expect_rows_in_their_partitions(&client, &second).await?;
+    expect_rows_with_their_removal_times(&client, &second).await?;
 
     // Bad input is a typed error and writes nothing, not even the good lines before it.
     let mut fresh_key = Vec::new();
@@ -4105,29 +4217,124 @@ async fn the_ordering_guard_applies_only_newer_versions_of_an_entity(
     Ok(())
 }
 
+/// A row of the records table as a release wrote it: consumer, message key, encoded record,
+/// `expires_at_ms`.
+type RecordRow = (Vec<u8>, Vec<u8>, Vec<u8>, i64);
+
+/// Creates `schema`'s tables as the release of schema `version` (2 to 4) left them, holding
+/// `rows`: the records partitioned by the day they become removable (`<table>_d<N>` for day N,
+/// made for each day a row needs, and `<table>_open` for the rows never removable), the
+/// ordering guard's versions table from version 3 on, and the partition width in the version
+/// table at version 4.
+async fn partitioned_layout(
+    client: &Client,
+    schema: &str,
+    version: i32,
+    rows: &[RecordRow],
+) -> Result<(), Failure> {
+    const DAY: i64 = idemdb_postgres::DAY_MS;
+    client
+        .batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema};
+             CREATE TABLE {schema}.records (
+                 consumer bytea NOT NULL,
+                 message_key bytea NOT NULL,
+                 record bytea NOT NULL,
+                 expires_at_ms bigint NOT NULL,
+                 PRIMARY KEY (consumer, message_key, expires_at_ms)
+             ) PARTITION BY RANGE (expires_at_ms);
+             CREATE TABLE {schema}.records_open PARTITION OF {schema}.records
+                 FOR VALUES FROM (9223372036854775807) TO (MAXVALUE);
+             CREATE TABLE {schema}.records_version (
+                 singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+                 version integer NOT NULL
+             );
+             INSERT INTO {schema}.records_version (version) VALUES ({version});"
+        ))
+        .await?;
+    if version >= 3 {
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {schema}.records_entity (
+                     consumer bytea NOT NULL,
+                     entity_key bytea NOT NULL,
+                     version bytea NOT NULL CHECK (length(version) = 8),
+                     PRIMARY KEY (consumer, entity_key)
+                 );"
+            ))
+            .await?;
+    }
+    if version >= 4 {
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE {schema}.records_version ADD COLUMN partition_days integer \
+                 NOT NULL DEFAULT 1 CHECK (partition_days BETWEEN 1 AND 60)"
+            ))
+            .await?;
+    }
+    let mut days: Vec<i64> = rows
+        .iter()
+        .filter(|row| row.3 != i64::MAX)
+        .map(|row| row.3 / DAY)
+        .collect();
+    days.sort_unstable();
+    days.dedup();
+    for day in days {
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {schema}.records_d{day} PARTITION OF {schema}.records \
+                 FOR VALUES FROM ({}) TO ({})",
+                day * DAY,
+                (day + 1) * DAY
+            ))
+            .await?;
+    }
+    for (consumer, key, record, expires) in rows {
+        client
+            .execute(
+                &format!("INSERT INTO {schema}.records VALUES ($1, $2, $3, $4)"),
+                &[consumer as &(dyn ToSql + Sync), key, record, expires],
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// A completed record of `consumer`'s `key` committed at `now_ms`, expiring an hour later, as
+/// a row.
+fn completed_row(consumer: &str, key: &str, now_ms: u64, result: &'static [u8]) -> RecordRow {
+    let expires_at_ms = now_ms + 3_600_000;
+    let record = idemdb::format::Record::new(
+        1,
+        now_ms,
+        expires_at_ms,
+        Fingerprint::of(key.as_bytes()),
+        bytes::Bytes::from_static(result),
+    );
+    (
+        consumer.as_bytes().to_vec(),
+        key.as_bytes().to_vec(),
+        record.encode(),
+        i64::try_from(expires_at_ms).unwrap_or(i64::MAX),
+    )
+}
+
+/// Version 2 (day partitions, no versions table) is refused until `install` migrates it: its
+/// live record answers as before, and the ordering guard works on the new versions table.
 async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Failure> {
     let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, "t_migrate2").await?;
-    let clock = MockClock::new(3_600_000);
-    {
-        let store = mock_store(&client, names.clone(), &clock, false).await?;
-        match store
-            .consumer("c")?
-            .begin(&mut client, "kept", Fingerprint::of(b"m"))
-            .await?
-        {
-            Outcome::Fresh(claim) => claim.commit(b"before").await?,
-            other => return Err(format!("before the migration: {other:?}").into()),
-        }
-    }
-    // Version 2 as its release left it: no versions table, no partition width.
-    client
-        .batch_execute(
-            "DROP TABLE t_migrate2.records_entity;
-             ALTER TABLE t_migrate2.records_version DROP COLUMN partition_days;
-             UPDATE t_migrate2.records_version SET version = 2;",
-        )
-        .await?;
+    // The migration keeps what has not expired on the database's clock: the store's mock
+    // clock starts there.
+    let now_ms = db_clock_ms(&client).await?;
+    let clock = MockClock::new(now_ms);
+    partitioned_layout(
+        &client,
+        "t_migrate2",
+        2,
+        &[completed_row("c", "kept", now_ms, b"before")],
+    )
+    .await?;
+    let names = Names::new("t_migrate2", "records")?;
     let refused = PgStore::builder().names(names.clone()).open(&client).await;
     ensure!(
         matches!(refused, Err(Error::SchemaTooOld { found: 2, .. })),
@@ -4139,13 +4346,13 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 4,
+        version == SCHEMA_VERSION && version == 5,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;
     let consumer = store.consumer("c")?;
     let outcome = consumer
-        .begin(&mut client, "kept", Fingerprint::of(b"m"))
+        .begin(&mut client, "kept", Fingerprint::of(b"kept"))
         .await?;
     ensure!(
         matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"before"),
@@ -4177,6 +4384,428 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
     ensure!(
         count_rows(&client, "t_migrate2.records_entity").await? == 1,
         "install keeps the versions"
+    );
+    ensure!(
+        count_rows(&client, "t_migrate2.records").await? == 2,
+        "install keeps the records"
+    );
+    Ok(())
+}
+
+/// Version 3 (day partitions and the versions table, no partition width) is refused until
+/// `install` migrates it: its record and its entity's version are kept.
+async fn a_version_3_schema_is_migrated_by_install(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let now_ms = db_clock_ms(&client).await?;
+    let clock = MockClock::new(now_ms);
+    partitioned_layout(
+        &client,
+        "t_migrate3",
+        3,
+        &[completed_row("c", "kept", now_ms, b"k")],
+    )
+    .await?;
+    client
+        .execute(
+            "INSERT INTO t_migrate3.records_entity VALUES ('c'::bytea, 'entity'::bytea, $1)",
+            &[&7u64.to_be_bytes().as_slice()],
+        )
+        .await?;
+    let names = Names::new("t_migrate3", "records")?;
+    let refused = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(refused, Err(Error::SchemaTooOld { found: 3, .. })),
+        "version 3 before install: {refused:?}"
+    );
+    install(&mut client, &names).await?;
+    let version: i32 = client
+        .query_one("SELECT version FROM t_migrate3.records_version", &[])
+        .await?
+        .get(0);
+    ensure!(version == SCHEMA_VERSION, "migrated to {version}");
+    let consumer = mock_store(&client, names, &clock, false)
+        .await?
+        .consumer("c")?;
+    let outcome = consumer
+        .begin(&mut client, "kept", Fingerprint::of(b"kept"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"k"),
+        "after the migration: {outcome:?}"
+    );
+    drop(outcome);
+    let older = Message::new("w", Fingerprint::of(b"w")).version("entity", 7);
+    let outcome = consumer.begin_message(&mut client, &older).await?;
+    ensure!(
+        matches!(
+            outcome,
+            Outcome::Stale {
+                current_version: 7,
+                ..
+            }
+        ),
+        "the entity's version is kept: {outcome:?}"
+    );
+    Ok(())
+}
+
+/// What `consumer` answers for `key`, as text: its record as `get` reads it, and the outcome
+/// of a message with `fingerprint` (a claim it takes is rolled back: nothing is written).
+async fn answers(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    key: &[u8],
+    fingerprint: Fingerprint,
+) -> Result<String, Failure> {
+    let record = consumer.get(client, key).await?;
+    let outcome = match consumer.begin(client, key, fingerprint).await? {
+        Outcome::Fresh(claim) => {
+            let text = format!(
+                "Fresh at epoch {} after {:?}",
+                claim.epoch(),
+                claim.previous_attempt()
+            );
+            claim.abort().await?;
+            text
+        }
+        other => format!("{other:?}"),
+    };
+    Ok(format!("{record:?} / {outcome}"))
+}
+
+/// A store at schema version 4 (records partitioned by removal day, partition width recorded),
+/// with records of every state written by this release, is migrated by `install` to the one
+/// table of version 5: every live record answers exactly as before (the same record read, the
+/// same outcome for a duplicate and for a conflicting message, an external claim in progress
+/// still held, a released key taken at the next epoch), the export of the live records is the
+/// same lines, the entity versions stay; expired records are left out (their keys start
+/// over); the partitions go with the old table, and so do tables a version 4 removal detached
+/// (marked by its comment) or left half detached, but not a table that only looks like one.
+async fn migration_from_schema_4_keeps_every_live_record(url: &str) -> Result<(), Failure> {
+    const HOUR: u64 = 3_600_000;
+    let mut client = connect(url).await?;
+    // The records are made by this release in a schema of its own, on a mock clock at the
+    // database's time: the migration keeps what has not expired on the database's clock.
+    let now_ms = db_clock_ms(&client).await?;
+    let clock = MockClock::new(now_ms - 2 * HOUR);
+    let source_names = fresh_schema(&mut client, "t_v4_source").await?;
+    let source = mock_store(&client, source_names, &clock, false).await?;
+    let billing = source.consumer("billing")?;
+    let shipping = source.consumer("shipping")?;
+    let lease = Duration::from_secs(600);
+    // Two hours ago (expired an hour ago): completed records and a released one.
+    commit_one(&billing, &mut client, "old-done", "old-done", "old").await?;
+    commit_one(&billing, &mut client, "again", "again", "first").await?;
+    let Outcome::Fresh(old_released) = billing
+        .begin_external(
+            &mut client,
+            "old-released",
+            Fingerprint::of(b"old-released"),
+            lease,
+            "w",
+        )
+        .await?
+    else {
+        return Err("old-released: not fresh".into());
+    };
+    old_released.release(&mut client).await?;
+    // Now: completed records (one with a failure as its result, one at epoch 2, another
+    // consumer's of the same key, a binary key), a released one, an external claim in
+    // progress, and a version of an entity.
+    clock.set(now_ms);
+    commit_one(&billing, &mut client, "again", "again", "second").await?;
+    commit_one(&billing, &mut client, "done", "done", "accepted").await?;
+    commit_one(&shipping, &mut client, "done", "done", "shipped").await?;
+    commit_one(
+        &billing,
+        &mut client,
+        "\u{0}\u{7f}bin",
+        "\u{0}\u{7f}bin",
+        "binary",
+    )
+    .await?;
+    for (key, ending) in [
+        ("failed", "fail"),
+        ("released", "release"),
+        ("held", "hold"),
+    ] {
+        let Outcome::Fresh(claim) = billing
+            .begin_external(
+                &mut client,
+                key,
+                Fingerprint::of(key.as_bytes()),
+                lease,
+                "w",
+            )
+            .await?
+        else {
+            return Err(format!("{key}: not fresh").into());
+        };
+        match ending {
+            "fail" => claim.fail_permanently(&mut client, b"refused").await?,
+            "release" => claim.release(&mut client).await?,
+            _ => {}
+        }
+    }
+    let versioned = Message::new("versioned", Fingerprint::of(b"versioned")).version("order", 5);
+    match billing.begin_message(&mut client, &versioned).await? {
+        Outcome::Fresh(claim) => claim.commit(b"v5").await?,
+        other => return Err(format!("versioned: {other:?}").into()),
+    }
+    let live: Vec<(&str, &[u8])> = vec![
+        ("billing", b"again"),
+        ("billing", b"done"),
+        ("shipping", b"done"),
+        ("billing", b"\x00\x7fbin"),
+        ("billing", b"failed"),
+        ("billing", b"released"),
+        ("billing", b"held"),
+        ("billing", b"versioned"),
+    ];
+    let expired: [&[u8]; 2] = [b"old-done", b"old-released"];
+    // Every answer, before.
+    let mut before = Vec::new();
+    for (consumer, key) in &live {
+        let consumer = source.consumer(consumer)?;
+        for fingerprint in [Fingerprint::of(key), Fingerprint::of(b"other content")] {
+            before.push(answers(&consumer, &mut client, key, fingerprint).await?);
+        }
+    }
+    let exported = export_text(&source, &client).await?;
+    let records = idemdb::transfer::read_lines(exported.as_bytes())?;
+    ensure!(
+        records.len() == live.len() + expired.len(),
+        "{} records exported: {exported}",
+        records.len()
+    );
+    let live_lines: Vec<&str> = exported
+        .lines()
+        .zip(&records)
+        .filter(|(_, (_, record))| !expired.contains(&record.key()))
+        .map(|(line, _)| line)
+        .collect();
+
+    // Version 4 as its release left it, holding the same rows and versions.
+    let rows: Vec<RecordRow> = client
+        .query(
+            "SELECT consumer, message_key, record, expires_at_ms FROM t_v4_source.records",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
+        .collect();
+    partitioned_layout(&client, "t_v4", 4, &rows).await?;
+    client
+        .batch_execute(
+            "INSERT INTO t_v4.records_entity SELECT * FROM t_v4_source.records_entity;
+             DROP SCHEMA t_v4_source CASCADE;",
+        )
+        .await?;
+    // A day partition a version 4 removal detached and did not drop (marked first), and one
+    // it left half detached (a DETACH CONCURRENTLY cut off while it waited for a reader), both
+    // holding rows long expired; and a table that only looks like a partition.
+    let old_day = i64::try_from(now_ms)? / idemdb_postgres::DAY_MS - 10;
+    for day in [old_day, old_day + 1] {
+        let old_row = completed_row(
+            "billing",
+            "older",
+            u64::try_from(day * idemdb_postgres::DAY_MS)?,
+            b"o",
+        );
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE t_v4.records_d{day} (LIKE t_v4.records INCLUDING ALL);
+                 ALTER TABLE t_v4.records ATTACH PARTITION t_v4.records_d{day}
+                     FOR VALUES FROM ({}) TO ({});
+                 COMMENT ON TABLE t_v4.records_d{day} IS 'idemdb: removed from t_v4.records';",
+                day * idemdb_postgres::DAY_MS,
+                (day + 1) * idemdb_postgres::DAY_MS
+            ))
+            .await?;
+        client
+            .execute(
+                "INSERT INTO t_v4.records VALUES ($1, $2, $3, $4)",
+                &[&old_row.0, &old_row.1, &old_row.2, &old_row.3],
+            )
+            .await?;
+    }
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE t_v4.records DETACH PARTITION t_v4.records_d{old_day}"
+        ))
+        .await?;
+    let reader = connect(url).await?;
+    reader
+        .batch_execute("BEGIN; SELECT count(*) FROM t_v4.records")
+        .await?;
+    // (Alone in its query: a concurrent detach runs in no transaction block.)
+    client
+        .batch_execute("SET statement_timeout = '300ms'")
+        .await?;
+    let cut = client
+        .batch_execute(&format!(
+            "ALTER TABLE t_v4.records DETACH PARTITION t_v4.records_d{} CONCURRENTLY",
+            old_day + 1
+        ))
+        .await;
+    ensure!(
+        cut.as_ref().is_err_and(
+            |error| error.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED)
+        ),
+        "the concurrent detach did not wait for the reader: {cut:?}"
+    );
+    client.batch_execute("RESET statement_timeout").await?;
+    reader.batch_execute("COMMIT").await?;
+    let pending: bool = client
+        .query_one(
+            "SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::text::regclass",
+            &[&format!("t_v4.records_d{}", old_day + 1)],
+        )
+        .await?
+        .get(0);
+    ensure!(pending, "the cut detach left no partition half detached");
+    let detached: bool = client
+        .query_one(
+            "SELECT NOT relispartition FROM pg_class WHERE oid = $1::text::regclass",
+            &[&format!("t_v4.records_d{old_day}")],
+        )
+        .await?
+        .get(0);
+    ensure!(detached, "the detached partition");
+    client
+        .batch_execute("CREATE TABLE t_v4.records_d5 (kept int)")
+        .await?;
+
+    let names = Names::new("t_v4", "records")?;
+    let refused = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(refused, Err(Error::SchemaTooOld { found: 4, .. })),
+        "version 4 before install: {refused:?}"
+    );
+    install(&mut client, &names).await?;
+    let version: i32 = client
+        .query_one("SELECT version FROM t_v4.records_version", &[])
+        .await?
+        .get(0);
+    ensure!(version == SCHEMA_VERSION, "migrated to {version}");
+    // The layout: one plain table keyed by (consumer, message_key), the removal time's
+    // index, and of the old tables only the lookalike.
+    let layout: Vec<String> = client
+        .query(
+            "SELECT c.relname::text || ' ' || c.relkind::text FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = 't_v4' AND c.relkind IN ('r', 'p') ORDER BY 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    ensure!(
+        layout
+            == [
+                "records r",
+                "records_d5 r",
+                "records_entity r",
+                "records_version r"
+            ],
+        "tables after the migration: {layout:?}"
+    );
+    let primary_key: String = client
+        .query_one(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint \
+             WHERE conrelid = 't_v4.records'::regclass AND contype = 'p'",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        primary_key == "PRIMARY KEY (consumer, message_key)",
+        "primary key: {primary_key}"
+    );
+    let expiry_index: Option<String> = client
+        .query_opt(
+            "SELECT indexdef FROM pg_indexes \
+             WHERE schemaname = 't_v4' AND indexname = 'records_expiry'",
+            &[],
+        )
+        .await?
+        .map(|row| row.get(0));
+    ensure!(
+        expiry_index
+            .as_ref()
+            .is_some_and(|index| index.ends_with("(expires_at_ms)")),
+        "the removal time's index: {expiry_index:?}"
+    );
+    let width_column: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+             WHERE table_schema = 't_v4' AND table_name = 'records_version' \
+               AND column_name = 'partition_days')",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(!width_column, "the partition width is still recorded");
+
+    // Every live record answers as before, on the same clock; the export is the same lines.
+    let store = mock_store(&client, names.clone(), &clock, false).await?;
+    let mut after = Vec::new();
+    for (consumer, key) in &live {
+        let consumer = store.consumer(consumer)?;
+        for fingerprint in [Fingerprint::of(key), Fingerprint::of(b"other content")] {
+            after.push(answers(&consumer, &mut client, key, fingerprint).await?);
+        }
+    }
+    for (before, after) in before.iter().zip(&after) {
+        ensure!(before == after, "before: {before}\nafter:  {after}");
+    }
+    let exported_after = export_text(&store, &client).await?;
+    ensure!(
+        exported_after.lines().collect::<Vec<_>>() == live_lines,
+        "export after the migration:\n{exported_after}\nthe live lines before:\n{}",
+        live_lines.join("\n")
+    );
+    // The expired records are not carried over: their keys start over.
+    let consumer = store.consumer("billing")?;
+    for key in expired {
+        ensure!(
+            consumer.get(&client, key).await?.is_none(),
+            "{key:?} carried over"
+        );
+        let outcome = consumer
+            .begin(&mut client, key, Fingerprint::of(key))
+            .await?;
+        ensure!(
+            matches!(&outcome, Outcome::Fresh(claim) if claim.epoch() == 1),
+            "{key:?} after the migration: {outcome:?}"
+        );
+    }
+    // The entity's version is kept; removal finds nothing to remove; a second install
+    // changes nothing.
+    let older = Message::new("older", Fingerprint::of(b"older")).version("order", 4);
+    let outcome = consumer.begin_message(&mut client, &older).await?;
+    ensure!(
+        matches!(
+            outcome,
+            Outcome::Stale {
+                current_version: 5,
+                ..
+            }
+        ),
+        "the entity's version after the migration: {outcome:?}"
+    );
+    drop(outcome);
+    let done = store.maintain(&client).await?;
+    ensure!(
+        done.removed == 0,
+        "removal right after the migration: {done:?}"
+    );
+    install(&mut client, &names).await?;
+    ensure!(
+        export_text(&store, &client).await? == exported_after,
+        "a second install changed the records"
     );
     Ok(())
 }
@@ -4582,9 +5211,12 @@ async fn claim_commit_duplicate_and_external_steps(url: &str) -> Result<(), Fail
     Ok(())
 }
 
-async fn a_commit_whose_row_vanished_is_lost_key_and_lands_nothing(
-    url: &str,
-) -> Result<(), Failure> {
+/// A claim that replaces an expired record writes its record whether or not the old row is
+/// still there at its commit: removal (or an operator's `DELETE`) takes expired rows without
+/// the key's lock, so the row may vanish while the claim holds the key. The commit lands
+/// whole, record and business row, at the claim's epoch, and the key has one row; the same for
+/// a batch.
+async fn a_commit_whose_replaced_row_vanished_writes_it_whole(url: &str) -> Result<(), Failure> {
     let mut client = connect(url).await?;
     let other = connect(url).await?;
     let names = fresh_schema(&mut client, "t_vanished").await?;
@@ -4597,12 +5229,10 @@ async fn a_commit_whose_row_vanished_is_lost_key_and_lands_nothing(
         .await?;
     let consumer = store.consumer("c")?;
     let body = Fingerprint::of(b"m");
-    match consumer.begin(&mut client, "k", body).await? {
-        Outcome::Fresh(claim) => claim.commit(b"first").await?,
-        other => return Err(format!("first claim: {other:?}").into()),
-    }
-    // Expired: the next claim replaces the row (an update), which someone deletes meanwhile
-    // without the key's lock (an operator's DELETE, say).
+    commit_one(&consumer, &mut client, "k", "m", "first").await?;
+    clock.set(1_001_500);
+    commit_one(&consumer, &mut client, "b", "m", "first").await?;
+    // k expired: the next claim replaces the row, which removal deletes meanwhile.
     clock.set(1_002_000);
     let Outcome::Fresh(claim) = consumer.begin(&mut client, "k", body).await? else {
         return Err("claim of the expired key not fresh".into());
@@ -4612,26 +5242,52 @@ async fn a_commit_whose_row_vanished_is_lost_key_and_lands_nothing(
         .transaction()
         .execute("INSERT INTO t_vanished.orders VALUES ('k', 'second')", &[])
         .await?;
+    let removed = store.maintain(&other).await?;
+    ensure!(
+        removed.removed == 1,
+        "removal while the claim holds the key: {removed:?}"
+    );
+    claim.commit(b"second").await?;
+    let record = consumer.get(&client, "k").await?.ok_or("k: no record")?;
+    ensure!(
+        record.epoch == 2 && record.result().map(|r| r.as_ref()) == Some(&b"second"[..]),
+        "k after the commit: {record:?}"
+    );
+    ensure!(
+        count_rows(&client, "t_vanished.orders").await? == 1,
+        "the business row"
+    );
+    // A batch replacing b, expired, whose row an operator deletes meanwhile: the same.
+    clock.set(1_003_000);
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("b", "m"), ("new", "m")]))
+        .await?;
+    ensure!(
+        batch.epoch(0) == Some(2) && batch.epoch(1) == Some(1),
+        "the batch: {:?}",
+        batch.outcomes()
+    );
     other
         .execute(
-            "DELETE FROM t_vanished.records WHERE message_key = 'k'::bytea",
+            "DELETE FROM t_vanished.records WHERE message_key = 'b'::bytea",
             &[],
         )
         .await?;
-    let committed = claim.commit(b"second").await;
+    batch
+        .commit_with(
+            |_| b"batched",
+            &[("INSERT INTO t_vanished.orders VALUES ('b', 'batched')", &[])],
+        )
+        .await?;
+    let record = consumer.get(&client, "b").await?.ok_or("b: no record")?;
     ensure!(
-        matches!(&committed, Err(Error::LostKey { key }) if key == b"k"),
-        "commit after the row vanished: {committed:?}"
+        record.epoch == 2 && record.result().map(|r| r.as_ref()) == Some(&b"batched"[..]),
+        "b after the batch: {record:?}"
     );
-    // The COMMIT that went out behind the failed write rolled everything back.
-    let rows: i64 = client
-        .query_one("SELECT count(*) FROM t_vanished.orders", &[])
-        .await?
-        .get(0);
-    ensure!(rows == 0, "{rows} business rows landed");
     ensure!(
-        consumer.get(&client, "k").await?.is_none(),
-        "a record landed"
+        count_rows(&client, "t_vanished.records").await? == 3
+            && count_rows(&client, "t_vanished.orders").await? == 2,
+        "one row per key and the business rows"
     );
     Ok(())
 }
@@ -4878,6 +5534,11 @@ async fn kept_plans(client: &Client, part: &str) -> Result<Vec<String>, Failure>
     Ok(plans)
 }
 
+/// A claim's read, prepared once and its plan kept while the table held a few rows, still
+/// looks its key up in the primary key's index once the table holds a hundred thousand (a
+/// kept plan that scanned the table would cost a claim more with every record); and the
+/// store touches none of the session's planner settings: the caller's SQL runs with the
+/// session's own `enable_seqscan`, on or off, and the session keeps it.
 async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_planned(
     url: &str,
 ) -> Result<(), Failure> {
@@ -4886,8 +5547,7 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
     let store = PgStore::builder().names(names).open(&client).await?;
     let consumer = store.consumer("c")?;
     let body = Fingerprint::of(b"m");
-    // A few records, and statistics that say so: a plan made now would scan the partition
-    // that holds them rather than look a key up in its index.
+    // A few records, and statistics that say so: the plan is made on a table of one page.
     for index in 0..20 {
         match consumer
             .begin(&mut client, format!("k-{index}"), body)
@@ -4905,11 +5565,11 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
         .batch_execute("SET plan_cache_mode = force_generic_plan")
         .await?;
     commit_one(&consumer, &mut planned, "k-new", "m", "ok").await?;
-    // The partition grows to many thousand rows; the kept plan stays.
+    // The table grows to a hundred thousand rows; the kept plan stays.
     client
         .batch_execute(
             "INSERT INTO t_plans.records (consumer, message_key, record, expires_at_ms) \
-             SELECT consumer, message_key || g::text::bytea, record, expires_at_ms \
+             SELECT consumer, message_key || '/'::bytea || g::text::bytea, record, expires_at_ms \
              FROM t_plans.records, generate_series(1, 5000) AS g",
         )
         .await?;
@@ -4917,24 +5577,52 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
     ensure!(!plans.is_empty(), "no kept plan of the claim's read");
     for plan in &plans {
         ensure!(
-            plan.contains("Index") && !plan.contains("Seq Scan on records_d"),
-            "a kept plan scans a day partition:\n{plan}"
+            plan.contains("Index") && !plan.contains("Seq Scan"),
+            "a kept plan scans the table:\n{plan}"
         );
     }
-    // And the caller's SQL in a claim runs with the session's own setting.
-    let Outcome::Fresh(claim) = consumer.begin(&mut planned, "k-session", body).await? else {
-        return Err("k-session not fresh".into());
-    };
-    let setting: String = claim
-        .transaction()
-        .query_one("SHOW enable_seqscan", &[])
-        .await?
-        .get(0);
-    ensure!(
-        setting == "on",
-        "enable_seqscan in the caller's SQL: {setting}"
-    );
-    claim.commit(b"ok").await?;
+    // The store leaves the session's planner settings alone: the caller's SQL in a claim or a
+    // batch runs with the session's own `enable_seqscan`, whichever it is, and the session
+    // keeps it after claims, batches and `apply` (of a new key and of a duplicate).
+    for setting in ["off", "on"] {
+        planned
+            .batch_execute(&format!("SET enable_seqscan = {setting}"))
+            .await?;
+        let show = "SHOW enable_seqscan";
+        let key = format!("k-session-{setting}");
+        let Outcome::Fresh(claim) = consumer.begin(&mut planned, &key, body).await? else {
+            return Err(format!("{key} not fresh").into());
+        };
+        let seen: String = claim.transaction().query_one(show, &[]).await?.get(0);
+        ensure!(
+            seen == setting,
+            "enable_seqscan {setting} in the session, {seen} in a claim's SQL"
+        );
+        claim.commit(b"ok").await?;
+        let batch = consumer
+            .begin_batch(&mut planned, &messages(&[(&format!("{key}-batch"), "m")]))
+            .await?;
+        let seen: String = batch.transaction().query_one(show, &[]).await?.get(0);
+        ensure!(
+            seen == setting,
+            "enable_seqscan {setting} in the session, {seen} in a batch's SQL"
+        );
+        batch.commit(|_| b"ok").await?;
+        for (applied, new) in [(format!("{key}-apply"), true), (key.clone(), false)] {
+            let outcome = consumer
+                .apply(&mut planned, &Message::new(&applied, body), b"ok", &[])
+                .await?;
+            ensure!(
+                matches!(outcome, Outcome::Fresh(_)) == new,
+                "apply of {applied}: {outcome:?}"
+            );
+        }
+        let seen: String = planned.query_one(show, &[]).await?.get(0);
+        ensure!(
+            seen == setting,
+            "enable_seqscan {setting} in the session, {seen} after the calls"
+        );
+    }
     Ok(())
 }
 
@@ -5601,329 +6289,6 @@ async fn connections_racing_to_apply_the_same_keys_have_one_winner_each(
     Ok(())
 }
 
-/// Checks that `PgStore::partitions` lists the two weeks of `t_weeks`, days 98 and 105, with
-/// `removable` as given.
-async fn listed_weeks(
-    store: &PgStore,
-    client: &Client,
-    removable: [bool; 2],
-) -> Result<(), Failure> {
-    let found: Vec<(String, i64, u32, bool)> = store
-        .partitions(client)
-        .await?
-        .into_iter()
-        .map(|p| (p.name, p.first_day, p.days, p.removable))
-        .collect();
-    let expected = vec![
-        ("t_weeks.records_d98".to_owned(), 98, 7, removable[0]),
-        ("t_weeks.records_d105".to_owned(), 105, 7, removable[1]),
-    ];
-    ensure!(found == expected, "partitions: {found:?}");
-    Ok(())
-}
-
-async fn partitions_of_several_days_are_aligned_dropped_whole_and_fixed_at_install(
-    url: &str,
-) -> Result<(), Failure> {
-    use idemdb_postgres::{InstallOptions, PARTITION_DAYS_MAX, install_with};
-    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
-    let mut client = connect(url).await?;
-    client
-        .batch_execute("DROP SCHEMA IF EXISTS t_weeks CASCADE")
-        .await?;
-    let names = Names::new("t_weeks", "records")?;
-    let weekly = InstallOptions::default().partition_days(7);
-    // Widths outside 1 to 60 days are refused before anything is created.
-    for days in [0, PARTITION_DAYS_MAX + 1] {
-        let refused = install_with(
-            &mut client,
-            &names,
-            InstallOptions::default().partition_days(days),
-        )
-        .await;
-        ensure!(
-            matches!(refused, Err(Error::PartitionDays { requested, installed: None }) if requested == days),
-            "{days} days: {refused:?}"
-        );
-    }
-    install_with(&mut client, &names, weekly).await?;
-    // The width is fixed: the same or none asked is fine, another is refused.
-    install_with(&mut client, &names, weekly).await?;
-    install(&mut client, &names).await?;
-    let other = install_with(
-        &mut client,
-        &names,
-        InstallOptions::default().partition_days(1),
-    )
-    .await;
-    ensure!(
-        matches!(
-            other,
-            Err(Error::PartitionDays {
-                requested: 1,
-                installed: Some(7)
-            })
-        ),
-        "another width: {other:?}"
-    );
-    // Day 102 at noon (its partition holds days 98 to 104: 98 is a multiple of 7); two days'
-    // retention: the first record expires on day 104.
-    let clock = MockClock::new(102 * DAY + DAY / 2);
-    let store = PgStore::builder()
-        .names(names.clone())
-        .retention(Duration::from_millis(2 * DAY))
-        .clock(clock.clone())
-        .open(&client)
-        .await?;
-    let consumer = store.consumer("c")?;
-    commit_one(&consumer, &mut client, "a", "a", "a").await?;
-    // Partitions for today through the day after the last expiry (day 105, covering a database
-    // clock ahead of this one): two weeks, named after their first days.
-    let days = day_partitions(&client, "t_weeks").await?;
-    ensure!(days == vec![98, 105], "partitions: {days:?}");
-    clock.set(104 * DAY);
-    commit_one(&consumer, &mut client, "b", "b", "b").await?;
-    ensure!(
-        count_rows(&client, "t_weeks.records_d98").await? == 1
-            && count_rows(&client, "t_weeks.records_d105").await? == 1,
-        "a record expiring on day 104 and one on day 106, each in its week"
-    );
-    // "a" expires at its millisecond (day 104, noon), long before its partition goes.
-    clock.set(104 * DAY + DAY / 2);
-    let outcome = consumer
-        .begin(&mut client, "a", Fingerprint::of(b"a"))
-        .await?;
-    ensure!(
-        matches!(&outcome, Outcome::Fresh(claim) if claim.epoch() == 2),
-        "expired: {outcome:?}"
-    );
-    drop(outcome);
-    // The partition of days 98 to 104 is dropped only once day 104 has passed, and listed as
-    // removable from then on.
-    clock.set(105 * DAY - 1);
-    listed_weeks(&store, &client, [false, false]).await?;
-    let done = store.maintain(&mut client).await?;
-    ensure!(done.dropped.is_empty(), "dropped early: {done:?}");
-    clock.set(105 * DAY);
-    listed_weeks(&store, &client, [true, false]).await?;
-    let done = store.maintain(&mut client).await?;
-    ensure!(
-        done.dropped == vec!["t_weeks.records_d98"],
-        "dropped at the end of its last day: {done:?}"
-    );
-    ensure!(
-        consumer.get(&client, "a").await?.is_none(),
-        "the dropped partition's record"
-    );
-    // "b" (expiring on day 106, in the next partition) is still a duplicate.
-    let outcome = consumer
-        .begin(&mut client, "b", Fingerprint::of(b"b"))
-        .await?;
-    ensure!(
-        matches!(outcome, Outcome::Duplicate { .. }),
-        "the next week's record: {outcome:?}"
-    );
-    drop(outcome);
-    // A version 3 table (daily partitions, no width recorded) is refused until install
-    // migrates it, its records kept.
-    let names = fresh_schema(&mut client, "t_weeks3").await?;
-    let store = PgStore::builder()
-        .names(names.clone())
-        .clock(clock.clone())
-        .open(&client)
-        .await?;
-    commit_one(&store.consumer("c")?, &mut client, "kept", "k", "k").await?;
-    client
-        .batch_execute(
-            "ALTER TABLE t_weeks3.records_version DROP COLUMN partition_days;
-             UPDATE t_weeks3.records_version SET version = 3;",
-        )
-        .await?;
-    let refused = PgStore::builder().names(names.clone()).open(&client).await;
-    ensure!(
-        matches!(refused, Err(Error::SchemaTooOld { found: 3, .. })),
-        "version 3 before install: {refused:?}"
-    );
-    install(&mut client, &names).await?;
-    let (version, width): (i32, i32) = {
-        let row = client
-            .query_one(
-                "SELECT version, partition_days FROM t_weeks3.records_version",
-                &[],
-            )
-            .await?;
-        (row.get(0), row.get(1))
-    };
-    ensure!(
-        version == SCHEMA_VERSION && width == 1,
-        "migrated to version {version}, {width}-day partitions"
-    );
-    let store = PgStore::builder()
-        .names(names)
-        .clock(clock.clone())
-        .open(&client)
-        .await?;
-    let outcome = store
-        .consumer("c")?
-        .begin(&mut client, "kept", Fingerprint::of(b"k"))
-        .await?;
-    ensure!(
-        matches!(outcome, Outcome::Duplicate { .. }),
-        "after the migration: {outcome:?}"
-    );
-    Ok(())
-}
-
-/// The tablespace of each day partition of `schema`'s records table and of each partition's
-/// index, by name (`""`: the database's default).
-async fn partition_tablespaces(
-    client: &Client,
-    schema: &str,
-) -> Result<Vec<(String, String)>, Failure> {
-    let rows = client
-        .query(
-            "SELECT c.relname::text, coalesce(t.spcname::text, '') FROM pg_class c \
-             JOIN pg_namespace n ON n.oid = c.relnamespace \
-             LEFT JOIN pg_tablespace t ON t.oid = c.reltablespace \
-             WHERE n.nspname = $1 AND c.relname LIKE 'records\\_d%' ORDER BY 1",
-            &[&schema],
-        )
-        .await?;
-    Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
-}
-
-async fn partitions_are_made_in_the_records_tables_tablespace(url: &str) -> Result<(), Failure> {
-    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
-    const TABLESPACE: &str = "idemdb_test_records";
-    let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, "t_tablespace").await?;
-    // A directory beside the server's data directory, owned as that one is.
-    let data: String = client.query_one("SHOW data_directory", &[]).await?.get(0);
-    let data = std::path::Path::new(&data);
-    let location = data
-        .parent()
-        .ok_or("the data directory has no parent")?
-        .join("tablespace-records");
-    std::fs::create_dir_all(&location)?;
-    let owner = std::fs::metadata(data)?;
-    {
-        use std::os::unix::fs::MetadataExt;
-        std::os::unix::fs::chown(&location, Some(owner.uid()), Some(owner.gid()))?;
-    }
-    client
-        .batch_execute(&format!("DROP TABLESPACE IF EXISTS {TABLESPACE}"))
-        .await?;
-    client
-        .batch_execute(&format!(
-            "CREATE TABLESPACE {TABLESPACE} LOCATION '{}'",
-            location.display()
-        ))
-        .await?;
-    let store_at = |day: u64| {
-        PgStore::builder()
-            .names(names.clone())
-            .retention(Duration::from_millis(DAY))
-            .clock(MockClock::new(day * DAY + DAY / 2))
-    };
-    // Partitions made before the records table has a tablespace: the default.
-    store_at(100)
-        .open(&client)
-        .await?
-        .maintain(&mut client)
-        .await?;
-    let before = partition_tablespaces(&client, "t_tablespace").await?;
-    ensure!(
-        !before.is_empty() && before.iter().all(|(_, space)| space.is_empty()),
-        "partitions made with no tablespace set: {before:?}"
-    );
-    client
-        .batch_execute(&format!(
-            "ALTER TABLE t_tablespace.records SET TABLESPACE {TABLESPACE}"
-        ))
-        .await?;
-    // Made after: the table's and its index's files are in the records table's tablespace,
-    // by maintain and by a claim alike, and the session's own setting is left as it was.
-    client
-        .batch_execute("SET default_tablespace = pg_default")
-        .await?;
-    store_at(200)
-        .open(&client)
-        .await?
-        .maintain(&mut client)
-        .await?;
-    let claimed = store_at(300).open(&client).await?;
-    match claimed
-        .consumer("c")?
-        .begin(&mut client, b"k", Fingerprint::of(b"k"))
-        .await?
-    {
-        Outcome::Fresh(claim) => claim.commit(b"").await?,
-        other => return Err(format!("a new key: {other:?}").into()),
-    }
-    let setting: String = client
-        .query_one("SHOW default_tablespace", &[])
-        .await?
-        .get(0);
-    ensure!(
-        setting == "pg_default",
-        "the session's setting: {setting:?}"
-    );
-    let after = partition_tablespaces(&client, "t_tablespace").await?;
-    let made_later: Vec<&(String, String)> = after
-        .iter()
-        .filter(|partition| !before.contains(partition))
-        .collect();
-    for day in [200, 300] {
-        let table = format!("records_d{day}");
-        let index = format!("records_d{day}_pkey");
-        for name in [&table, &index] {
-            let found = made_later.iter().find(|(relation, _)| relation == name);
-            ensure!(
-                matches!(found, Some((_, space)) if space == TABLESPACE),
-                "{name} (day {day}): {found:?}; made later: {made_later:?}"
-            );
-        }
-    }
-    // The records there are read and removed as anywhere.
-    let read = claimed
-        .consumer("c")?
-        .begin(&mut client, b"k", Fingerprint::of(b"k"))
-        .await?;
-    ensure!(
-        matches!(read, Outcome::Duplicate { .. }),
-        "committed key: {read:?}"
-    );
-    drop(read);
-    // An import makes the partitions of its records' days the same way. (The session's
-    // default back first: PostgreSQL creates no partitioned table while it names the
-    // database's own tablespace.)
-    client.batch_execute("RESET default_tablespace").await?;
-    let exported = export_text(&claimed, &client).await?;
-    let target = fresh_schema(&mut client, "t_tablespace_import").await?;
-    client
-        .batch_execute(&format!(
-            "ALTER TABLE t_tablespace_import.records SET TABLESPACE {TABLESPACE}"
-        ))
-        .await?;
-    let importer = PgStore::builder().names(target).open(&client).await?;
-    let counts = importer
-        .import_lines(&mut client, exported.as_bytes(), false)
-        .await?;
-    ensure!(counts.imported == 1, "imported {counts:?}");
-    let imported = partition_tablespaces(&client, "t_tablespace_import").await?;
-    ensure!(
-        !imported.is_empty() && imported.iter().all(|(_, space)| space == TABLESPACE),
-        "partitions an import made: {imported:?}"
-    );
-    client
-        .batch_execute("DROP SCHEMA t_tablespace_import CASCADE; DROP SCHEMA t_tablespace CASCADE")
-        .await?;
-    client
-        .batch_execute(&format!("DROP TABLESPACE {TABLESPACE}"))
-        .await?;
-    Ok(())
-}
-
 async fn a_statement_that_cannot_be_sent_fails_the_call_before_anything_is_written(
     url: &str,
 ) -> Result<(), Failure> {
@@ -6162,7 +6527,7 @@ async fn an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept(
             "begin at {now_ms}: {begun:?}"
         );
         drop(begun);
-        let maintained = store.maintain(&mut client).await;
+        let maintained = store.maintain(&client).await;
         ensure!(
             matches!(
                 maintained,
@@ -6171,8 +6536,8 @@ async fn an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept(
             "maintain at {now_ms}: {maintained:?}"
         );
     }
-    // At the limit, past the last day with a partition (the year 4707): the record is kept in
-    // the open partition and read back as any.
+    // At the limit (some 146 million years on), with the week's retention on top: the record
+    // is kept and read back as any, and removal leaves it until it has expired.
     let store = store_at(&client, idemdb::CLOCK_MS_MAX).await?;
     let consumer = store.consumer("c")?;
     let first = consumer
@@ -6196,7 +6561,12 @@ async fn an_injected_clock_past_the_limit_is_refused_and_far_expiries_are_kept(
         matches!(again, Outcome::Duplicate { .. }),
         "far again: {again:?}"
     );
-    store.maintain(&mut client).await?;
+    let done = store.maintain(&client).await?;
+    ensure!(done.removed == 0, "removal at the limit: {done:?}");
+    ensure!(
+        consumer.get(&client, "far").await?.is_some(),
+        "the far record after removal"
+    );
     Ok(())
 }
 
@@ -6327,73 +6697,110 @@ async fn daily_store(
     Ok((client, store, consumer, clock))
 }
 
-async fn overlapping_maintain_calls_take_turns_and_each_succeeds(url: &str) -> Result<(), Failure> {
+/// Commits `keys`, every one new, in one batch of `consumer`'s.
+async fn commit_new_keys(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    keys: &[String],
+) -> Result<(), Failure> {
+    let batch = consumer
+        .begin_batch(
+            client,
+            &keys
+                .iter()
+                .map(|key| (key.clone(), Fingerprint::of(b"m")))
+                .collect::<Vec<_>>(),
+        )
+        .await?;
+    ensure!(
+        batch
+            .outcomes()
+            .iter()
+            .all(|outcome| matches!(outcome, PgBatchOutcome::Fresh)),
+        "not all new: {:?}",
+        batch.outcomes()
+    );
+    batch.commit(|_| b"ok").await?;
+    Ok(())
+}
+
+/// Removal calls that overlap, on four connections, share the work instead of waiting for one
+/// another: each succeeds, every expired row is removed by exactly one of them (their counts
+/// add up to the expired rows), and every live row stays, in each of three rounds.
+async fn overlapping_maintain_calls_share_the_work_and_each_succeeds(
+    url: &str,
+) -> Result<(), Failure> {
+    use idemdb_postgres::Removal;
     const DAY: u64 = idemdb_postgres::DAY_MS as u64;
-    const CALLS: usize = 4;
+    const EXPIRED: usize = 400;
+    const LIVE: usize = 20;
     let (mut client, store, consumer, clock) = daily_store(url, "t_maintain_race").await?;
     let mut maintainers = Vec::new();
-    for _ in 0..CALLS {
+    for _ in 0..4 {
         maintainers.push(connect(url).await?);
     }
+    // The live records of a round have expired by the next round's removal.
+    let mut carried = 0;
     for round in 0..3_u64 {
-        // Records on each of four days, then the clock past all of them.
+        // Records of four days, then live ones of the day after them, and the clock on.
         let first_day = 100 + round * 10;
         for day in first_day..first_day + 4 {
             clock.set(day * DAY + DAY / 2);
-            for key in ["a", "b"] {
-                let key = format!("{round}-{day}-{key}");
-                commit_one(&consumer, &mut client, &key, "m", "ok").await?;
-            }
+            let keys: Vec<String> = (0..EXPIRED / 4)
+                .map(|index| format!("{round}-{day}-{index}"))
+                .collect();
+            commit_new_keys(&consumer, &mut client, &keys).await?;
         }
-        clock.set((first_day + 8) * DAY);
-        let live = format!("{round}-live");
-        commit_one(&consumer, &mut client, &live, "m", "ok").await?;
-        let removable: Vec<String> = store
-            .partitions(&client)
-            .await?
-            .into_iter()
-            .filter(|partition| partition.removable)
-            .map(|partition| partition.name)
+        clock.set((first_day + 5) * DAY);
+        let live: Vec<String> = (0..LIVE)
+            .map(|index| format!("{round}-live-{index}"))
             .collect();
-        ensure!(
-            removable.len() >= 4,
-            "round {round}: removable partitions {removable:?}"
-        );
-        let [a, b, c, d] = &mut maintainers[..] else {
+        commit_new_keys(&consumer, &mut client, &live).await?;
+        let mut live_keys: Vec<String> = live.iter().map(|key| format!("c/{key}")).collect();
+        live_keys.sort();
+        let [a, b, c, d] = &maintainers[..] else {
             return Err("four connections".into());
         };
+        let small = Removal::default().batch_rows(7);
         let (a, b, c, d) = tokio::join!(
-            store.maintain(a),
-            store.maintain(b),
-            store.maintain(c),
-            store.maintain(d)
+            store.maintain_with(a, small),
+            store.maintain_with(b, small),
+            store.maintain_with(c, small),
+            store.maintain_with(d, small)
         );
-        let mut dropped = Vec::new();
+        let mut removed = 0;
+        let mut calls = Vec::new();
         for (call, done) in [a, b, c, d].into_iter().enumerate() {
             match done {
-                Ok(done) => dropped.extend(done.dropped),
+                Ok(done) => {
+                    removed += done.removed;
+                    calls.push(done);
+                }
                 Err(error) => {
                     return Err(format!("round {round}: call {call} failed: {error}").into());
                 }
             }
         }
-        dropped.sort();
+        let expired = EXPIRED + carried;
         ensure!(
-            dropped == removable,
-            "round {round}: dropped {dropped:?}, removable {removable:?} (each once)"
+            removed == expired as u64,
+            "round {round}: {removed} removed of {expired} expired: {calls:?}"
         );
-        let left = store.partitions(&client).await?;
+        let rows = stored_rows(&client, "t_maintain_race").await?;
         ensure!(
-            left.iter().all(|partition| !partition.removable),
-            "round {round}: left {left:?}"
+            rows == live_keys,
+            "round {round}: rows left {} (live {}): {rows:?}",
+            rows.len(),
+            live_keys.len()
         );
         let outcome = consumer
-            .begin(&mut client, &live, Fingerprint::of(b"m"))
+            .begin(&mut client, &live[0], Fingerprint::of(b"m"))
             .await?;
         ensure!(
             matches!(outcome, Outcome::Duplicate { .. }),
             "round {round}: a live record after removal: {outcome:?}"
         );
+        carried = LIVE;
     }
     Ok(())
 }
@@ -6538,106 +6945,148 @@ async fn a_failed_call_frees_its_keys_before_the_error_returns(url: &str) -> Res
     Ok(())
 }
 
-async fn a_maintain_given_up_half_way_leaves_no_lock_and_no_table(
+/// Whether the server process `pid` is idle (not in a transaction, nothing running) and
+/// holds no lock.
+async fn idle_without_locks(watcher: &Client, pid: i32) -> Result<bool, Failure> {
+    Ok(watcher
+        .query_one(
+            "SELECT (SELECT state FROM pg_stat_activity WHERE pid = $1) = 'idle' \
+                 AND NOT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1)",
+            &[&pid],
+        )
+        .await?
+        .get(0))
+}
+
+/// A claim of each kind of key on a fresh connection, bounded by a timeout so that a key left
+/// locked fails instead of hanging: a live key is a duplicate, an expired one is taken again.
+async fn claims_go_through(
     url: &str,
+    consumer: &PgConsumer,
+    live: &str,
+    expired: &str,
 ) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.begin(&mut client, live, Fingerprint::of(b"m")),
+    )
+    .await??;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "{live}: {outcome:?}"
+    );
+    drop(outcome);
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.begin(&mut client, expired, Fingerprint::of(b"m")),
+    )
+    .await??;
+    match outcome {
+        Outcome::Fresh(claim) => claim.commit(b"again").await?,
+        other => return Err(format!("{expired}: {other:?}").into()),
+    }
+    Ok(())
+}
+
+/// A removal given up half way (its future dropped: a timeout, a shutdown) leaves nothing
+/// locked: given up in its pause between batches, the batch before is committed; given up
+/// while its batch's statement is on its way, the server runs that statement to its end on
+/// its own. Either way the connection is idle without a lock once the server is done, claims
+/// of live and expired keys go through right after, and a later call removes the rest (and
+/// nothing live).
+async fn a_maintain_given_up_half_way_leaves_nothing_locked(url: &str) -> Result<(), Failure> {
+    use idemdb_postgres::Removal;
     const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    const EXPIRED: i64 = 30;
     let (mut client, store, consumer, clock) = daily_store(url, "t_maintain_cut").await?;
-    for day in 100..104 {
-        clock.set(day * DAY + DAY / 2);
-        commit_one(&consumer, &mut client, &format!("k{day}"), "m", "ok").await?;
-    }
+    let watcher = connect(url).await?;
+    let old: Vec<String> = (0..EXPIRED).map(|index| format!("old-{index}")).collect();
+    commit_new_keys(&consumer, &mut client, &old).await?;
     clock.set(110 * DAY);
-    // A table that only looks like a day partition left behind: never ours to drop.
-    client
-        .batch_execute("CREATE TABLE t_maintain_cut.records_d5 (kept int)")
-        .await?;
-    // An open claim: a concurrent detach waits for its transaction.
-    let mut holder = connect(url).await?;
-    let Outcome::Fresh(held) = consumer
-        .begin(&mut holder, "held", Fingerprint::of(b"m"))
-        .await?
-    else {
-        return Err("held: not fresh".into());
+    let live: Vec<String> = (0..5).map(|index| format!("live-{index}")).collect();
+    commit_new_keys(&consumer, &mut client, &live).await?;
+    let expired_rows = async || -> Result<i64, Failure> {
+        Ok(watcher
+            .query_one(
+                "SELECT count(*) FROM t_maintain_cut.records WHERE convert_from(message_key, 'UTF8') LIKE 'old-%'",
+                &[],
+            )
+            .await?
+            .get(0))
     };
-    // Given up while its own detach waits: the detach goes on, its drop is never sent.
-    let mut first = connect(url).await?;
-    let cut = tokio::time::timeout(Duration::from_millis(500), store.maintain(&mut first)).await;
-    ensure!(
-        cut.is_err(),
-        "a detach did not wait for an open claim: {cut:?}"
-    );
-    // Another call waits for its turn behind it; a third is given up while it waits.
-    let waiting = {
-        let (url, store) = (url.to_owned(), store.clone());
-        tokio::spawn(async move {
-            let mut client = connect(&url).await?;
-            Ok::<_, Failure>(store.maintain(&mut client).await?)
-        })
+    ensure!(expired_rows().await? == EXPIRED, "the expired rows");
+
+    // Given up in its pause after a batch of five: seen from another connection, the batch
+    // is gone, and the call is dropped then.
+    let first = connect(url).await?;
+    let first_pid = backend_pid(&first).await?;
+    let paused = Removal::default()
+        .batch_rows(5)
+        .pause(Duration::from_secs(3600));
+    let batch_done = async {
+        while expired_rows().await? > EXPIRED - 5 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok::<(), Failure>(())
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut third = connect(url).await?;
-    let third_pid = backend_pid(&third).await?;
-    let cut = tokio::time::timeout(Duration::from_millis(300), store.maintain(&mut third)).await;
-    ensure!(
-        cut.is_err(),
-        "the third call did not wait for its turn: {cut:?}"
-    );
-    held.commit(b"ok").await?;
-    let done = tokio::time::timeout(Duration::from_secs(20), waiting)
-        .await
-        .map_err(|_| "the waiting call never got its turn")???;
-    ensure!(
-        !done.dropped.is_empty(),
-        "the waiting call dropped nothing: {done:?}"
-    );
-    // Every later call gets its turn, and finds nothing left to drop.
-    let mut later = connect(url).await?;
-    for round in 0..3 {
-        let done = tokio::time::timeout(Duration::from_secs(20), store.maintain(&mut later))
-            .await
-            .map_err(|_| format!("call {round} after the cuts never got its turn"))??;
-        ensure!(
-            done.dropped.is_empty(),
-            "call {round}: dropped {:?} again",
-            done.dropped
-        );
+    tokio::select! {
+        done = store.maintain_with(&first, paused) => {
+            return Err(format!("the call ended in its pause: {done:?}").into());
+        }
+        seen = batch_done => seen?,
     }
-    // No table named as a partition is left unattached, and the given-up call's connection
-    // holds no lock once it has run what it sent.
-    let leftovers: i64 = client
-        .query_one(
-            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE n.nspname = 't_maintain_cut' AND c.relkind = 'r' AND NOT c.relispartition \
-             AND c.relname::text LIKE 'records\\_d%'",
-            &[],
-        )
-        .await?
-        .get(0);
     ensure!(
-        leftovers == 1,
-        "{leftovers} tables named as partitions and unattached (only the lookalike may stay)"
-    );
-    let lookalike: bool = client
-        .query_one(
-            "SELECT to_regclass('t_maintain_cut.records_d5') IS NOT NULL",
-            &[],
-        )
-        .await?
-        .get(0);
-    ensure!(
-        lookalike,
-        "maintain dropped a table that only looked like a partition"
+        expired_rows().await? == EXPIRED - 5,
+        "after the first batch: {} expired rows",
+        expired_rows().await?
     );
     ensure!(
-        advisory_locks_of(&client, third_pid).await? == 0,
-        "the given-up call's connection still holds the turn"
+        idle_without_locks(&watcher, first_pid).await?,
+        "the call given up in its pause left its connection busy or locking"
     );
-    let left = store.partitions(&client).await?;
+    claims_go_through(url, &consumer, &live[0], &old[10]).await?;
+
+    // Given up as soon as its statement is sent: the server runs it to its end, and then the
+    // connection is idle, holding nothing.
+    let second = connect(url).await?;
+    let second_pid = backend_pid(&second).await?;
+    let once = futures_util::FutureExt::now_or_never(
+        store.maintain_with(&second, Removal::default().batch_rows(5)),
+    );
+    ensure!(once.is_none(), "answered within one poll: {once:?}");
+    let mut idle = false;
+    for _ in 0..500 {
+        if idle_without_locks(&watcher, second_pid).await? {
+            idle = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     ensure!(
-        left.iter().all(|partition| !partition.removable),
-        "left: {left:?}"
+        idle,
+        "the call given up mid-statement left its connection busy or locking"
     );
+    claims_go_through(url, &consumer, &live[1], &old[11]).await?;
+    // And the connection itself goes on.
+    second.batch_execute("SELECT 1").await?;
+
+    // A later call removes every expired row left, and nothing else: the two records taken
+    // again and the live ones stay.
+    let left = expired_rows().await?;
+    let done = store.maintain(&client).await?;
+    ensure!(
+        done.removed == u64::try_from(left - 2)?,
+        "the later call removed {done:?} of {left} expired rows (two taken again)"
+    );
+    let mut expected: Vec<String> = live
+        .iter()
+        .chain([&old[10], &old[11]])
+        .map(|key| format!("c/{key}"))
+        .collect();
+    expected.sort();
+    let rows = stored_rows(&client, "t_maintain_cut").await?;
+    ensure!(rows == expected, "rows left: {rows:?}");
     Ok(())
 }
 
@@ -6647,8 +7096,7 @@ async fn a_claim_given_up_mid_round_trip_frees_its_key(url: &str) -> Result<(), 
     let names = fresh_schema(&mut client, "t_given_up").await?;
     let store = PgStore::builder().names(names).open(&client).await?;
     let consumer = store.consumer("c")?;
-    // The statements prepared and the partitions made: the next claim sends its first round
-    // trip at its first poll.
+    // The statements prepared: the next claim sends its first round trip at its first poll.
     commit_one(&consumer, &mut client, "warm-up", "m", "ok").await?;
     let pid = backend_pid(&client).await?;
     for round in 0..20 {
@@ -6684,5 +7132,689 @@ async fn a_claim_given_up_mid_round_trip_frees_its_key(url: &str) -> Result<(), 
     }
     // And the connection itself goes on.
     commit_one(&consumer, &mut client, "after", "m", "ok").await?;
+    Ok(())
+}
+
+// ---- Races of claims with expiry and removal ----------------------------------------------
+
+/// The next number of a splitmix64 sequence.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Moves `clock` on by a task of its own, one millisecond each time the workers of a race
+/// have taken `steps_per_ms` more steps (each worker counts its steps through the returned
+/// sender): records expire at the pace of the work, however fast the machine runs it. The
+/// task ends once every clone of the sender is dropped, and the clock stays where it is.
+fn clock_paced_by_steps(
+    clock: &MockClock,
+    steps_per_ms: usize,
+) -> (
+    Arc<tokio::sync::watch::Sender<usize>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (steps, mut taken) = tokio::sync::watch::channel(0usize);
+    let clock = clock.clone();
+    let advancer = tokio::spawn(async move {
+        let mut advanced = 0;
+        while taken.changed().await.is_ok() {
+            let now_taken = *taken.borrow_and_update();
+            while advanced < now_taken / steps_per_ms {
+                clock.advance(Duration::from_millis(1));
+                advanced += 1;
+            }
+        }
+    });
+    (Arc::new(steps), advancer)
+}
+
+/// A message a worker of a race committed: its key, the id its business row and its result
+/// carry, its epoch, and the mock clock read before the call that claimed it and after that
+/// call returned. The claim was decided in between, so its record expires no sooner than
+/// `before_ms` plus the retention.
+#[derive(Clone, Debug)]
+struct Effect {
+    key: String,
+    id: String,
+    epoch: u64,
+    before_ms: u64,
+    after_ms: u64,
+}
+
+/// What a worker of a race saw.
+#[derive(Default)]
+struct RaceLog {
+    committed: Vec<Effect>,
+    /// Key, epoch and result of each `Duplicate`.
+    duplicates: Vec<(String, u64, Vec<u8>)>,
+    in_progress: usize,
+    aborted: usize,
+    one_round_trip: usize,
+    removed: u64,
+    /// Two claims of `begin_message` held the same key at once.
+    overlaps: Vec<String>,
+}
+
+impl RaceLog {
+    /// Counts an outcome other than `Fresh`: a duplicate (its epoch and result kept) or a key
+    /// in progress; anything else fails the race.
+    fn settled<T: std::fmt::Debug>(
+        &mut self,
+        key: &str,
+        outcome: Outcome<T>,
+    ) -> Result<(), Failure> {
+        match outcome {
+            Outcome::Duplicate { result, epoch, .. } => {
+                self.duplicates
+                    .push((key.to_owned(), epoch, result.to_vec()));
+            }
+            Outcome::InProgress { .. } => self.in_progress += 1,
+            other => return Err(format!("{key}: {other:?}").into()),
+        }
+        Ok(())
+    }
+}
+
+/// Creates a race's business table: one row per committed message, with the epoch its claim
+/// was given (null where `apply` sent the row before the epoch was known), numbered in the
+/// order of the inserts (`seq`): a key's rows are inserted under the key's lock, one claim
+/// after the other, so their numbers follow the key's commits.
+async fn effects_table(client: &Client, schema: &str) -> Result<String, Failure> {
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {schema}.effects \
+             (seq bigserial PRIMARY KEY, key text NOT NULL, id text NOT NULL, epoch bigint)"
+        ))
+        .await?;
+    Ok(format!(
+        "INSERT INTO {schema}.effects (key, id, epoch) VALUES ($1, $2, $3)"
+    ))
+}
+
+/// What [`check_effects`] found: each key's last commit, and how many commits followed an
+/// earlier one of their key at the next epoch (`reclaims`) or started over at epoch 1 after
+/// removal took the record (`restarts`).
+struct EffectsChecked {
+    last: HashMap<String, Effect>,
+    reclaims: usize,
+    restarts: usize,
+}
+
+/// Checks a race's business rows against what its workers committed: exactly one row per
+/// committed message and none other; per key, in commit order, epochs 1, 2, 3 ... (each the
+/// epoch its claim was given), starting over at 1 only where the key's record had been
+/// removed; and every commit after a key's first came once the record before it had expired
+/// (its expiry is at least the earlier claim's `before_ms` plus the retention; the later
+/// claim was decided by its `after_ms`): never a second winner while a record is live.
+async fn check_effects(
+    client: &Client,
+    schema: &str,
+    committed: &[Effect],
+    retention_ms: u64,
+) -> Result<EffectsChecked, Failure> {
+    let by_id: HashMap<&str, &Effect> = committed
+        .iter()
+        .map(|effect| (effect.id.as_str(), effect))
+        .collect();
+    ensure!(by_id.len() == committed.len(), "an id committed twice");
+    let rows = client
+        .query(
+            &format!("SELECT key, id, epoch FROM {schema}.effects ORDER BY seq"),
+            &[],
+        )
+        .await?;
+    ensure!(
+        rows.len() == committed.len(),
+        "{} business rows for {} committed messages",
+        rows.len(),
+        committed.len()
+    );
+    let mut seen = std::collections::HashSet::new();
+    let mut checked = EffectsChecked {
+        last: HashMap::new(),
+        reclaims: 0,
+        restarts: 0,
+    };
+    for row in &rows {
+        let (key, id, epoch): (String, String, Option<i64>) = (row.get(0), row.get(1), row.get(2));
+        let effect = *by_id
+            .get(id.as_str())
+            .ok_or_else(|| format!("a business row of {key} that no commit returned: {id}"))?;
+        ensure!(seen.insert(id.clone()), "{id}: two business rows");
+        ensure!(
+            effect.key == key,
+            "{id}: a row of {key}, committed for {}",
+            effect.key
+        );
+        if let Some(epoch) = epoch {
+            ensure!(
+                u64::try_from(epoch)? == effect.epoch,
+                "{id}: epoch {epoch} in its row, {} claimed",
+                effect.epoch
+            );
+        }
+        match checked.last.get(&key) {
+            None => ensure!(
+                effect.epoch == 1,
+                "{key}: its first commit ({id}) at epoch {}",
+                effect.epoch
+            ),
+            Some(previous) => {
+                ensure!(
+                    effect.epoch == previous.epoch + 1 || effect.epoch == 1,
+                    "{key}: epoch {} ({id}) after epoch {} ({})",
+                    effect.epoch,
+                    previous.epoch,
+                    previous.id
+                );
+                ensure!(
+                    previous.before_ms + retention_ms <= effect.after_ms,
+                    "{key}: {id} (decided by {} ms) won while {} (epoch {}, expiring no sooner \
+                     than {} ms) was live",
+                    effect.after_ms,
+                    previous.id,
+                    previous.epoch,
+                    previous.before_ms + retention_ms
+                );
+                if effect.epoch == 1 {
+                    checked.restarts += 1;
+                } else {
+                    checked.reclaims += 1;
+                }
+            }
+        }
+        checked.last.insert(key, effect.clone());
+    }
+    Ok(checked)
+}
+
+/// Checks each key's row against its last commit, at `now_ms` on the frozen clock: a row
+/// there holds that commit's record (its epoch, its id as the result); a row is missing only
+/// where that record had expired by then (removal took it). Returns how many rows there are,
+/// and how many of them hold a record at epoch 2 or later that is live at `now_ms`.
+async fn check_last_records(
+    consumer: &PgConsumer,
+    client: &Client,
+    last: &HashMap<String, Effect>,
+    retention_ms: u64,
+    now_ms: u64,
+) -> Result<(usize, usize), Failure> {
+    let (mut present, mut reclaimed_live) = (0, 0);
+    for (key, effect) in last {
+        match consumer.get(client, key).await? {
+            Some(record) => {
+                ensure!(
+                    record.epoch == effect.epoch
+                        && record.result().map(|result| result.as_ref())
+                            == Some(effect.id.as_bytes()),
+                    "{key}: the row holds {record:?}, its last commit was {effect:?}"
+                );
+                present += 1;
+                if effect.epoch >= 2 && !record.is_absent_at(now_ms) {
+                    reclaimed_live += 1;
+                }
+            }
+            None => ensure!(
+                effect.before_ms + retention_ms <= now_ms,
+                "{key}: its record {effect:?} was removed, live at {now_ms} ms"
+            ),
+        }
+    }
+    Ok((present, reclaimed_live))
+}
+
+/// Many connections claim a few keys at once, every way a claim is made, while the keys'
+/// records expire and are claimed again and removal runs: one winner per key at a time,
+/// whatever the interleaving of the decision statements. Sixteen workers, each on its own
+/// connection, take 150 steps each over 20 keys: `apply` with a business row, `begin_message`
+/// and `commit_with` with a business row, a claim held across a round trip (its business
+/// row written) and then aborted, or a removal in batches of three. Records live 20 ms on a
+/// mock clock that a task of its own moves on as the work goes, so each key is a duplicate
+/// for a while, expires, is claimed again at the next epoch (or at epoch 1 where removal took
+/// the record first). Checked against the rows: one business row per committed `Fresh` and
+/// none of an aborted claim; per key, in commit order, epochs without gaps or repeats
+/// (starting over only after removal); no commit while the key's previous record was live;
+/// no two `begin_message` claims holding a key at once; every `Duplicate` answered with a
+/// committed record (its id and epoch); each key's row is its last commit's.
+async fn one_winner_per_key_while_claims_hold_release_expire_and_reclaim(
+    url: &str,
+) -> Result<(), Failure> {
+    use idemdb::Clock as _;
+    use idemdb_postgres::Removal;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const WORKERS: usize = 16;
+    const KEYS: u64 = 20;
+    const STEPS: usize = 150;
+    const RETENTION_MS: u64 = 20;
+    const SCHEMA: &str = "t_winners";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, SCHEMA).await?;
+    let insert = effects_table(&client, SCHEMA).await?;
+    let clock = MockClock::new(1_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(RETENTION_MS))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    // Every eight steps (half a step of each worker) move the clock a millisecond: a record
+    // lives 160 steps, in which its key comes up about eight times (one step in 20).
+    let (steps, advancer) = clock_paced_by_steps(&clock, WORKERS / 2);
+    // The worker (plus one) holding each key by a claim of `begin_message`, from its `Fresh`
+    // to the moment its commit or rollback is sent; 0: none.
+    let holders: Arc<Vec<AtomicUsize>> = Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
+    let start = Arc::new(tokio::sync::Barrier::new(WORKERS));
+    let mut workers = tokio::task::JoinSet::new();
+    for worker in 0..WORKERS {
+        let (url, store, consumer, clock, insert) = (
+            url.to_owned(),
+            store.clone(),
+            consumer.clone(),
+            clock.clone(),
+            insert.clone(),
+        );
+        let (steps, holders, start) = (steps.clone(), holders.clone(), start.clone());
+        workers.spawn(async move {
+            let mut client = connect(&url).await?;
+            let mut log = RaceLog::default();
+            let mut rng = worker as u64;
+            start.wait().await;
+            for step in 0..STEPS {
+                let roll = splitmix64(&mut rng);
+                let index = usize::try_from(roll % KEYS)?;
+                let key = format!("k{index}");
+                let id = format!("w{worker}-{step}");
+                let message = Message::new(&key, Fingerprint::of(key.as_bytes()));
+                let before_ms = clock.now_ms();
+                match (roll >> 32) % 100 {
+                    0..=34 => {
+                        let no_epoch: Option<i64> = None;
+                        let outcome = consumer
+                            .apply(
+                                &mut client,
+                                &message,
+                                id.as_bytes(),
+                                &[(
+                                    &insert,
+                                    &[
+                                        (&key, Type::TEXT),
+                                        (&id, Type::TEXT),
+                                        (&no_epoch, Type::INT8),
+                                    ],
+                                )],
+                            )
+                            .await?;
+                        let after_ms = clock.now_ms();
+                        match outcome {
+                            Outcome::Fresh(applied) => {
+                                log.one_round_trip += usize::from(applied.one_round_trip);
+                                log.committed.push(Effect {
+                                    key,
+                                    id,
+                                    epoch: applied.epoch,
+                                    before_ms,
+                                    after_ms,
+                                });
+                            }
+                            other => log.settled(&key, other)?,
+                        }
+                    }
+                    35..=37 => {
+                        let small = Removal::default().batch_rows(3);
+                        log.removed += store.maintain_with(&client, small).await?.removed;
+                    }
+                    kind => match consumer.begin_message(&mut client, &message).await? {
+                        Outcome::Fresh(claim) => {
+                            let after_ms = clock.now_ms();
+                            let epoch = claim.epoch();
+                            let mine = worker + 1;
+                            if let Err(holder) = holders[index].compare_exchange(
+                                0,
+                                mine,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            ) {
+                                log.overlaps.push(format!(
+                                    "{key}: worker {worker} got it while worker {} held it",
+                                    holder - 1
+                                ));
+                            }
+                            let column = i64::try_from(epoch)?;
+                            if kind >= 80 {
+                                // Held across a round trip with its business row, then
+                                // rolled back: nothing of it may land.
+                                claim
+                                    .transaction()
+                                    .execute(&insert, &[&key, &id, &column])
+                                    .await?;
+                                holders[index].store(0, Ordering::SeqCst);
+                                claim.abort().await?;
+                                log.aborted += 1;
+                            } else {
+                                holders[index].store(0, Ordering::SeqCst);
+                                claim
+                                    .commit_with(
+                                        id.as_bytes(),
+                                        &[(
+                                            &insert,
+                                            &[
+                                                (&key, Type::TEXT),
+                                                (&id, Type::TEXT),
+                                                (&column, Type::INT8),
+                                            ],
+                                        )],
+                                    )
+                                    .await?;
+                                log.committed.push(Effect {
+                                    key,
+                                    id,
+                                    epoch,
+                                    before_ms,
+                                    after_ms,
+                                });
+                            }
+                        }
+                        other => log.settled(&key, other)?,
+                    },
+                }
+                steps.send_modify(|taken| *taken += 1);
+            }
+            Ok::<RaceLog, Failure>(log)
+        });
+    }
+    drop(steps);
+    // A worker's failure ends the race: the others (waiting for it at the start, say) are
+    // aborted as the set is dropped.
+    let mut logs = Vec::new();
+    while let Some(worker) = workers.join_next().await {
+        logs.push(worker??);
+    }
+    advancer.await?;
+    let now_ms = clock.now_ms();
+
+    let overlaps: Vec<&String> = logs.iter().flat_map(|log| &log.overlaps).collect();
+    ensure!(overlaps.is_empty(), "keys held twice at once: {overlaps:?}");
+    let committed: Vec<Effect> = logs
+        .iter()
+        .flat_map(|log| log.committed.iter().cloned())
+        .collect();
+    let checked = check_effects(&client, SCHEMA, &committed, RETENTION_MS).await?;
+    let by_id: HashMap<&str, &Effect> = committed
+        .iter()
+        .map(|effect| (effect.id.as_str(), effect))
+        .collect();
+    for (key, epoch, result) in logs.iter().flat_map(|log| &log.duplicates) {
+        let id = String::from_utf8_lossy(result);
+        ensure!(
+            by_id
+                .get(id.as_ref())
+                .is_some_and(|effect| effect.key == *key && effect.epoch == *epoch),
+            "{key}: a duplicate of {id} at epoch {epoch}, which was not committed so"
+        );
+    }
+    let (rows, _) =
+        check_last_records(&consumer, &client, &checked.last, RETENTION_MS, now_ms).await?;
+    ensure!(
+        count_rows(&client, "t_winners.records").await? == i64::try_from(rows)?,
+        "rows of keys never committed"
+    );
+    let sum = |count: fn(&RaceLog) -> usize| logs.iter().map(count).sum::<usize>();
+    let (duplicates, in_progress, aborted, one_trip) = (
+        sum(|log| log.duplicates.len()),
+        sum(|log| log.in_progress),
+        sum(|log| log.aborted),
+        sum(|log| log.one_round_trip),
+    );
+    let removed: u64 = logs.iter().map(|log| log.removed).sum();
+    println!(
+        "    {WORKERS} workers x {STEPS} steps over {KEYS} keys, {} mock ms: {} commits ({one_trip} in one round trip; {} at the next epoch, {} at epoch 1 after removal), {duplicates} duplicates, {in_progress} in progress, {aborted} aborted, {removed} removed",
+        now_ms - 1_000_000,
+        committed.len(),
+        checked.reclaims,
+        checked.restarts
+    );
+    // The race went every way it can.
+    ensure!(
+        checked.reclaims > 0 && duplicates > 0 && in_progress > 0 && aborted > 0,
+        "a path never taken"
+    );
+    ensure!(
+        one_trip > 0 && removed > 0,
+        "no one-round-trip apply or no removal"
+    );
+    Ok(())
+}
+
+/// Removal runs in a loop, in batches of four, on two connections, while claims commit all
+/// the time, many of them taking keys again just as their records expire (the moment removal
+/// finds them expired too): removal never takes a live record, and never the record a claim
+/// wrote over an expired one. Four claimers each walk 50 keys of their own sixteen times,
+/// alternately `begin_message` with `commit_with` and `apply`; records live 50 ms on a mock
+/// clock moved one millisecond per round of the claimers' steps, so each key comes round
+/// about when its record expires. Checked: right after each commit the record is there
+/// (unless it has expired since); per key, in commit order, no commit while the record before
+/// it was live (a record removed early lets its key start over too soon); at the end, on the
+/// frozen clock, each key's row holds its last commit and a row is missing only where that
+/// record has expired, and one last removal leaves exactly the live records.
+async fn removal_never_takes_a_live_or_reclaimed_record(url: &str) -> Result<(), Failure> {
+    use idemdb::Clock as _;
+    use idemdb_postgres::Removal;
+    const CLAIMERS: usize = 4;
+    const KEYS_EACH: usize = 50;
+    const ROUNDS: usize = 16;
+    const RETENTION_MS: u64 = 50;
+    const SCHEMA: &str = "t_removal_race";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, SCHEMA).await?;
+    let insert = effects_table(&client, SCHEMA).await?;
+    let clock = MockClock::new(1_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(RETENTION_MS))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let (steps, advancer) = clock_paced_by_steps(&clock, CLAIMERS);
+    // Each remover runs again once the claimers have taken twenty rounds of steps (the clock
+    // has moved 20 ms) since its last call began, until the claimers are done: with two of
+    // them, a key that comes round after its record expired is taken again before removal
+    // finds it about as often as after, and sometimes both meet.
+    let mut removers = Vec::new();
+    for _ in 0..2 {
+        let (url, store, mut taken) = (url.to_owned(), store.clone(), steps.subscribe());
+        removers.push(tokio::spawn(async move {
+            let client = connect(&url).await?;
+            let (mut removed, mut calls) = (0, 0);
+            loop {
+                let since = *taken.borrow_and_update();
+                let small = Removal::default().batch_rows(4);
+                removed += store.maintain_with(&client, small).await?.removed;
+                calls += 1;
+                if taken
+                    .wait_for(|now_taken| *now_taken >= since + 20 * CLAIMERS)
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            Ok::<(u64, u64), Failure>((removed, calls))
+        }));
+    }
+    // The claimers start each round together, so that every key comes round about one
+    // retention after its last visit, whichever claimer runs faster.
+    let round_start = Arc::new(tokio::sync::Barrier::new(CLAIMERS));
+    let mut claimers = tokio::task::JoinSet::new();
+    for claimer in 0..CLAIMERS {
+        let (url, consumer, clock, insert, steps) = (
+            url.to_owned(),
+            consumer.clone(),
+            clock.clone(),
+            insert.clone(),
+            steps.clone(),
+        );
+        let round_start = round_start.clone();
+        claimers.spawn(async move {
+            let mut client = connect(&url).await?;
+            let mut log = RaceLog::default();
+            for round in 0..ROUNDS {
+                round_start.wait().await;
+                for index in 0..KEYS_EACH {
+                    let key = format!("k{claimer}-{index}");
+                    let id = format!("{key}-{round}");
+                    let message = Message::new(&key, Fingerprint::of(key.as_bytes()));
+                    let before_ms = clock.now_ms();
+                    let effect = if (index + round) % 2 == 0 {
+                        let no_epoch: Option<i64> = None;
+                        let outcome = consumer
+                            .apply(
+                                &mut client,
+                                &message,
+                                id.as_bytes(),
+                                &[(
+                                    &insert,
+                                    &[
+                                        (&key, Type::TEXT),
+                                        (&id, Type::TEXT),
+                                        (&no_epoch, Type::INT8),
+                                    ],
+                                )],
+                            )
+                            .await?;
+                        match outcome {
+                            Outcome::Fresh(applied) => Some(applied.epoch),
+                            other => {
+                                log.settled(&key, other)?;
+                                None
+                            }
+                        }
+                    } else {
+                        match consumer.begin_message(&mut client, &message).await? {
+                            Outcome::Fresh(claim) => {
+                                let epoch = claim.epoch();
+                                let column = i64::try_from(epoch)?;
+                                claim
+                                    .commit_with(
+                                        id.as_bytes(),
+                                        &[(
+                                            &insert,
+                                            &[
+                                                (&key, Type::TEXT),
+                                                (&id, Type::TEXT),
+                                                (&column, Type::INT8),
+                                            ],
+                                        )],
+                                    )
+                                    .await?;
+                                Some(epoch)
+                            }
+                            other => {
+                                log.settled(&key, other)?;
+                                None
+                            }
+                        }
+                    };
+                    if let Some(epoch) = effect {
+                        let after_ms = clock.now_ms();
+                        // The record just committed is there, unless it has expired since.
+                        let record = consumer.get(&client, &key).await?;
+                        let read_ms = clock.now_ms();
+                        match record {
+                            Some(record) => ensure!(
+                                record.epoch == epoch
+                                    && record.result().map(|result| result.as_ref())
+                                        == Some(id.as_bytes()),
+                                "{key}: right after {id} committed at epoch {epoch}: {record:?}"
+                            ),
+                            None => ensure!(
+                                before_ms + RETENTION_MS <= read_ms,
+                                "{key}: {id} (epoch {epoch}) removed right after its commit, \
+                                 live until {} ms at least, read at {read_ms} ms",
+                                before_ms + RETENTION_MS
+                            ),
+                        }
+                        log.committed.push(Effect {
+                            key,
+                            id,
+                            epoch,
+                            before_ms,
+                            after_ms,
+                        });
+                    }
+                    steps.send_modify(|taken| *taken += 1);
+                }
+            }
+            Ok::<RaceLog, Failure>(log)
+        });
+    }
+    drop(steps);
+    // A claimer's failure ends the race: the others (waiting for it at a round's start, say)
+    // are aborted as the set is dropped, and the removers stop once no claimer is left.
+    let mut logs = Vec::new();
+    while let Some(claimer) = claimers.join_next().await {
+        logs.push(claimer??);
+    }
+    let (mut removed, mut calls) = (0, 0);
+    for remover in removers {
+        let (by_one, calls_of_one) = remover.await??;
+        removed += by_one;
+        calls += calls_of_one;
+    }
+    advancer.await?;
+    let now_ms = clock.now_ms();
+
+    let committed: Vec<Effect> = logs
+        .iter()
+        .flat_map(|log| log.committed.iter().cloned())
+        .collect();
+    let checked = check_effects(&client, SCHEMA, &committed, RETENTION_MS).await?;
+    let (rows, reclaimed_live) =
+        check_last_records(&consumer, &client, &checked.last, RETENTION_MS, now_ms).await?;
+    ensure!(
+        count_rows(&client, "t_removal_race.records").await? == i64::try_from(rows)?,
+        "rows of keys never committed"
+    );
+    // One last removal, on the frozen clock: exactly the expired rows go, the live ones stay.
+    let expired: i64 = client
+        .query_one(
+            "SELECT count(*) FROM t_removal_race.records WHERE expires_at_ms <= $1",
+            &[&i64::try_from(now_ms)?],
+        )
+        .await?
+        .get(0);
+    let done = store.maintain(&client).await?;
+    ensure!(
+        done.removed == u64::try_from(expired)?,
+        "the last removal took {done:?} of {expired} expired rows"
+    );
+    let (left, still_live) =
+        check_last_records(&consumer, &client, &checked.last, RETENTION_MS, now_ms).await?;
+    ensure!(
+        left == rows - usize::try_from(expired)? && still_live == reclaimed_live,
+        "after the last removal: {left} rows ({still_live} reclaimed and live), \
+         before: {rows} ({reclaimed_live})"
+    );
+    println!(
+        "    {CLAIMERS} claimers x {KEYS_EACH} keys x {ROUNDS} rounds, {} mock ms: {} commits ({} at the next epoch, {} at epoch 1 after removal), {} duplicates; {removed} removed in {calls} calls; at the end {rows} rows, {reclaimed_live} of them reclaimed and live",
+        now_ms - 1_000_000,
+        committed.len(),
+        checked.reclaims,
+        checked.restarts,
+        logs.iter().map(|log| log.duplicates.len()).sum::<usize>()
+    );
+    ensure!(
+        checked.reclaims > 0 && checked.restarts > 0 && removed > 0,
+        "the race never reclaimed an expired record, or removal never took one"
+    );
+    ensure!(
+        reclaimed_live > 0,
+        "no record taken again after expiry was live at the end"
+    );
     Ok(())
 }

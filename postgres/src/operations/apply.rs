@@ -218,10 +218,7 @@ impl PgConsumer {
             committed,
         } = ClaimTransaction::run_whole(client, &inner.statements, &store_statements, statements)
             .await?;
-        let claimed = answers
-            .into_iter()
-            .next()
-            .unwrap_or_else(|| Ok(Vec::new()));
+        let claimed = answers.into_iter().next().unwrap_or_else(|| Ok(Vec::new()));
         let metrics = &self.metrics;
         let correlation = message.correlation();
         match claimed {

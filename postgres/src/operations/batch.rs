@@ -259,8 +259,7 @@ impl PgConsumer {
             &statements
         };
         let (mut tx, answers) =
-            ClaimTransaction::begin_with(client, &self.store.inner.statements, statements)
-                .await?;
+            ClaimTransaction::begin_with(client, &self.store.inner.statements, statements).await?;
         let taken = if messages.is_empty() {
             Ok(Taken::default())
         } else {

@@ -462,11 +462,7 @@ impl<'c> PgClaim<'c> {
             writes.push((&store.inner.write_version, &version_params));
         }
         // The record (and the entity's version) and COMMIT in one round trip.
-        match self
-            .tx
-            .commit_with(statements, &writes)
-            .await
-        {
+        match self.tx.commit_with(statements, &writes).await {
             Ok(_) => {}
             Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
             Err(CommitFailed::Store(error)) => return Err(store.write_failed(error, &self.key)),

@@ -9,6 +9,7 @@ use tokio_postgres::types::Type;
 use crate::error::Result;
 use crate::storage::records::now_on_store_clock;
 use crate::storage::store::PgStore;
+use crate::tables::names::NEVER_MS;
 
 /// How [`PgStore::maintain_with`] removes: how many rows each batch deletes, and the pause
 /// between batches.
@@ -88,7 +89,8 @@ impl PgStore {
     ///
     /// # Errors
     /// [`Error::Postgres`](crate::Error::Postgres) when a statement fails (the batches before
-    /// it stay removed).
+    /// it stay removed); [`idemdb::Error::ClockOutOfRange`] for an injected clock beyond
+    /// [`idemdb::CLOCK_MS_MAX`], before anything is removed.
     pub async fn maintain(&self, client: &Client) -> Result<Maintenance> {
         self.maintain_with(client, Removal::default()).await
     }
@@ -110,7 +112,11 @@ impl PgStore {
     /// # Errors
     /// As [`maintain`](Self::maintain).
     pub async fn maintain_with(&self, client: &Client, removal: Removal) -> Result<Maintenance> {
-        let now_ms = i64::try_from(now_on_store_clock(client, self).await?).unwrap_or(i64::MAX);
+        self.check_clock()?;
+        // Never the never-removable rows' value, whatever the clock says.
+        let now_ms = i64::try_from(now_on_store_clock(client, self).await?)
+            .unwrap_or(i64::MAX)
+            .min(NEVER_MS - 1);
         let limit = i64::from(removal.batch_rows);
         let mut done = Maintenance::default();
         loop {

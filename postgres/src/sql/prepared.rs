@@ -171,9 +171,14 @@ impl StatementCache {
             match connections.by_address.get_mut(&address) {
                 Some(prepared) => {
                     prepared.last_used = now;
-                    let found: Vec<Option<Statement>> =
-                        keys.iter().map(|key| prepared.by_sql.get(key).cloned()).collect();
-                    (found, CALLER_STATEMENTS_MAX.saturating_sub(prepared.callers))
+                    let found: Vec<Option<Statement>> = keys
+                        .iter()
+                        .map(|key| prepared.by_sql.get(key).cloned())
+                        .collect();
+                    (
+                        found,
+                        CALLER_STATEMENTS_MAX.saturating_sub(prepared.callers),
+                    )
                 }
                 None => (vec![None; statements.len()], CALLER_STATEMENTS_MAX),
             }
@@ -183,7 +188,7 @@ impl StatementCache {
             .take(room)
             .collect();
         if missing.is_empty() {
-            return found.into_iter().map(Ok).collect();
+            return sendable(found, statements).into_iter().map(Ok).collect();
         }
         let prepared = in_order(missing.iter().map(|&index| {
             let (sql, types) = &statements[index];
@@ -216,7 +221,8 @@ impl StatementCache {
                 Err(error) => errors[index] = Some(error),
             }
         }
-        found
+        drop(connections);
+        sendable(found, statements)
             .into_iter()
             .zip(errors)
             .map(|(statement, error)| match error {
@@ -255,6 +261,24 @@ impl StatementCache {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// `found`, with `None` for a prepared statement that takes another number of parameters than
+/// its caller gives (SQL with more placeholders than types given: the server inferred the
+/// rest). tokio-postgres refuses to bind it on the client, so it would never reach the server,
+/// and nothing would abort the transaction: the `COMMIT` behind it would commit the record
+/// without it. Sent unnamed instead, the server refuses it, which aborts the transaction.
+fn sendable(
+    found: Vec<Option<Statement>>,
+    statements: &[(&str, Vec<Type>)],
+) -> Vec<Option<Statement>> {
+    found
+        .into_iter()
+        .zip(statements)
+        .map(|(statement, (_, types))| {
+            statement.filter(|statement| statement.params().len() == types.len())
+        })
+        .collect()
 }
 
 fn address(client: &Client) -> usize {
