@@ -749,7 +749,10 @@ pub fn write_pg_expiry(
         md,
         "| removal | removed | removal s | commits before | p50 us | p99 us | commits during | p50 us | p99 us | p99 during / before | longest during, us | expired rows left |"
     )?;
-    writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(
+        md,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )?;
     for run in &report.backlog {
         writeln!(
             md,

@@ -284,13 +284,15 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
                 let paced = idemdb_postgres::Removal::default().pause(PACED_PAUSE);
                 store.maintain_with(&client, paced).await?.removed
             }
-            Removal::Delete => client
-                .execute(
-                    "DELETE FROM bench_idemdb.records \
+            Removal::Delete => {
+                client
+                    .execute(
+                        "DELETE FROM bench_idemdb.records \
                      WHERE expires_at_ms <= floor(extract(epoch FROM now()) * 1000)::int8",
-                    &[],
-                )
-                .await?,
+                        &[],
+                    )
+                    .await?
+            }
         };
         let end = started.elapsed();
         let left: i64 = client
