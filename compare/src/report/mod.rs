@@ -726,8 +726,8 @@ pub fn write_pg_expiry(
     )?;
     writeln!(
         md,
-        "Command: `./scripts/compare.sh pg-expiry --records {} --clients {} --rate {} --seconds {} \
-         --retention-s {} --periods {}`.\n\n\
+        "Command: `./scripts/compare.sh pg-expiry --records {} --clients {} --rate {} --pause-ms {} \
+         --seconds {} --retention-s {} --periods {}{}`.\n\n\
          **Backlog.** {} expired records are written into the records table, then {} clients \
          claim and commit new messages at {} messages/s in all (business row in the claim's \
          transaction, `synchronous_commit` on, 10% resends) for {} s before the removal starts \
@@ -737,9 +737,11 @@ pub fn write_pg_expiry(
         args.records,
         args.clients,
         args.rate,
+        args.pause_ms,
         args.seconds,
         args.retention_s,
         args.periods,
+        if args.only_paced { " --only-paced" } else { "" },
         args.records,
         args.clients,
         args.rate,

@@ -37,9 +37,15 @@ pub struct PgExpiryArgs {
     /// Messages per second, all clients together (paced; a client behind schedule sends at once).
     #[arg(long, default_value_t = 2_000)]
     pub rate: u64,
+    /// The pause after each batch of the paced removal, in milliseconds (backlog run).
+    #[arg(long, default_value_t = 10)]
+    pub pause_ms: u64,
     /// Seconds of the quiet window before the removal starts (backlog run).
     #[arg(long, default_value_t = 20.0)]
     pub seconds: f64,
+    /// Run only the paced removal of the backlog runs.
+    #[arg(long)]
+    pub only_paced: bool,
     /// Retention of the steady-state run, in seconds.
     #[arg(long, default_value_t = 30)]
     pub retention_s: u64,
@@ -60,6 +66,8 @@ impl PgExpiryArgs {
             records: 10_000_000,
             clients: 8,
             rate: 2_000,
+            pause_ms: 10,
+            only_paced: false,
             seconds: 20.0,
             retention_s: 30,
             periods: 10,
@@ -74,20 +82,17 @@ impl PgExpiryArgs {
 pub enum Removal {
     /// `PgStore::maintain`: batches of 1,000 rows, each its own transaction, no pause.
     Maintain,
-    /// `PgStore::maintain_with`, batches of 1,000 rows with [`PACED_PAUSE`] after each.
+    /// `PgStore::maintain_with`, batches of 1,000 rows with `--pause-ms` after each.
     MaintainPaced,
     /// One `DELETE` of every expired row: what a hand-written inbox table's removal does.
     Delete,
 }
 
-/// The pause between batches of [`Removal::MaintainPaced`].
-const PACED_PAUSE: Duration = Duration::from_millis(10);
-
 impl Removal {
     pub fn name(self) -> &'static str {
         match self {
             Removal::Maintain => "maintain (batches of 1,000 rows)",
-            Removal::MaintainPaced => "maintain_with (batches of 1,000 rows, 10 ms pauses)",
+            Removal::MaintainPaced => "maintain_with (batches of 1,000 rows, paused after each)",
             Removal::Delete => "one DELETE of every expired row",
         }
     }
@@ -132,6 +137,9 @@ pub struct ExpiryReport {
 pub fn run(args: &PgExpiryArgs) -> Result<ExpiryReport> {
     let mut backlog = Vec::new();
     for removal in [Removal::Maintain, Removal::MaintainPaced, Removal::Delete] {
+        if args.only_paced && removal != Removal::MaintainPaced {
+            continue;
+        }
         let dir = tempdir()?;
         eprintln!("starting postgres on 127.0.0.1:{}", args.port);
         let server = crate::servers::postgres(dir.path(), args.port)?;
@@ -256,9 +264,11 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
             )
             .await?;
         // Nothing left for autovacuum to do before the measurement, and no dirty buffers.
+        // Separate queries: VACUUM refuses to run in the implicit transaction of several.
         client
-            .batch_execute("VACUUM (ANALYZE) bench_idemdb.records; CHECKPOINT")
+            .batch_execute("VACUUM (ANALYZE) bench_idemdb.records")
             .await?;
+        client.batch_execute("CHECKPOINT").await?;
         anyhow::Ok(())
     })?;
     eprintln!(
@@ -281,7 +291,8 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
         let removed = match removal {
             Removal::Maintain => store.maintain(&client).await?.removed,
             Removal::MaintainPaced => {
-                let paced = idemdb_postgres::Removal::default().pause(PACED_PAUSE);
+                let paced =
+                    idemdb_postgres::Removal::default().pause(Duration::from_millis(args.pause_ms));
                 store.maintain_with(&client, paced).await?.removed
             }
             Removal::Delete => {
@@ -351,8 +362,9 @@ fn steady_run(args: &PgExpiryArgs) -> Result<Vec<Period>> {
     runtime.block_on(async {
         let client = pg_backend::connect(port, true).await?;
         client
-            .batch_execute("ALTER SYSTEM SET autovacuum_naptime = '1s'; SELECT pg_reload_conf()")
+            .batch_execute("ALTER SYSTEM SET autovacuum_naptime = '1s'")
             .await?;
+        client.batch_execute("SELECT pg_reload_conf()").await?;
         anyhow::Ok(())
     })?;
     eprintln!(

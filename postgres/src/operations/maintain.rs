@@ -161,19 +161,3 @@ impl PgStore {
         Ok(())
     }
 }
-
-/// One batch of removal: the oldest expired rows, up to `$2`, locked without waiting (rows a
-/// claim holds are skipped) and deleted; answers how many. The lock looks at a row replaced
-/// since the statement began in its new version, which no longer qualifies; the delete's own
-/// condition backs that up.
-pub(crate) fn remove_expired_sql(records: &str) -> String {
-    format!(
-        "WITH doomed AS ( \
-             SELECT ctid FROM {records} WHERE expires_at_ms <= $1 \
-             ORDER BY expires_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED \
-         ), removed AS ( \
-             DELETE FROM {records} AS r USING doomed \
-             WHERE r.ctid = doomed.ctid AND r.expires_at_ms <= $1 RETURNING 1 \
-         ) SELECT count(*) FROM removed"
-    )
-}

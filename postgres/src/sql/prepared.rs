@@ -100,7 +100,7 @@ impl StatementCache {
             return Ok(vec![None; statements.len()]);
         }
         let address = address(client);
-        let mut found = self.kept(address, statements);
+        let (mut found, _) = self.kept(address, statements.iter().map(|(sql, _)| *sql));
         let missing: Vec<usize> = (0..statements.len())
             .filter(|&index| found[index].is_none())
             .collect();
@@ -164,25 +164,8 @@ impl StatementCache {
             .iter()
             .map(|(sql, types)| caller_key(sql, types))
             .collect();
-        let (mut found, room) = {
-            let mut connections = self.lock();
-            connections.clock += 1;
-            let now = connections.clock;
-            match connections.by_address.get_mut(&address) {
-                Some(prepared) => {
-                    prepared.last_used = now;
-                    let found: Vec<Option<Statement>> = keys
-                        .iter()
-                        .map(|key| prepared.by_sql.get(key).cloned())
-                        .collect();
-                    (
-                        found,
-                        CALLER_STATEMENTS_MAX.saturating_sub(prepared.callers),
-                    )
-                }
-                None => (vec![None; statements.len()], CALLER_STATEMENTS_MAX),
-            }
-        };
+        let (mut found, callers) = self.kept(address, keys.iter().map(String::as_str));
+        let room = CALLER_STATEMENTS_MAX.saturating_sub(callers);
         let missing: Vec<usize> = (0..statements.len())
             .filter(|&index| found[index].is_none())
             .take(room)
@@ -237,20 +220,23 @@ impl StatementCache {
         self.lock().by_address.remove(&address(client));
     }
 
-    /// The statements kept for `address`, `None` where one is not.
-    fn kept(&self, address: usize, statements: &[(&str, Vec<Type>)]) -> Vec<Option<Statement>> {
+    /// The statements kept for `address` under `keys`, `None` where one is not, and how many
+    /// of the caller's the address keeps.
+    fn kept<'k>(
+        &self,
+        address: usize,
+        keys: impl Iterator<Item = &'k str>,
+    ) -> (Vec<Option<Statement>>, usize) {
         let mut connections = self.lock();
         connections.clock += 1;
         let now = connections.clock;
         match connections.by_address.get_mut(&address) {
             Some(prepared) => {
                 prepared.last_used = now;
-                statements
-                    .iter()
-                    .map(|(sql, _)| prepared.by_sql.get(*sql).cloned())
-                    .collect()
+                let found = keys.map(|key| prepared.by_sql.get(key).cloned()).collect();
+                (found, prepared.callers)
             }
-            None => vec![None; statements.len()],
+            None => (keys.map(|_| None).collect(), 0),
         }
     }
 

@@ -155,7 +155,7 @@ impl StoreBuilder {
                 ),
                 insert_if_new: crate::storage::records::insert_if_new_sql(&records),
                 read_at: crate::storage::records::read_at_sql(&records),
-                remove_expired: crate::operations::maintain::remove_expired_sql(&records),
+                remove_expired: crate::storage::records::remove_expired_sql(&records),
                 insert_many: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      SELECT $1, n.message_key, n.record, n.expires_at_ms \
