@@ -22,7 +22,9 @@
 //!
 //! **Two round trips.** `BEGIN`, the lock and the read go out together, and so do the caller's
 //! SQL, the record's write and `COMMIT`: a claim and its commit cost two round trips and six
-//! statements. No statement of the store's touches the session's settings.
+//! statements, and three more with prepared statements on (the default), which turn sequential
+//! scans off for the claim's reads and back to the session's setting before the caller's SQL
+//! (see [`StoreBuilder::prepared_statements`]): the caller's SQL sees the session's own.
 //! The commit's time is the database's clock read by the claim's lock statement, advanced by
 //! this process's monotonic clock since. A handler whose SQL does not depend on the answer
 //! sends it with the claim instead: [`PgConsumer::apply`] costs one round trip for a new key,
@@ -68,7 +70,7 @@
 //! **Removal.** Reads are exact at the expiry millisecond whatever is stored;
 //! [`PgStore::maintain`], run regularly, deletes the expired records oldest first through the
 //! index on their removal time, in batches of 1,000 rows (each its own transaction, skipping
-//! rows a claim holds), so it costs what expired since the last run, not what the table
+//! rows another transaction has locked: a claim's commit replacing one), so it costs what expired since the last run, not what the table
 //! holds, and never holds many locks or frees much at once. The table is installed with
 //! autovacuum told to visit it after 1% of its rows changed, so new records reuse the space of
 //! removed ones. Retention is at most [`RETENTION_MS_MAX`] (60 days).
