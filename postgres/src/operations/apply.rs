@@ -221,13 +221,15 @@ impl PgConsumer {
         let claimed = answers.into_iter().next().unwrap_or_else(|| Ok(Vec::new()));
         let metrics = &self.metrics;
         let correlation = message.correlation();
-        match claimed {
-            Ok(rows) => {
-                let db_now_ms: i64 = single_row(rows)?.get(1);
-                if db_check_ms.is_some() {
-                    inner.clock_offset.learn(db_now_ms);
-                }
+        // The database's time, learned when it was checked against this process's estimate
+        // (not with an injected clock).
+        let learn = |db_now_ms: i64| {
+            if db_check_ms.is_some() {
+                inner.clock_offset.learn(db_now_ms);
             }
+        };
+        match claimed {
+            Ok(rows) => learn(single_row(rows)?.get(1)),
             // Nothing inserted, nothing of the transaction written: the key's row decides.
             Err(error) if error.code() == Some(LOST_ROW) => {
                 // The rollback's answer came with the COMMIT's; the read runs after it, unnamed:
@@ -238,9 +240,7 @@ impl PgConsumer {
                     [(&id, Type::BYTEA), (&key, Type::BYTEA)];
                 let row = single_row(client.query_typed(&inner.read_at, &read_params).await?)?;
                 let db_now_ms: i64 = row.get(1);
-                if db_check_ms.is_some() {
-                    inner.clock_offset.learn(db_now_ms);
-                }
+                learn(db_now_ms);
                 // No row: the lock was held (a claim in flight) or the clocks were apart.
                 let Some(bytes) = row.get::<_, Option<&[u8]>>(0) else {
                     return Ok(OneTrip::LongWay);

@@ -1,5 +1,5 @@
 //! A batch's commit: every winner's record in one statement with the business SQL of the
-//! whole batch, and `COMMIT`, in one round trip when every record is a new row.
+//! whole batch, and `COMMIT`, in one round trip.
 
 use std::time::Instant;
 
@@ -14,7 +14,6 @@ use crate::operations::batch::PgClaimBatch;
 use crate::sql::txn::CommitFailed;
 use crate::sql::txn::Statement;
 use crate::storage::store::PgConsumer;
-use std::collections::HashSet;
 
 /// The rows a batch's commit writes with one of its two lists (inserted or updated), as the
 /// statement's parallel arrays.
@@ -110,7 +109,7 @@ impl<'c> PgClaimBatch<'c> {
 
     /// [`commit`](PgClaimBatch::commit) with the batch's business SQL: runs `statements` in
     /// order in the batch's transaction, then writes the records and commits, in one round
-    /// trip when every record is a new row (statements run on
+    /// trip (statements run on
     /// [`transaction`](PgClaimBatch::transaction) first cost one each). Statements are
     /// prepared once per connection, as [`crate::operations::claim::PgClaim::commit_with`]'s.
     ///
@@ -125,7 +124,7 @@ impl<'c> PgClaimBatch<'c> {
     ) -> Result<()> {
         let started = Instant::now();
         let PgClaimBatch {
-            mut tx,
+            tx,
             consumer,
             claims,
             decided_at: (db_ms, decided),
@@ -164,52 +163,37 @@ impl<'c> PgClaimBatch<'c> {
         ];
         let write_versions: Option<Statement<'_>> = (!entity_keys.is_empty())
             .then_some((&consumer.store.inner.write_versions_many, &version_params));
-        if rows.updated.keys.is_empty() {
-            // Every record is a new row, or there is none to write (but maybe the caller's
-            // SQL: a statement on an aborted transaction fails, so a failed business statement
-            // is reported here rather than by a COMMIT that PostgreSQL answers with a silent
-            // rollback). Either way its statement and COMMIT go out together: an insert
-            // writes its rows or fails.
-            let params: [(&(dyn ToSql + Sync), Type); 4] = [
-                (&consumer_id, Type::BYTEA),
-                (&rows.inserted.keys, Type::BYTEA_ARRAY),
-                (&rows.inserted.records, Type::BYTEA_ARRAY),
-                (&rows.inserted.expires_at_ms, Type::INT8_ARRAY),
-            ];
-            let write: Statement<'_> = if held.is_empty() {
-                ("SELECT 1", &[])
-            } else {
-                (&consumer.store.inner.insert_many, &params)
-            };
-            let writes: Vec<Statement<'_>> = std::iter::once(write).chain(write_versions).collect();
-            match tx.commit_with(statements, &writes).await {
-                Ok(_) => {}
-                Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
-                Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),
-                Err(CommitFailed::Store(error)) => {
-                    let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
-                    return Err(consumer.store.write_failed(error, key));
-                }
-            }
+        // The caller's SQL, the records, the versions and COMMIT go out together: every
+        // write writes its rows or fails (an insert on the primary key; a replaced row is
+        // upserted), and a failed business statement is reported by its own answer rather
+        // than by a COMMIT that PostgreSQL answers with a silent rollback.
+        let Records { inserted, replaced } = &rows;
+        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+            (&consumer_id, Type::BYTEA),
+            (&inserted.keys, Type::BYTEA_ARRAY),
+            (&inserted.records, Type::BYTEA_ARRAY),
+            (&inserted.expires_at_ms, Type::INT8_ARRAY),
+            (&replaced.keys, Type::BYTEA_ARRAY),
+            (&replaced.records, Type::BYTEA_ARRAY),
+            (&replaced.expires_at_ms, Type::INT8_ARRAY),
+        ];
+        let inner = &consumer.store.inner;
+        let write: Statement<'_> = if held.is_empty() {
+            ("SELECT 1", &[])
+        } else if replaced.keys.is_empty() {
+            (&inner.insert_many, &params[..4])
         } else {
-            // An update of a row that is gone writes nothing and says nothing: the keys it
-            // wrote are checked (and a lost one named) before the COMMIT is sent.
-            let written = async {
-                for (sql, params) in statements {
-                    tx.client().query_typed(sql, params).await?;
-                }
-                write_records(tx.client(), &consumer, &rows).await?;
-                if let Some((sql, params)) = write_versions
-                    && let Err(error) = tx.client().query_typed(sql, params).await
-                {
-                    let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
-                    return Err(consumer.store.write_failed(error, key));
-                }
-                Ok(())
+            (&inner.write_many, &params)
+        };
+        let writes: Vec<Statement<'_>> = std::iter::once(write).chain(write_versions).collect();
+        match tx.commit_with(statements, &writes).await {
+            Ok(_) => {}
+            Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
+            Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),
+            Err(CommitFailed::Store(error)) => {
+                let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
+                return Err(consumer.store.write_failed(error, key));
             }
-            .await;
-            tx.release_on_error(written).await?;
-            tx.commit().await?;
         }
         // Each claim's commit is counted and logged, as the embedded batch reports its claims.
         for (claim, _) in &held {
@@ -223,10 +207,10 @@ impl<'c> PgClaimBatch<'c> {
 }
 
 /// The rows of a batch's completed records: new ones to insert, and those that replace a row
-/// (expired, released, or a lease run out) to update.
+/// (expired, released, or a lease run out) to upsert.
 struct Records<'k> {
     inserted: Rows<'k>,
-    updated: Rows<'k>,
+    replaced: Rows<'k>,
 }
 
 impl<'k> Records<'k> {
@@ -238,7 +222,7 @@ impl<'k> Records<'k> {
     ) -> Records<'k> {
         let mut records = Records {
             inserted: Rows::default(),
-            updated: Rows::default(),
+            replaced: Rows::default(),
         };
         for (claim, result) in held {
             let (record, expires_at_ms) = crate::storage::records::completed_record(
@@ -252,7 +236,7 @@ impl<'k> Records<'k> {
             let rows = if claim.replaces_epoch == 0 {
                 &mut records.inserted
             } else {
-                &mut records.updated
+                &mut records.replaced
             };
             rows.keys.push(&claim.key);
             rows.records.push(record.encode());
@@ -261,36 +245,4 @@ impl<'k> Records<'k> {
         }
         records
     }
-}
-
-/// Writes `records` in one statement (inserts and updates), and checks that every key was
-/// written.
-async fn write_records(tx: &Client, consumer: &PgConsumer, records: &Records<'_>) -> Result<()> {
-    let store = &consumer.store;
-    let Records { inserted, updated } = records;
-    let consumer_id: &[u8] = &consumer.id;
-    let params: [(&(dyn ToSql + Sync), Type); 7] = [
-        (&consumer_id, Type::BYTEA),
-        (&inserted.keys, Type::BYTEA_ARRAY),
-        (&inserted.records, Type::BYTEA_ARRAY),
-        (&inserted.expires_at_ms, Type::INT8_ARRAY),
-        (&updated.keys, Type::BYTEA_ARRAY),
-        (&updated.records, Type::BYTEA_ARRAY),
-        (&updated.expires_at_ms, Type::INT8_ARRAY),
-    ];
-    let all_keys = || inserted.keys.iter().chain(&updated.keys);
-    let rows = match tx.query_typed(&store.inner.write_many, &params).await {
-        Ok(rows) => rows,
-        Err(error) => {
-            let key = all_keys().next().copied().unwrap_or_default();
-            return Err(store.write_failed(error, key));
-        }
-    };
-    let written: HashSet<&[u8]> = rows.iter().map(|row| row.get(0)).collect();
-    // An insert either writes its row or fails on the primary key; an update of a row that is
-    // gone writes nothing, and says nothing: name the key.
-    if let Some(lost) = all_keys().find(|key| !written.contains(**key)) {
-        return Err(Error::LostKey { key: lost.to_vec() });
-    }
-    Ok(())
 }

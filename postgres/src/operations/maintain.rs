@@ -137,27 +137,4 @@ impl PgStore {
             }
         }
     }
-
-    /// Now, on the store's clock: the injected one, or the database's reading `db_now_ms`.
-    pub(crate) fn now_ms(&self, db_now_ms: i64) -> u64 {
-        match &self.inner.clock {
-            Some(clock) => clock.now_ms(),
-            None => u64::try_from(db_now_ms).unwrap_or(0),
-        }
-    }
-
-    /// Refuses an injected clock beyond [`idemdb::CLOCK_MS_MAX`], as the embedded engine does,
-    /// before a claim sends anything.
-    ///
-    /// # Errors
-    /// [`idemdb::Error::ClockOutOfRange`].
-    pub(crate) fn check_clock(&self) -> Result<()> {
-        if let Some(clock) = &self.inner.clock {
-            let now_ms = clock.now_ms();
-            if now_ms > idemdb::CLOCK_MS_MAX {
-                return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
-            }
-        }
-        Ok(())
-    }
 }

@@ -268,8 +268,9 @@ impl<'c> ClaimTransaction<'c> {
     }
 
     /// Sends the caller's `staged` statements, the store's `writes` (both prepared, when the
-    /// store prepares statements) and then `COMMIT`, without waiting in between. The first statement's error is returned, if
-    /// any (the `COMMIT` behind it rolled back: nothing of the transaction landed); otherwise
+    /// store prepares statements) and then `COMMIT`, without waiting in between. The first
+    /// statement's error is returned, if any (the `COMMIT` behind it rolled back: nothing of
+    /// the transaction landed); otherwise
     /// the `COMMIT`'s (a lost connection leaves the outcome unknown); else every write's rows.
     pub(crate) async fn commit_with(
         mut self,
@@ -305,11 +306,10 @@ impl<'c> ClaimTransaction<'c> {
             .chain(prepared.into_iter().zip(writes.iter().copied()))
             .map(|(prepared, statement)| run(client, prepared, statement));
         let (written, committed) = join(in_order(queries), client.batch_execute("COMMIT")).await;
-        let first_write = staged.len();
         let mut rows = Vec::with_capacity(writes.len());
         for (index, answer) in written.into_iter().enumerate() {
             match answer {
-                Ok(answer) if index >= first_write => rows.push(answer),
+                Ok(answer) if index >= staged.len() => rows.push(answer),
                 Ok(_) => {}
                 // A caller's statement kept for a gone connection: the store's doing.
                 Err(error) if index < staged.len() && !is_stale(&error) => {

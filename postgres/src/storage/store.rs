@@ -164,16 +164,15 @@ impl StoreBuilder {
                 ),
                 // New rows are inserted (the primary key refuses a second record of a key);
                 // replaced rows (expired, released, or an external claim whose lease ran out)
-                // are upserted, as a single claim's are. Both in one statement: every key
-                // appears in one of the two lists only, and each returns the keys it wrote,
-                // so a key that was not written is named.
+                // are upserted, as a single claim's are (removal may have deleted them). Both in
+                // one statement: every key appears in one of the two lists only, and each row
+                // is written or the statement fails.
                 write_many: format!(
                     "WITH inserted AS ( \
                          INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                          SELECT $1, n.message_key, n.record, n.expires_at_ms \
                          FROM unnest($2::bytea[], $3::bytea[], $4::int8[]) \
                              AS n(message_key, record, expires_at_ms) \
-                         RETURNING message_key \
                      ), replaced AS ( \
                          INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                          SELECT $1, u.message_key, u.record, u.expires_at_ms \
@@ -181,9 +180,7 @@ impl StoreBuilder {
                              AS u(message_key, record, expires_at_ms) \
                          ON CONFLICT (consumer, message_key) DO UPDATE \
                          SET record = excluded.record, expires_at_ms = excluded.expires_at_ms \
-                         RETURNING message_key \
-                     ) \
-                     SELECT message_key FROM inserted UNION ALL SELECT message_key FROM replaced"
+                     ) SELECT 1"
                 ),
                 never_expiring: format!(
                     "SELECT message_key, record FROM {records} \
@@ -250,7 +247,8 @@ pub(crate) struct Inner {
     pub(crate) remove_expired: String,
     /// Inserts many rows of one consumer (a batch's commit where every key was new).
     pub(crate) insert_many: String,
-    /// Inserts and updates many rows of one consumer (a batch's commit).
+    /// Inserts and upserts many rows of one consumer (a batch's commit where some key replaces
+    /// a row).
     pub(crate) write_many: String,
     /// A consumer's rows without expiry: in-progress records (and completed ones that never
     /// expire).
@@ -298,6 +296,29 @@ impl PgStore {
             prepared_statements: true,
             clock: None,
         }
+    }
+
+    /// Now, on the store's clock: the injected one, or the database's reading `db_now_ms`.
+    pub(crate) fn now_ms(&self, db_now_ms: i64) -> u64 {
+        match &self.inner.clock {
+            Some(clock) => clock.now_ms(),
+            None => u64::try_from(db_now_ms).unwrap_or(0),
+        }
+    }
+
+    /// Refuses an injected clock beyond [`idemdb::CLOCK_MS_MAX`], as the embedded engine does,
+    /// before a claim sends anything.
+    ///
+    /// # Errors
+    /// [`idemdb::Error::ClockOutOfRange`].
+    pub(crate) fn check_clock(&self) -> Result<()> {
+        if let Some(clock) = &self.inner.clock {
+            let now_ms = clock.now_ms();
+            if now_ms > idemdb::CLOCK_MS_MAX {
+                return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
+            }
+        }
+        Ok(())
     }
 
     /// The handle of one consumer's records. Its metric handles are registered now, with the
