@@ -93,8 +93,12 @@ impl Consumer {
             .iter()
             .map(|message| self.request(message))
             .collect::<Result<Vec<_>>>()?;
-        let mut batch =
-            crate::operations::batch::begin_batch(&self.inner, RECORDS_MARKER, requests)?;
+        let mut batch = crate::operations::batch::begin_batch(
+            &self.inner,
+            RECORDS_MARKER,
+            self.prefix.clone(),
+            requests,
+        )?;
         let now_ms = self.inner.clock.now_ms();
         // Each message gets an equal share of the batch's latency.
         let share = started.elapsed() / u32::try_from(messages.len().max(1)).unwrap_or(u32::MAX);
@@ -288,6 +292,42 @@ impl Consumer {
 
     fn default_expiry(&self) -> Expiry {
         Expiry::After(std::time::Duration::from_millis(self.inner.retention_ms))
+    }
+
+    /// This consumer's read positions in the logs it consumes (Kafka topic partitions,
+    /// RabbitMQ streams): stage one with each commit ([`crate::Claim::stage_position`],
+    /// [`crate::ClaimBatch::stage_position`]) and resume from it after a restart, and the
+    /// effects and the position are stored together or not at all: no message is lost and
+    /// none read again past the last commit.
+    ///
+    /// ```
+    /// use idemdb::{Engine, Fingerprint, Outcome};
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = Engine::builder(dir.path()).open()?;
+    /// let billing = engine.consumer("billing")?;
+    /// let positions = billing.positions();
+    /// // Nothing committed yet: start at the beginning of partition 3 of "orders".
+    /// assert!(positions.get("orders", 3)?.is_none());
+    ///
+    /// // The message at offset 41: its effects and its position in one write batch.
+    /// if let Outcome::Fresh(mut claim) = billing.begin(b"order-42", Fingerprint::of(b"payload"))? {
+    ///     claim.stage_position("orders", 3, 41)?;
+    ///     claim.commit(b"charged")?;
+    /// }
+    /// // A message that needs no claim (filtered out, a duplicate) moves it on its own.
+    /// positions.advance("orders", 3, 42)?;
+    ///
+    /// let position = positions.get("orders", 3)?.expect("stored");
+    /// assert_eq!(position.next_offset(), 43); // resume here after a restart
+    ///
+    /// // A stale reader, behind the stored position, is refused and writes nothing.
+    /// let stale = positions.advance("orders", 3, 40).unwrap_err();
+    /// assert!(matches!(stale, idemdb::Error::PositionBehind { stored: 42, staged: 40, .. }));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn positions(&self) -> crate::operations::position::Positions {
+        crate::operations::position::Positions::new(self.inner.clone(), self.prefix.clone())
     }
 
     /// The consumer id.

@@ -445,6 +445,7 @@ pub use format::key::{
     cloudevents_key,
 };
 pub use format::message::Message;
+pub use format::position::{POSITION_SOURCE_BYTES_MAX, POSITION_SOURCE_BYTES_MIN, Position};
 pub use format::record::{
     Committed, EXPIRES_NEVER_MS, HOLDER_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, RESULT_BYTES_MAX,
     Record, RecordState,
@@ -457,6 +458,8 @@ pub use operations::claim::{Claim, Expiry, Outcome};
 pub use operations::lease::{
     ExternalClaim, FailurePolicy, InProgressEntry, LeaseTicket, Resolution,
 };
+#[cfg(feature = "engine")]
+pub use operations::position::Positions;
 #[cfg(feature = "engine")]
 pub use operations::staging::{
     STAGED_BYTES_MAX, STAGED_WRITES_MAX, TABLE_KEY_BYTES_MAX, TABLE_KEY_BYTES_MIN,

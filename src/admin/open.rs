@@ -12,11 +12,13 @@ use crate::engine::Engine;
 use crate::format::clock::{Clock, SystemClock};
 use crate::format::error::{Error, Limit, Result, check_limit_u64};
 use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
+use crate::format::position::POSITIONS_TABLE;
 use crate::storage::options::{
     EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
 };
 use crate::storage::rocksdb_options::{
-    db_options, marker_table_options, set_opaque_merge_operator, table_options,
+    db_options, marker_table_options, positions_table_options, set_opaque_merge_operator,
+    table_options,
 };
 use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{
@@ -44,7 +46,8 @@ pub enum TableKind {
     Entity,
     /// A business table: the application's own data. Tools never read or compact it.
     Business,
-    /// idemdb's own bookkeeping: `default` (metadata) and `idemdb.versions` (ordering guard).
+    /// idemdb's own bookkeeping: `default` (metadata), `idemdb.versions` (ordering guard) and
+    /// `idemdb.positions` (log consumers' read positions).
     Internal,
     /// A column family without a recorded kind: not created by idemdb. Left alone; a store
     /// holding one is not opened for writing.
@@ -127,6 +130,8 @@ impl StoreBuilder {
             let descriptors = tables.iter().map(|table| {
                 let table_options = if table.kind.is_marker() {
                     marker_table_options(&builder, &cache)
+                } else if table.name == POSITIONS_TABLE {
+                    positions_table_options(&builder, &cache)
                 } else {
                     let mut options = table_options(&builder, &cache);
                     set_opaque_merge_operator(&mut options, None);
@@ -255,7 +260,10 @@ pub(super) fn discover(path: &Path) -> Result<(StoredMeta, Vec<TableInfo>)> {
     }
     let mut tables = Vec::with_capacity(meta.tables.len());
     for name in &meta.tables {
-        let kind = if name == rocksdb::DEFAULT_COLUMN_FAMILY_NAME || name == VERSIONS_TABLE {
+        let kind = if name == rocksdb::DEFAULT_COLUMN_FAMILY_NAME
+            || name == VERSIONS_TABLE
+            || name == POSITIONS_TABLE
+        {
             TableKind::Internal
         } else if name == RECORDS_TABLE {
             TableKind::Consumers

@@ -41,6 +41,8 @@ pub enum Limit {
     HolderBytes,
     /// [`crate::BATCH_MESSAGES_MAX`].
     BatchMessages,
+    /// [`crate::POSITION_SOURCE_BYTES_MIN`] ..= [`crate::POSITION_SOURCE_BYTES_MAX`].
+    PositionSourceBytes,
 }
 
 /// What RocksDB reported, reduced to what a caller can act on.
@@ -198,6 +200,25 @@ pub enum Error {
     /// A lease ticket was resumed on a consumer or table it was not issued by.
     #[error("the lease ticket was issued for another consumer or table")]
     ForeignTicket,
+
+    /// A read position was staged behind the one stored (or accepted from a commit still being
+    /// written): another reader of the partition has moved on, so this one is stale. Nothing of
+    /// the commit was written, the claim's marker and staged writes included. Stop reading the
+    /// partition here and resume from [`crate::Positions::get`].
+    #[error(
+        "position of {source_name:?} partition {partition} is at offset {stored}; offset {staged} is \
+         behind it: this reader is stale, nothing was written"
+    )]
+    PositionBehind {
+        /// The source (topic, stream). (Not `source`: that name means the error's cause.)
+        source_name: String,
+        /// The partition.
+        partition: u32,
+        /// The offset already stored or accepted.
+        stored: u64,
+        /// The offset this commit staged.
+        staged: u64,
+    },
 
     /// An earlier write failed in a way that leaves its durability unknown (a failed WAL write or
     /// fsync). The engine refuses writes until it is dropped and reopened, which recovers a

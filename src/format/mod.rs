@@ -14,6 +14,7 @@ pub(crate) mod merge;
 // The engine reads a message's fields; a backend without RocksDB reads them through its getters.
 pub(crate) mod message;
 pub(crate) mod operand;
+pub(crate) mod position;
 pub(crate) mod printable;
 pub(crate) mod record;
 pub(crate) mod ttl;
@@ -22,6 +23,9 @@ pub use error::DecodeError;
 pub use key::{decode_key, derive_key, encode_key};
 pub use merge::apply_operands;
 pub use operand::{encode_commit_operand, encode_replace_operand};
+pub use position::{
+    decode_position_key, decode_position_value, encode_position_value, fold_positions,
+};
 pub use printable::printable;
 pub use record::{Record, RecordState};
 pub use ttl::{FilterDecision, compaction_decision};

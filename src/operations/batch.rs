@@ -14,6 +14,7 @@ use crate::format::record::{Committed, Record};
 use crate::operations::claim::{
     Claim, Outcome, Pending, Request, batch_for, begin, decide_in_place,
 };
+use crate::operations::position::StagedPositions;
 use crate::storage::latch::KeyHashBuilder;
 use crate::storage::store::Storage;
 
@@ -57,6 +58,10 @@ pub struct ClaimBatch {
     inner: Arc<Storage>,
     claims: Vec<Option<Claim>>,
     outcomes: Vec<BatchOutcome>,
+    /// The consumer's records prefix, for the keys of staged positions.
+    prefix: Vec<u8>,
+    /// Read positions staged on the batch itself (those of its claims join them at commit).
+    positions: StagedPositions,
 }
 
 /// For each request, the index of the first request with the same key (itself if none before).
@@ -77,6 +82,7 @@ fn first_occurrences(requests: &[Request], hasher: KeyHashBuilder) -> Vec<usize>
 pub(crate) fn begin_batch(
     inner: &Arc<Storage>,
     marker: usize,
+    prefix: Vec<u8>,
     requests: Vec<Request>,
 ) -> Result<ClaimBatch> {
     check_limit(Limit::BatchMessages, requests.len(), 0, BATCH_MESSAGES_MAX)?;
@@ -88,6 +94,8 @@ pub(crate) fn begin_batch(
         inner: inner.clone(),
         claims: Vec::with_capacity(requests.len()),
         outcomes: Vec::with_capacity(requests.len()),
+        prefix,
+        positions: StagedPositions::default(),
     };
     // On any error below, dropping `batch` releases every latch taken so far.
     let (pending, other_content) =
@@ -262,6 +270,23 @@ impl ClaimBatch {
         }
     }
 
+    /// Stages the read position of a log consumer for the whole batch: written in the batch's
+    /// one write batch with every claim still held, even if none is (a batch of duplicates
+    /// still moves the position). Staged more than once for a partition, here or on the
+    /// batch's claims ([`Claim::stage_position`]), the highest offset is written: stage the
+    /// offset of the batch's last message, settled or fresh.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] for a source outside
+    /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes. The
+    /// commit fails with [`Error::PositionBehind`], writing nothing, if an offset is then
+    /// behind its partition's position.
+    pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
+        let key = crate::format::position::encode_position_key(&self.prefix, source, partition)?;
+        self.positions.stage(key, offset);
+        Ok(())
+    }
+
     /// Commits every claim still held in **one** write batch (one WAL write, and with
     /// [`crate::Durability::Sync`] one fsync): each one's marker, with the result `result_of`
     /// gives for its index, and its staged writes. Returns what each committed, by index.
@@ -298,14 +323,28 @@ impl ClaimBatch {
             .iter()
             .flatten()
             .map(|claim| claim.commit_bytes(0))
-            .sum();
+            .sum::<usize>()
+            + self.positions.batch_bytes();
         let mut batch = batch_for(bytes);
-        let mut committed = Vec::with_capacity(self.claims.len());
+        let mut committed: Vec<Option<Committed>> = Vec::with_capacity(self.claims.len());
         for (index, claim) in self.claims.iter_mut().enumerate() {
             committed.push(match claim {
                 Some(claim) => Some(claim.append_commit(&mut batch, result_of(index).as_ref())?),
                 None => None,
             });
+        }
+        // Every position of the batch is checked and written at once: per partition the
+        // highest offset staged here or on any claim still held.
+        let mut positions = std::mem::take(&mut self.positions);
+        for claim in self.claims.iter_mut().flatten() {
+            positions.absorb(&mut claim.positions);
+        }
+        if !positions.is_empty() {
+            let now_ms = match committed.iter().flatten().next() {
+                Some(first) => first.committed_at_ms,
+                None => self.inner.write_clock_ms()?,
+            };
+            positions.append_to(&self.inner, &mut batch, now_ms)?;
         }
         Ok((batch, committed))
     }

@@ -13,11 +13,12 @@ use crate::format::error::{Limit, Result, check_limit_u64};
 use crate::format::fingerprint::Fingerprint;
 use crate::format::key::StoredKey;
 use crate::format::record::{Committed, EXPIRES_NEVER_MS, EncodedBytes, Record};
+use crate::operations::position::{StagedPositions, consumer_prefix_of};
 use crate::operations::staging::{Staged, staging_methods};
 use crate::storage::business_table::BusinessTable;
 use crate::storage::observe::ConsumerMetrics;
 use crate::storage::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
-use crate::storage::store::Storage;
+use crate::storage::store::{RECORDS_MARKER, Storage};
 
 /// What `begin` found, with the engine's [`Claim`] when fresh. The outcome type itself is
 /// shared by every backend and generic over the claim ([`crate::decision::Outcome`]).
@@ -77,6 +78,8 @@ pub struct Claim {
     /// The ordering guard's (versions-table key, version), whose latch this claim also holds.
     version: Option<(Vec<u8>, u64)>,
     staged: Staged,
+    /// Read positions to write with the marker (log consumers).
+    pub(crate) positions: StagedPositions,
     /// The consumer's numbers and the message's correlation id, for metrics and logs.
     observer: Option<Observer>,
 }
@@ -302,6 +305,7 @@ impl Claim {
             previous: None,
             version: None,
             staged: Staged::default(),
+            positions: StagedPositions::default(),
             observer: None,
         }
     }
@@ -326,6 +330,31 @@ impl Claim {
 
     staging_methods!("if the claim commits");
 
+    /// Stages the read position of a log consumer: `offset` of `partition` of `source` (a
+    /// topic, a stream) is written in the same write batch as this claim's marker and staged
+    /// writes, so that a restart resumes after this message exactly when its effects are
+    /// stored. Staged more than once for a partition, the highest offset is written.
+    ///
+    /// Read positions belong to consumers: [`crate::Consumer::positions`] reads them back.
+    ///
+    /// # Errors
+    /// [`crate::Error::LimitExceeded`] for a source outside
+    /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes;
+    /// [`crate::Error::InvalidArgument`] on an entity table's claim. The commit fails with
+    /// [`crate::Error::PositionBehind`], writing nothing, if `offset` is then behind the
+    /// partition's position.
+    pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
+        if self.marker != RECORDS_MARKER {
+            return Err(crate::format::error::Error::invalid_argument(
+                "read positions belong to consumers; an entity table's claim has none",
+            ));
+        }
+        let prefix = consumer_prefix_of(&self.stored_key)?;
+        let key = crate::format::position::encode_position_key(prefix, source, partition)?;
+        self.positions.stage(key, offset);
+        Ok(())
+    }
+
     /// Commits: writes the marker record (with `result`, returned to later duplicates) and every
     /// staged write in one atomic RocksDB write batch, with the engine's durability. The key is
     /// released when this returns, whatever the outcome.
@@ -341,6 +370,8 @@ impl Claim {
         let started = Instant::now();
         let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
         let committed = self.append_commit(&mut batch, result.as_ref())?;
+        self.positions
+            .append_to(&self.inner, &mut batch, committed.committed_at_ms)?;
         // The latch is still held: no other claim can read this key until the batch is visible.
         self.inner.write(batch)?;
         self.report_commit(&committed, started);
@@ -358,7 +389,11 @@ impl Claim {
             + self.stored_key.len()
             + crate::format::record::RECORD_HEADER_BYTES
             + result_len;
-        self.staged.writes() * BATCH_ENTRY_OVERHEAD_BYTES + self.staged.bytes + version + marker
+        self.staged.writes() * BATCH_ENTRY_OVERHEAD_BYTES
+            + self.staged.bytes
+            + version
+            + marker
+            + self.positions.batch_bytes()
     }
 
     /// Appends this claim's staged writes, its ordering-guard version and its marker to `batch`.
@@ -526,10 +561,17 @@ impl Claim {
         };
         let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
         // Nothing is appended on error, and the claim is released as `commit` would.
-        let committed = match self.append_commit(&mut batch, result.as_ref()) {
-            Ok(committed) => committed,
-            Err(error) => return CommitFuture::ready(Err(error)),
-        };
+        let committed =
+            match self
+                .append_commit(&mut batch, result.as_ref())
+                .and_then(|committed| {
+                    let now_ms = committed.committed_at_ms;
+                    self.positions.append_to(&storage, &mut batch, now_ms)?;
+                    Ok(committed)
+                }) {
+                Ok(committed) => committed,
+                Err(error) => return CommitFuture::ready(Err(error)),
+            };
         let (reply, receiver) = tokio::sync::oneshot::channel();
         committer.submit(Job {
             batch,

@@ -10,6 +10,9 @@ use rocksdb::{BlockBasedIndexType, BlockBasedOptions, Cache, DBCompressionType, 
 use crate::format::clock::Clock;
 use crate::format::error::Result;
 use crate::format::merge::{MERGE_OPERATOR_NAME, rocksdb_full_merge, rocksdb_partial_merge};
+use crate::format::position::{
+    POSITION_MERGE_OPERATOR_NAME, rocksdb_position_full_merge, rocksdb_position_partial_merge,
+};
 use crate::format::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
 use crate::storage::options::{EngineBuilder, OpenMode};
 use crate::storage::store_meta::OPAQUE_MERGE_OPERATOR_NAME;
@@ -165,6 +168,19 @@ pub(crate) fn marker_table_options(builder: &EngineBuilder, cache: &Cache) -> ro
         clock: builder.clock.clone(),
     });
     options.set_periodic_compaction_seconds(builder.periodic_compaction_s);
+    options
+}
+
+/// Options of the read-positions table: a merge operator that keeps the highest offset, so
+/// that positions written as operands never move backwards; no compaction filter (positions do
+/// not expire).
+pub(crate) fn positions_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
+    let mut options = table_options(builder, cache);
+    options.set_merge_operator(
+        POSITION_MERGE_OPERATOR_NAME,
+        rocksdb_position_full_merge,
+        rocksdb_position_partial_merge,
+    );
     options
 }
 

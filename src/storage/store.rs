@@ -6,6 +6,7 @@
 //! through [`Storage`], and the committer's jobs carry `Storage::write`; nothing here knows of
 //! a claim or a handle.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,13 +18,15 @@ use rocksdb::{
 
 use crate::format::clock::Clock;
 use crate::format::error::{Error, Result};
+use crate::format::position::{POSITIONS_TABLE, decode_position_key, decode_position_value};
 use crate::format::record::{Record, decode_entity_version};
 use crate::storage::fault::{Fault, FaultInjector, IoPoint};
 use crate::storage::latch::Latches;
 use crate::storage::observe::ConsumerMetrics;
 use crate::storage::options::{Durability, EngineBuilder, MergeOperator, OpenMode, TableOptions};
 use crate::storage::rocksdb_options::{
-    admin_db_options, db_options, marker_table_options, set_opaque_merge_operator, table_options,
+    admin_db_options, db_options, marker_table_options, positions_table_options,
+    set_opaque_merge_operator, table_options,
 };
 use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{
@@ -63,6 +66,9 @@ pub(crate) struct Storage {
     pub(crate) markers: Vec<MarkerTable>,
     /// Latches of the ordering guard's entity versions.
     pub(crate) version_latches: Latches,
+    /// The highest read position accepted for each position key this open has written: what
+    /// a commit's staged positions are checked against ([`Storage::accept_positions`]).
+    accepted_positions: parking_lot::Mutex<HashMap<Vec<u8>, u64>>,
     /// Per-consumer numbers, in the order consumers were first opened.
     pub(crate) consumer_metrics: parking_lot::Mutex<Vec<Arc<ConsumerMetrics>>>,
     /// Labels the opener added to every metric ([`EngineBuilder::metrics_label`]).
@@ -93,6 +99,8 @@ struct TableHandles<'db> {
     /// By business table index, in declaration order.
     business: Vec<&'db ColumnFamily>,
     versions: &'db ColumnFamily,
+    /// `None` only for an operator tool's open of a store written before positions existed.
+    positions: Option<&'db ColumnFamily>,
 }
 
 impl TableHandles<'_> {
@@ -110,6 +118,7 @@ impl TableHandles<'_> {
             markers: markers.iter().map(|table| handle(&table.name)).collect(),
             business: business.iter().map(|table| handle(&table.name)).collect(),
             versions: handle(VERSIONS_TABLE),
+            positions: db.cf_handle(POSITIONS_TABLE),
         }
     }
 }
@@ -167,6 +176,7 @@ impl Storage {
             token_counter: AtomicU64::new(0),
             markers,
             version_latches: Latches::new(),
+            accepted_positions: parking_lot::Mutex::new(HashMap::new()),
             consumer_metrics: parking_lot::Mutex::new(Vec::new()),
             metrics_labels: builder.metrics_labels.clone(),
             write_batches: AtomicU64::new(0),
@@ -219,6 +229,20 @@ fn open_db(builder: &EngineBuilder) -> Result<DB> {
         ColumnFamilyDescriptor::new(RECORDS_TABLE, marker_table_options(builder, &cache)),
         ColumnFamilyDescriptor::new(VERSIONS_TABLE, table_options(builder, &cache)),
     ];
+    // An application's open creates the positions table in a store written before it existed;
+    // an operator tool creates nothing, and opens it only where it is.
+    let positions = match mode {
+        OpenMode::Application => true,
+        OpenMode::Admin => DB::list_cf(&rocksdb::Options::default(), path)?
+            .iter()
+            .any(|table| table == POSITIONS_TABLE),
+    };
+    if positions {
+        descriptors.push(ColumnFamilyDescriptor::new(
+            POSITIONS_TABLE,
+            positions_table_options(builder, &cache),
+        ));
+    }
     for table in &builder.business_tables {
         let mut options = table_options(builder, &cache);
         if mode == OpenMode::Admin {
@@ -331,6 +355,12 @@ impl Storage {
     /// The column family of the ordering guard's entity versions.
     pub(crate) fn versions_cf(&self) -> &ColumnFamily {
         self.open.borrow_dependent().versions
+    }
+
+    /// The column family of the read positions, `None` in an operator tool's open of a store
+    /// that has none.
+    pub(crate) fn positions_cf(&self) -> Option<&ColumnFamily> {
+        self.open.borrow_dependent().positions
     }
 
     /// The column family of the business table declared at `index`.
@@ -463,10 +493,12 @@ impl Storage {
     /// Flushes every table's memtable to table files.
     pub(crate) fn flush_tables(&self) -> Result<()> {
         self.check_not_poisoned()?;
-        // The marker tables (the records table first) and the business tables, plus the two
+        // The marker tables (the records table first) and the business tables, plus the
         // tables of our own that are not marker tables.
+        let positions = self.positions_cf().map(|_| POSITIONS_TABLE);
         let tables = [rocksdb::DEFAULT_COLUMN_FAMILY_NAME, VERSIONS_TABLE]
             .into_iter()
+            .chain(positions)
             .chain(self.markers.iter().map(|m| m.name.as_str()))
             .chain(self.business.iter().map(|t| t.name.as_str()));
         for table in tables {
@@ -599,5 +631,58 @@ impl Storage {
                 key: stored_key.to_vec(),
                 reason,
             })
+    }
+}
+
+impl Storage {
+    /// Reads a stored read position: (offset, updated_at_ms).
+    pub(crate) fn read_position(&self, key: &[u8]) -> Result<Option<(u64, u64)>> {
+        let Some(cf) = self.positions_cf() else {
+            return Ok(None);
+        };
+        let Some(value) = self.db().get_pinned_cf(cf, key)? else {
+            return Ok(None);
+        };
+        decode_position_value(&value)
+            .map(Some)
+            .map_err(|reason| Error::Corrupt {
+                key: key.to_vec(),
+                reason,
+            })
+    }
+
+    /// Checks a commit's staged positions (position key, offset; one entry per key) against
+    /// the highest offset stored or accepted from an earlier commit of this open, and accepts
+    /// them all, or none: [`Error::PositionBehind`] for the first one behind. Checked and
+    /// accepted under one lock, so of two commits racing for a partition the later offset
+    /// wins and the other is refused whatever order they write in; the positions table's
+    /// merge keeps the highest offset too, so the stored position never moves backwards even
+    /// for writes this check did not see. An accepted offset stays accepted if the commit then
+    /// fails: the same commit may be retried; an earlier offset is refused until reopen.
+    pub(crate) fn accept_positions(&self, staged: &[(Vec<u8>, u64)]) -> Result<()> {
+        let mut accepted = self.accepted_positions.lock();
+        for (key, offset) in staged {
+            let highest = match accepted.get(key) {
+                Some(&highest) => Some(highest),
+                None => self.read_position(key)?.map(|(offset, _)| offset),
+            };
+            if let Some(highest) = highest.filter(|&highest| *offset < highest) {
+                let (_, source, partition) =
+                    decode_position_key(key).map_err(|reason| Error::Corrupt {
+                        key: key.clone(),
+                        reason,
+                    })?;
+                return Err(Error::PositionBehind {
+                    source_name: source.to_owned(),
+                    partition,
+                    stored: highest,
+                    staged: *offset,
+                });
+            }
+        }
+        for (key, offset) in staged {
+            accepted.insert(key.clone(), *offset);
+        }
+        Ok(())
     }
 }

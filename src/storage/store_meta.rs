@@ -230,6 +230,7 @@ impl StoredMeta {
                 rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
                 RECORDS_TABLE,
                 VERSIONS_TABLE,
+                crate::format::position::POSITIONS_TABLE,
             ]
             .contains(&table.as_str());
             if !ours && !declared.iter().any(|(name, _)| name == table) {

@@ -112,6 +112,7 @@ fn read_only_open_beside_a_live_engine_sees_every_state_and_writes_are_refused()
         ("orders", TableKind::Business),
         ("counters", TableKind::Business),
         ("idemdb.versions", TableKind::Internal),
+        ("idemdb.positions", TableKind::Internal),
     ] {
         assert!(kinds.contains(&expected), "{expected:?} in {kinds:?}");
     }

@@ -21,6 +21,7 @@ mod model;
 mod model_core;
 mod observe;
 mod open;
+mod positions;
 mod race;
 #[path = "../support/tmpfs.rs"]
 mod tmpfs;

@@ -51,10 +51,11 @@ impl TestStore {
 
 /// Every column family of a store opened with [`TestStore::builder`], for tests that open it with
 /// plain RocksDB.
-pub const TABLES: [&str; 6] = [
+pub const TABLES: [&str; 7] = [
     "default",
     "idemdb.records",
     "idemdb.versions",
+    "idemdb.positions",
     "orders",
     "counters",
     "customers",

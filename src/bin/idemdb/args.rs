@@ -13,9 +13,11 @@ const LONG_ABOUT: &str = "\
 Inspect, repair, back up and restore an idemdb store (a RocksDB directory written by the
 idemdb library).
 
-Read commands (stats, get, list, in-progress, export, verify) open the store read-only: they
+Read commands (stats, get, list, in-progress, export, verify, positions list) open the store
+read-only: they
 take no lock and work while the application has the store open, seeing what its files and WAL
-hold at that moment. Write commands (resolve, release, invalidate, purge-expired, import) need
+hold at that moment. Write commands (resolve, release, invalidate, purge-expired, import,
+positions set and remove) need
 the store to themselves: RocksDB admits one writing process, so on a live store they exit with
 code 3 and write nothing. Stop the application first (--wait DURATION retries while it shuts
 down), or make the change from inside the running application with the library
@@ -96,6 +98,54 @@ pub enum Command {
     Backup(BackupArgs),
     /// Copy a backup into the new store directory STORE, ready for the application to open.
     Restore(RestoreArgs),
+    /// Log consumers' read positions: list (read-only), or set and remove to replay (needs
+    /// the store stopped).
+    #[command(subcommand)]
+    Positions(PositionsCommand),
+}
+
+#[derive(Subcommand)]
+pub enum PositionsCommand {
+    /// Every stored read position, by consumer, source and partition (read-only).
+    List(PositionsListArgs),
+    /// Set a consumer's position: it resumes at OFFSET + 1 when it next starts, forwards or
+    /// backwards (to replay from offset N, set N - 1). Needs the store stopped.
+    Set(PositionSetArgs),
+    /// Remove a consumer's position: it next starts where it starts without one (the
+    /// beginning of the partition, as the consumer chooses). Needs the store stopped.
+    Remove(PositionArgs),
+}
+
+#[derive(Args)]
+pub struct PositionsListArgs {
+    #[command(flatten)]
+    pub store: StoreArg,
+    /// Only this consumer's positions.
+    #[arg(long, value_parser = parse_bytes)]
+    pub consumer: Option<Arg>,
+}
+
+#[derive(Args)]
+pub struct PositionArgs {
+    #[command(flatten)]
+    pub store: StoreArg,
+    /// The consumer id.
+    #[arg(value_parser = parse_bytes)]
+    pub consumer: Arg,
+    /// The source: a topic, a stream.
+    pub source: String,
+    /// The partition of the source (0 for a log without partitions).
+    pub partition: u32,
+    #[command(flatten)]
+    pub wait: WaitArg,
+}
+
+#[derive(Args)]
+pub struct PositionSetArgs {
+    #[command(flatten)]
+    pub position: PositionArgs,
+    /// The offset of the last message to count as read.
+    pub offset: u64,
 }
 
 #[derive(Args)]

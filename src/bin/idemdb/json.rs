@@ -187,3 +187,37 @@ pub fn transfer_json(
         "seconds": elapsed.as_secs_f64(),
     })
 }
+
+/// `positions list`: every position with its consumer.
+pub fn positions_json(entries: &[idemdb::admin::PositionEntry]) -> Value {
+    let positions: Vec<Value> = entries
+        .iter()
+        .map(|entry| {
+            serde_json::json!({
+                "consumer": printable(&entry.consumer),
+                "source": entry.position.source,
+                "partition": entry.position.partition,
+                "offset": entry.position.offset,
+                "next_offset": entry.position.next_offset(),
+                "updated_at_ms": entry.position.updated_at_ms,
+            })
+        })
+        .collect();
+    serde_json::json!({ "positions": positions })
+}
+
+/// `positions set` and `remove`: the position before and after (`null`: none).
+pub fn position_change_json(
+    consumer: &[u8],
+    args: &crate::args::PositionArgs,
+    previous: Option<&idemdb::Position>,
+    offset: Option<u64>,
+) -> Value {
+    serde_json::json!({
+        "consumer": printable(consumer),
+        "source": args.source,
+        "partition": args.partition,
+        "previous_offset": previous.map(|position| position.offset),
+        "offset": offset,
+    })
+}

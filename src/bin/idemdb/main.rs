@@ -3,11 +3,12 @@
 //!
 //! This file dispatches the commands and maps their failures to the documented exit codes;
 //! `args` defines the command line, `read` and `repair` run the read and the write commands,
-//! `backup` the backup and the restore, `json` and `render` print what they found.
+//! `backup` the backup and the restore, `positions` the log consumers' read positions, `json` and `render` print what they found.
 
 mod args;
 mod backup;
 mod json;
+mod positions;
 mod read;
 mod render;
 mod repair;
@@ -160,5 +161,6 @@ fn run(cli: Cli, out: &mut impl Write) -> Result<u8, Failure> {
         Command::Import(args) => repair::import(&args, json, out),
         Command::Backup(args) => backup::backup(&args, json, out),
         Command::Restore(args) => backup::restore(&args, json, out),
+        Command::Positions(command) => positions::run(command, json, out),
     }
 }

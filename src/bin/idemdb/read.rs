@@ -18,7 +18,7 @@ use crate::render::{
 use crate::{EXIT_OK, EXIT_PROBLEM, Failure};
 
 /// Opens the store read-only: that takes no lock, so the application may have it open.
-fn open_read(path: &Path) -> Result<Store, Failure> {
+pub fn open_read(path: &Path) -> Result<Store, Failure> {
     Store::builder(path)
         .open_read_only()
         .map_err(Failure::opening)

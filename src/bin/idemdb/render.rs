@@ -406,6 +406,60 @@ pub fn stored_key_labels(table: &str, stored_key: &[u8]) -> (Option<String>, Str
     }
 }
 
+/// `positions list`: one row per position.
+pub fn write_positions(
+    out: &mut impl Write,
+    entries: &[idemdb::admin::PositionEntry],
+    now_ms: u64,
+) -> io::Result<()> {
+    if entries.is_empty() {
+        return writeln!(out, "no read positions");
+    }
+    let mut table = TextTable::new(&[
+        "CONSUMER",
+        "SOURCE",
+        "PARTITION",
+        "OFFSET",
+        "RESUME AT",
+        "UPDATED",
+    ]);
+    for entry in entries {
+        let position = &entry.position;
+        table.row(vec![
+            printable(&entry.consumer),
+            position.source.clone(),
+            position.partition.to_string(),
+            position.offset.to_string(),
+            position.next_offset().to_string(),
+            age(now_ms, position.updated_at_ms),
+        ]);
+    }
+    table.write(out, &[2, 3, 4])
+}
+
+/// `positions set` and `remove`: what the position was and is.
+pub fn write_position_change(
+    out: &mut impl Write,
+    label: &str,
+    previous: Option<&idemdb::Position>,
+    offset: Option<u64>,
+) -> io::Result<()> {
+    let was = previous.map_or("none".to_owned(), |position| {
+        format!("offset {}", position.offset)
+    });
+    match offset {
+        Some(offset) => writeln!(
+            out,
+            "{label}: offset {offset} (was {was}); the consumer resumes at {} when it next starts",
+            offset.saturating_add(1)
+        ),
+        None => writeln!(
+            out,
+            "{label}: removed (was {was}); the consumer starts without a position"
+        ),
+    }
+}
+
 /// An instant as RFC 3339 (UTC, seconds), `never` for the never-expires marker.
 fn time(ms: u64) -> String {
     // humantime formats up to year 9999 (and fails, rather than panics, beyond).

@@ -1,0 +1,193 @@
+//! Read positions of log consumers: staged on a claim or a batch and written in its write
+//! batch (with the marker and the business writes, or not at all), moved on their own for
+//! messages skipped without a claim, and read back to resume. The format and its merge are in
+//! `format/position.rs`; the check that a position never moves backwards is
+//! `Storage::accept_positions`.
+
+use std::sync::Arc;
+
+use rocksdb::WriteBatch;
+
+use crate::format::error::{Error, Result};
+use crate::format::key::decode_key;
+use crate::format::position::{
+    Position, decode_position_key, decode_position_value, encode_position_key,
+    encode_position_value,
+};
+use crate::storage::store::Storage;
+
+/// The positions a commit will write: (position key, offset), one entry per key, the highest
+/// offset staged for it. Almost every commit stages one position, or none.
+#[derive(Default, Debug)]
+pub(crate) struct StagedPositions {
+    entries: smallvec::SmallVec<[(Vec<u8>, u64); 1]>,
+}
+
+impl StagedPositions {
+    /// Stages `offset` for `key`, keeping the highest offset staged for the key.
+    pub(crate) fn stage(&mut self, key: Vec<u8>, offset: u64) {
+        match self.entries.iter_mut().find(|(staged, _)| *staged == key) {
+            Some((_, highest)) => *highest = (*highest).max(offset),
+            None => self.entries.push((key, offset)),
+        }
+    }
+
+    /// Moves every position of `other` into this one (the highest offset per key).
+    pub(crate) fn absorb(&mut self, other: &mut StagedPositions) {
+        for (key, offset) in other.entries.drain(..) {
+            self.stage(key, offset);
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// At most the bytes these positions add to a write batch.
+    pub(crate) fn batch_bytes(&self) -> usize {
+        self.entries
+            .iter()
+            .map(|(key, _)| 16 + key.len() + crate::format::position::POSITION_VALUE_BYTES)
+            .sum()
+    }
+
+    /// Checks every position against the stored and accepted ones and, if none is behind,
+    /// appends them to `batch` as merge operands stamped `now_ms`. Nothing is appended on
+    /// error ([`Error::PositionBehind`]).
+    pub(crate) fn append_to(
+        &self,
+        inner: &Storage,
+        batch: &mut WriteBatch,
+        now_ms: u64,
+    ) -> Result<()> {
+        if self.entries.is_empty() {
+            return Ok(());
+        }
+        let cf = inner
+            .positions_cf()
+            .ok_or_else(|| Error::invalid_argument("the store has no positions table"))?;
+        inner.accept_positions(&self.entries)?;
+        for (key, offset) in &self.entries {
+            batch.merge_cf(cf, key, encode_position_value(*offset, now_ms));
+        }
+        Ok(())
+    }
+}
+
+/// The records prefix of the consumer a stored key belongs to.
+pub(crate) fn consumer_prefix_of(stored_key: &[u8]) -> Result<&[u8]> {
+    let (consumer, _) = decode_key(stored_key).map_err(|reason| Error::Corrupt {
+        key: stored_key.to_vec(),
+        reason,
+    })?;
+    Ok(&stored_key[..1 + consumer.len()])
+}
+
+/// One consumer's read positions: where it resumes each partition of each log it reads
+/// ([`crate::Consumer::positions`]).
+///
+/// A position is the offset of the last message whose effects are committed. It is written
+/// by [`crate::Claim::stage_position`] and [`crate::ClaimBatch::stage_position`] in the same
+/// write batch as the claims, so that the effects and the position are stored together or not
+/// at all, and by [`Positions::advance`] for messages that need no claim.
+#[derive(Clone)]
+pub struct Positions {
+    inner: Arc<Storage>,
+    prefix: Vec<u8>,
+}
+
+impl Positions {
+    pub(crate) fn new(inner: Arc<Storage>, prefix: Vec<u8>) -> Positions {
+        Positions { inner, prefix }
+    }
+
+    /// The stored position of `partition` of `source`, or `None` if nothing was committed
+    /// there: resume at [`Position::next_offset`], or at the start of the log.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] for a source outside
+    /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes;
+    /// [`Error::Corrupt`] if the stored value does not decode; [`Error::Storage`] if the read
+    /// fails.
+    pub fn get(&self, source: &str, partition: u32) -> Result<Option<Position>> {
+        let key = encode_position_key(&self.prefix, source, partition)?;
+        Ok(self
+            .inner
+            .read_position(&key)?
+            .map(|(offset, updated_at_ms)| Position {
+                source: source.to_owned(),
+                partition,
+                offset,
+                updated_at_ms,
+            }))
+    }
+
+    /// Moves the position of `partition` of `source` to `offset` on its own, with the engine's
+    /// durability: for messages that are read and settled without a commit of their own
+    /// (filtered out, a duplicate, `Stale`, `TooLate`). An offset equal to the stored one is
+    /// accepted and changes nothing but the time.
+    ///
+    /// # Errors
+    /// [`Error::PositionBehind`] if `offset` is behind the stored position, or behind one a
+    /// commit of this engine has accepted (nothing is written); otherwise as for
+    /// [`Positions::get`] and [`crate::Claim::commit`].
+    pub fn advance(&self, source: &str, partition: u32, offset: u64) -> Result<()> {
+        let mut staged = StagedPositions::default();
+        staged.stage(
+            encode_position_key(&self.prefix, source, partition)?,
+            offset,
+        );
+        let mut batch = WriteBatch::default();
+        let now_ms = self.inner.write_clock_ms()?;
+        staged.append_to(&self.inner, &mut batch, now_ms)?;
+        self.inner.write(batch)
+    }
+
+    /// Every stored position of this consumer, by source and partition.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] for a stored key or value that does not decode; [`Error::Storage`]
+    /// if the read fails.
+    pub fn list(&self) -> Result<Vec<Position>> {
+        let Some(cf) = self.inner.positions_cf() else {
+            return Ok(Vec::new());
+        };
+        let mode = rocksdb::IteratorMode::From(&self.prefix, rocksdb::Direction::Forward);
+        let mut positions = Vec::new();
+        for entry in self.inner.db().iterator_cf(cf, mode) {
+            let (key, value) = entry?;
+            if !key.starts_with(&self.prefix) {
+                break;
+            }
+            positions.push(decode_position(&key, &value)?);
+        }
+        Ok(positions)
+    }
+}
+
+/// A stored (key, value) of the positions table as a [`Position`].
+pub(crate) fn decode_position(key: &[u8], value: &[u8]) -> Result<Position> {
+    let corrupt = |reason| Error::Corrupt {
+        key: key.to_vec(),
+        reason,
+    };
+    let (_, source, partition) = decode_position_key(key).map_err(corrupt)?;
+    let (offset, updated_at_ms) = decode_position_value(value).map_err(corrupt)?;
+    Ok(Position {
+        source: source.to_owned(),
+        partition,
+        offset,
+        updated_at_ms,
+    })
+}
+
+impl std::fmt::Debug for Positions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Positions")
+            .field(
+                "consumer",
+                &crate::format::printable::printable(&self.prefix[1..]),
+            )
+            .finish_non_exhaustive()
+    }
+}
