@@ -175,11 +175,13 @@ pub use operations::claim::PgClaim;
 pub use operations::external::{LEASE_STEP_LOCK_WAIT, PgExternalClaim, PgInProgress, PgResolution};
 pub use operations::lease::PgCompletion;
 pub use operations::maintain::{Maintenance, Removal};
+pub use operations::positions::PgPositions;
 pub use operations::ticket::PgLeaseTicket;
 pub use operations::transfer::{
     CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts,
 };
 pub use sql::prepared::CALLER_STATEMENTS_MAX;
+pub use storage::positions::POSITION_OFFSET_MAX;
 pub use storage::records::CLOCK_TOLERANCE_MS;
 pub use storage::store::{
     PgConsumer, PgStore, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, StoreBuilder,

@@ -53,6 +53,11 @@
 //! commit); removal running in a loop beside claims that take keys again as they expire never
 //! takes a live record, nor one written over an expired one.
 //!
+//! Read positions of log consumers (`scenarios/positions.rs`): written with the claim's or the
+//! batch's record and rows or not at all, the highest offset per partition, a stale writer
+//! refused with nothing written, racing connections leaving the highest offset, checked
+//! inputs, and the migration of a version 5 schema.
+//!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
 #[path = "support/server.rs"]
@@ -225,6 +230,12 @@ fn main() {
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
+    use positions::*;
+    scenario!(a_claims_position_lands_with_its_record_and_business_row_or_not_at_all);
+    scenario!(a_batch_writes_the_highest_offset_per_partition_even_of_duplicates);
+    scenario!(connections_racing_over_one_partition_leave_the_highest_offset);
+    scenario!(bad_positions_are_refused_before_anything_is_sent);
+    scenario!(a_version_5_schema_gains_positions_on_install);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -268,6 +279,10 @@ macro_rules! ensure {
         }
     };
 }
+
+// After `ensure!`, which it uses.
+#[path = "scenarios/positions.rs"]
+mod positions;
 
 async fn install_is_versioned_and_refuses_a_newer_schema(url: &str) -> Result<(), Failure> {
     let mut client = connect(url).await?;
@@ -4346,7 +4361,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 5,
+        version == SCHEMA_VERSION && version == 6,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;

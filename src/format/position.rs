@@ -12,7 +12,9 @@
 //! moves backwards whatever order concurrent writes land in. Only an operator's reset
 //! ([`crate::admin::Store::set_position`]) overwrites one, with a plain value.
 
-use crate::format::error::{DecodeError, Limit, Result, check_limit};
+use crate::format::error::DecodeError;
+#[cfg(feature = "engine")]
+use crate::format::error::{Limit, Result, check_limit};
 
 /// The column family holding every consumer's read positions.
 #[cfg(feature = "engine")]
@@ -48,6 +50,23 @@ pub struct Position {
 }
 
 impl Position {
+    /// A position (for backends other than the embedded engine, which build it from their own
+    /// storage).
+    #[must_use]
+    pub fn new(
+        source: impl Into<String>,
+        partition: u32,
+        offset: u64,
+        updated_at_ms: u64,
+    ) -> Position {
+        Position {
+            source: source.into(),
+            partition,
+            offset,
+            updated_at_ms,
+        }
+    }
+
     /// The offset to resume reading at: one past the stored offset.
     #[must_use]
     pub fn next_offset(&self) -> u64 {
@@ -56,6 +75,7 @@ impl Position {
 }
 
 /// Checks a source name against its limits.
+#[cfg(feature = "engine")]
 pub(crate) fn check_source(source: &str) -> Result<()> {
     check_limit(
         Limit::PositionSourceBytes,
@@ -67,6 +87,7 @@ pub(crate) fn check_source(source: &str) -> Result<()> {
 
 /// The stored key of (consumer, source, partition), from the consumer's records prefix
 /// (`format::key::consumer_prefix`).
+#[cfg(feature = "engine")]
 pub(crate) fn encode_position_key(
     consumer_prefix: &[u8],
     source: &str,

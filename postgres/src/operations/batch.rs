@@ -146,6 +146,8 @@ pub struct PgClaimBatch<'c> {
     pub(crate) outcomes: Vec<PgBatchOutcome>,
     /// By message index: the claim of each fresh message not released.
     pub(crate) claims: Vec<Option<BatchClaim>>,
+    /// Read positions the commit writes (log consumers).
+    pub(crate) positions: crate::storage::positions::StagedPositions,
 }
 
 impl PgConsumer {
@@ -274,6 +276,7 @@ impl PgConsumer {
             consumer: self.clone(),
             outcomes: Vec::with_capacity(messages.len()),
             claims: Vec::with_capacity(messages.len()),
+            positions: crate::storage::positions::StagedPositions::default(),
         };
         let decided = self
             .decide_batch(&mut batch, messages, &taken, &lock_numbers, &first_of)

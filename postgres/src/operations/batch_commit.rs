@@ -13,6 +13,7 @@ use crate::operations::batch::PgBatchOutcome;
 use crate::operations::batch::PgClaimBatch;
 use crate::sql::txn::CommitFailed;
 use crate::sql::txn::Statement;
+use crate::storage::positions::{advance_statement, position_behind};
 use crate::storage::store::PgConsumer;
 
 /// The rows a batch's commit writes with one of its two lists (inserted or updated), as the
@@ -90,6 +91,19 @@ impl<'c> PgClaimBatch<'c> {
         }
     }
 
+    /// Stages the read position of a log consumer for the whole batch: written in the batch's
+    /// transaction with every claim still held, even if none is (a batch of duplicates still
+    /// moves the position). Staged more than once for a partition, the highest offset is
+    /// written: stage the offset of the batch's last message, settled or fresh.
+    ///
+    /// # Errors
+    /// As for [`PgClaim::stage_position`](crate::PgClaim::stage_position); the commit fails
+    /// with [`idemdb::Error::PositionBehind`] (in [`Error::Idemdb`]), writing nothing, if an
+    /// offset is then behind its partition's stored position.
+    pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
+        self.positions.stage(source, partition, offset)
+    }
+
     /// Writes the completed record of every claim still held, with the result `result_of`
     /// gives for its index (returned to duplicates), in **one** statement, and commits the
     /// transaction: the records and the business SQL of the batch land together or not at
@@ -128,6 +142,7 @@ impl<'c> PgClaimBatch<'c> {
             consumer,
             claims,
             decided_at: (db_ms, decided),
+            positions,
             ..
         } = self;
         // Refused before anything is sent; the rollback is waited for, so that every key of
@@ -185,12 +200,22 @@ impl<'c> PgClaimBatch<'c> {
         } else {
             (&inner.write_many, &params)
         };
-        let writes: Vec<Statement<'_>> = std::iter::once(write).chain(write_versions).collect();
+        let position_params = positions.params(consumer_id, now_ms);
+        let position_typed = position_params.typed();
+        let write_positions: Option<Statement<'_>> =
+            (!positions.is_empty()).then(|| advance_statement(&consumer.store, &position_typed));
+        let writes: Vec<Statement<'_>> = std::iter::once(write)
+            .chain(write_versions)
+            .chain(write_positions)
+            .collect();
         match tx.commit_with(statements, &writes).await {
             Ok(_) => {}
             Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
             Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),
             Err(CommitFailed::Store(error)) => {
+                if let Some(behind) = position_behind(&error) {
+                    return Err(behind);
+                }
                 let key = held.first().map_or(&[][..], |(claim, _)| &claim.key);
                 return Err(consumer.store.write_failed(error, key));
             }

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::sql::txn::ClaimTransaction;
 use crate::sql::txn::CommitFailed;
 use crate::sql::txn::Statement as TypedStatement;
+use crate::storage::positions::{StagedPositions, advance_statement, position_behind};
 use crate::storage::records::RecordRow;
 use crate::storage::records::check_result;
 use crate::storage::records::completed_record;
@@ -180,6 +181,7 @@ impl PgConsumer {
             replaces_epoch,
             previous,
             version,
+            positions: StagedPositions::default(),
             correlation_id: message.correlation().map(Into::into),
         };
         Ok((now_ms, Outcome::Fresh(claim)))
@@ -299,6 +301,8 @@ pub struct PgClaim<'c> {
     /// The ordering guard's (entity key, version), whose entity lock this claim holds; the
     /// commit records the version.
     version: Option<(Vec<u8>, u64)>,
+    /// Read positions the commit writes (log consumers).
+    positions: StagedPositions,
     /// The message's correlation id, for the commit's log event.
     correlation_id: Option<Box<str>>,
 }
@@ -357,6 +361,22 @@ impl<'c> PgClaim<'c> {
         self.version
             .as_ref()
             .map(|(entity, version)| (entity.as_slice(), *version))
+    }
+
+    /// Stages the read position of a log consumer: `offset` of `partition` of `source` (a
+    /// topic, a stream) is written in this claim's transaction, with its record and business
+    /// SQL, so that a restart resumes after this message exactly when its effects are
+    /// committed. Staged more than once for a partition, the highest offset is written.
+    /// [`PgConsumer::positions`] reads them back.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `LimitExceeded` for a source outside
+    /// [`idemdb::POSITION_SOURCE_BYTES_MIN`]..=[`idemdb::POSITION_SOURCE_BYTES_MAX`] bytes,
+    /// with `InvalidArgument` for an offset past [`crate::POSITION_OFFSET_MAX`]. The commit
+    /// fails with [`idemdb::Error::PositionBehind`] (in [`Error::Idemdb`]), writing nothing,
+    /// if `offset` is then behind the partition's stored position.
+    pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
+        self.positions.stage(source, partition, offset)
     }
 
     /// Rolls the claim back, business SQL included, and returns once the server has: the key
@@ -461,11 +481,20 @@ impl<'c> PgClaim<'c> {
         if self.version.is_some() {
             writes.push((&store.inner.write_version, &version_params));
         }
+        let position_params = self.positions.params(id, now_ms);
+        let position_typed = position_params.typed();
+        if !self.positions.is_empty() {
+            writes.push(advance_statement(store, &position_typed));
+        }
         // The record (and the entity's version) and COMMIT in one round trip.
         match self.tx.commit_with(statements, &writes).await {
             Ok(_) => {}
             Err(CommitFailed::Staged(error)) => return Err(Error::Postgres(error)),
-            Err(CommitFailed::Store(error)) => return Err(store.write_failed(error, &self.key)),
+            Err(CommitFailed::Store(error)) => {
+                return Err(
+                    position_behind(&error).unwrap_or_else(|| store.write_failed(error, &self.key))
+                );
+            }
             Err(CommitFailed::Commit(error)) => return Err(Error::Postgres(error)),
         }
         let metrics = &consumer.metrics;

@@ -1,7 +1,8 @@
 //! What consumers and operators do with the store: a claim and its commit ([`claim`]), a
 //! message's SQL run once ([`apply`]), batches ([`batch`], [`batch_commit`]), external claims
 //! ([`external`]) and their lease steps ([`lease`]) and tickets ([`ticket`]), removal
-//! ([`maintain`]), and export and import ([`transfer`]).
+//! ([`maintain`]), log consumers' read positions ([`positions`]), and export and import
+//! ([`transfer`]).
 
 pub(crate) mod apply;
 pub(crate) mod batch;
@@ -10,5 +11,6 @@ pub(crate) mod claim;
 pub(crate) mod external;
 pub(crate) mod lease;
 pub(crate) mod maintain;
+pub(crate) mod positions;
 pub(crate) mod ticket;
 pub(crate) mod transfer;

@@ -126,6 +126,7 @@ impl StoreBuilder {
         crate::tables::install::check(client, &self.names).await?;
         let records = self.names.records();
         let entity = self.names.entity_versions();
+        let positions = self.names.positions();
         Ok(PgStore {
             inner: Arc::new(Inner {
                 read: format!(
@@ -215,6 +216,18 @@ impl StoreBuilder {
                     "SELECT entity_key, version FROM {entity} \
                      WHERE consumer = $1 AND entity_key = ANY($2::bytea[])"
                 ),
+                advance_positions: format!(
+                    "SELECT {}($1, $2, $3, $4, $5)",
+                    self.names.advance_positions()
+                ),
+                read_position: format!(
+                    "SELECT read_offset, updated_at_ms FROM {positions} \
+                     WHERE consumer = $1 AND source = $2 AND partition = $3"
+                ),
+                list_positions: format!(
+                    "SELECT source, partition, read_offset, updated_at_ms FROM {positions} \
+                     WHERE consumer = $1 ORDER BY source, partition"
+                ),
                 lock_namespace: records,
                 entity_lock_namespace: entity,
                 names: self.names,
@@ -261,6 +274,12 @@ pub(crate) struct Inner {
     pub(crate) read_versions_many: String,
     /// The new versions of many entities (a batch's commit).
     pub(crate) write_versions_many: String,
+    /// Moves read positions forward or fails (`<table>_advance_positions`).
+    pub(crate) advance_positions: String,
+    /// One read position.
+    pub(crate) read_position: String,
+    /// A consumer's read positions.
+    pub(crate) list_positions: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,

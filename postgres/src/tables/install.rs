@@ -11,11 +11,12 @@ use crate::tables::names::Names;
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 5 keeps the records in one plain table whose primary key is the key, with an index
+/// Version 6 adds the read positions of log consumers (`<table>_position`, and the function
+/// that moves them, `<table>_advance_positions`); version 5 keeps the records in one plain table whose primary key is the key, with an index
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 5;
+pub const SCHEMA_VERSION: i32 = 6;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -57,11 +58,14 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=4) => {
+        Some(version @ 1..=5) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
-            migrate_records(&tx, names).await?;
+            if version <= 4 {
+                migrate_records(&tx, names).await?;
+            }
+            create_positions(&tx, names).await?;
             tx.batch_execute(&format!(
                 "ALTER TABLE {} DROP COLUMN IF EXISTS partition_days; \
                  UPDATE {} SET version = {SCHEMA_VERSION}",
@@ -79,6 +83,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
         None => {
             create_records(&tx, names).await?;
             create_entity_versions(&tx, names).await?;
+            create_positions(&tx, names).await?;
             tx.execute(
                 &format!(
                     "INSERT INTO {} (version) VALUES ({SCHEMA_VERSION})",
@@ -138,6 +143,64 @@ async fn create_entity_versions(tx: &Transaction<'_>, names: &Names) -> Result<(
              PRIMARY KEY (consumer, entity_key)
          );",
         entity = names.entity_versions(),
+    ))
+    .await?;
+    Ok(())
+}
+
+/// The SQLSTATE `<table>_advance_positions` raises for a position behind the stored one, with
+/// `stored staged partition source` in its detail.
+pub(crate) const POSITION_BEHIND_SQLSTATE: &str = "IP001";
+
+/// Creates the read positions (new at version 6): one row per (consumer, source, partition),
+/// the offset of the last message whose effects are committed, written in the transaction of
+/// the claim or batch that read it. Never removed by time.
+///
+/// The function moves a consumer's positions forward in one call (a batch may move several),
+/// each to an offset at or past the stored one, and otherwise fails the statement, and so the
+/// transaction with the claim's record and business SQL: a reader behind the stored position
+/// is stale, and nothing it did lands. A failed statement is the only way to stop the `COMMIT`
+/// sent behind it from committing the rest (PostgreSQL answers the `COMMIT` of an aborted
+/// transaction with a rollback). The row's lock orders two writers of one partition: the later
+/// one waits for the first's transaction to end (its `COMMIT` is already on its way) and then
+/// compares against what it committed.
+async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.batch_execute(&format!(
+        "CREATE TABLE {positions} (
+             consumer bytea NOT NULL,
+             source text NOT NULL,
+             partition bigint NOT NULL,
+             read_offset bigint NOT NULL CHECK (read_offset >= 0),
+             updated_at_ms bigint NOT NULL,
+             PRIMARY KEY (consumer, source, partition)
+         );
+         CREATE FUNCTION {advance}(p_consumer bytea, p_sources text[], p_partitions bigint[],
+                                   p_offsets bigint[], p_at_ms bigint)
+         RETURNS void LANGUAGE plpgsql AS $idemdb$
+         DECLARE
+             i integer;
+             stored bigint;
+         BEGIN
+             FOR i IN 1 .. coalesce(array_length(p_sources, 1), 0) LOOP
+                 INSERT INTO {positions} AS p (consumer, source, partition, read_offset, updated_at_ms)
+                 VALUES (p_consumer, p_sources[i], p_partitions[i], p_offsets[i], p_at_ms)
+                 ON CONFLICT (consumer, source, partition) DO UPDATE
+                     SET read_offset = excluded.read_offset, updated_at_ms = excluded.updated_at_ms
+                     WHERE p.read_offset <= excluded.read_offset;
+                 IF NOT FOUND THEN
+                     SELECT read_offset INTO stored FROM {positions}
+                      WHERE consumer = p_consumer AND source = p_sources[i]
+                        AND partition = p_partitions[i];
+                     RAISE EXCEPTION 'idemdb: read position behind the stored one'
+                         USING ERRCODE = '{POSITION_BEHIND_SQLSTATE}',
+                               DETAIL = format('%s %s %s %s', stored, p_offsets[i],
+                                               p_partitions[i], p_sources[i]);
+                 END IF;
+             END LOOP;
+         END
+         $idemdb$;",
+        positions = names.positions(),
+        advance = names.advance_positions(),
     ))
     .await?;
     Ok(())

@@ -182,6 +182,17 @@ impl Names {
         format!("{}.{}_entity", self.schema, self.table)
     }
 
+    /// `schema.table_position`: log consumers' read positions.
+    pub(crate) fn positions(&self) -> String {
+        format!("{}.{}_position", self.schema, self.table)
+    }
+
+    /// `schema.table_advance_positions`: the function that moves read positions forward, or
+    /// fails the transaction.
+    pub(crate) fn advance_positions(&self) -> String {
+        format!("{}.{}_advance_positions", self.schema, self.table)
+    }
+
     /// `schema.table_version`.
     pub(crate) fn version(&self) -> String {
         format!("{}.{}_version", self.schema, self.table)

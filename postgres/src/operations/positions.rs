@@ -1,0 +1,128 @@
+//! A consumer's read positions on PostgreSQL ([`PgPositions`]): read to resume, moved on their
+//! own for messages settled without a claim. Claims and batches stage theirs
+//! (`PgClaim::stage_position`, `PgClaimBatch::stage_position`).
+
+use idemdb::Position;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, GenericClient};
+
+use crate::error::{Error, Result};
+use crate::storage::positions::{
+    StagedPositions, advance_sql, check_source, position, position_behind,
+};
+use crate::storage::store::PgConsumer;
+
+/// One consumer's read positions on PostgreSQL ([`PgConsumer::positions`]): where it resumes
+/// each partition of each log it reads. Written by
+/// [`PgClaim::stage_position`](crate::PgClaim::stage_position) and
+/// [`PgClaimBatch::stage_position`](crate::PgClaimBatch::stage_position) in the claim's
+/// transaction, and by [`PgPositions::advance`] for messages that need no claim.
+#[derive(Clone, Debug)]
+pub struct PgPositions {
+    consumer: PgConsumer,
+}
+
+impl PgConsumer {
+    /// This consumer's read positions in the logs it consumes, as the embedded engine's
+    /// `Consumer::positions`: stage one with each claim's commit and resume from it after a
+    /// restart.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &mut tokio_postgres::Client, billing: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// use idemdb::{Fingerprint, Outcome};
+    /// let positions = billing.positions();
+    /// // Where to start partition 3 of "orders": one past the last committed offset.
+    /// let start = positions.get(client, "orders", 3).await?.map_or(0, |p| p.next_offset());
+    /// # let _ = start;
+    /// // The message at offset 41: its record, business SQL and position in one transaction.
+    /// if let Outcome::Fresh(mut claim) = billing.begin(client, "order-42", Fingerprint::of(b"body")).await? {
+    ///     claim.stage_position("orders", 3, 41)?;
+    ///     claim.commit(b"charged").await?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn positions(&self) -> PgPositions {
+        PgPositions {
+            consumer: self.clone(),
+        }
+    }
+}
+
+impl PgPositions {
+    /// The stored position of `partition` of `source`, or `None` if nothing was committed
+    /// there.
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with `LimitExceeded` for a source outside
+    /// [`idemdb::POSITION_SOURCE_BYTES_MIN`]..=[`idemdb::POSITION_SOURCE_BYTES_MAX`] bytes;
+    /// [`Error::Postgres`] if the read fails.
+    pub async fn get(
+        &self,
+        client: &impl GenericClient,
+        source: &str,
+        partition: u32,
+    ) -> Result<Option<Position>> {
+        check_source(source)?;
+        let consumer: &[u8] = &self.consumer.id;
+        let row = client
+            .query_opt(
+                &self.consumer.store.inner.read_position,
+                &[&consumer, &source, &i64::from(partition)],
+            )
+            .await?;
+        Ok(row.map(|row| {
+            position(
+                source.to_owned(),
+                i64::from(partition),
+                row.get(0),
+                row.get(1),
+            )
+        }))
+    }
+
+    /// Moves the position of `partition` of `source` to `offset` on its own (its own
+    /// transaction): for messages read and settled without a claim (filtered out, a
+    /// duplicate, `Stale`, `TooLate`).
+    ///
+    /// # Errors
+    /// [`Error::Idemdb`] with [`idemdb::Error::PositionBehind`] if `offset` is behind the
+    /// stored position (nothing is written); with `InvalidArgument` for an offset past
+    /// [`crate::POSITION_OFFSET_MAX`]; otherwise as for [`PgPositions::get`].
+    pub async fn advance(
+        &self,
+        client: &Client,
+        source: &str,
+        partition: u32,
+        offset: u64,
+    ) -> Result<()> {
+        let mut staged = StagedPositions::default();
+        staged.stage(source, partition, offset)?;
+        let store = &self.consumer.store;
+        let now_ms = crate::storage::records::now_on_store_clock(client, store).await?;
+        let params = staged.params(&self.consumer.id, now_ms);
+        let typed = params.typed();
+        let values: Vec<&(dyn ToSql + Sync)> = typed.iter().map(|(value, _)| *value).collect();
+        match client.execute(advance_sql(store), &values).await {
+            Ok(_) => Ok(()),
+            Err(error) => Err(position_behind(&error).unwrap_or(Error::Postgres(error))),
+        }
+    }
+
+    /// Every stored position of this consumer, by source and partition.
+    ///
+    /// # Errors
+    /// [`Error::Postgres`] if the read fails.
+    pub async fn list(&self, client: &impl GenericClient) -> Result<Vec<Position>> {
+        let consumer: &[u8] = &self.consumer.id;
+        let rows = client
+            .query(&self.consumer.store.inner.list_positions, &[&consumer])
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|row| position(row.get(0), row.get(1), row.get(2), row.get(3)))
+            .collect())
+    }
+}

@@ -1,0 +1,318 @@
+//! Read positions of log consumers on PostgreSQL: written in the claim's (or batch's)
+//! transaction with its record and business rows or not at all, the highest offset per
+//! partition for a batch, never moving backwards (a stale writer refused with nothing written,
+//! connections racing over one partition leaving the highest), checked inputs, and the
+//! migration of a version 5 schema.
+
+use idemdb::{Fingerprint, Outcome};
+use idemdb_postgres::{Error, PgConsumer, PgStore, install};
+use tokio_postgres::Client;
+use tokio_postgres::types::Type;
+
+use super::{Failure, connect, fresh_schema};
+
+async fn offset(
+    consumer: &PgConsumer,
+    client: &Client,
+    partition: u32,
+) -> Result<Option<u64>, Failure> {
+    Ok(consumer
+        .positions()
+        .get(client, "orders", partition)
+        .await?
+        .map(|position| position.offset))
+}
+
+fn behind(result: &Result<(), Error>) -> Option<(u32, u64, u64)> {
+    match result {
+        Err(Error::Idemdb(idemdb::Error::PositionBehind {
+            partition,
+            stored,
+            staged,
+            source_name,
+        })) if source_name == "orders" => Some((*partition, *stored, *staged)),
+        _ => None,
+    }
+}
+
+async fn order_count(client: &Client, schema: &str, id: &str) -> Result<i64, Failure> {
+    Ok(client
+        .query_one(
+            &format!("SELECT count(*) FROM {schema}.orders WHERE id = $1"),
+            &[&id],
+        )
+        .await?
+        .get(0))
+}
+
+/// Claims `key` and commits it with its order row and the position `partition`/`offset`.
+async fn commit_at(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    schema: &str,
+    key: &str,
+    partition: u32,
+    offset: u64,
+) -> Result<Result<(), Error>, Failure> {
+    let Outcome::Fresh(mut claim) = consumer
+        .begin(client, key, Fingerprint::of(key.as_bytes()))
+        .await?
+    else {
+        return Err(format!("{key}: not fresh").into());
+    };
+    claim.stage_position("orders", partition, offset)?;
+    let sql = format!("INSERT INTO {schema}.orders (id, body) VALUES ($1, 'x')");
+    Ok(claim
+        .commit_with(b"ok", &[(sql.as_str(), &[(&key, Type::TEXT)])])
+        .await)
+}
+
+pub async fn a_claims_position_lands_with_its_record_and_business_row_or_not_at_all(
+    url: &str,
+) -> Result<(), Failure> {
+    let schema = "t_positions_claim";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let c = store.consumer("c")?;
+    ensure!(offset(&c, &client, 2).await?.is_none(), "none before");
+    commit_at(&c, &mut client, schema, "m-7", 2, 7).await??;
+    let position = c
+        .positions()
+        .get(&client, "orders", 2)
+        .await?
+        .ok_or("stored")?;
+    ensure!(
+        (position.offset, position.next_offset()) == (7, 8),
+        "{position:?}"
+    );
+    ensure!(offset(&c, &client, 3).await?.is_none(), "other partition");
+    ensure!(
+        store
+            .consumer("d")?
+            .positions()
+            .get(&client, "orders", 2)
+            .await?
+            .is_none(),
+        "other consumer"
+    );
+    // A stale writer: behind the stored position, refused; nothing of it lands.
+    let refused = commit_at(&c, &mut client, schema, "m-5", 2, 5).await?;
+    ensure!(behind(&refused) == Some((2, 7, 5)), "{refused:?}");
+    ensure!(
+        c.get(&client, "m-5").await?.is_none(),
+        "record of the refused"
+    );
+    ensure!(
+        order_count(&client, schema, "m-5").await? == 0,
+        "row of the refused"
+    );
+    ensure!(offset(&c, &client, 2).await? == Some(7), "unchanged");
+    // Its key is free again; at the stored offset it is accepted.
+    commit_at(&c, &mut client, schema, "m-5", 2, 7).await??;
+    ensure!(order_count(&client, schema, "m-5").await? == 1, "row once");
+    // A dropped claim leaves the position.
+    let Outcome::Fresh(mut claim) = c.begin(&mut client, "m-9", Fingerprint::of(b"m-9")).await?
+    else {
+        return Err("m-9 not fresh".into());
+    };
+    claim.stage_position("orders", 2, 9)?;
+    claim.abort().await?;
+    ensure!(offset(&c, &client, 2).await? == Some(7), "after abort");
+    // Advancing alone, forwards and (refused) backwards.
+    c.positions().advance(&client, "orders", 2, 8).await?;
+    let refused = c.positions().advance(&client, "orders", 2, 1).await;
+    ensure!(behind(&refused) == Some((2, 8, 1)), "{refused:?}");
+    let listed = c.positions().list(&client).await?;
+    ensure!(
+        listed.len() == 1 && listed[0].offset == 8 && listed[0].partition == 2,
+        "{listed:?}"
+    );
+    Ok(())
+}
+
+pub async fn a_batch_writes_the_highest_offset_per_partition_even_of_duplicates(
+    url: &str,
+) -> Result<(), Failure> {
+    let schema = "t_positions_batch";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let c = store.consumer("c")?;
+    let messages = [("a", Fingerprint::of(b"a")), ("b", Fingerprint::of(b"b"))];
+    let mut batch = c.begin_batch(&mut client, &messages).await?;
+    batch.stage_position("orders", 0, 11)?;
+    batch.stage_position("orders", 0, 10)?;
+    batch.stage_position("orders", 1, 4)?;
+    batch.commit(|_| b"ok").await?;
+    ensure!(offset(&c, &client, 0).await? == Some(11), "p0");
+    ensure!(offset(&c, &client, 1).await? == Some(4), "p1");
+    // Replayed: every message a duplicate, the position still moves.
+    let mut batch = c.begin_batch(&mut client, &messages).await?;
+    ensure!(
+        batch.epoch(0).is_none() && batch.epoch(1).is_none(),
+        "duplicates"
+    );
+    batch.stage_position("orders", 0, 13)?;
+    batch.commit(|_| b"ok").await?;
+    ensure!(
+        offset(&c, &client, 0).await? == Some(13),
+        "p0 moved by duplicates"
+    );
+    // One partition behind: the whole batch is refused, its claims included.
+    let fresh = [("c", Fingerprint::of(b"c"))];
+    let mut batch = c.begin_batch(&mut client, &fresh).await?;
+    batch.stage_position("orders", 0, 14)?;
+    batch.stage_position("orders", 1, 3)?;
+    let refused = batch.commit(|_| b"ok").await;
+    ensure!(behind(&refused) == Some((1, 4, 3)), "{refused:?}");
+    ensure!(
+        c.get(&client, "c").await?.is_none(),
+        "claim of the refused batch"
+    );
+    ensure!(offset(&c, &client, 0).await? == Some(13), "p0 unchanged");
+    Ok(())
+}
+
+pub async fn connections_racing_over_one_partition_leave_the_highest_offset(
+    url: &str,
+) -> Result<(), Failure> {
+    let schema = "t_positions_race";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let mut workers = Vec::new();
+    for worker in 0..6u64 {
+        let url = url.to_owned();
+        let store = store.clone();
+        workers.push(tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            let c = store.consumer("c")?;
+            let mut committed = Vec::new();
+            let mut refused = 0u64;
+            for round in 0..40u64 {
+                let offset = (round * 11 + worker * 17) % 300;
+                let key = format!("w{worker}-{round}");
+                let result = commit_at(&c, &mut client, schema, &key, 0, offset).await?;
+                let stale = behind(&result).is_some();
+                match result {
+                    Ok(()) => committed.push(offset),
+                    Err(_) if stale => {
+                        refused += 1;
+                        if c.get(&client, &key).await?.is_some()
+                            || order_count(&client, schema, &key).await? != 0
+                        {
+                            return Err(format!("{key}: refused but written").into());
+                        }
+                    }
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            Ok::<_, Failure>((committed, refused))
+        }));
+    }
+    let mut highest = 0;
+    let mut refused = 0;
+    for worker in workers {
+        let (committed, worker_refused) = worker.await??;
+        highest = committed.into_iter().fold(highest, u64::max);
+        refused += worker_refused;
+    }
+    ensure!(
+        refused > 0,
+        "offsets go backwards: some commits must be refused"
+    );
+    let c = store.consumer("c")?;
+    ensure!(
+        offset(&c, &client, 0).await? == Some(highest),
+        "stored {:?}, highest committed {highest}",
+        offset(&c, &client, 0).await?
+    );
+    Ok(())
+}
+
+pub async fn bad_positions_are_refused_before_anything_is_sent(url: &str) -> Result<(), Failure> {
+    let schema = "t_positions_input";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let c = store.consumer("c")?;
+    for source in [
+        String::new(),
+        "s".repeat(idemdb::POSITION_SOURCE_BYTES_MAX + 1),
+    ] {
+        let refused = c.positions().advance(&client, &source, 0, 1).await;
+        ensure!(
+            matches!(
+                refused,
+                Err(Error::Idemdb(idemdb::Error::LimitExceeded {
+                    limit: idemdb::Limit::PositionSourceBytes,
+                    ..
+                }))
+            ),
+            "{refused:?}"
+        );
+    }
+    let too_far = c
+        .positions()
+        .advance(
+            &client,
+            "orders",
+            0,
+            idemdb_postgres::POSITION_OFFSET_MAX + 1,
+        )
+        .await;
+    ensure!(
+        matches!(
+            too_far,
+            Err(Error::Idemdb(idemdb::Error::InvalidArgument { .. }))
+        ),
+        "{too_far:?}"
+    );
+    let longest = "s".repeat(idemdb::POSITION_SOURCE_BYTES_MAX);
+    c.positions()
+        .advance(
+            &client,
+            &longest,
+            u32::MAX,
+            idemdb_postgres::POSITION_OFFSET_MAX,
+        )
+        .await?;
+    let stored = c.positions().get(&client, &longest, u32::MAX).await?;
+    ensure!(
+        stored.as_ref().map(|p| p.offset) == Some(idemdb_postgres::POSITION_OFFSET_MAX),
+        "{stored:?}"
+    );
+    Ok(())
+}
+
+pub async fn a_version_5_schema_gains_positions_on_install(url: &str) -> Result<(), Failure> {
+    let schema = "t_positions_v5";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    super::commit_one(&store.consumer("c")?, &mut client, "kept", "kept", "done").await?;
+    // As version 5 left it: no positions table, no function.
+    client
+        .batch_execute(&format!(
+            "DROP FUNCTION {schema}.records_advance_positions; \
+             DROP TABLE {schema}.records_position; \
+             UPDATE {schema}.records_version SET version = 5"
+        ))
+        .await?;
+    let old = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(old, Err(Error::SchemaTooOld { found: 5, .. })),
+        "{old:?}"
+    );
+    install(&mut client, &names).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let c = store.consumer("c")?;
+    ensure!(c.get(&client, "kept").await?.is_some(), "record kept");
+    c.positions().advance(&client, "orders", 0, 3).await?;
+    ensure!(offset(&c, &client, 0).await? == Some(3), "positions work");
+    Ok(())
+}
