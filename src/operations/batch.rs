@@ -15,6 +15,8 @@ use crate::operations::claim::{
     Claim, Outcome, Pending, Request, batch_for, begin, decide_in_place,
 };
 use crate::operations::position::StagedPositions;
+use crate::operations::staging::Staged;
+use crate::storage::business_table::BusinessTable;
 use crate::storage::latch::KeyHashBuilder;
 use crate::storage::store::Storage;
 
@@ -62,6 +64,8 @@ pub struct ClaimBatch {
     prefix: Vec<u8>,
     /// Read positions staged on the batch itself (those of its claims join them at commit).
     positions: StagedPositions,
+    /// Business writes staged on the batch itself, not on one of its claims.
+    staged: Staged,
 }
 
 /// For each request, the index of the first request with the same key (itself if none before).
@@ -96,6 +100,7 @@ pub(crate) fn begin_batch(
         outcomes: Vec::with_capacity(requests.len()),
         prefix,
         positions: StagedPositions::default(),
+        staged: Staged::default(),
     };
     // On any error below, dropping `batch` releases every latch taken so far.
     let (pending, other_content) =
@@ -287,6 +292,47 @@ impl ClaimBatch {
         Ok(())
     }
 
+    /// Stages `value` under `key` in `table` for the batch as a whole, not for one of its
+    /// messages: applied with the batch's commit, even if no claim is left in it (a record of
+    /// the batch's settled messages, say, written with the position that moves past them).
+    ///
+    /// # Errors
+    /// As for [`Claim::put`], against limits of the batch's own (the batch's own staged
+    /// writes count on their own, as one claim's do).
+    pub fn put(
+        &mut self,
+        table: &BusinessTable,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+    ) -> Result<()> {
+        self.staged
+            .put(&self.inner, table, key.as_ref(), value.as_ref())
+    }
+
+    /// Stages a deletion of `key` in `table` for the batch as a whole (see
+    /// [`ClaimBatch::put`]).
+    ///
+    /// # Errors
+    /// As for [`ClaimBatch::put`].
+    pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
+        self.staged.delete(&self.inner, table, key.as_ref())
+    }
+
+    /// Stages a merge of `operand` into `key` of `table` for the batch as a whole (see
+    /// [`ClaimBatch::put`]).
+    ///
+    /// # Errors
+    /// As for [`ClaimBatch::put`], and [`Error::NoMergeOperator`] if the table has none.
+    pub fn merge(
+        &mut self,
+        table: &BusinessTable,
+        key: impl AsRef<[u8]>,
+        operand: impl AsRef<[u8]>,
+    ) -> Result<()> {
+        self.staged
+            .merge(&self.inner, table, key.as_ref(), operand.as_ref())
+    }
+
     /// Commits every claim still held in **one** write batch (one WAL write, and with
     /// [`crate::Durability::Sync`] one fsync): each one's marker, with the result `result_of`
     /// gives for its index, and its staged writes. Returns what each committed, by index.
@@ -324,7 +370,9 @@ impl ClaimBatch {
             .flatten()
             .map(|claim| claim.commit_bytes(0))
             .sum::<usize>()
-            + self.positions.batch_bytes();
+            + self.positions.batch_bytes()
+            + self.staged.writes() * crate::operations::claim::BATCH_ENTRY_OVERHEAD_BYTES
+            + self.staged.bytes;
         let mut batch = batch_for(bytes);
         let mut committed: Vec<Option<Committed>> = Vec::with_capacity(self.claims.len());
         for (index, claim) in self.claims.iter_mut().enumerate() {
@@ -333,6 +381,7 @@ impl ClaimBatch {
                 None => None,
             });
         }
+        self.staged.drain_into(&self.inner, &mut batch);
         // Every position of the batch is checked and written at once: per partition the
         // highest offset staged here or on any claim still held.
         let mut positions = std::mem::take(&mut self.positions);

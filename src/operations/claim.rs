@@ -38,7 +38,7 @@ pub(crate) fn inspect(
 
 /// What a write batch adds to each entry besides its key and value, at most: the entry's tag,
 /// its column family's id and the two lengths, each a varint of up to 5 bytes.
-const BATCH_ENTRY_OVERHEAD_BYTES: usize = 16;
+pub(crate) const BATCH_ENTRY_OVERHEAD_BYTES: usize = 16;
 
 /// The write batch's own header: sequence number and entry count.
 const BATCH_HEADER_BYTES: usize = 12;

@@ -203,9 +203,13 @@ fn a_batch_of_duplicates_still_moves_the_position() {
     let mut batch = c.begin_batch(&messages).unwrap();
     assert!(batch.claim_mut(0).is_none() && batch.claim_mut(1).is_none());
     batch.stage_position("s", 0, 3).unwrap();
+    // A write of the batch's own lands with the position, though no claim is left.
+    let orders = engine.business_table("orders").unwrap();
+    batch.put(&orders, b"read-3", b"duplicates").unwrap();
     let committed = batch.commit(|_| b"ok").unwrap();
     assert!(committed.iter().all(Option::is_none));
     assert_eq!(offset_of(&engine, "c", "s", 0), Some(3));
+    assert_eq!(orders.get(b"read-3").unwrap().as_deref(), Some(&b"duplicates"[..]));
 }
 
 #[test]
@@ -216,15 +220,20 @@ fn a_batch_behind_the_position_writes_none_of_its_claims() {
     c.positions().advance("s", 0, 20).unwrap();
     c.positions().advance("s", 1, 20).unwrap();
     let messages = [Message::new(b"a", fp("a")), Message::new(b"b", fp("b"))];
+    let orders = engine.business_table("orders").unwrap();
     let mut batch = c.begin_batch(&messages).unwrap();
     batch.stage_position("s", 0, 21).unwrap();
     // One partition ahead, one behind: the whole batch is refused.
     batch.stage_position("s", 1, 19).unwrap();
+    batch.put(&orders, b"batch-row", b"x").unwrap();
+    batch.claim_mut(0).unwrap().put(&orders, b"claim-row", b"x").unwrap();
     assert!(matches!(
         batch.commit(|_| b"ok"),
         Err(Error::PositionBehind { partition: 1, .. })
     ));
     assert!(c.get(b"a").unwrap().is_none());
+    assert!(orders.get(b"batch-row").unwrap().is_none());
+    assert!(orders.get(b"claim-row").unwrap().is_none());
     assert_eq!(offset_of(&engine, "c", "s", 0), Some(20));
     // The refusal reserved nothing: partition 0 may still move to 21.
     c.positions().advance("s", 0, 21).unwrap();
