@@ -8,6 +8,8 @@
 RABBITMQ_AMQP_PORT=15673
 RABBITMQ_E2E_DIST_PORT=15675
 RABBITMQ_E2E_EPMD_PORT=14369
+# The stream protocol's listener (the rabbitmq_stream plugin): the log consumers' run.
+RABBITMQ_STREAM_PORT=15552
 RABBITMQ_URL="amqp://guest:guest@127.0.0.1:${RABBITMQ_AMQP_PORT}/%2f"
 
 rabbitmq_install() {
@@ -23,7 +25,8 @@ rabbitmq_install() {
 rabbitmq_start() {
     local dir="$1"
     local port
-    for port in "$RABBITMQ_AMQP_PORT" "$RABBITMQ_E2E_DIST_PORT" "$RABBITMQ_E2E_EPMD_PORT"; do
+    for port in "$RABBITMQ_AMQP_PORT" "$RABBITMQ_E2E_DIST_PORT" "$RABBITMQ_E2E_EPMD_PORT" \
+        "$RABBITMQ_STREAM_PORT"; do
         # Another server there would answer our checks, and the test would purge its queues.
         if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
             echo "idemdb: 127.0.0.1:$port is already in use; stop what listens there first" >&2
@@ -34,10 +37,14 @@ rabbitmq_start() {
     RABBITMQ_E2E_NODE_PID_FILE="$dir/rabbitmq.pid"
     mkdir -p "$dir/home" "$dir/mnesia" "$dir/log"
     : >"$dir/rabbitmq-env.conf"
-    # The partitioned fleet's exchange; the plugin ships with the server.
-    echo '[rabbitmq_consistent_hash_exchange].' >"$dir/enabled_plugins"
+    # The partitioned fleet's exchange and the log consumers' streams; both plugins ship with
+    # the server.
+    echo '[rabbitmq_consistent_hash_exchange,rabbitmq_stream].' >"$dir/enabled_plugins"
     cat >"$dir/rabbitmq.conf" <<CONF
 listeners.tcp.default = 127.0.0.1:${RABBITMQ_AMQP_PORT}
+stream.listeners.tcp.1 = 127.0.0.1:${RABBITMQ_STREAM_PORT}
+stream.advertised_host = 127.0.0.1
+stream.advertised_port = ${RABBITMQ_STREAM_PORT}
 loopback_users.guest = true
 disk_free_limit.absolute = 50MB
 log.console = false

@@ -89,6 +89,8 @@ echo "== RabbitMQ end to end: consumers SIGKILLed against a real server"
 bash scripts/rabbitmq-e2e.sh
 echo "== RabbitMQ partitioned fleet: handoffs, a zombie, online backups, the negative control"
 bash scripts/rabbitmq-handoff.sh
+echo "== RabbitMQ streams: log consumers with their read position in the batch, SIGKILLed; two negative controls"
+bash scripts/rabbitmq-streams.sh
 
 echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
 if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then

@@ -209,7 +209,10 @@ fn a_batch_of_duplicates_still_moves_the_position() {
     let committed = batch.commit(|_| b"ok").unwrap();
     assert!(committed.iter().all(Option::is_none));
     assert_eq!(offset_of(&engine, "c", "s", 0), Some(3));
-    assert_eq!(orders.get(b"read-3").unwrap().as_deref(), Some(&b"duplicates"[..]));
+    assert_eq!(
+        orders.get(b"read-3").unwrap().as_deref(),
+        Some(&b"duplicates"[..])
+    );
 }
 
 #[test]
@@ -226,7 +229,11 @@ fn a_batch_behind_the_position_writes_none_of_its_claims() {
     // One partition ahead, one behind: the whole batch is refused.
     batch.stage_position("s", 1, 19).unwrap();
     batch.put(&orders, b"batch-row", b"x").unwrap();
-    batch.claim_mut(0).unwrap().put(&orders, b"claim-row", b"x").unwrap();
+    batch
+        .claim_mut(0)
+        .unwrap()
+        .put(&orders, b"claim-row", b"x")
+        .unwrap();
     assert!(matches!(
         batch.commit(|_| b"ok"),
         Err(Error::PositionBehind { partition: 1, .. })

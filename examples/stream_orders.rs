@@ -1,0 +1,290 @@
+//! A log consumer: orders read from one RabbitMQ stream, processed with idemdb, with the read
+//! position committed in the same write batch as the markers and the effects.
+//!
+//! A stream does not redeliver: a consumer says where to start reading, and starts there. So
+//! the question a log consumer must answer after a crash is where it was, and the answer must
+//! agree with the effects it committed. Here it does by construction: each group of messages
+//! read together is claimed as one batch (`Consumer::begin_batch`), fresh orders stage their
+//! effects on their claims, every message of the group stages a row in `reads` (this process
+//! settled that offset, and how), and the batch stages the group's last offset as the
+//! position (`ClaimBatch::stage_position`). One durable commit writes all of it. After a
+//! SIGKILL the process starts again at `position + 1`: nothing committed is read again,
+//! nothing read but uncommitted is skipped.
+//!
+//! Conflicts (an order id reused with other content) go to the `conflicts` table, in the same
+//! commit. Duplicates (a producer's resend, at another offset) commit nothing but their row in
+//! `reads` and the position.
+//!
+//! `--position broker-before-commit` and `--position broker-after-commit` keep the position at
+//! the broker instead (`store_offset`, read back with `query_offset`), before or after the
+//! commit: the two placements a consumer without idemdb's positions has, which the end-to-end
+//! run (`examples/stream_e2e.rs`) uses as negative controls. `--kill-at-commit-per-mille N`
+//! makes the process SIGKILL itself at the placement's weak point: right after the commit
+//! (store), between the broker's offset and the commit (before), between the commit and the
+//! broker's offset (after).
+//!
+//! ```text
+//! cargo run --release --features tokio --example stream_orders -- \
+//!     --port 15552 --stream orders.stream.0 --dir /tmp/stream-store-0 --ledger /tmp/reads-0.log
+//! ```
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures_lite::StreamExt;
+use idemdb::{BatchOutcome, Fingerprint, Message, Outcome};
+use rabbitmq_stream_client::types::OffsetSpecification;
+use rabbitmq_stream_client::{Client, ClientOptions, Environment};
+
+#[path = "common/handler.rs"]
+mod handler;
+#[path = "common/orders.rs"]
+mod orders;
+#[path = "common/streams.rs"]
+mod streams;
+use handler::{BoxError, Ledger, chain};
+use orders::{TOTAL_AMOUNT_KEY, parse_amount};
+use streams::{
+    BROKER_REFERENCE, CONSUMER_ID, Placement, conflict_key, open_stream_store, order_id_of,
+    read_key,
+};
+
+/// The most messages committed as one group.
+const GROUP_MESSAGES_MAX: usize = 64;
+/// How long a group waits for one more message before it is committed.
+const GROUP_WAIT: Duration = Duration::from_millis(3);
+
+struct Options {
+    port: u16,
+    stream: String,
+    dir: PathBuf,
+    ledger: Option<PathBuf>,
+    placement: Placement,
+    kill_at_commit_per_mille: u64,
+    seed: u64,
+}
+
+fn parse_options() -> Result<Options, BoxError> {
+    let mut options = Options {
+        port: 15552,
+        stream: streams::stream_name(0),
+        dir: PathBuf::from("/tmp/idemdb-stream-0"),
+        ledger: None,
+        placement: Placement::Store,
+        kill_at_commit_per_mille: 0,
+        seed: u64::from(std::process::id()),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--port" => options.port = value()?.parse()?,
+            "--stream" => options.stream = value()?,
+            "--dir" => options.dir = value()?.into(),
+            "--ledger" => options.ledger = Some(value()?.into()),
+            "--position" => {
+                let text = value()?;
+                options.placement =
+                    Placement::parse(&text).ok_or_else(|| format!("unknown placement {text}"))?;
+            }
+            "--kill-at-commit-per-mille" => options.kill_at_commit_per_mille = value()?.parse()?,
+            "--seed" => options.seed = value()?.parse()?,
+            other => return Err(format!("unknown option {other}").into()),
+        }
+    }
+    Ok(options)
+}
+
+/// One message read: its offset and body.
+struct Read {
+    offset: u64,
+    body: String,
+}
+
+#[tokio::main]
+async fn main() {
+    if let Err(error) = run().await {
+        eprintln!("stream_orders: {}", chain(error.as_ref()));
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> Result<(), BoxError> {
+    let options = parse_options()?;
+    let engine = open_stream_store(&options.dir)?;
+    let consumer = engine.consumer(CONSUMER_ID)?;
+    let orders = engine.business_table("orders")?;
+    let effects = engine.business_table("effects")?;
+    let conflicts = engine.business_table("conflicts")?;
+    let reads = engine.business_table("reads")?;
+    let ledger = options.ledger.as_deref().map(Ledger::open).transpose()?;
+    let pid = std::process::id();
+    let mut draws = options.seed;
+
+    let environment = Environment::builder()
+        .host("127.0.0.1")
+        .port(options.port)
+        .build()
+        .await?;
+    // Where to start: one past the stored position.
+    let stored = match options.placement {
+        Placement::Store => consumer
+            .positions()
+            .get(&options.stream, 0)?
+            .map(|position| position.offset),
+        Placement::BrokerBeforeCommit | Placement::BrokerAfterCommit => {
+            broker_offset(options.port, &options.stream).await?
+        }
+    };
+    let start = match stored {
+        Some(offset) => OffsetSpecification::Offset(offset + 1),
+        None => OffsetSpecification::First,
+    };
+    let mut stream = environment
+        .consumer()
+        .name(BROKER_REFERENCE)
+        .offset(start)
+        .build(&options.stream)
+        .await?;
+    if let Some(ledger) = &ledger {
+        let from = stored.map_or_else(|| "first".to_owned(), |offset| (offset + 1).to_string());
+        ledger.event("ready", &from, None);
+    }
+
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        // A group: the first message waited for (or a SIGTERM: stop between groups), then
+        // whatever follows within GROUP_WAIT, up to GROUP_MESSAGES_MAX.
+        let first = tokio::select! {
+            delivery = stream.next() => delivery,
+            _ = terminate.recv() => break,
+        };
+        let Some(first) = first else {
+            return Err("the stream's connection closed".into());
+        };
+        let mut group = vec![read_of(first?)?];
+        while group.len() < GROUP_MESSAGES_MAX {
+            match tokio::time::timeout(GROUP_WAIT, stream.next()).await {
+                Ok(Some(delivery)) => group.push(read_of(delivery?)?),
+                Ok(None) => return Err("the stream's connection closed".into()),
+                Err(_) => break,
+            }
+        }
+        if let Some(ledger) = &ledger {
+            for read in &group {
+                ledger.event("read", &read.offset.to_string(), None);
+            }
+        }
+        let last = group.last().map_or(0, |read| read.offset);
+
+        let mut messages = Vec::with_capacity(group.len());
+        for read in &group {
+            let order_id = order_id_of(&read.body).ok_or("a message without an order id")?;
+            messages.push(Message::new(
+                order_id,
+                Fingerprint::of(read.body.as_bytes()),
+            ));
+        }
+        let mut batch = consumer.begin_batch(&messages)?;
+        for (index, read) in group.iter().enumerate() {
+            let order_id = order_id_of(&read.body).unwrap_or_default();
+            let outcome = match &batch.outcomes()[index] {
+                BatchOutcome::Fresh => "fresh",
+                BatchOutcome::DuplicateInBatch { .. } => "duplicate",
+                BatchOutcome::ConflictInBatch { .. } => "conflict",
+                BatchOutcome::Settled(Outcome::Duplicate { .. }) => "duplicate",
+                BatchOutcome::Settled(Outcome::Conflict { .. }) => "conflict",
+                // One process reads the stream, and it claims one group at a time.
+                BatchOutcome::Settled(other) => {
+                    return Err(format!("offset {}: unexpected {other:?}", read.offset).into());
+                }
+            };
+            match outcome {
+                "fresh" => {
+                    let claim = batch
+                        .claim_mut(index)
+                        .ok_or("a fresh message without a claim")?;
+                    let amount = parse_amount(read.body.as_bytes()).unwrap_or(0);
+                    claim.put(&orders, order_id, &read.body)?;
+                    claim.merge(&effects, order_id, 1u64.to_be_bytes())?;
+                    claim.merge(&effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
+                }
+                "conflict" => {
+                    let key = conflict_key(order_id, &Fingerprint::of(read.body.as_bytes()));
+                    batch.put(&conflicts, key, &read.body)?;
+                }
+                _ => {}
+            }
+            batch.put(&reads, read_key(read.offset, pid), outcome)?;
+        }
+
+        match options.placement {
+            Placement::Store => {
+                batch.stage_position(&options.stream, 0, last)?;
+                batch.commit(|_| b"applied")?;
+                maybe_kill(&mut draws, options.kill_at_commit_per_mille);
+            }
+            Placement::BrokerBeforeCommit => {
+                stream.store_offset(last).await?;
+                maybe_kill(&mut draws, options.kill_at_commit_per_mille);
+                batch.commit(|_| b"applied")?;
+            }
+            Placement::BrokerAfterCommit => {
+                batch.commit(|_| b"applied")?;
+                maybe_kill(&mut draws, options.kill_at_commit_per_mille);
+                stream.store_offset(last).await?;
+            }
+        }
+        if let Some(ledger) = &ledger {
+            ledger.event("commit", &last.to_string(), None);
+        }
+    }
+    let _ = stream.handle().close().await;
+    Ok(())
+}
+
+/// A delivery's offset and body.
+fn read_of(delivery: rabbitmq_stream_client::types::Delivery) -> Result<Read, BoxError> {
+    let body = delivery
+        .message()
+        .data()
+        .map(|data| String::from_utf8_lossy(data).into_owned())
+        .ok_or("a message without a body")?;
+    Ok(Read {
+        offset: delivery.offset(),
+        body,
+    })
+}
+
+/// The offset the broker stores for this consumer on `stream`, if any.
+async fn broker_offset(port: u16, stream: &str) -> Result<Option<u64>, BoxError> {
+    let client = Client::connect(
+        ClientOptions::builder()
+            .host("127.0.0.1")
+            .port(port)
+            .build(),
+    )
+    .await?;
+    let stored = client.query_offset(BROKER_REFERENCE.into(), stream).await;
+    let _ = client.close().await;
+    match stored {
+        Ok(offset) => Ok(Some(offset)),
+        // Nothing stored yet.
+        Err(rabbitmq_stream_client::error::ClientError::RequestError(_)) => Ok(None),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// SIGKILLs this process with probability `per_mille`/1000: the crash point, hit on purpose.
+fn maybe_kill(draws: &mut u64, per_mille: u64) {
+    if per_mille == 0 {
+        return;
+    }
+    *draws = draws
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    if (*draws >> 33) % 1000 < per_mille {
+        // SAFETY: raising a signal at ourselves.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
+}

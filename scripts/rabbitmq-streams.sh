@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The log consumers' end-to-end run: a private RabbitMQ server on 127.0.0.1 with its stream
+# plugin, consumer processes (examples/stream_orders.rs) reading one stream each, SIGKILLed at
+# random moments and at the commit point and restarted, then the accounting
+# (examples/stream_e2e.rs): lost = 0, applied twice = 0, read again after a restart = 0. Then
+# the two negative controls, the position kept at the broker before and after the commit,
+# each of which must be caught (lost > 0; read again > 0).
+#
+#   ./scripts/rabbitmq-streams.sh                 # the CI size
+#   ./scripts/rabbitmq-streams.sh --orders 100000 --rate 1500 --min-kills 100   # the long run
+#
+# Arguments go to the main run's checker (see the header of examples/stream_e2e.rs); the
+# controls keep their CI size.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+source scripts/rabbitmq.sh
+
+rabbitmq_install
+# The same features as the test command, so the two share one build of the crate.
+cargo build --release --all-features --example stream_orders --example stream_e2e
+
+work="$(mktemp -d -t idemdb-streams-XXXXXX)"
+trap 'rabbitmq_stop; rm -rf "$work"' EXIT
+rabbitmq_start "$work/server"
+checker="$CARGO_TARGET_DIR/release/examples/stream_e2e"
+"$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/run" --orders 3000 --rate 400 \
+    --min-kills 15 "$@"
+"$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/before" --orders 1500 --rate 400 \
+    --min-kills 5 --kill-at-commit-per-mille 30 --position broker-before-commit
+"$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/after" --orders 1500 --rate 400 \
+    --min-kills 5 --kill-at-commit-per-mille 30 --position broker-after-commit
