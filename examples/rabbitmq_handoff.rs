@@ -6,9 +6,10 @@
 //! single active consumer. C consumer processes subscribe to every partition queue and share one
 //! directory of partition stores (`<work>/stores/partition-<p>`, standing for volumes that move
 //! with their partitions). While the producer runs, this SIGKILLs consumers at random moments
-//! and restarts them, and once SIGSTOPs a consumer that owns partitions for longer than the
-//! broker's heartbeat timeout, so that the broker hands its partitions away, then SIGCONTs it
-//! (a zombie: it must notice, stop committing, and release its stores). Consumers also SIGKILL
+//! and restarts them, and once SIGSTOPs a consumer that owns partitions for at least
+//! `--zombie-stop-s` and then until the broker has handed one of its partitions to another
+//! consumer (at most 60 s; how long a broker takes to notice a paused consumer varies with its
+//! load), then SIGCONTs it (a zombie: it must notice, stop committing, and release its stores). Consumers also SIGKILL
 //! themselves between a commit and its ack, and take an online backup (`Engine::checkpoint`)
 //! of each partition they own every `--checkpoint-every-ms`.
 //!
@@ -169,6 +170,20 @@ const MIN_TIMED_HANDOFFS: usize = 5;
 
 /// How long the random kills spare a zombie after its SIGCONT.
 const ZOMBIE_SPARED: Duration = Duration::from_secs(3);
+
+/// The longest a zombie is held paused waiting for the broker to hand one of its partitions on.
+const ZOMBIE_HOLD_MAX: Duration = Duration::from_secs(60);
+
+/// Whether a partition `pid` owned when it was stopped (at `stop_ns`) became active on another
+/// consumer since: the broker noticed the pause and handed it on.
+fn handed_on(events: &[Event], pid: u32, stop_ns: u64, partitions: &[usize]) -> bool {
+    events.iter().any(|event| {
+        event.kind == "active"
+            && event.pid != pid
+            && event.at_ns > stop_ns
+            && event.partition.is_some_and(|p| partitions.contains(&p))
+    })
+}
 
 /// The consumer processes.
 struct Fleet {
@@ -875,17 +890,44 @@ async fn run() -> Result<bool, BoxError> {
     let zombie_stop = Duration::from_secs(fleet.options.zombie_stop_s);
     let mut kills = 0u64;
     let mut zombie: Option<(usize, Instant)> = None;
+    // The paused consumer's pid, when it was stopped, and the partitions it owned then.
+    let mut zombie_owned: Option<(u32, u64, Vec<usize>)> = None;
     let mut resumed: Option<Instant> = None;
     let mut published_at: Option<Instant> = None;
     loop {
         let pause = 100 + rng.below(700);
         tokio::time::sleep(Duration::from_millis(pause)).await;
+        // The pause lasts at least --zombie-stop-s, and then until the broker has handed one
+        // of the zombie's partitions to another consumer (the case the run exists for: a
+        // broker under load noticed a paused consumer 12.9 s into a pause with a 2 s
+        // heartbeat), bounded by ZOMBIE_HOLD_MAX.
         if let Some((consumer, since)) = zombie
             && since.elapsed() >= zombie_stop
         {
-            fleet.signal(consumer, libc::SIGCONT)?;
-            zombie = None;
-            resumed = Some(Instant::now());
+            let handed_on = match &zombie_owned {
+                Some((pid, stop_ns, partitions)) => handed_on(
+                    &read_events(&fleet.options.work)?,
+                    *pid,
+                    *stop_ns,
+                    partitions,
+                ),
+                None => false,
+            };
+            let held_max = since.elapsed() >= ZOMBIE_HOLD_MAX.max(zombie_stop);
+            if handed_on || held_max {
+                fleet.signal(consumer, libc::SIGCONT)?;
+                zombie = None;
+                resumed = Some(Instant::now());
+                println!(
+                    "rabbitmq_handoff: zombie paused {:.1} s; {}",
+                    since.elapsed().as_secs_f64(),
+                    if handed_on {
+                        "resumed once the broker had handed a partition of it on"
+                    } else {
+                        "the broker handed none of its partitions on within the bound"
+                    }
+                );
+            }
         }
         // The resumed zombie is spared for a while: the run checks what it does on waking.
         if resumed.is_some_and(|at| at.elapsed() >= ZOMBIE_SPARED) {
@@ -914,9 +956,12 @@ async fn run() -> Result<bool, BoxError> {
                     .is_some_and(|pid| !owned_at(&events, pid, now).is_empty())
             });
             if let Some(consumer) = owner {
+                let pid = fleet.children.pid(consumer).unwrap_or(0);
+                let stop_ns = monotonic_ns();
                 fleet.signal(consumer, libc::SIGSTOP)?;
                 fleet.stopped = Some(consumer);
                 zombie = Some((consumer, Instant::now()));
+                zombie_owned = Some((pid, stop_ns, owned_at(&events, pid, now)));
                 continue;
             }
         }

@@ -483,13 +483,13 @@ async fn run() -> Result<bool, BoxError> {
     };
     let mut stores = Vec::new();
     let mut dead_letters = Vec::new();
-    for stream in 0..streams {
+    for (stream, read_back) in reference.iter().enumerate() {
         let engine = open_stream_store(&work.join(format!("store-{stream}")))?;
         let events = read_ledger(&fleet.ledger(stream))?;
-        check_reads(&engine, &reference[stream], &events, &mut accounting)?;
-        dead_letters.extend(recorded_conflicts(&engine, &reference[stream])?);
-        for &(killed, at_ns) in kills.iter().filter(|(killed, _)| *killed == stream) {
-            let _ = killed;
+        check_reads(&engine, read_back, &events, &mut accounting)?;
+        dead_letters.extend(recorded_conflicts(&engine, read_back)?);
+        // Each kill of this stream's consumer -> the restarted one subscribed.
+        for &(_, at_ns) in kills.iter().filter(|(killed, _)| *killed == stream) {
             if let Some(ready) = events
                 .iter()
                 .find(|event| event.kind == "ready" && event.at_ns > at_ns)

@@ -92,6 +92,10 @@ bash scripts/rabbitmq-handoff.sh
 echo "== RabbitMQ streams: log consumers with their read position in the batch, SIGKILLed; two negative controls"
 bash scripts/rabbitmq-streams.sh
 
+echo "== the Kafka recipe compiles (recipes/kafka; not run: no Kafka broker here)"
+cargo clippy --release -p idemdb-kafka-recipe -- -D warnings
+cargo build --release -p idemdb-kafka-recipe
+
 echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
 if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
     apt_install "the PostgreSQL backend's tests start a private server" postgresql ||

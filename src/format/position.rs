@@ -196,10 +196,10 @@ pub fn fold_positions<'a>(
             .map(|(offset, _)| (value, offset))
     });
     for operand in operands {
-        if let Ok((offset, _)) = decode_position_value(operand) {
-            if best.is_none_or(|(_, highest)| offset >= highest) {
-                best = Some((operand, offset));
-            }
+        if let Ok((offset, _)) = decode_position_value(operand)
+            && best.is_none_or(|(_, highest)| offset >= highest)
+        {
+            best = Some((operand, offset));
         }
     }
     match best {
