@@ -72,6 +72,7 @@
 //! | key of a staged write | 1 byte..=64 KiB | [`TABLE_KEY_BYTES_MIN`], [`TABLE_KEY_BYTES_MAX`] |
 //! | value or merge operand of a staged write | 0..=64 MiB | [`TABLE_VALUE_BYTES_MAX`] |
 //! | messages per [`Consumer::begin_batch`] | at most 4096 | [`BATCH_MESSAGES_MAX`] |
+//! | source (topic, stream) of a read position | 1..=255 bytes | [`POSITION_SOURCE_BYTES_MIN`], [`POSITION_SOURCE_BYTES_MAX`] |
 //! | lease of an external claim (renew for longer) | 1 ms..=7 days | [`LEASE_MS_MIN`], [`LEASE_MS_MAX`] |
 //! | retention, and a claim's own [`Expiry`] | 1 ms..=3650 days; default 7 days | [`RETENTION_MS_MIN`], [`RETENTION_MS_MAX`], [`RETENTION_MS_DEFAULT`] |
 //! | external holder's identity | 0..=255 bytes | [`HOLDER_BYTES_MAX`] |
@@ -280,6 +281,45 @@
 //! assert!(matches!(again.outcomes()[0], BatchOutcome::Settled(Outcome::Duplicate { .. })));
 //! assert!(matches!(again.outcomes()[1], BatchOutcome::Settled(Outcome::Duplicate { .. })));
 //! assert!(matches!(again.outcomes()[3], BatchOutcome::Fresh));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Log consumer: the read position in the same batch
+//!
+//! A consumer of a log (a Kafka topic partition, a RabbitMQ stream) restarts from the position
+//! it saved, not from what a broker redelivers. Staged with the batch
+//! ([`ClaimBatch::stage_position`], or [`Claim::stage_position`] per message), the position
+//! is written in the same write batch as the markers and the effects, so a restart resumes
+//! exactly after the last message whose effects are stored: none lost, none read again.
+//! [`Consumer::positions`] reads it back; a commit behind it is refused
+//! ([`Error::PositionBehind`]: a stale reader, nothing written).
+//!
+//! ```
+//! use idemdb::{Engine, Fingerprint, Message, TableOptions};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let engine = Engine::builder(dir.path()).business_table(TableOptions::new("orders")).open()?;
+//! let orders_consumer = engine.consumer("orders")?;
+//! let orders = engine.business_table("orders")?;
+//!
+//! // Partition 0 of the log "orders", read from offset 0 (nothing stored yet).
+//! let log: [(u64, &str, &str); 3] = [(0, "order-1", "1 apple"), (1, "order-2", "2 pears"), (2, "order-1", "1 apple")];
+//! let start = orders_consumer.positions().get("orders", 0)?.map_or(0, |p| p.next_offset());
+//! assert_eq!(start, 0);
+//! let read: Vec<_> = log.iter().filter(|(offset, ..)| *offset >= start).collect();
+//! let messages: Vec<Message> = read.iter().map(|(_, key, body)| Message::new(*key, Fingerprint::of(body))).collect();
+//! let mut batch = orders_consumer.begin_batch(&messages)?;
+//! for (index, (_, key, body)) in read.iter().enumerate() {
+//!     if let Some(claim) = batch.claim_mut(index) {
+//!         claim.put(&orders, key, body)?; // offset 2 repeats order-1: no claim, no effect
+//!     }
+//! }
+//! let last = read.last().map_or(0, |(offset, ..)| *offset);
+//! batch.stage_position("orders", 0, last)?;
+//! batch.commit(|_| b"applied")?; // markers, effects and position: one write batch
+//!
+//! // After a restart: resume at offset 3.
+//! assert_eq!(orders_consumer.positions().get("orders", 0)?.map(|p| p.next_offset()), Some(3));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!

@@ -1084,3 +1084,110 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     );
     drop(server);
 }
+
+#[test]
+fn positions_are_listed_beside_a_live_consumer_and_reset_only_when_it_is_stopped() {
+    let fixture = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: MockClock::new(real_now_ms()),
+    };
+    let store = fixture.path();
+    let engine = fixture.open();
+    let billing = engine.consumer("billing").unwrap();
+    billing.positions().advance("orders", 0, 41).unwrap();
+    billing.positions().advance("orders", 3, 7).unwrap();
+    engine
+        .consumer("audit")
+        .unwrap()
+        .positions()
+        .advance("events", 0, 5)
+        .unwrap();
+
+    // Listed while the consumer runs, all or one consumer's, as a table or JSON.
+    let listed = idemdb(&["positions", "list", store]);
+    expect_code(&listed, 0);
+    let text = stdout(&listed);
+    assert!(text.contains("RESUME AT"), "{text}");
+    assert_eq!(
+        text.lines().count(),
+        4,
+        "a header and three positions: {text}"
+    );
+    let listed = json(&idemdb(&[
+        "--json",
+        "positions",
+        "list",
+        store,
+        "--consumer",
+        "billing",
+    ]));
+    let positions = listed["positions"].as_array().unwrap();
+    assert_eq!(positions.len(), 2);
+    assert_eq!(positions[0]["source"], "orders");
+    assert_eq!(positions[0]["offset"], 41);
+    assert_eq!(positions[0]["next_offset"], 42);
+    assert_eq!(positions[1]["partition"], 3);
+
+    // A reset needs the store to itself.
+    let busy = idemdb(&["positions", "set", store, "billing", "orders", "0", "9"]);
+    expect_code(&busy, 3);
+    assert!(stderr(&busy).contains("busy"), "{}", stderr(&busy));
+    expect_code(
+        &idemdb(&["positions", "remove", store, "billing", "orders", "3"]),
+        3,
+    );
+    assert_eq!(
+        billing
+            .positions()
+            .get("orders", 0)
+            .unwrap()
+            .unwrap()
+            .offset,
+        41
+    );
+    drop((billing, engine));
+
+    // Backwards, to replay from offset 10; and removed.
+    let set = json(&idemdb(&[
+        "--json",
+        "positions",
+        "set",
+        store,
+        "billing",
+        "orders",
+        "0",
+        "9",
+    ]));
+    assert_eq!(set["previous_offset"], 41);
+    assert_eq!(set["offset"], 9);
+    let removed = idemdb(&["positions", "remove", store, "billing", "orders", "3"]);
+    expect_code(&removed, 0);
+    assert!(
+        stdout(&removed).contains("removed (was offset 7)"),
+        "{}",
+        stdout(&removed)
+    );
+    let bad = idemdb(&["positions", "set", store, "billing", "", "0", "1"]);
+    expect_code(&bad, 2);
+
+    let engine = fixture.open();
+    let billing = engine.consumer("billing").unwrap();
+    assert_eq!(
+        billing
+            .positions()
+            .get("orders", 0)
+            .unwrap()
+            .unwrap()
+            .next_offset(),
+        10
+    );
+    assert!(billing.positions().get("orders", 3).unwrap().is_none());
+    // The consumer moves on from the reset position.
+    billing.positions().advance("orders", 0, 10).unwrap();
+    drop((billing, engine));
+    let empty = tempfile::tempdir().unwrap();
+    drop(builder(empty.path(), &fixture.clock).open().unwrap());
+    let none = idemdb(&["positions", "list", path_str(empty.path())]);
+    expect_code(&none, 0);
+    assert_eq!(stdout(&none).trim(), "no read positions");
+}

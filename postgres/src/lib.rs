@@ -104,10 +104,19 @@
 //! [`Error::StatementDeallocated`], retryable, nothing written, and the statements are
 //! prepared anew.
 //!
-//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 5. A store opened on tables at
-//! versions 1 to 4 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! **Log consumers.** [`PgClaim::stage_position`] and [`PgClaimBatch::stage_position`] write a
+//! consumer's read position in a log (a Kafka topic partition, a RabbitMQ stream) in the
+//! claim's transaction, with its record and business SQL; [`PgConsumer::positions`] reads it
+//! back (where to resume) and moves it for messages settled without a claim. A position
+//! behind the stored one fails the commit with `idemdb::Error::PositionBehind` (in
+//! [`Error::Idemdb`]), nothing written: a stale reader. The embedded engine's calls, in the
+//! same shape.
+//!
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 6. A store opened on tables at
+//! versions 1 to 5 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock: the old records table (plain at version 1, partitioned by removal day at 2 to 4) is
+//! lock. Version 5 gains the read positions' table and function. From versions 1 to 4 the old
+//! records table (plain at version 1, partitioned by removal day at 2 to 4) is
 //! renamed aside, the new one made, every record whose removal time has not passed copied into
 //! it (those whose has read as absent already, and removal would delete them), and the old
 //! table dropped with its partitions; version 1 and 2 tables also gain the ordering guard's

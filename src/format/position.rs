@@ -105,8 +105,8 @@ pub(crate) fn encode_position_key(
 /// Splits a stored position key into (consumer id, source, partition).
 ///
 /// # Errors
-/// [`DecodeError::BadKey`] or [`DecodeError::Truncated`] when the bytes are not a key
-/// [`encode_position_key`] writes.
+/// [`DecodeError::BadKey`] or [`DecodeError::Truncated`] when the bytes are not
+/// a position key (layout: docs/design.md, section 3, "Read positions").
 pub fn decode_position_key(key: &[u8]) -> Result<(&[u8], &str, u32), DecodeError> {
     let truncated = |needed| DecodeError::Truncated {
         needed,

@@ -292,46 +292,11 @@ impl ClaimBatch {
         Ok(())
     }
 
-    /// Stages `value` under `key` in `table` for the batch as a whole, not for one of its
-    /// messages: applied with the batch's commit, even if no claim is left in it (a record of
-    /// the batch's settled messages, say, written with the position that moves past them).
-    ///
-    /// # Errors
-    /// As for [`Claim::put`], against limits of the batch's own (the batch's own staged
-    /// writes count on their own, as one claim's do).
-    pub fn put(
-        &mut self,
-        table: &BusinessTable,
-        key: impl AsRef<[u8]>,
-        value: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        self.staged
-            .put(&self.inner, table, key.as_ref(), value.as_ref())
-    }
-
-    /// Stages a deletion of `key` in `table` for the batch as a whole (see
-    /// [`ClaimBatch::put`]).
-    ///
-    /// # Errors
-    /// As for [`ClaimBatch::put`].
-    pub fn delete(&mut self, table: &BusinessTable, key: impl AsRef<[u8]>) -> Result<()> {
-        self.staged.delete(&self.inner, table, key.as_ref())
-    }
-
-    /// Stages a merge of `operand` into `key` of `table` for the batch as a whole (see
-    /// [`ClaimBatch::put`]).
-    ///
-    /// # Errors
-    /// As for [`ClaimBatch::put`], and [`Error::NoMergeOperator`] if the table has none.
-    pub fn merge(
-        &mut self,
-        table: &BusinessTable,
-        key: impl AsRef<[u8]>,
-        operand: impl AsRef<[u8]>,
-    ) -> Result<()> {
-        self.staged
-            .merge(&self.inner, table, key.as_ref(), operand.as_ref())
-    }
+    crate::operations::staging::business_write_methods!(
+        "with the batch's commit, even if no claim is left in it (a record of the batch's \
+         settled messages, say, written with the position that moves past them); the batch's \
+         own staged writes count against the limits on their own, as one claim's do"
+    );
 
     /// Commits every claim still held in **one** write batch (one WAL write, and with
     /// [`crate::Durability::Sync`] one fsync): each one's marker, with the result `result_of`

@@ -21,10 +21,11 @@ pub const STAGED_WRITES_MAX: usize = 65_536;
 /// The most bytes (keys, values and the result together) one claim commits (256 MiB).
 pub const STAGED_BYTES_MAX: usize = 256 << 20;
 
-/// The staging methods of every claim type (`Claim`, `ExternalClaim`): writes into business
-/// tables, kept until the claim commits, and the record's expiry. Both types hold the same
-/// `inner`, `staged` and `expiry` fields; `$applied` says when staged writes land.
-macro_rules! staging_methods {
+/// The business-write methods of everything that stages writes (`Claim`, `ExternalClaim`,
+/// `ClaimBatch` for the batch as a whole): put, delete and merge into business tables, kept
+/// until the commit. Each type holds the same `inner` and `staged` fields; `$applied` says
+/// when staged writes land.
+macro_rules! business_write_methods {
     ($applied:literal) => {
         #[doc = concat!("Stages `value` under `key` in `table`; applied only ", $applied, ".")]
         ///
@@ -66,6 +67,16 @@ macro_rules! staging_methods {
             self.staged
                 .merge(&self.inner, table, key.as_ref(), operand.as_ref())
         }
+
+    };
+}
+pub(crate) use business_write_methods;
+
+/// The staging methods of every claim type (`Claim`, `ExternalClaim`): the business writes
+/// and the record's expiry. Both types hold the same `inner`, `staged` and `expiry` fields.
+macro_rules! staging_methods {
+    ($applied:literal) => {
+        crate::operations::staging::business_write_methods!($applied);
 
         /// Sets how long the committed record is kept, instead of the table's default (the
         /// engine's retention for consumers, [`crate::Expiry::Never`] for entity tables).
