@@ -23,9 +23,18 @@ pub struct PositionEntry {
     pub position: Position,
 }
 
+/// What listings are ordered by.
+fn order_key(entry: &PositionEntry) -> (&[u8], &str, u32) {
+    (
+        &entry.consumer,
+        &entry.position.source,
+        entry.position.partition,
+    )
+}
+
 impl Store {
-    /// Every stored read position, by consumer, source and partition; only `consumer`'s when
-    /// given. A store written before positions existed has none.
+    /// Every stored read position, ordered by consumer id, source (byte order) and partition;
+    /// only `consumer`'s when given. A store written before positions existed has none.
     ///
     /// # Errors
     /// [`Error::LimitExceeded`] for a bad consumer id; [`Error::Corrupt`] for a stored key or
@@ -55,6 +64,8 @@ impl Store {
                 position,
             });
         }
+        // Keys sort shorter ids and sources first (their length bytes); listed by name.
+        entries.sort_by(|a, b| order_key(a).cmp(&order_key(b)));
         Ok(entries)
     }
 

@@ -67,7 +67,8 @@ impl Position {
         }
     }
 
-    /// The offset to resume reading at: one past the stored offset.
+    /// The offset to resume reading at: one past the stored offset (saturating: `u64::MAX`
+    /// for a position at `u64::MAX`).
     #[must_use]
     pub fn next_offset(&self) -> u64 {
         self.offset.saturating_add(1)

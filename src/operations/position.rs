@@ -143,7 +143,8 @@ impl Positions {
         self.inner.write(batch)
     }
 
-    /// Every stored position of this consumer, by source and partition.
+    /// Every stored position of this consumer, ordered by source (byte order of the name)
+    /// and partition.
     ///
     /// # Errors
     /// [`Error::Corrupt`] for a stored key or value that does not decode; [`Error::Storage`]
@@ -161,6 +162,8 @@ impl Positions {
             }
             positions.push(decode_position(&key, &value)?);
         }
+        // Keys sort shorter sources first (the length byte); callers expect names in order.
+        positions.sort_by(|a, b| (&a.source, a.partition).cmp(&(&b.source, b.partition)));
         Ok(positions)
     }
 }

@@ -579,3 +579,44 @@ fn a_write_overtaken_by_a_later_offset_does_not_move_the_position_back() {
     assert_eq!(offset_of(&engine, "c", "s", 0), Some(6));
     assert!(c.get(b"m-5").unwrap().is_some());
 }
+
+#[test]
+fn listings_are_in_name_order_whatever_the_lengths() {
+    let store = TestStore::new();
+    let engine = store.open();
+    // Stored keys put shorter ids and sources first (their length bytes).
+    for (consumer, source) in [("b", "b"), ("b", "aa"), ("aa", "z")] {
+        engine
+            .consumer(consumer)
+            .unwrap()
+            .positions()
+            .advance(source, 0, 1)
+            .unwrap();
+    }
+    let sources: Vec<String> = engine
+        .consumer("b")
+        .unwrap()
+        .positions()
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|position| position.source)
+        .collect();
+    assert_eq!(sources, ["aa", "b"]);
+    drop(engine);
+    let admin = Store::builder(store.dir.path()).open_read_only().unwrap();
+    let listed: Vec<(Vec<u8>, String)> = admin
+        .positions(None)
+        .unwrap()
+        .into_iter()
+        .map(|entry| (entry.consumer, entry.position.source))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            (b"aa".to_vec(), "z".to_owned()),
+            (b"b".to_vec(), "aa".to_owned()),
+            (b"b".to_vec(), "b".to_owned())
+        ]
+    );
+}

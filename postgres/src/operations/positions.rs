@@ -111,7 +111,8 @@ impl PgPositions {
         }
     }
 
-    /// Every stored position of this consumer, by source and partition.
+    /// Every stored position of this consumer, ordered by source (byte order of the name, as
+    /// the embedded engine lists them) and partition.
     ///
     /// # Errors
     /// [`Error::Postgres`] if the read fails.

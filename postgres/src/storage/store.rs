@@ -226,7 +226,7 @@ impl StoreBuilder {
                 ),
                 list_positions: format!(
                     "SELECT source, partition, read_offset, updated_at_ms FROM {positions} \
-                     WHERE consumer = $1 ORDER BY source, partition"
+                     WHERE consumer = $1 ORDER BY source COLLATE \"C\", partition"
                 ),
                 lock_namespace: records,
                 entity_lock_namespace: entity,
