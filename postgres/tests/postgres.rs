@@ -4723,6 +4723,7 @@ async fn migration_from_schema_4_keeps_every_live_record(url: &str) -> Result<()
                 "records r",
                 "records_d5 r",
                 "records_entity r",
+                "records_position r",
                 "records_version r"
             ],
         "tables after the migration: {layout:?}"
