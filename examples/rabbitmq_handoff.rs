@@ -914,7 +914,8 @@ async fn run() -> Result<bool, BoxError> {
                 None => false,
             };
             let held_max = since.elapsed() >= ZOMBIE_HOLD_MAX.max(zombie_stop);
-            if handed_on || held_max {
+            // The negative control checks no zombie: its pause is the minimum.
+            if handed_on || held_max || fleet.options.negative_control {
                 fleet.signal(consumer, libc::SIGCONT)?;
                 zombie = None;
                 resumed = Some(Instant::now());
@@ -923,6 +924,8 @@ async fn run() -> Result<bool, BoxError> {
                     since.elapsed().as_secs_f64(),
                     if handed_on {
                         "resumed once the broker had handed a partition of it on"
+                    } else if fleet.options.negative_control {
+                        "resumed (the negative control checks no zombie)"
                     } else {
                         "the broker handed none of its partitions on within the bound"
                     }
