@@ -58,7 +58,7 @@ if command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list 2>/dev/null | 
     # measured here at about 40 minutes on 2 cores (207 of RocksDB's 343 objects after 25), which
     # would take a fresh machine's run past 45 minutes. It runs where that build exists, or
     # with IDEMDB_FUZZ_ENGINE=1 (which builds it).
-    specs=("fuzz key_codec" "fuzz record_decoder" "fuzz compaction_filter")
+    specs=("fuzz key_codec" "fuzz record_decoder" "fuzz compaction_filter" "fuzz log_record_decoder")
     engine_binary="$CARGO_TARGET_DIR/../fuzz-engine-target/x86_64-unknown-linux-gnu/release/engine_model"
     if [ -x "$engine_binary" ] || [ "${IDEMDB_FUZZ_ENGINE:-}" = 1 ]; then
         specs+=("fuzz/engine engine_model")

@@ -7,6 +7,7 @@
 //! `transfer` live here too, declared by the crate root to keep their public paths.)
 
 pub(crate) mod clock;
+pub(crate) mod commit_log;
 pub(crate) mod error;
 pub(crate) mod fingerprint;
 pub(crate) mod key;
@@ -19,6 +20,10 @@ pub(crate) mod printable;
 pub(crate) mod record;
 pub(crate) mod ttl;
 
+pub use commit_log::{
+    LOG_RECORD_HEADER_BYTES, LOG_RECORD_PAYLOAD_MAX, LOG_SEGMENT_HEADER_BYTES, LogEnd, LogRead,
+    LogSegmentHeader, encode_log_record, read_log_record, read_log_records,
+};
 pub use error::DecodeError;
 pub use key::{decode_key, derive_key, encode_key};
 pub use merge::apply_operands;
