@@ -248,6 +248,28 @@ pub fn all() -> Vec<Spec> {
             64,
             1,
         ),
+        // The commit log's floor: the same writes, made durable by a log written in place.
+        Spec::new(
+            "rocksdb blind put, own log in place, batch 64",
+            Kind::Raw(Sync, RawMode::BlindPutOwnLog),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "rocksdb blind put, own log in place, 1 thread",
+            Kind::Raw(Sync, RawMode::BlindPutOwnLog),
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "rocksdb blind put sync, 1 thread",
+            Kind::Raw(Sync, RawMode::BlindPut),
+            1,
+            1,
+            1,
+        ),
         Spec::new(
             "redis fsync always, 50 clients -P 16",
             Kind::Redis { fsync_always: true },
