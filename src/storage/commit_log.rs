@@ -17,6 +17,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::format::commit_log::{
     LOG_RECORD_HEADER_BYTES, LOG_RECORD_PAYLOAD_MAX, LOG_SEGMENT_HEADER_BYTES, LogEnd,
@@ -31,7 +32,7 @@ pub(crate) const LOG_SEGMENT_BYTES_MIN: u64 = 64 << 10;
 
 /// One slot of the ring.
 struct Slot {
-    file: File,
+    file: Arc<File>,
     /// The segment the slot holds, if any has been started in it.
     header: Option<LogSegmentHeader>,
     /// The LSN after the slot's last record (its first LSN while it is empty).
@@ -55,6 +56,38 @@ pub(crate) struct CommitLog {
     pending: Vec<(usize, u64, Vec<u8>)>,
 }
 
+/// A write the log has taken out to be made ([`perform_writes`]).
+pub(crate) struct PendingWrite {
+    file: Arc<File>,
+    path: PathBuf,
+    at: u64,
+    bytes: Vec<u8>,
+}
+
+/// Makes `writes`, then, with `sync`, syncs each file written (`fdatasync`).
+pub(crate) fn perform_writes(writes: &[PendingWrite], sync: bool) -> Result<()> {
+    for write in writes {
+        write
+            .file
+            .write_all_at(&write.bytes, write.at)
+            .map_err(|error| io_error("writing", &write.path, &error))?;
+    }
+    if sync {
+        let mut synced: Vec<&Path> = Vec::new();
+        for write in writes {
+            if synced.contains(&write.path.as_path()) {
+                continue;
+            }
+            write
+                .file
+                .sync_data()
+                .map_err(|error| io_error("syncing", &write.path, &error))?;
+            synced.push(&write.path);
+        }
+    }
+    Ok(())
+}
+
 /// What reopening found.
 pub(crate) struct Recovered {
     /// How many records were handed to the replay.
@@ -65,6 +98,13 @@ pub(crate) struct Recovered {
 
 fn io_error(doing: &str, path: &Path, error: &std::io::Error) -> Error {
     Error::io(&format!("{doing} {}", path.display()), error)
+}
+
+/// Where a log is made before it is renamed into place.
+pub(crate) fn building_path(dir: &Path) -> PathBuf {
+    let mut name = dir.as_os_str().to_owned();
+    name.push(".new");
+    PathBuf::from(name)
 }
 
 fn slot_path(dir: &Path, slot: usize) -> PathBuf {
@@ -87,6 +127,15 @@ impl CommitLog {
                  {LOG_SEGMENT_BYTES_MIN} bytes"
             )));
         }
+        // Made under a temporary name and renamed into place once complete: a crash while it
+        // is made leaves no log (the next open makes it again), never a partial one.
+        let target = dir;
+        let building = building_path(target);
+        if building.exists() {
+            std::fs::remove_dir_all(&building)
+                .map_err(|error| io_error("removing", &building, &error))?;
+        }
+        let dir = building.as_path();
         std::fs::create_dir(dir).map_err(|error| io_error("creating", dir, &error))?;
         let zeros = vec![0u8; 1 << 20];
         let mut files = Vec::with_capacity(slots);
@@ -115,17 +164,21 @@ impl CommitLog {
         // parent): a power cut forgets either until its directory is synced.
         crate::storage::store_meta::sync_directory(dir)
             .map_err(|error| io_error("syncing", dir, &error))?;
-        if let Some(parent) = dir.parent().filter(|parent| !parent.as_os_str().is_empty()) {
+        std::fs::rename(dir, target).map_err(|error| io_error("renaming", dir, &error))?;
+        if let Some(parent) = target
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty())
+        {
             crate::storage::store_meta::sync_directory(parent)
                 .map_err(|error| io_error("syncing", parent, &error))?;
         }
         let mut log = CommitLog {
-            dir: dir.to_path_buf(),
+            dir: target.to_path_buf(),
             segment_bytes,
             slots: files
                 .into_iter()
                 .map(|file| Slot {
-                    file,
+                    file: Arc::new(file),
                     header: None,
                     end_lsn: first_lsn,
                 })
@@ -182,7 +235,7 @@ impl CommitLog {
                 Err(error) => return Err(io_error("reading", &path, &error)),
             };
             slots.push(Slot {
-                file,
+                file: Arc::new(file),
                 header,
                 end_lsn: header.map_or(0, |header| header.first_lsn),
             });
@@ -217,10 +270,9 @@ impl CommitLog {
                 }
                 let path = slot_path(dir, slot);
                 body.clear();
-                slots[slot]
-                    .file
-                    .seek(SeekFrom::Start(LOG_SEGMENT_HEADER_BYTES as u64))
-                    .and_then(|_| slots[slot].file.read_to_end(&mut body))
+                let mut file: &File = &slots[slot].file;
+                file.seek(SeekFrom::Start(LOG_SEGMENT_HEADER_BYTES as u64))
+                    .and_then(|_| file.read_to_end(&mut body))
                     .map_err(|error| io_error("reading", &path, &error))?;
                 let (found, why) = read_log_records(&body, header.first_lsn);
                 let mut used = 0;
@@ -238,12 +290,6 @@ impl CommitLog {
                 next_lsn = after;
                 end = why;
                 expected = Some(after);
-            }
-            if next_lsn < from_lsn {
-                return Err(Error::invalid_argument(format!(
-                    "the commit log in {} ends at LSN {next_lsn}, before LSN {from_lsn}",
-                    dir.display()
-                )));
             }
         } else if !order.is_empty() {
             return Err(Error::invalid_argument(format!(
@@ -263,8 +309,15 @@ impl CommitLog {
             pending: Vec::new(),
         };
         if start.is_none() {
-            // No segment was ever started (a crash while the log was being made).
+            // No segment was ever started.
             log.start_segment(0);
+        } else if log.next_lsn < from_lsn {
+            // The log ends before records the caller already holds (an unsynced tail lost
+            // while table files written from it survived): those are released, and the next
+            // record starts a segment of its own where the caller's records end.
+            log.next_lsn = from_lsn;
+            let next = (log.active + 1) % log.slots.len();
+            log.start_segment(next);
         }
         Ok((log, Recovered { recovered, end }))
     }
@@ -342,23 +395,31 @@ impl CommitLog {
     /// [`Error::Storage`] if a write or a sync fails: what was appended since the last sync is
     /// then of unknown durability.
     pub(crate) fn sync(&mut self) -> Result<()> {
-        let mut written = Vec::new();
-        for (slot, at, bytes) in self.pending.drain(..) {
-            let path = slot_path(&self.dir, slot);
-            self.slots[slot]
-                .file
-                .write_all_at(&bytes, at)
-                .map_err(|error| io_error("writing", &path, &error))?;
-            if !written.contains(&slot) {
-                written.push(slot);
-            }
-        }
-        for slot in written {
-            let path = slot_path(&self.dir, slot);
-            self.slots[slot]
+        let writes = self.take_writes();
+        perform_writes(&writes, true)
+    }
+
+    /// The pending writes, taken: [`perform_writes`] writes them without the log borrowed, so
+    /// that the next group's records can be appended meanwhile.
+    pub(crate) fn take_writes(&mut self) -> Vec<PendingWrite> {
+        self.pending
+            .drain(..)
+            .map(|(slot, at, bytes)| PendingWrite {
+                file: self.slots[slot].file.clone(),
+                path: slot_path(&self.dir, slot),
+                at,
+                bytes,
+            })
+            .collect()
+    }
+
+    /// Syncs every segment file: what was written without a sync becomes durable.
+    pub(crate) fn sync_files(&self) -> Result<()> {
+        for (slot, segment) in self.slots.iter().enumerate() {
+            segment
                 .file
                 .sync_data()
-                .map_err(|error| io_error("syncing", &path, &error))?;
+                .map_err(|error| io_error("syncing", &slot_path(&self.dir, slot), &error))?;
         }
         Ok(())
     }
@@ -580,9 +641,17 @@ mod tests {
         log.append(b"x").unwrap();
         log.sync().unwrap();
         drop(log);
-        // Records before the log's first are gone; past its end, nothing is missing.
+        // Records before the log's first are gone.
         assert!(open_collecting(&path, 10).is_err());
-        assert!(open_collecting(&path, 52).is_err());
+        // Past its end (table files written from an unsynced tail survived it): the log goes
+        // on from there, in a segment of its own.
+        let (mut log, collected) = open_collecting(&path, 60).unwrap();
+        assert!(collected.records.is_empty());
+        assert_eq!(log.append(b"y").unwrap(), 60);
+        log.sync().unwrap();
+        drop(log);
+        let (_, collected) = open_collecting(&path, 60).unwrap();
+        assert_eq!(collected.records, vec![(60, b"y".to_vec())]);
         assert!(open_collecting(&dir.path().join("none"), 0).is_err());
     }
 }

@@ -5,14 +5,12 @@
 //! what to write, and [`store::Storage::write`] is the one way anything is written.
 
 pub(crate) mod business_table;
-// A draft of the durable path with a log of our own (docs/design.md, "The commit log"): its
-// tests use it; the write path does not yet.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod commit_log;
 #[cfg(feature = "tokio")]
 pub(crate) mod committer;
 pub(crate) mod fault;
 pub(crate) mod latch;
+pub(crate) mod logged_writes;
 pub(crate) mod observe;
 pub(crate) mod options;
 pub(crate) mod rocksdb_options;

@@ -166,6 +166,8 @@ pub struct EngineBuilder {
     pub(crate) metrics_labels: Vec<(String, String)>,
     /// [`OpenMode::Admin`] only for the operator tools' open (`crate::admin`).
     pub(crate) open_mode: OpenMode,
+    /// The experimental commit log: (segments, bytes per segment), or off.
+    pub(crate) commit_log: Option<(usize, u64)>,
 }
 
 impl EngineBuilder {
@@ -184,6 +186,7 @@ impl EngineBuilder {
             fault_injector: None,
             metrics_labels: Vec::new(),
             open_mode: OpenMode::Application,
+            commit_log: None,
         }
     }
 
@@ -279,6 +282,21 @@ impl EngineBuilder {
         self
     }
 
+    /// **Experimental**: makes commits durable in a log of idemdb's own (`segments` files of
+    /// `segment_bytes` each, made once in `<store>/idemdb-log` and rewritten in place as a
+    /// ring) instead of RocksDB's write-ahead log, which the store's tables then do without.
+    /// Default: off. Reopened without it, a store replays its log into RocksDB's WAL and
+    /// removes it.
+    ///
+    /// Not yet for production: the operator tools' read-only open does not see commits that
+    /// are only in the log (an exclusive open replays them first), the log's writes are not
+    /// pipelined with the claims' CPU, and a batch larger than a segment is refused
+    /// ([`Error::InvalidArgument`]). Segments: at least 2 of at least 64 KiB.
+    pub fn commit_log(mut self, segments: usize, segment_bytes: u64) -> EngineBuilder {
+        self.commit_log = Some((segments, segment_bytes));
+        self
+    }
+
     /// Installs a fault injector: before each of its I/O calls the engine asks it whether to
     /// fail the call (see [`crate::FaultInjector`]). For testing failure handling, ours and
     /// yours. Default: none.
@@ -290,6 +308,14 @@ impl EngineBuilder {
     pub(crate) fn validate(&self) -> Result<()> {
         if self.path.as_os_str().is_empty() {
             return Err(Error::invalid_option("the store path is empty"));
+        }
+        if let Some((segments, segment_bytes)) = self.commit_log
+            && (segments < crate::storage::commit_log::LOG_SLOTS_MIN
+                || segment_bytes < crate::storage::commit_log::LOG_SEGMENT_BYTES_MIN)
+        {
+            return Err(Error::invalid_option(
+                "the commit log needs at least 2 segments of at least 64 KiB",
+            ));
         }
         check_limit_u64(
             Limit::RetentionMs,

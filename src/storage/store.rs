@@ -77,6 +77,9 @@ pub(crate) struct Storage {
     write_batches: AtomicU64,
     /// The business tables as declared, in declaration order.
     pub(crate) business: Vec<TableOptions>,
+    /// The experimental commit log, when the builder asked for it
+    /// (`EngineBuilder::commit_log`): the durable path instead of RocksDB's WAL.
+    log: Option<crate::storage::logged_writes::LogWriter>,
     /// The directory lock, last so that it is released after RocksDB has closed the store.
     _store_lock: StoreLock,
 }
@@ -146,6 +149,23 @@ impl Storage {
     ) -> Result<Storage> {
         let meta_to_write = check_before_open(builder, stored)?;
         let db = open_db(builder)?;
+        let log = match (builder.commit_log, builder.open_mode) {
+            (Some((segments, segment_bytes)), OpenMode::Application) => {
+                Some(crate::storage::logged_writes::LogWriter::open(
+                    &builder.path,
+                    &db,
+                    segments,
+                    segment_bytes,
+                    builder.durability == Durability::Sync,
+                )?)
+            }
+            // Without the log (or by an operator tool): a log left by an earlier open goes
+            // into RocksDB's WAL first, then away.
+            _ => {
+                crate::storage::logged_writes::retire_log(&builder.path, &db)?;
+                None
+            }
+        };
         let mut write_options = WriteOptions::default();
         write_options.set_sync(builder.durability == Durability::Sync);
         write_options.disable_wal(false);
@@ -181,6 +201,7 @@ impl Storage {
             metrics_labels: builder.metrics_labels.clone(),
             write_batches: AtomicU64::new(0),
             business: builder.business_tables.clone(),
+            log,
             _store_lock: lock,
         };
         storage.write_meta(meta_to_write)?;
@@ -265,6 +286,14 @@ fn open_db(builder: &EngineBuilder) -> Result<DB> {
         descriptors.push(ColumnFamilyDescriptor::new(name.as_str(), options));
     }
     let db_options = match mode {
+        OpenMode::Application if builder.commit_log.is_some() => {
+            // The tables without RocksDB's WAL: they flush all together, so that their files
+            // hold exactly the batches up to the LSN they record, and a close leaves the
+            // memtables to the commit log's replay.
+            let mut options = db_options();
+            options.set_atomic_flush(true);
+            options.get_options_from_string("avoid_flush_during_shutdown=true")?
+        }
         OpenMode::Application => db_options(),
         OpenMode::Admin => admin_db_options()?,
     };
@@ -409,6 +438,16 @@ impl Storage {
     /// The one write path: writes `batch` atomically with the engine's durability.
     pub(crate) fn write(&self, batch: WriteBatch) -> Result<()> {
         self.check_not_poisoned()?;
+        if let Some(log) = &self.log {
+            log.write(
+                self.db(),
+                batch,
+                |call| self.io_result(IoPoint::Write, call),
+                || self.flush_every_table(),
+            )?;
+            self.write_batches.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         self.io(IoPoint::Write, |synced| {
             if synced {
                 self.db().write_opt(batch, &self.write_options)
@@ -450,10 +489,63 @@ impl Storage {
         }
     }
 
-    /// Fsyncs the WAL: every write so far becomes durable.
+    /// [`Storage::io`] for a call of our own (the commit log's), whose errors are ours.
+    fn io_result(&self, point: IoPoint, call: &dyn Fn(bool) -> Result<()>) -> Result<()> {
+        let fault = self
+            .fault_injector
+            .as_ref()
+            .map_or(Fault::None, |injector| injector.fault(point));
+        let poison = |outcome: Result<()>| {
+            outcome.inspect_err(|error| {
+                if !error.is_retryable() {
+                    self.poisoned.store(true, Ordering::Release);
+                }
+            })
+        };
+        match fault {
+            Fault::None => poison(call(true)),
+            Fault::Unsynced if point == IoPoint::SyncWal => Ok(()),
+            Fault::Unsynced => poison(call(false)),
+            Fault::FailBefore | Fault::FailAfter => {
+                if fault == Fault::FailAfter {
+                    let _ = call(true);
+                }
+                self.poisoned.store(true, Ordering::Release);
+                Err(crate::storage::fault::injected(point))
+            }
+        }
+    }
+
+    /// Fsyncs the WAL (or the commit log): every write so far becomes durable.
     pub(crate) fn sync_wal(&self) -> Result<()> {
         self.check_not_poisoned()?;
+        if let Some(log) = &self.log {
+            return self.io_result(IoPoint::SyncWal, &|_| log.sync());
+        }
         self.io(IoPoint::SyncWal, |_| self.db().flush_wal(true))
+    }
+
+    /// Every table's name: the marker tables (the records table first), the business tables,
+    /// and the tables of our own that are not marker tables.
+    fn table_names(&self) -> Vec<&str> {
+        let positions = self.positions_cf().map(|_| POSITIONS_TABLE);
+        [rocksdb::DEFAULT_COLUMN_FAMILY_NAME, VERSIONS_TABLE]
+            .into_iter()
+            .chain(positions)
+            .chain(self.markers.iter().map(|m| m.name.as_str()))
+            .chain(self.business.iter().map(|t| t.name.as_str()))
+            .collect()
+    }
+
+    /// Flushes every table at once (one atomic flush with the commit log): what the tables
+    /// then hold on disk is every batch written before the call.
+    fn flush_every_table(&self) -> Result<()> {
+        let tables: Vec<&ColumnFamily> =
+            self.table_names().into_iter().map(|t| self.cf(t)).collect();
+        self.io(IoPoint::Flush, |_| {
+            self.db()
+                .flush_cfs_opt(&tables, &rocksdb::FlushOptions::default())
+        })
     }
 
     /// Writes a RocksDB checkpoint of the store to the new directory `dir`: the memtables are
@@ -490,18 +582,17 @@ impl Storage {
         Ok(checkpoint.create_checkpoint_with_log_size(dir, log_size_for_flush)?)
     }
 
-    /// Flushes every table's memtable to table files.
+    /// Flushes every table's memtable to table files (with the commit log, all at once, and
+    /// the log's segments the flush covered are free again).
     pub(crate) fn flush_tables(&self) -> Result<()> {
         self.check_not_poisoned()?;
-        // The marker tables (the records table first) and the business tables, plus the
-        // tables of our own that are not marker tables.
-        let positions = self.positions_cf().map(|_| POSITIONS_TABLE);
-        let tables = [rocksdb::DEFAULT_COLUMN_FAMILY_NAME, VERSIONS_TABLE]
-            .into_iter()
-            .chain(positions)
-            .chain(self.markers.iter().map(|m| m.name.as_str()))
-            .chain(self.business.iter().map(|t| t.name.as_str()));
-        for table in tables {
+        if let Some(log) = &self.log {
+            let written = log.written_lsn();
+            self.flush_every_table()?;
+            log.flushed(written);
+            return Ok(());
+        }
+        for table in self.table_names() {
             let cf = self.cf(table);
             self.io(IoPoint::Flush, |_| self.db().flush_cf(cf))?;
         }
@@ -521,7 +612,12 @@ impl Storage {
         let mut options = CompactOptions::default();
         options.set_bottommost_level_compaction(BottommostLevelCompaction::Force);
         let cf = self.marker_cf(marker);
-        self.io(IoPoint::Flush, |_| self.db().flush_cf(cf))?;
+        if self.log.is_some() {
+            // With the commit log, a table never flushes alone (see `flush_tables`).
+            self.flush_tables()?;
+        } else {
+            self.io(IoPoint::Flush, |_| self.db().flush_cf(cf))?;
+        }
         self.io(IoPoint::Compaction, |_| {
             for _pass in 0..2 {
                 self.db()

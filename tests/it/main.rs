@@ -7,6 +7,7 @@ mod bad_input;
 mod batch;
 mod checkpoint;
 mod claim;
+mod commit_log;
 mod corrupt;
 mod durability;
 mod entity;

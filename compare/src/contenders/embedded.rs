@@ -34,6 +34,16 @@ impl Idemdb {
         Ok(Idemdb { engine })
     }
 
+    /// `Durability::Sync` with the experimental commit log instead of RocksDB's WAL.
+    pub fn open_with_commit_log(dir: &Path) -> Result<Idemdb> {
+        let engine = Engine::builder(dir)
+            .durability(Durability::Sync)
+            .commit_log(4, 64 << 20)
+            .business_table(TableOptions::new("orders"))
+            .open()?;
+        Ok(Idemdb { engine })
+    }
+
     /// Flushes the memtables: a warm-up step.
     pub fn flush(&self) -> Result<()> {
         Ok(self.engine.flush()?)

@@ -22,6 +22,9 @@ use crate::workloads::{Session, Shape, WARM_UP_THREAD};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
     Idemdb(Durability),
+    /// idemdb, `Durability::Sync`, with the experimental commit log instead of RocksDB's WAL
+    /// (`EngineBuilder::commit_log`: 4 segments of 64 MiB).
+    IdemdbCommitLog,
     /// idemdb, `Durability::Sync`, batches committed with `commit_async`, two in flight.
     IdemdbPipelined,
     /// idemdb, re-delivering keys stored before the timed run (the duplicate path): still in
@@ -234,6 +237,27 @@ pub fn all() -> Vec<Spec> {
             1,
         ),
         Spec::new("idemdb sync, batch 64", Kind::Idemdb(Sync), 1, 64, 1),
+        Spec::new(
+            "idemdb sync + commit log, batch 64",
+            Kind::IdemdbCommitLog,
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync + commit log, 1 thread",
+            Kind::IdemdbCommitLog,
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync + commit log, 32 threads",
+            Kind::IdemdbCommitLog,
+            32,
+            1,
+            1,
+        ),
         Spec::new(
             "idemdb sync, batch 64, 2 in flight",
             Kind::IdemdbPipelined,
@@ -466,6 +490,11 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
             if durability == Durability::Sync {
                 warm_up(|| store.session(), || store.flush())?;
             }
+            Prepared::sharing(store, threads, Idemdb::session)
+        }
+        Kind::IdemdbCommitLog => {
+            let store = Idemdb::open_with_commit_log(dir)?;
+            warm_up(|| store.session(), || store.flush())?;
             Prepared::sharing(store, threads, Idemdb::session)
         }
         Kind::IdemdbPipelined => {

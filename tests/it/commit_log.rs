@@ -1,0 +1,220 @@
+//! The experimental commit log (`EngineBuilder::commit_log`): commits made durable in idemdb's
+//! own log and replayed into the tables at the next open, each exactly once (merge counters
+//! stay exact across reopens with and without flushes, ring wraps that need flushes, many
+//! threads in one group commit, async commits), checkpoints, and stores that switch it on
+//! and off.
+
+use std::sync::Arc;
+
+use idemdb::{Durability, Engine, Fingerprint, Outcome, merge_ops};
+
+use crate::util::TestStore;
+
+const SEGMENT: u64 = 64 << 10;
+
+fn logged(store: &TestStore, durability: Durability) -> Engine {
+    store
+        .builder()
+        .durability(durability)
+        .commit_log(3, SEGMENT)
+        .open()
+        .unwrap()
+}
+
+/// Commits `keys` on consumer `c`, each adding 1 to the `n` counter and writing its order.
+fn commit_all(engine: &Engine, keys: std::ops::Range<u32>) {
+    let c = engine.consumer("c").unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    let counters = engine.business_table("counters").unwrap();
+    for key in keys {
+        let key = format!("m-{key}");
+        let Outcome::Fresh(mut claim) = c.begin(&key, Fingerprint::of(&key)).unwrap() else {
+            panic!("{key}: not fresh")
+        };
+        claim.put(&orders, &key, [7u8; 300]).unwrap();
+        claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
+        claim.commit(b"ok").unwrap();
+    }
+}
+
+/// The bytes of RocksDB's WAL files in the store.
+fn rocksdb_wal_bytes(store: &TestStore) -> u64 {
+    std::fs::read_dir(store.dir.path())
+        .unwrap()
+        .map(|entry| entry.unwrap())
+        .filter(|entry| entry.file_name().to_string_lossy().ends_with(".log"))
+        .map(|entry| entry.metadata().unwrap().len())
+        .sum()
+}
+
+fn counter(engine: &Engine) -> u64 {
+    let counters = engine.business_table("counters").unwrap();
+    counters
+        .get("n")
+        .unwrap()
+        .and_then(|value| merge_ops::read_u64(&value))
+        .unwrap_or(0)
+}
+
+fn assert_all_duplicates(engine: &Engine, keys: std::ops::Range<u32>) {
+    let c = engine.consumer("c").unwrap();
+    for key in keys {
+        let key = format!("m-{key}");
+        assert!(
+            matches!(
+                c.begin(&key, Fingerprint::of(&key)).unwrap(),
+                Outcome::Duplicate { .. }
+            ),
+            "{key}"
+        );
+    }
+}
+
+#[test]
+fn commits_are_replayed_exactly_once_across_reopens_and_flushes() {
+    for durability in [Durability::Sync, Durability::Buffered] {
+        let store = TestStore::new();
+        let engine = logged(&store, durability);
+        let wal_before = rocksdb_wal_bytes(&store);
+        commit_all(&engine, 0..150);
+        // The commits went to the commit log, not to RocksDB's WAL.
+        assert_eq!(rocksdb_wal_bytes(&store), wal_before, "{durability:?}");
+        assert!(
+            store
+                .dir
+                .path()
+                .join("idemdb-log")
+                .join("segment-0")
+                .exists()
+        );
+        drop(engine); // the tables are not flushed at close: the log holds everything
+        let engine = logged(&store, durability);
+        assert_eq!(counter(&engine), 150, "{durability:?}: replayed once");
+        commit_all(&engine, 150..300);
+        engine.flush().unwrap();
+        commit_all(&engine, 300..400);
+        drop(engine);
+        let engine = logged(&store, durability);
+        assert_eq!(counter(&engine), 400, "{durability:?}: after a flush");
+        drop(engine);
+        let engine = logged(&store, durability);
+        assert_eq!(counter(&engine), 400, "{durability:?}: reopened again");
+        assert_all_duplicates(&engine, 0..400);
+    }
+}
+
+#[test]
+fn a_full_ring_flushes_the_tables_and_goes_round() {
+    let store = TestStore::new();
+    let engine = logged(&store, Durability::Sync);
+    // About 400 bytes a commit: 3 segments of 64 KiB hold about 480; 2,000 go round several
+    // times.
+    commit_all(&engine, 0..2_000);
+    drop(engine);
+    let engine = logged(&store, Durability::Sync);
+    assert_eq!(counter(&engine), 2_000);
+    assert_all_duplicates(&engine, 0..2_000);
+}
+
+#[test]
+fn many_threads_commit_through_one_group_commit() {
+    let store = TestStore::new();
+    let engine = Arc::new(logged(&store, Durability::Sync));
+    let threads: Vec<_> = (0..8u32)
+        .map(|thread| {
+            let engine = engine.clone();
+            std::thread::spawn(move || commit_all(&engine, thread * 1_000..thread * 1_000 + 150))
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    assert_eq!(counter(&engine), 1_200);
+    let batches = engine.stats().write_batches;
+    assert_eq!(
+        batches, 1_200,
+        "one write batch per commit, whatever the grouping"
+    );
+    drop(engine);
+    let engine = logged(&store, Durability::Sync);
+    assert_eq!(counter(&engine), 1_200);
+}
+
+#[test]
+fn a_store_turns_the_log_off_and_on_again() {
+    let store = TestStore::new();
+    let engine = logged(&store, Durability::Sync);
+    commit_all(&engine, 0..100);
+    drop(engine);
+    // Without the log: its records go into RocksDB's WAL, and the log goes.
+    let engine = store.builder().open().unwrap();
+    assert_eq!(counter(&engine), 100);
+    assert!(!store.dir.path().join("idemdb-log").exists());
+    commit_all(&engine, 100..150);
+    drop(engine);
+    let engine = logged(&store, Durability::Sync);
+    assert_eq!(counter(&engine), 150);
+    commit_all(&engine, 150..200);
+    drop(engine);
+    // An operator tool's exclusive open replays the log too.
+    let admin = idemdb::admin::Store::builder(store.dir.path())
+        .open_exclusive()
+        .unwrap();
+    drop(admin);
+    assert!(!store.dir.path().join("idemdb-log").exists());
+    let engine = store.builder().open().unwrap();
+    assert_eq!(counter(&engine), 200);
+    assert_all_duplicates(&engine, 0..200);
+}
+
+#[test]
+fn a_checkpoint_holds_every_commit_made_before_it() {
+    let store = TestStore::new();
+    let engine = logged(&store, Durability::Sync);
+    commit_all(&engine, 0..120);
+    let copy = store.dir.path().join("copy");
+    engine.checkpoint(&copy).unwrap();
+    commit_all(&engine, 120..130);
+    drop(engine);
+    let engine = store
+        .builder_at(&copy)
+        .commit_log(3, SEGMENT)
+        .open()
+        .unwrap();
+    assert_eq!(counter(&engine), 120);
+}
+
+#[test]
+fn bad_log_shapes_are_refused_at_open() {
+    let store = TestStore::new();
+    for (segments, bytes) in [(1, SEGMENT), (3, 1024)] {
+        assert!(matches!(
+            store.builder().commit_log(segments, bytes).open(),
+            Err(idemdb::Error::InvalidOption { .. })
+        ));
+    }
+}
+
+#[cfg(feature = "tokio")]
+#[tokio::test]
+async fn async_commits_go_through_the_log() {
+    let store = TestStore::new();
+    let engine = logged(&store, Durability::Sync);
+    let c = engine.consumer("c").unwrap();
+    let counters = engine.business_table("counters").unwrap();
+    let mut futures = Vec::new();
+    for key in 0..50 {
+        let key = format!("a-{key}");
+        let Outcome::Fresh(mut claim) = c.begin(&key, Fingerprint::of(&key)).unwrap() else {
+            panic!("fresh")
+        };
+        claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
+        futures.push(claim.commit_async(b"ok"));
+    }
+    for future in futures {
+        future.await.unwrap();
+    }
+    drop((c, counters, engine));
+    let engine = logged(&store, Durability::Sync);
+    assert_eq!(counter(&engine), 50);
+}
