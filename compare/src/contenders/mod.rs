@@ -25,6 +25,8 @@ pub enum Kind {
     /// idemdb, `Durability::Sync`, with the experimental commit log instead of RocksDB's WAL
     /// (`EngineBuilder::commit_log`: 4 segments of 64 MiB).
     IdemdbCommitLog,
+    /// [`Kind::IdemdbPipelined`] with the experimental commit log.
+    IdemdbCommitLogPipelined,
     /// idemdb, `Durability::Sync`, batches committed with `commit_async`, two in flight.
     IdemdbPipelined,
     /// idemdb, re-delivering keys stored before the timed run (the duplicate path): still in
@@ -240,6 +242,13 @@ pub fn all() -> Vec<Spec> {
         Spec::new(
             "idemdb sync + commit log, batch 64",
             Kind::IdemdbCommitLog,
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync + commit log, batch 64, 2 in flight",
+            Kind::IdemdbCommitLogPipelined,
             1,
             64,
             1,
@@ -496,6 +505,11 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
             let store = Idemdb::open_with_commit_log(dir)?;
             warm_up(|| store.session(), || store.flush())?;
             Prepared::sharing(store, threads, Idemdb::session)
+        }
+        Kind::IdemdbCommitLogPipelined => {
+            let store = Idemdb::open_with_commit_log(dir)?;
+            warm_up(|| store.session(), || store.flush())?;
+            Prepared::sharing(store, threads, Idemdb::pipelined_session)
         }
         Kind::IdemdbPipelined => {
             let store = Idemdb::open(dir, Durability::Sync)?;

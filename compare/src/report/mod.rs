@@ -43,7 +43,7 @@ fn durable(kind: Kind) -> bool {
         Kind::Idemdb(durability) | Kind::Raw(durability, _) | Kind::Transaction(durability) => {
             durability == Durability::Sync
         }
-        Kind::IdemdbPipelined | Kind::IdemdbCommitLog => true,
+        Kind::IdemdbPipelined | Kind::IdemdbCommitLog | Kind::IdemdbCommitLogPipelined => true,
         Kind::IdemdbDuplicates { .. } => false,
         Kind::Redis { fsync_always } => fsync_always,
         Kind::Sqlite(sync) => sync == SqliteSync::Full,
