@@ -454,6 +454,9 @@ enum CutAt {
     Compaction,
     /// At or just after the creation of a new WAL file (a memtable switch).
     WalSwitch,
+    /// With the commit log: at or just after the first write to its second segment file, a
+    /// segment switch (a reuse of the file, after the first lap).
+    LogSegment,
 }
 
 const CUT_PLACES: [CutAt; 5] = [
@@ -1055,7 +1058,13 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
             }
             Ending::PowerCut { fsync } => {
                 let fs = PowerCut::mount(&disk, &mnt).expect("mount the power-cut file system");
-                let place = CUT_PLACES[(cycle % CUT_PLACES.len() as u64) as usize];
+                let mut place = CUT_PLACES[(cycle % CUT_PLACES.len() as u64) as usize];
+                // The commit log's stores create no WAL files to cut at: cut at its segments.
+                if place == CutAt::WalSwitch
+                    && std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some()
+                {
+                    place = CutAt::LogSegment;
+                }
                 match place {
                     CutAt::Flush => fs.arm(
                         Event::Create("phase-flush".into()),
@@ -1066,6 +1075,9 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                         2 + rng.below(150) as u32,
                     ),
                     CutAt::WalSwitch => fs.arm(Event::Create(".log".into()), rng.below(6) as u32),
+                    CutAt::LogSegment => {
+                        fs.arm(Event::Write("segment-1".into()), rng.below(6) as u32);
+                    }
                     CutAt::Random | CutAt::AfterCommit => {}
                 }
                 // An armed cut not reached by then becomes a random one.
@@ -1089,7 +1101,9 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                 let reached = match place {
                     CutAt::Random => true,
                     CutAt::AfterCommit => run.at_point,
-                    CutAt::Flush | CutAt::Compaction | CutAt::WalSwitch => run.cut_by_fs,
+                    CutAt::Flush | CutAt::Compaction | CutAt::WalSwitch | CutAt::LogSegment => {
+                        run.cut_by_fs
+                    }
                 };
                 let tear = (rng.below(3) == 0).then(|| rng.next());
                 let cut = fs.power_off(tear).expect("power off");

@@ -291,7 +291,11 @@ impl EngineBuilder {
     /// Not yet for production: the operator tools' read-only open does not see commits that
     /// are only in the log (an exclusive open replays them first), the log's writes are not
     /// pipelined with the claims' CPU, and a batch larger than a segment is refused
-    /// ([`Error::InvalidArgument`]). Segments: at least 2 of at least 64 KiB.
+    /// ([`Error::InvalidArgument`]: a segment holds `segment_bytes` less 32 bytes of header, and
+    /// a batch takes 24 bytes of record header besides its own encoding). Segments: at least 2
+    /// of at least 64 KiB. The shape is fixed when the log is made: a later open with other
+    /// numbers goes on with the log as it is (open once without the log, then with it, to make
+    /// it anew).
     pub fn commit_log(mut self, segments: usize, segment_bytes: u64) -> EngineBuilder {
         self.commit_log = Some((segments, segment_bytes));
         self
