@@ -423,18 +423,6 @@ impl Storage {
         Ok(())
     }
 
-    /// Maps a write-path result, poisoning the engine unless the failure is known to have
-    /// written nothing.
-    fn poison_on_failure(&self, outcome: std::result::Result<(), rocksdb::Error>) -> Result<()> {
-        outcome.map_err(|error| {
-            let error = Error::from(error);
-            if !error.is_retryable() {
-                self.poisoned.store(true, Ordering::Release);
-            }
-            error
-        })
-    }
-
     /// The one write path: writes `batch` atomically with the engine's durability.
     pub(crate) fn write(&self, batch: WriteBatch) -> Result<()> {
         self.check_not_poisoned()?;
@@ -461,36 +449,20 @@ impl Storage {
         Ok(())
     }
 
-    /// Runs one I/O call at `point`, applying an injected fault if one is installed, and
-    /// poisons the engine on any failure that is not known to have written nothing. The call
-    /// is told whether to sync as its durability asks (`false` only under
-    /// [`Fault::Unsynced`]).
+    /// Runs one RocksDB call at `point` through [`Storage::io_result`].
     fn io(
         &self,
         point: IoPoint,
         call: impl FnOnce(bool) -> std::result::Result<(), rocksdb::Error>,
     ) -> Result<()> {
-        let fault = self
-            .fault_injector
-            .as_ref()
-            .map_or(Fault::None, |injector| injector.fault(point));
-        match fault {
-            Fault::None => self.poison_on_failure(call(true)),
-            Fault::Unsynced if point == IoPoint::SyncWal => Ok(()),
-            Fault::Unsynced => self.poison_on_failure(call(false)),
-            Fault::FailBefore | Fault::FailAfter => {
-                if fault == Fault::FailAfter {
-                    // Its own outcome is hidden from the caller, as a failed fsync would be.
-                    let _ = call(true);
-                }
-                self.poisoned.store(true, Ordering::Release);
-                Err(crate::storage::fault::injected(point))
-            }
-        }
+        self.io_result(point, |synced| call(synced).map_err(Error::from))
     }
 
-    /// [`Storage::io`] for a call of our own (the commit log's), whose errors are ours.
-    fn io_result(&self, point: IoPoint, call: &dyn Fn(bool) -> Result<()>) -> Result<()> {
+    /// Runs one I/O call at `point` (RocksDB's, or the commit log's), applying an injected
+    /// fault if one is installed, and poisons the engine on any failure that is not known to
+    /// have written nothing. The call is told whether to sync as its durability asks (`false`
+    /// only under [`Fault::Unsynced`]).
+    fn io_result(&self, point: IoPoint, call: impl FnOnce(bool) -> Result<()>) -> Result<()> {
         let fault = self
             .fault_injector
             .as_ref()
@@ -508,6 +480,7 @@ impl Storage {
             Fault::Unsynced => poison(call(false)),
             Fault::FailBefore | Fault::FailAfter => {
                 if fault == Fault::FailAfter {
+                    // Its own outcome is hidden from the caller, as a failed fsync would be.
                     let _ = call(true);
                 }
                 self.poisoned.store(true, Ordering::Release);
@@ -520,7 +493,7 @@ impl Storage {
     pub(crate) fn sync_wal(&self) -> Result<()> {
         self.check_not_poisoned()?;
         if let Some(log) = &self.log {
-            return self.io_result(IoPoint::SyncWal, &|_| log.sync());
+            return self.io_result(IoPoint::SyncWal, |_| log.sync());
         }
         self.io(IoPoint::SyncWal, |_| self.db().flush_wal(true))
     }
