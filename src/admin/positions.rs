@@ -7,9 +7,9 @@ use rocksdb::WriteBatch;
 use crate::format::error::{Error, Result};
 use crate::format::key::consumer_prefix;
 use crate::format::position::{
-    POSITIONS_TABLE, Position, decode_position_key, encode_position_key, encode_position_value,
+    POSITIONS_TABLE, Position, encode_position_key, encode_position_value,
 };
-use crate::operations::position::decode_position;
+use crate::operations::position::scan_positions;
 
 use super::open::Store;
 
@@ -21,15 +21,6 @@ pub struct PositionEntry {
     pub consumer: Vec<u8>,
     /// Its position in one partition of one source.
     pub position: Position,
-}
-
-/// What listings are ordered by.
-fn order_key(entry: &PositionEntry) -> (&[u8], &str, u32) {
-    (
-        &entry.consumer,
-        &entry.position.source,
-        entry.position.partition,
-    )
 }
 
 impl Store {
@@ -47,26 +38,10 @@ impl Store {
         let Some(cf) = self.db().cf_handle(POSITIONS_TABLE) else {
             return Ok(Vec::new());
         };
-        let mode = rocksdb::IteratorMode::From(&prefix, rocksdb::Direction::Forward);
-        let mut entries = Vec::new();
-        for item in self.db().iterator_cf(cf, mode) {
-            let (key, value) = item?;
-            if !key.starts_with(&prefix) {
-                break;
-            }
-            let position = decode_position(&key, &value)?;
-            let (consumer, _, _) = decode_position_key(&key).map_err(|reason| Error::Corrupt {
-                key: key.to_vec(),
-                reason,
-            })?;
-            entries.push(PositionEntry {
-                consumer: consumer.to_vec(),
-                position,
-            });
-        }
-        // Keys sort shorter ids and sources first (their length bytes); listed by name.
-        entries.sort_by(|a, b| order_key(a).cmp(&order_key(b)));
-        Ok(entries)
+        Ok(scan_positions(self.db(), cf, &prefix)?
+            .into_iter()
+            .map(|(consumer, position)| PositionEntry { consumer, position })
+            .collect())
     }
 
     /// Sets `consumer`'s position in `partition` of `source` to `offset`, forwards or
@@ -121,10 +96,9 @@ impl Store {
                  once with the application first",
             )
         })?;
-        let previous = match storage.db().get_pinned_cf(cf, &key)? {
-            Some(value) => Some(decode_position(&key, &value)?),
-            None => None,
-        };
+        let previous = storage
+            .read_position(&key)?
+            .map(|(offset, updated_at_ms)| Position::new(source, partition, offset, updated_at_ms));
         let mut batch = WriteBatch::default();
         match offset {
             // A value, not a merge operand: it replaces whatever the position held.

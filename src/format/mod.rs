@@ -29,7 +29,8 @@ pub use key::{decode_key, derive_key, encode_key};
 pub use merge::apply_operands;
 pub use operand::{encode_commit_operand, encode_replace_operand};
 pub use position::{
-    decode_position_key, decode_position_value, encode_position_value, fold_positions,
+    check_position_source, decode_position_key, decode_position_value, encode_position_value,
+    fold_positions,
 };
 pub use printable::printable;
 pub use record::{Record, RecordState};

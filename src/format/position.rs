@@ -12,9 +12,7 @@
 //! moves backwards whatever order concurrent writes land in. Only an operator's reset
 //! ([`crate::admin::Store::set_position`]) overwrites one, with a plain value.
 
-use crate::format::error::DecodeError;
-#[cfg(feature = "engine")]
-use crate::format::error::{Limit, Result, check_limit};
+use crate::format::error::{DecodeError, Limit, Result, check_limit};
 
 /// The column family holding every consumer's read positions.
 #[cfg(feature = "engine")]
@@ -75,9 +73,13 @@ impl Position {
     }
 }
 
-/// Checks a source name against its limits.
-#[cfg(feature = "engine")]
-pub(crate) fn check_source(source: &str) -> Result<()> {
+/// Checks a source name (a topic, a stream) against its limits, as every backend must before
+/// it stores a position.
+///
+/// # Errors
+/// [`crate::Error::LimitExceeded`] with [`Limit::PositionSourceBytes`] outside
+/// [`POSITION_SOURCE_BYTES_MIN`]..=[`POSITION_SOURCE_BYTES_MAX`] bytes.
+pub fn check_position_source(source: &str) -> Result<()> {
     check_limit(
         Limit::PositionSourceBytes,
         source.len(),
@@ -94,7 +96,7 @@ pub(crate) fn encode_position_key(
     source: &str,
     partition: u32,
 ) -> Result<Vec<u8>> {
-    check_source(source)?;
+    check_position_source(source)?;
     let mut key = Vec::with_capacity(consumer_prefix.len() + 1 + source.len() + 4);
     key.extend_from_slice(consumer_prefix);
     key.push(u8::try_from(source.len()).expect("source length checked"));

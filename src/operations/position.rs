@@ -153,35 +153,43 @@ impl Positions {
         let Some(cf) = self.inner.positions_cf() else {
             return Ok(Vec::new());
         };
-        let mode = rocksdb::IteratorMode::From(&self.prefix, rocksdb::Direction::Forward);
-        let mut positions = Vec::new();
-        for entry in self.inner.db().iterator_cf(cf, mode) {
-            let (key, value) = entry?;
-            if !key.starts_with(&self.prefix) {
-                break;
-            }
-            positions.push(decode_position(&key, &value)?);
-        }
-        // Keys sort shorter sources first (the length byte); callers expect names in order.
-        positions.sort_by(|a, b| (&a.source, a.partition).cmp(&(&b.source, b.partition)));
-        Ok(positions)
+        Ok(scan_positions(self.inner.db(), cf, &self.prefix)?
+            .into_iter()
+            .map(|(_, position)| position)
+            .collect())
     }
 }
 
-/// A stored (key, value) of the positions table as a [`Position`].
-pub(crate) fn decode_position(key: &[u8], value: &[u8]) -> Result<Position> {
-    let corrupt = |reason| Error::Corrupt {
-        key: key.to_vec(),
-        reason,
-    };
-    let (_, source, partition) = decode_position_key(key).map_err(corrupt)?;
-    let (offset, updated_at_ms) = decode_position_value(value).map_err(corrupt)?;
-    Ok(Position {
-        source: source.to_owned(),
-        partition,
-        offset,
-        updated_at_ms,
-    })
+/// Every position whose key starts with `prefix` (a consumer's records prefix, or nothing for
+/// every consumer's), with its consumer id, ordered by consumer id, source (byte order) and
+/// partition: the keys sort shorter ids and sources first (their length bytes), and listings
+/// are by name.
+pub(crate) fn scan_positions(
+    db: &rocksdb::DB,
+    cf: &rocksdb::ColumnFamily,
+    prefix: &[u8],
+) -> Result<Vec<(Vec<u8>, Position)>> {
+    let mode = rocksdb::IteratorMode::From(prefix, rocksdb::Direction::Forward);
+    let mut positions = Vec::new();
+    for entry in db.iterator_cf(cf, mode) {
+        let (key, value) = entry?;
+        if !key.starts_with(prefix) {
+            break;
+        }
+        let corrupt = |reason| Error::Corrupt {
+            key: key.to_vec(),
+            reason,
+        };
+        let (consumer, source, partition) = decode_position_key(&key).map_err(corrupt)?;
+        let (offset, updated_at_ms) = decode_position_value(&value).map_err(corrupt)?;
+        positions.push((
+            consumer.to_vec(),
+            Position::new(source, partition, offset, updated_at_ms),
+        ));
+    }
+    positions
+        .sort_by(|(a, x), (b, y)| (a, &x.source, x.partition).cmp(&(b, &y.source, y.partition)));
+    Ok(positions)
 }
 
 impl std::fmt::Debug for Positions {

@@ -7,9 +7,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
-use crate::storage::positions::{
-    StagedPositions, advance_sql, check_source, position, position_behind,
-};
+use crate::storage::positions::{StagedPositions, advance_sql, position, position_behind};
 use crate::storage::store::PgConsumer;
 
 /// One consumer's read positions on PostgreSQL ([`PgConsumer::positions`]): where it resumes
@@ -65,7 +63,7 @@ impl PgPositions {
         source: &str,
         partition: u32,
     ) -> Result<Option<Position>> {
-        check_source(source)?;
+        idemdb::format::check_position_source(source)?;
         let consumer: &[u8] = &self.consumer.id;
         let row = client
             .query_opt(

@@ -24,7 +24,7 @@ pub(crate) struct StagedPositions {
 impl StagedPositions {
     /// Stages `offset` for `partition` of `source`, checked.
     pub(crate) fn stage(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
-        check_source(source)?;
+        idemdb::format::check_position_source(source)?;
         let offset = check_offset(offset)?;
         let partition = i64::from(partition);
         match self
@@ -89,20 +89,6 @@ pub(crate) fn advance_statement<'a>(
     params: &'a [(&'a (dyn ToSql + Sync), Type)],
 ) -> Statement<'a> {
     (advance_sql(store), params)
-}
-
-pub(crate) fn check_source(source: &str) -> Result<()> {
-    if !(idemdb::POSITION_SOURCE_BYTES_MIN..=idemdb::POSITION_SOURCE_BYTES_MAX)
-        .contains(&source.len())
-    {
-        return Err(Error::Idemdb(idemdb::Error::LimitExceeded {
-            limit: idemdb::Limit::PositionSourceBytes,
-            actual: source.len() as u64,
-            min: idemdb::POSITION_SOURCE_BYTES_MIN as u64,
-            max: idemdb::POSITION_SOURCE_BYTES_MAX as u64,
-        }));
-    }
-    Ok(())
 }
 
 fn check_offset(offset: u64) -> Result<i64> {

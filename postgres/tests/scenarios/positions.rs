@@ -9,7 +9,7 @@ use idemdb_postgres::{Error, PgConsumer, PgStore, install};
 use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
-use super::{Failure, connect, fresh_schema};
+use super::{Failure, connect, fresh_schema, order_rows};
 
 async fn offset(
     consumer: &PgConsumer,
@@ -33,16 +33,6 @@ fn behind(result: &Result<(), Error>) -> Option<(u32, u64, u64)> {
         })) if source_name == "orders" => Some((*partition, *stored, *staged)),
         _ => None,
     }
-}
-
-async fn order_count(client: &Client, schema: &str, id: &str) -> Result<i64, Failure> {
-    Ok(client
-        .query_one(
-            &format!("SELECT count(*) FROM {schema}.orders WHERE id = $1"),
-            &[&id],
-        )
-        .await?
-        .get(0))
 }
 
 /// Claims `key` and commits it with its order row and the position `partition`/`offset`.
@@ -104,13 +94,13 @@ pub async fn a_claims_position_lands_with_its_record_and_business_row_or_not_at_
         "record of the refused"
     );
     ensure!(
-        order_count(&client, schema, "m-5").await? == 0,
+        order_rows(&client, schema, "m-5").await? == 0,
         "row of the refused"
     );
     ensure!(offset(&c, &client, 2).await? == Some(7), "unchanged");
     // Its key is free again; at the stored offset it is accepted.
     commit_at(&c, &mut client, schema, "m-5", 2, 7).await??;
-    ensure!(order_count(&client, schema, "m-5").await? == 1, "row once");
+    ensure!(order_rows(&client, schema, "m-5").await? == 1, "row once");
     // A dropped claim leaves the position.
     let Outcome::Fresh(mut claim) = c.begin(&mut client, "m-9", Fingerprint::of(b"m-9")).await?
     else {
@@ -200,7 +190,7 @@ pub async fn connections_racing_over_one_partition_leave_the_highest_offset(
                     Err(_) if stale => {
                         refused += 1;
                         if c.get(&client, &key).await?.is_some()
-                            || order_count(&client, schema, &key).await? != 0
+                            || order_rows(&client, schema, &key).await? != 0
                         {
                             return Err(format!("{key}: refused but written").into());
                         }
