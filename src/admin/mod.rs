@@ -12,7 +12,8 @@
 //!
 //! - [`StoreBuilder::open_read_only`]: RocksDB's read-only open. It takes no lock, so it works
 //!   while the application has the store open (a *live* store); it sees what the store's files
-//!   and WAL held when it opened, and never writes.
+//!   and WAL held when it opened (and its commit log, if it has one), and never writes to the
+//!   store.
 //! - [`StoreBuilder::open_exclusive`]: the store opened for writing, which RocksDB allows to one
 //!   process at a time. On a live store it fails with [`crate::Error::AlreadyOpen`]: a write to a live
 //!   store cannot be made from outside the process that has it open. That process uses the

@@ -13,12 +13,13 @@ use crate::format::clock::{Clock, SystemClock};
 use crate::format::error::{Error, Limit, Result, check_limit_u64};
 use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::format::position::POSITIONS_TABLE;
+use crate::storage::logged_writes::{log_as_wal, tables_lsn};
 use crate::storage::options::{
     EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
 };
 use crate::storage::rocksdb_options::{
-    db_options, marker_table_options, positions_table_options, set_opaque_merge_operator,
-    table_options,
+    db_options, marker_table_options, positions_table_options, retry_read_only_open,
+    set_opaque_merge_operator, table_options,
 };
 use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{
@@ -31,10 +32,9 @@ use super::scan::Target;
 /// does as well as a large one.
 pub(super) const TOOL_BLOCK_CACHE_BYTES: usize = 8 << 20;
 
-/// How often a read-only open is tried. A live application's compaction may delete a table
-/// file between RocksDB's reading of the file list and its opening of the file; the next
-/// attempt reads the new list.
-pub(super) const READ_ONLY_OPEN_ATTEMPTS: u32 = 3;
+/// How often a read-only open beside an application on the commit log reads the log again
+/// when the application flushed and reused the log's segments during the read.
+pub(super) const LOG_READ_ATTEMPTS: u32 = 10;
 
 /// What a table (a RocksDB column family) of the store holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -111,46 +111,79 @@ impl StoreBuilder {
         self
     }
 
-    /// Opens the store read-only: no lock is taken and nothing is written, so this works on a
-    /// live store. Writes on the result fail with [`Error::ReadOnly`].
+    /// Opens the store read-only: no lock is taken and nothing in the store is written, so
+    /// this works on a live store. Writes on the result fail with [`Error::ReadOnly`]. It sees
+    /// every commit acknowledged before it was called.
+    ///
+    /// A store whose application runs on the commit log (`EngineBuilder::commit_log`): the
+    /// commits the table files do not hold yet are read from the log and handed to RocksDB's
+    /// recovery as a WAL file in a temporary directory (of the system's temporary folder,
+    /// removed before this returns). Its cost grows with what the log holds after the last
+    /// flush, up to the log's size, in time and in memory (the open holds those commits in
+    /// memtables).
     ///
     /// # Errors
     /// [`Error::IncompatibleStore`] when the directory holds no idemdb store;
-    /// [`Error::Storage`] when RocksDB cannot open it.
+    /// [`Error::Storage`] when RocksDB cannot open it, when the temporary folder cannot be
+    /// written, or (kind `Retryable`) when the application flushed and reused its log's
+    /// segments during each of 10 reads.
     pub fn open_read_only(self) -> Result<Store> {
         let (_, tables) = discover(&self.path)?;
         let mut builder = EngineBuilder::new(&self.path);
         builder.clock = self.clock.clone();
         let cache = Cache::new_lru_cache(TOOL_BLOCK_CACHE_BYTES);
-        let mut options = db_options();
-        options.create_if_missing(false);
-        options.create_missing_column_families(false);
+        let open = |wal_dir: Option<&Path>| {
+            open_read_only_db(&self.path, &tables, &builder, &cache, wal_dir)
+        };
+        // A store on the commit log: the commits after the LSN its table files hold are only in
+        // the log (the application writes its tables without RocksDB's WAL). They are handed to
+        // another open as a WAL file (without their LSN puts), and that open is kept if its
+        // table files hold the same LSN (the application did not flush in between: no record
+        // is applied twice) and the log's segments were not reused during the read (none is
+        // missing). Else again from the LSN that open found.
+        let mut db = open(None)?;
+        // Whether `db` holds the table files alone (no record of the log applied).
+        let mut clean = true;
+        let mut lsn = tables_lsn(&db)?;
         let mut attempt = 1;
         let db = loop {
-            let descriptors = tables.iter().map(|table| {
-                let table_options = if table.kind.is_marker() {
-                    marker_table_options(&builder, &cache)
-                } else if table.name == POSITIONS_TABLE {
-                    positions_table_options(&builder, &cache)
-                } else {
-                    let mut options = table_options(&builder, &cache);
-                    set_opaque_merge_operator(&mut options, None);
-                    options
-                };
-                ColumnFamilyDescriptor::new(table.name.as_str(), table_options)
-            });
-            match DB::open_cf_descriptors_read_only(&options, &self.path, descriptors, false) {
-                Ok(db) => break db,
-                Err(error)
-                    if attempt < READ_ONLY_OPEN_ATTEMPTS
-                        && matches!(
-                            error.kind(),
-                            rocksdb::ErrorKind::IOError | rocksdb::ErrorKind::NotFound
-                        ) =>
-                {
-                    attempt += 1;
+            let wal = log_as_wal(&self.path, lsn, db.latest_sequence_number());
+            match wal {
+                Ok(None) if clean => break db,
+                Ok(Some(wal)) => {
+                    let with_log = open(Some(wal.dir()))?;
+                    let held = tables_lsn(&with_log)?;
+                    if held == lsn && wal.unchanged()? {
+                        break with_log;
+                    }
+                    (db, clean, lsn) = (with_log, false, held);
                 }
-                Err(error) => return Err(error.into()),
+                // Nothing after the LSN, but `db` applied records the tables now hold; or the
+                // log no longer holds the LSN (the application flushed and reused its segment).
+                Ok(None) | Err(_) if attempt < LOG_READ_ATTEMPTS => {
+                    db = open(None)?;
+                    (clean, lsn) = (true, tables_lsn(&db)?);
+                }
+                Ok(None) => {
+                    return Err(Error::Storage {
+                        kind: crate::format::error::StorageErrorKind::Retryable,
+                        detail: format!(
+                            "the application flushed its commit log during each of \
+                             {LOG_READ_ATTEMPTS} reads of it; try again"
+                        ),
+                    });
+                }
+                Err(error) => return Err(error),
+            }
+            attempt += 1;
+            if attempt > LOG_READ_ATTEMPTS {
+                return Err(Error::Storage {
+                    kind: crate::format::error::StorageErrorKind::Retryable,
+                    detail: format!(
+                        "the application flushed its commit log during each of \
+                         {LOG_READ_ATTEMPTS} reads of it; try again"
+                    ),
+                });
             }
         };
         Ok(Store {
@@ -221,6 +254,42 @@ impl StoreBuilder {
             access: Access::Exclusive(engine),
         })
     }
+}
+
+/// RocksDB's read-only open of every table in `tables`, with `wal_dir` as its WAL directory
+/// when given (tried again while files vanish under it: `retry_read_only_open`).
+fn open_read_only_db(
+    path: &Path,
+    tables: &[TableInfo],
+    builder: &EngineBuilder,
+    cache: &Cache,
+    wal_dir: Option<&Path>,
+) -> Result<DB> {
+    let mut options = db_options();
+    options.create_if_missing(false);
+    options.create_missing_column_families(false);
+    // RocksDB opens every table file at open, by default with up to 16 threads started for
+    // each table (column family) and joined: on 2 cores about 12 ms of a read-only open of
+    // a handful of small files went to that. A tool's open has few files to open; one thread.
+    let mut options = options.get_options_from_string("max_file_opening_threads=1")?;
+    if let Some(wal_dir) = wal_dir {
+        options.set_wal_dir(wal_dir);
+    }
+    Ok(retry_read_only_open(|| {
+        let descriptors = tables.iter().map(|table| {
+            let table_options = if table.kind.is_marker() {
+                marker_table_options(builder, cache)
+            } else if table.name == POSITIONS_TABLE {
+                positions_table_options(builder, cache)
+            } else {
+                let mut options = table_options(builder, cache);
+                set_opaque_merge_operator(&mut options, None);
+                options
+            };
+            ColumnFamilyDescriptor::new(table.name.as_str(), table_options)
+        });
+        DB::open_cf_descriptors_read_only(&options, path, descriptors, false)
+    })?)
 }
 
 /// Refuses a directory without a RocksDB store, which RocksDB would report as an I/O error about

@@ -1,7 +1,7 @@
 //! The commit log: segments made once, full size, and rewritten in place as a ring, so that a
 //! durable append is a `pwrite` over written blocks and an `fdatasync` that writes data only
-//! (a growing file makes every sync also journal its new size). A draft of the durable path of
-//! docs/design.md's "commit log" notes: the engine does not write through it yet.
+//! (a growing file makes every sync also journal its new size). The engine's durable path when a
+//! store is opened with `EngineBuilder::commit_log` (`storage/logged_writes.rs`).
 //!
 //! The format (segment headers, records, how a reader finds the end) is
 //! `format/commit_log.rs`. Here: the files, the ring, appends and syncs, reopening after a
@@ -111,6 +111,146 @@ fn slot_path(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("segment-{slot}"))
 }
 
+/// How [`Chain::read`] opens the segment files.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// For the log's owner, which appends next.
+    Write,
+    /// For a reader beside the owner: read-only.
+    Read,
+}
+
+/// What reading a log from an LSN found: its slots, where its records end, and where the next
+/// append would go.
+struct Chain {
+    segment_bytes: u64,
+    slots: Vec<Slot>,
+    /// Whether any segment was ever started.
+    started: bool,
+    active: usize,
+    write_at: u64,
+    next_lsn: u64,
+    next_segment: u64,
+    recovered: u64,
+    end: LogEnd,
+    /// The slots read and the header each held when read.
+    read_headers: Vec<(usize, LogSegmentHeader)>,
+}
+
+impl Chain {
+    /// Opens `dir`'s segments and hands `replay` every record from `from_lsn` on: from the
+    /// last segment starting at or before `from_lsn`, onward through segments that continue
+    /// exactly where the previous one ended. One segment in memory at a time.
+    fn read(
+        dir: &Path,
+        from_lsn: u64,
+        access: Access,
+        mut replay: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<Chain> {
+        let mut slots = Vec::new();
+        let mut segment_bytes = None;
+        for slot in 0.. {
+            let path = slot_path(dir, slot);
+            let opened = OpenOptions::new()
+                .read(true)
+                .write(access == Access::Write)
+                .open(&path);
+            let mut file = match opened {
+                Ok(file) => file,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => break,
+                Err(error) => return Err(io_error("opening", &path, &error)),
+            };
+            let length = file
+                .seek(SeekFrom::End(0))
+                .map_err(|error| io_error("reading", &path, &error))?;
+            if *segment_bytes.get_or_insert(length) != length {
+                return Err(Error::invalid_argument(format!(
+                    "{} is {length} bytes, unlike the log's other segments",
+                    path.display()
+                )));
+            }
+            let mut head = [0u8; LOG_SEGMENT_HEADER_BYTES];
+            let header = match file.read_exact_at(&mut head, 0) {
+                Ok(()) => LogSegmentHeader::decode(&head),
+                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => None,
+                Err(error) => return Err(io_error("reading", &path, &error)),
+            };
+            slots.push(Slot {
+                file: Arc::new(file),
+                header,
+                end_lsn: header.map_or(0, |header| header.first_lsn),
+            });
+        }
+        let segment_bytes = segment_bytes.ok_or_else(|| {
+            Error::invalid_argument(format!("no commit log in {}", dir.display()))
+        })?;
+        // The segments in the order they were started.
+        let mut order: Vec<usize> = (0..slots.len())
+            .filter(|&s| slots[s].header.is_some())
+            .collect();
+        order.sort_by_key(|&s| slots[s].header.map(|h| h.segment));
+        let next_segment = order
+            .last()
+            .and_then(|&s| slots[s].header)
+            .map_or(0, |header| header.segment + 1);
+        let start = order
+            .iter()
+            .rposition(|&s| slots[s].header.is_some_and(|h| h.first_lsn <= from_lsn));
+        let mut chain = Chain {
+            segment_bytes,
+            slots: Vec::new(),
+            started: start.is_some(),
+            active: 0,
+            write_at: 0,
+            next_lsn: from_lsn,
+            next_segment,
+            recovered: 0,
+            end: LogEnd::Unwritten,
+            read_headers: Vec::new(),
+        };
+        if let Some(start) = start {
+            let mut expected = None;
+            let mut body = Vec::new();
+            for &slot in &order[start..] {
+                let header = slots[slot].header.expect("ordered slots have headers");
+                if expected.is_some_and(|expected| header.first_lsn != expected) {
+                    break;
+                }
+                let path = slot_path(dir, slot);
+                body.clear();
+                let mut file: &File = &slots[slot].file;
+                file.seek(SeekFrom::Start(LOG_SEGMENT_HEADER_BYTES as u64))
+                    .and_then(|_| file.read_to_end(&mut body))
+                    .map_err(|error| io_error("reading", &path, &error))?;
+                chain.read_headers.push((slot, header));
+                let (found, why) = read_log_records(&body, header.first_lsn);
+                let mut used = 0;
+                for (lsn, payload) in &found {
+                    used += LOG_RECORD_HEADER_BYTES + payload.len();
+                    if *lsn >= from_lsn {
+                        replay(*lsn, payload)?;
+                        chain.recovered += 1;
+                    }
+                }
+                let after = header.first_lsn + found.len() as u64;
+                slots[slot].end_lsn = after;
+                chain.active = slot;
+                chain.write_at = (LOG_SEGMENT_HEADER_BYTES + used) as u64;
+                chain.next_lsn = after;
+                chain.end = why;
+                expected = Some(after);
+            }
+        } else if !order.is_empty() {
+            return Err(Error::invalid_argument(format!(
+                "no segment of the commit log in {} holds LSN {from_lsn}",
+                dir.display()
+            )));
+        }
+        chain.slots = slots;
+        Ok(chain)
+    }
+}
+
 impl CommitLog {
     /// Makes a new log in the new directory `dir`: `slots` segment files of `segment_bytes`
     /// each, zero-filled and synced (with the directory), the first segment started at
@@ -208,107 +348,21 @@ impl CommitLog {
     pub(crate) fn open(
         dir: &Path,
         from_lsn: u64,
-        mut replay: impl FnMut(u64, &[u8]) -> Result<()>,
+        replay: impl FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<(CommitLog, Recovered)> {
-        let mut slots = Vec::new();
-        let mut segment_bytes = None;
-        for slot in 0.. {
-            let path = slot_path(dir, slot);
-            let mut file = match OpenOptions::new().read(true).write(true).open(&path) {
-                Ok(file) => file,
-                Err(error) if error.kind() == std::io::ErrorKind::NotFound => break,
-                Err(error) => return Err(io_error("opening", &path, &error)),
-            };
-            let length = file
-                .seek(SeekFrom::End(0))
-                .map_err(|error| io_error("reading", &path, &error))?;
-            if *segment_bytes.get_or_insert(length) != length {
-                return Err(Error::invalid_argument(format!(
-                    "{} is {length} bytes, unlike the log's other segments",
-                    path.display()
-                )));
-            }
-            let mut head = [0u8; LOG_SEGMENT_HEADER_BYTES];
-            let header = match file.read_exact_at(&mut head, 0) {
-                Ok(()) => LogSegmentHeader::decode(&head),
-                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => None,
-                Err(error) => return Err(io_error("reading", &path, &error)),
-            };
-            slots.push(Slot {
-                file: Arc::new(file),
-                header,
-                end_lsn: header.map_or(0, |header| header.first_lsn),
-            });
-        }
-        let segment_bytes = segment_bytes.ok_or_else(|| {
-            Error::invalid_argument(format!("no commit log in {}", dir.display()))
-        })?;
-        // The segments in the order they were started.
-        let mut order: Vec<usize> = (0..slots.len())
-            .filter(|&s| slots[s].header.is_some())
-            .collect();
-        order.sort_by_key(|&s| slots[s].header.map(|h| h.segment));
-        let next_segment = order
-            .last()
-            .and_then(|&s| slots[s].header)
-            .map_or(0, |header| header.segment + 1);
-        // The chain to read: from the last segment starting at or before `from_lsn`, onward
-        // through segments that continue exactly where the previous one ended.
-        let start = order
-            .iter()
-            .rposition(|&s| slots[s].header.is_some_and(|h| h.first_lsn <= from_lsn));
-        let mut recovered = 0;
-        let mut end = LogEnd::Unwritten;
-        let (mut active, mut write_at, mut next_lsn) = (0, 0, from_lsn);
-        if let Some(start) = start {
-            let mut expected = None;
-            let mut body = Vec::new();
-            for &slot in &order[start..] {
-                let header = slots[slot].header.expect("ordered slots have headers");
-                if expected.is_some_and(|expected| header.first_lsn != expected) {
-                    break;
-                }
-                let path = slot_path(dir, slot);
-                body.clear();
-                let mut file: &File = &slots[slot].file;
-                file.seek(SeekFrom::Start(LOG_SEGMENT_HEADER_BYTES as u64))
-                    .and_then(|_| file.read_to_end(&mut body))
-                    .map_err(|error| io_error("reading", &path, &error))?;
-                let (found, why) = read_log_records(&body, header.first_lsn);
-                let mut used = 0;
-                for (lsn, payload) in &found {
-                    used += LOG_RECORD_HEADER_BYTES + payload.len();
-                    if *lsn >= from_lsn {
-                        replay(*lsn, payload)?;
-                        recovered += 1;
-                    }
-                }
-                let after = header.first_lsn + found.len() as u64;
-                slots[slot].end_lsn = after;
-                active = slot;
-                write_at = (LOG_SEGMENT_HEADER_BYTES + used) as u64;
-                next_lsn = after;
-                end = why;
-                expected = Some(after);
-            }
-        } else if !order.is_empty() {
-            return Err(Error::invalid_argument(format!(
-                "no segment of the commit log in {} holds LSN {from_lsn}",
-                dir.display()
-            )));
-        }
+        let chain = Chain::read(dir, from_lsn, Access::Write, replay)?;
         let mut log = CommitLog {
             dir: dir.to_path_buf(),
-            segment_bytes,
-            slots,
-            active,
-            write_at,
-            next_lsn,
-            next_segment,
+            segment_bytes: chain.segment_bytes,
+            slots: chain.slots,
+            active: chain.active,
+            write_at: chain.write_at,
+            next_lsn: chain.next_lsn,
+            next_segment: chain.next_segment,
             released_before: from_lsn,
             pending: Vec::new(),
         };
-        if start.is_none() {
+        if !chain.started {
             // No segment was ever started.
             log.start_segment(0);
         } else if log.next_lsn < from_lsn {
@@ -319,7 +373,52 @@ impl CommitLog {
             let next = (log.active + 1) % log.slots.len();
             log.start_segment(next);
         }
-        Ok((log, Recovered { recovered, end }))
+        Ok((
+            log,
+            Recovered {
+                recovered: chain.recovered,
+                end: chain.end,
+            },
+        ))
+    }
+
+    /// Reads the log in `dir` beside its writer, which may be appending and reusing segments
+    /// meanwhile: hands `read` every whole record from `from_lsn` on, in order, opening the
+    /// files read-only and writing nothing. Returns the headers of the segments read, for
+    /// [`CommitLog::unchanged_since`]: a segment the writer reused during the read may have cut
+    /// the records short.
+    ///
+    /// # Errors
+    /// As [`CommitLog::open`].
+    pub(crate) fn read_beside_writer(
+        dir: &Path,
+        from_lsn: u64,
+        read: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<Vec<(usize, LogSegmentHeader)>> {
+        let chain = Chain::read(dir, from_lsn, Access::Read, read)?;
+        Ok(chain.read_headers)
+    }
+
+    /// Whether every segment in `headers` (from [`CommitLog::read_beside_writer`]) still holds
+    /// the same segment: if so, no record read from them was overwritten during the read.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if a header cannot be read.
+    pub(crate) fn unchanged_since(
+        dir: &Path,
+        headers: &[(usize, LogSegmentHeader)],
+    ) -> Result<bool> {
+        for (slot, header) in headers {
+            let path = slot_path(dir, *slot);
+            let file = File::open(&path).map_err(|error| io_error("opening", &path, &error))?;
+            let mut head = [0u8; LOG_SEGMENT_HEADER_BYTES];
+            file.read_exact_at(&mut head, 0)
+                .map_err(|error| io_error("reading", &path, &error))?;
+            if LogSegmentHeader::decode(&head) != Some(*header) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// The LSN the next append gets.

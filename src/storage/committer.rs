@@ -7,7 +7,9 @@
 //! joins them into one `WriteBatch` and writes that once (one WAL record, one fsync) turns N
 //! waiting commits into one fsync, and while it syncs the next group collects in its queue.
 //! `spawn_blocking` would park one runtime blocking thread per message and leave the grouping
-//! to RocksDB's write queue. The callers build their own batches (the CPU part of a commit), so
+//! to RocksDB's write queue. With the commit log there are two such threads, taking groups in
+//! turn: one group's records are synced in the log while the previous group is applied to
+//! RocksDB (`storage/logged_writes.rs`), and the groups keep the order their jobs came in. The callers build their own batches (the CPU part of a commit), so
 //! the committer only joins bytes and writes.
 //!
 //! Each claim's writes stay atomic: a group is one batch, so every claim in it lands or none
@@ -39,8 +41,9 @@ const WRITE_BATCH_HEADER_BYTES: usize = 12;
 /// which the store implements. (The store owns its committer, so the committer cannot hold
 /// the store; each job holds it until its group is written.)
 pub(crate) trait BatchWriter: Send + Sync {
-    /// Writes `batch` atomically with the engine's durability.
-    fn write_batch(&self, batch: WriteBatch) -> Result<()>;
+    /// Writes `batch` atomically with the engine's durability, calling `queued` once its place
+    /// in the write order is fixed (a batch written after that call is written after it).
+    fn write_batch(&self, batch: WriteBatch, queued: &mut dyn FnMut()) -> Result<()>;
 }
 /// What a job does once its group is written (or failed): report, release its claims' keys,
 /// then answer its caller, in that order, so a caller that awaited every commit and then drops
@@ -76,15 +79,24 @@ pub(crate) struct Committer {
 }
 
 impl Committer {
-    fn spawn() -> Result<Committer> {
+    /// Starts `threads` committer threads on one queue. They take groups in turn (`intake`):
+    /// a thread holds the intake from taking its group until the group's place in the write
+    /// order is fixed, so groups are written in the order their jobs were queued, while one
+    /// thread's group is being synced or applied and the next thread's is written.
+    fn spawn(threads: usize) -> Result<Committer> {
         let (queue, jobs) = crossbeam::channel::unbounded();
-        std::thread::Builder::new()
-            .name("idemdb-committer".into())
-            .spawn(move || run(&jobs))
-            .map_err(|error| Error::Storage {
-                kind: crate::format::error::StorageErrorKind::Io,
-                detail: format!("cannot start the committer thread: {error}"),
-            })?;
+        let intake = Arc::new(parking_lot::Mutex::new(()));
+        for _ in 0..threads.max(1) {
+            let jobs = jobs.clone();
+            let intake = intake.clone();
+            std::thread::Builder::new()
+                .name("idemdb-committer".into())
+                .spawn(move || run(&jobs, &intake))
+                .map_err(|error| Error::Storage {
+                    kind: crate::format::error::StorageErrorKind::Io,
+                    detail: format!("cannot start the committer thread: {error}"),
+                })?;
+        }
         Ok(Committer { queue })
     }
 
@@ -98,9 +110,13 @@ impl Committer {
     }
 }
 
-/// The committer thread: one group per loop, until the engine is dropped.
-fn run(jobs: &Receiver<Job>) {
-    while let Ok(first) = jobs.recv() {
+/// A committer thread: one group per loop, until the engine is dropped.
+fn run(jobs: &Receiver<Job>, intake: &parking_lot::Mutex<()>) {
+    loop {
+        let mut turn = Some(intake.lock());
+        let Ok(first) = jobs.recv() else {
+            return;
+        };
         let mut claims = first.claims;
         let mut bytes = first.batch.size_in_bytes();
         let mut group = vec![first];
@@ -114,15 +130,16 @@ fn run(jobs: &Receiver<Job>) {
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
-        write_group(group);
+        write_group(group, &mut || drop(turn.take()));
     }
 }
 
 /// Writes one group as one batch and answers each of its jobs. Holds no engine reference of its
 /// own once written: the claims' are the last, so once the last caller is answered nothing here
 /// keeps the store open.
-fn write_group(group: Vec<Job>) {
+fn write_group(group: Vec<Job>, queued: &mut dyn FnMut()) {
     let Some(writer) = group.first().map(|job| job.writer.clone()) else {
+        queued();
         return;
     };
     let mut batches = Vec::with_capacity(group.len());
@@ -136,7 +153,7 @@ fn write_group(group: Vec<Job>) {
     } else {
         join(batches.iter())
     };
-    let written = writer.write_batch(batch);
+    let written = writer.write_batch(batch, queued);
     drop(writer);
     // A group is one batch: on failure every job in it gets the same answer.
     for finish in finishes {
@@ -271,11 +288,12 @@ impl BatchCommitFuture {
 pub(crate) struct CommitterSlot(std::sync::OnceLock<Committer>);
 
 impl CommitterSlot {
-    pub(crate) fn get_or_start(&self) -> Result<&Committer> {
+    /// The committer, started with `threads` threads by the first call.
+    pub(crate) fn get_or_start(&self, threads: usize) -> Result<&Committer> {
         if let Some(committer) = self.0.get() {
             return Ok(committer);
         }
-        let started = Committer::spawn()?;
+        let started = Committer::spawn(threads)?;
         // Two first callers may race: the loser's queue is dropped unused and its thread ends.
         Ok(self.0.get_or_init(|| started))
     }

@@ -9,8 +9,8 @@
 //! to RocksDB in LSN order without the lock, while the next group queues. Every writer of a
 //! group gets the group's outcome.
 //!
-//! Recovery (at open): the table files' LSN says where the log's replay starts; the records
-//! after it are written to RocksDB in order, each exactly once (merge operands are not
+//! Recovery (at open): RocksDB replays what survived of its own WAL; then the LSN the tables
+//! hold says where the log's replay starts; the records after it are written to RocksDB in order, each exactly once (merge operands are not
 //! idempotent).
 
 use std::collections::HashMap;
@@ -26,7 +26,10 @@ pub(crate) const LOG_LSN_KEY: &[u8] = b"idemdb.log-lsn";
 /// The commit log's directory inside the store.
 pub(crate) const LOG_DIR: &str = "idemdb-log";
 
-/// Writes without RocksDB's WAL.
+/// Writes to RocksDB after the log, without RocksDB's WAL: the log made the batch durable.
+/// (Written through RocksDB's WAL as well, unsynced, so that other processes' read-only opens
+/// would replay it, the batch path lost 12-15% of its throughput; the read-only open reads the
+/// log itself instead: `admin::StoreBuilder::open_read_only`.)
 fn no_wal() -> WriteOptions {
     let mut options = WriteOptions::default();
     options.disable_wal(true);
@@ -89,7 +92,16 @@ struct State {
     queue: Vec<(u64, WriteBatch)>,
     outcomes: HashMap<u64, Result<()>>,
     next_ticket: u64,
+    /// A leader is appending, writing or syncing its group's records.
     leading: bool,
+    /// The number the next group gets: groups are applied to RocksDB in this order.
+    next_group: u64,
+    /// How many groups have been applied to RocksDB (or failed): group `g` applies when this
+    /// is `g`.
+    applied_groups: u64,
+    /// The first failure of a group's log write or apply: every later group fails with it, so
+    /// that the tables never hold a batch whose predecessor they lack.
+    failed: Option<Error>,
     /// The LSN of the last batch written to RocksDB.
     written_lsn: u64,
 }
@@ -134,6 +146,9 @@ impl LogWriter {
                 outcomes: HashMap::new(),
                 next_ticket: 0,
                 leading: false,
+                next_group: 0,
+                applied_groups: 0,
+                failed: None,
                 written_lsn,
             }),
             done: parking_lot::Condvar::new(),
@@ -143,13 +158,19 @@ impl LogWriter {
 
     /// Writes `batch` durably (with `Durability::Sync`) through the log, then to `db`.
     /// `io` runs the log's writes and sync (the fault seam; its argument says whether to sync);
-    /// `flush` flushes every table (when the log needs room).
+    /// `flush` flushes every table (when the log needs room). `queued` is called once the
+    /// batch has its place in the log's order (every batch queued after it gets a later LSN).
+    ///
+    /// Pipelined: a group's leader gives up the lead once its records are durable, so the next
+    /// group's records are written and synced while this one is applied to RocksDB. Groups are
+    /// applied in LSN order, each after the one before it.
     pub(crate) fn write(
         &self,
         db: &DB,
         batch: WriteBatch,
         io: impl Fn(&dyn Fn(bool) -> Result<()>) -> Result<()>,
         flush: impl Fn() -> Result<()>,
+        queued: &mut dyn FnMut(),
     ) -> Result<()> {
         let default = db
             .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
@@ -158,26 +179,34 @@ impl LogWriter {
         let ticket = state.next_ticket;
         state.next_ticket += 1;
         state.queue.push((ticket, batch));
+        queued();
         loop {
             if let Some(outcome) = state.outcomes.remove(&ticket) {
                 return outcome;
             }
-            if state.leading {
+            if state.leading || state.queue.is_empty() {
+                // Another leader has the log, or took this batch into its group.
                 self.done.wait(&mut state);
                 continue;
             }
             // Lead the next group.
             state.leading = true;
-            let group = std::mem::take(&mut state.queue);
-            let mut batches = Vec::with_capacity(group.len());
+            let group = state.next_group;
+            state.next_group += 1;
+            let members = std::mem::take(&mut state.queue);
+            let mut batches = Vec::with_capacity(members.len());
             let mut refused = Vec::new();
-            for (member, mut batch) in group {
+            for (member, mut batch) in members {
                 let lsn = state.log.next_lsn();
                 batch.put_cf(default, LOG_LSN_KEY, lsn.to_be_bytes());
                 let appended = match state.log.append(batch.data()) {
                     Err(full) if full.is_retryable() => {
-                        // The ring is full: every batch written so far goes to table files,
-                        // and their segments are free again.
+                        // The ring is full: once every earlier group is in RocksDB, every
+                        // batch written so far goes to table files, and their segments are
+                        // free again.
+                        while state.applied_groups != group {
+                            self.done.wait(&mut state);
+                        }
                         flush().and_then(|()| {
                             let written = state.written_lsn;
                             state.log.release_through(written + 1);
@@ -196,17 +225,34 @@ impl LogWriter {
             drop(state);
             // The log first (durable with Sync), then the tables, in LSN order.
             let sync_each = self.sync_each;
-            let members: Vec<u64> = batches.iter().map(|(member, _)| *member).collect();
-            let outcome =
-                io(&|synced| perform_writes(&writes, synced && sync_each)).and_then(|()| {
-                    for (_, batch) in batches {
-                        db.write_opt(batch, &no_wal())?;
-                    }
-                    Ok(())
-                });
+            let durable = io(&|synced| perform_writes(&writes, synced && sync_each));
             state = self.state.lock();
-            if outcome.is_ok() && !members.is_empty() {
-                state.written_lsn = last_lsn;
+            // The next group may write and sync its records while this one is applied.
+            state.leading = false;
+            self.done.notify_all();
+            while state.applied_groups != group {
+                self.done.wait(&mut state);
+            }
+            let durable = match &state.failed {
+                Some(earlier) => Err(earlier.clone()),
+                None => durable,
+            };
+            drop(state);
+            let members: Vec<u64> = batches.iter().map(|(member, _)| *member).collect();
+            let outcome = durable.and_then(|()| {
+                for (_, batch) in batches {
+                    db.write_opt(batch, &no_wal())?;
+                }
+                Ok(())
+            });
+            state = self.state.lock();
+            state.applied_groups += 1;
+            match &outcome {
+                Ok(()) if !members.is_empty() => state.written_lsn = last_lsn,
+                Ok(()) => {}
+                Err(error) => {
+                    state.failed.get_or_insert_with(|| error.clone());
+                }
             }
             for member in members {
                 state.outcomes.insert(member, outcome.clone());
@@ -214,7 +260,6 @@ impl LogWriter {
             for (member, error) in refused {
                 state.outcomes.insert(member, Err(error));
             }
-            state.leading = false;
             self.done.notify_all();
         }
     }
@@ -237,4 +282,119 @@ impl LogWriter {
     pub(crate) fn written_lsn(&self) -> u64 {
         self.state.lock().written_lsn
     }
+}
+
+/// The sequence numbers a reader gives the log's records start this far past the store's
+/// last one: past every write in RocksDB's own WAL files too, which a store switched to the
+/// log may still hold unflushed from before (their sequence numbers are not in the table
+/// files' count).
+const READER_SEQUENCE_MARGIN: u64 = 1 << 40;
+
+/// The log's records a reader beside the owner needs, written as RocksDB WAL files in a
+/// temporary directory (see `storage/wal_file.rs`), removed when this is dropped.
+pub(crate) struct ReaderWal {
+    dir: tempfile::TempDir,
+    log_dir: std::path::PathBuf,
+    headers: Vec<(usize, crate::format::commit_log::LogSegmentHeader)>,
+}
+
+impl ReaderWal {
+    /// The WAL directory to give RocksDB's read-only open.
+    pub(crate) fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Whether the segments read still hold what they held: if the owner reused one during
+    /// the read, records may be missing, and the reader starts again.
+    pub(crate) fn unchanged(&self) -> Result<bool> {
+        CommitLog::unchanged_since(&self.log_dir, &self.headers)
+    }
+}
+
+/// `payload` (a log record's batch) without the put of its LSN that [`LogWriter::write`] adds
+/// last. A reader's replay leaves [`LOG_LSN_KEY`] as the table files have it, so that the
+/// reader can check that the files it opened are the ones whose LSN it read the log after.
+fn without_lsn_put(lsn: u64, payload: &[u8]) -> Result<Vec<u8>> {
+    const BATCH_HEADER_BYTES: usize = 12;
+    let mut alone = WriteBatch::default();
+    alone.put(LOG_LSN_KEY, lsn.to_be_bytes());
+    let put = &alone.data()[BATCH_HEADER_BYTES..];
+    let count = payload
+        .get(8..BATCH_HEADER_BYTES)
+        .map(|count| u32::from_le_bytes(count.try_into().expect("4 bytes")));
+    match count {
+        Some(count)
+            if count > 0
+                && payload.len() >= BATCH_HEADER_BYTES + put.len()
+                && payload.ends_with(put) =>
+        {
+            let mut batch = payload[..payload.len() - put.len()].to_vec();
+            batch[8..BATCH_HEADER_BYTES].copy_from_slice(&(count - 1).to_le_bytes());
+            Ok(batch)
+        }
+        _ => Err(Error::Corrupt {
+            key: LOG_LSN_KEY.to_vec(),
+            reason: crate::format::error::DecodeError::Invalid {
+                reason: "a commit-log record does not end with the put of its LSN",
+            },
+        }),
+    }
+}
+
+/// For a read-only open of `store` beside its owner: the commit log's records after
+/// `tables_lsn` (the LSN the table files the reader opened hold), as a WAL file whose first
+/// batch gets a sequence number past `last_sequence` (the reader's), beside links to the
+/// store's own WAL files. `None` when the store has no log, or the log holds nothing after
+/// `tables_lsn`.
+///
+/// # Errors
+/// [`Error::Storage`] if a file cannot be read or written; [`Error::InvalidArgument`] if the
+/// log no longer holds `tables_lsn + 1` (the owner flushed and reused its segment meanwhile:
+/// open again).
+pub(crate) fn log_as_wal(
+    store: &Path,
+    tables_lsn: u64,
+    last_sequence: u64,
+) -> Result<Option<ReaderWal>> {
+    use crate::storage::wal_file::{WalFileWriter, wal_file_path};
+    let log_dir = store.join(LOG_DIR);
+    if !log_dir.is_dir() {
+        return Ok(None);
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("idemdb-reader-wal-")
+        .tempdir()
+        .map_err(|error| Error::io("making a temporary WAL directory", &error))?;
+    let first_sequence = last_sequence
+        .checked_add(1 + READER_SEQUENCE_MARGIN)
+        .ok_or_else(|| Error::invalid_argument("the store's sequence numbers are exhausted"))?;
+    // Numbered past every WAL file of the store, whose links go beside it.
+    let path = wal_file_path(dir.path(), u64::MAX >> 8);
+    let mut writer = WalFileWriter::create(&path, first_sequence)?;
+    let mut records = 0u64;
+    let headers = CommitLog::read_beside_writer(&log_dir, tables_lsn + 1, |lsn, payload| {
+        records += 1;
+        writer.append_batch(&without_lsn_put(lsn, payload)?)
+    })?;
+    writer.finish()?;
+    if records == 0 {
+        return Ok(None);
+    }
+    let absolute = std::path::absolute(store)
+        .map_err(|error| Error::io("finding the store's absolute path", &error))?;
+    let entries = std::fs::read_dir(&absolute)
+        .map_err(|error| Error::io("listing the store's files", &error))?;
+    for entry in entries {
+        let entry = entry.map_err(|error| Error::io("listing the store's files", &error))?;
+        let name = entry.file_name();
+        if name.to_string_lossy().ends_with(".log") {
+            std::os::unix::fs::symlink(absolute.join(&name), dir.path().join(&name))
+                .map_err(|error| Error::io("linking the store's WAL files", &error))?;
+        }
+    }
+    Ok(Some(ReaderWal {
+        dir,
+        log_dir,
+        headers,
+    }))
 }

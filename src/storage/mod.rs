@@ -17,3 +17,4 @@ pub(crate) mod rocksdb_options;
 pub(crate) mod store;
 pub(crate) mod store_lock;
 pub(crate) mod store_meta;
+pub(crate) mod wal_file;

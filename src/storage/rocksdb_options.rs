@@ -239,3 +239,34 @@ impl rocksdb::compaction_filter::CompactionFilter for ExpiryFilter {
         COMPACTION_FILTER_NAME
     }
 }
+
+/// How often a read-only open is tried. A live application's flush or compaction may delete a
+/// table file between RocksDB's reading of the file list and its opening of the file (RocksDB
+/// reports it as an I/O error, a missing file, or a corrupt MANIFEST naming a missing file);
+/// the next attempt reads the new list. A store really damaged fails every attempt.
+pub(crate) const READ_ONLY_OPEN_ATTEMPTS: u32 = 10;
+
+/// Runs `open` (a read-only open of a store another process may be writing) until it succeeds,
+/// fails otherwise than by a file gone meanwhile, or has failed [`READ_ONLY_OPEN_ATTEMPTS`]
+/// times.
+pub(crate) fn retry_read_only_open<T>(
+    mut open: impl FnMut() -> std::result::Result<T, rocksdb::Error>,
+) -> std::result::Result<T, rocksdb::Error> {
+    let mut attempt = 1;
+    loop {
+        match open() {
+            Err(error)
+                if attempt < READ_ONLY_OPEN_ATTEMPTS
+                    && matches!(
+                        error.kind(),
+                        rocksdb::ErrorKind::IOError
+                            | rocksdb::ErrorKind::NotFound
+                            | rocksdb::ErrorKind::Corruption
+                    ) =>
+            {
+                attempt += 1;
+            }
+            outcome => return outcome,
+        }
+    }
+}

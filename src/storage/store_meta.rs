@@ -151,12 +151,14 @@ impl StoredMeta {
                 format!("not an idemdb store (no {RECORDS_TABLE:?} table)"),
             ));
         }
-        let meta = DB::open_cf_for_read_only(
-            &rocksdb::Options::default(),
-            path,
-            [rocksdb::DEFAULT_COLUMN_FAMILY_NAME],
-            false,
-        )?;
+        let meta = crate::storage::rocksdb_options::retry_read_only_open(|| {
+            DB::open_cf_for_read_only(
+                &rocksdb::Options::default(),
+                path,
+                [rocksdb::DEFAULT_COLUMN_FAMILY_NAME],
+                false,
+            )
+        })?;
         let default = meta
             .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
             .ok_or_else(|| incompatible(path, "no default column family".to_owned()))?;

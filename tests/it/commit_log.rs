@@ -103,6 +103,122 @@ fn commits_are_replayed_exactly_once_across_reopens_and_flushes() {
     }
 }
 
+/// A reader beside the owner (an operator tool's read-only open) sees every acknowledged
+/// commit while the owner runs, before any flush: it reads the commit log's records after the
+/// LSN the table files hold.
+#[test]
+fn a_read_only_open_beside_the_owner_sees_every_acknowledged_commit() {
+    use idemdb::admin::{Store, Target};
+    for durability in [Durability::Sync, Durability::Buffered] {
+        let store = TestStore::new();
+        let engine = logged(&store, durability);
+        commit_all(&engine, 0..40);
+        engine.flush().unwrap();
+        commit_all(&engine, 40..90);
+        let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
+        let c = Target::Consumer(b"c".to_vec());
+        for key in 0..90 {
+            let key = format!("m-{key}");
+            let entry = reader.get(&c, key.as_bytes()).unwrap();
+            assert!(
+                entry.is_some(),
+                "{durability:?}: {key} not seen by the reader"
+            );
+        }
+        drop(reader);
+        // The owner goes on; a new reader sees the newer commits too.
+        commit_all(&engine, 90..95);
+        let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
+        assert!(reader.get(&c, b"m-94").unwrap().is_some(), "{durability:?}");
+        drop(reader);
+        drop(engine);
+        // The readers changed nothing: the owner's next open counts each commit once.
+        let engine = logged(&store, durability);
+        assert_eq!(counter(&engine), 95, "{durability:?}");
+    }
+}
+
+/// Readers open again and again while the owner commits, flushes and reuses its small ring's
+/// segments: each reader sees every commit acknowledged before it began.
+#[test]
+fn read_only_opens_racing_flushes_and_reused_segments_miss_nothing() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+    use idemdb::admin::{Store, Target};
+    let store = TestStore::new();
+    let engine = Arc::new(logged(&store, Durability::Buffered));
+    let acknowledged = Arc::new(AtomicU32::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (engine, acknowledged, stop) = (engine.clone(), acknowledged.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut next = 0;
+            while !stop.load(Ordering::Relaxed) {
+                commit_all(&engine, next..next + 1);
+                next += 1;
+                acknowledged.store(next, Ordering::Release);
+                if next % 97 == 0 {
+                    engine.flush().unwrap();
+                }
+                // A few thousand commits a second: a flush every few dozen milliseconds, and
+                // the ring round every few hundred (a reader that finds a flush during its
+                // read starts again, so the pace must leave it a chance).
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        })
+    };
+    let c = Target::Consumer(b"c".to_vec());
+    let mut opens = 0;
+    while opens < 60 {
+        let before = acknowledged.load(Ordering::Acquire);
+        if before == 0 {
+            std::thread::yield_now();
+            continue;
+        }
+        let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
+        for key in [0, before / 2, before - 1] {
+            let key = format!("m-{key}");
+            assert!(
+                reader.get(&c, key.as_bytes()).unwrap().is_some(),
+                "open {opens}: {key} (of {before} acknowledged) not seen"
+            );
+        }
+        opens += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    let written = acknowledged.load(Ordering::Acquire);
+    // The ring (3 segments of 64 KiB, about 480 commits) went round more than once.
+    assert!(written > 1_000, "only {written} commits");
+    drop(engine);
+    assert_eq!(
+        counter(&logged(&store, Durability::Buffered)),
+        u64::from(written)
+    );
+}
+
+/// A store switched to the log still holds, in RocksDB's own WAL, what it wrote before and
+/// has not flushed: a reader sees those commits and the log's.
+#[test]
+fn a_read_only_open_sees_commits_from_before_the_log_and_in_it() {
+    use idemdb::admin::{Store, Target};
+    let store = TestStore::new();
+    let engine = store.builder().durability(Durability::Sync).open().unwrap();
+    commit_all(&engine, 0..30);
+    drop(engine);
+    let engine = logged(&store, Durability::Sync);
+    commit_all(&engine, 30..60);
+    let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
+    let c = Target::Consumer(b"c".to_vec());
+    for key in 0..60 {
+        let key = format!("m-{key}");
+        assert!(reader.get(&c, key.as_bytes()).unwrap().is_some(), "{key}");
+    }
+    drop(reader);
+    drop(engine);
+    assert_eq!(counter(&logged(&store, Durability::Sync)), 60);
+}
+
 #[test]
 fn a_full_ring_flushes_the_tables_and_goes_round() {
     let store = TestStore::new();
