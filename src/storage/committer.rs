@@ -7,9 +7,10 @@
 //! joins them into one `WriteBatch` and writes that once (one WAL record, one fsync) turns N
 //! waiting commits into one fsync, and while it syncs the next group collects in its queue.
 //! `spawn_blocking` would park one runtime blocking thread per message and leave the grouping
-//! to RocksDB's write queue. With the commit log there are two such threads, taking groups in
-//! turn: one group's records are synced in the log while the previous group is applied to
-//! RocksDB (`storage/logged_writes.rs`), and the groups keep the order their jobs came in. The callers build their own batches (the CPU part of a commit), so
+//! to RocksDB's write queue. With the commit log the work is split between two threads: the
+//! committer makes a group durable in the log and goes straight on to the next (it never
+//! sleeps while jobs wait), and an applier applies each durable group to RocksDB, in order,
+//! and answers its jobs (`storage/logged_writes.rs`). The callers build their own batches (the CPU part of a commit), so
 //! the committer only joins bytes and writes.
 //!
 //! Each claim's writes stay atomic: a group is one batch, so every claim in it lands or none
@@ -27,6 +28,7 @@ use tokio::sync::oneshot;
 
 use crate::format::error::{Error, Result};
 use crate::format::record::Committed;
+use crate::storage::store::StagedWrite;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
@@ -41,9 +43,12 @@ const WRITE_BATCH_HEADER_BYTES: usize = 12;
 /// which the store implements. (The store owns its committer, so the committer cannot hold
 /// the store; each job holds it until its group is written.)
 pub(crate) trait BatchWriter: Send + Sync {
-    /// Writes `batch` atomically with the engine's durability, calling `queued` once its place
-    /// in the write order is fixed (a batch written after that call is written after it).
-    fn write_batch(&self, batch: WriteBatch, queued: &mut dyn FnMut()) -> Result<()>;
+    /// Makes `batch` durable with the engine's durability: with the commit log, in the log
+    /// (the tables are written by [`BatchWriter::complete_write`]); without it, the whole
+    /// write.
+    fn write_durable(&self, batch: WriteBatch) -> StagedWrite;
+    /// Finishes a write [`BatchWriter::write_durable`] started; its outcome.
+    fn complete_write(&self, staged: StagedWrite) -> Result<()>;
 }
 /// What a job does once its group is written (or failed): report, release its claims' keys,
 /// then answer its caller, in that order, so a caller that awaited every commit and then drops
@@ -79,23 +84,30 @@ pub(crate) struct Committer {
 }
 
 impl Committer {
-    /// Starts `threads` committer threads on one queue. They take groups in turn (`intake`):
-    /// a thread holds the intake from taking its group until the group's place in the write
-    /// order is fixed, so groups are written in the order their jobs were queued, while one
-    /// thread's group is being synced or applied and the next thread's is written.
-    fn spawn(threads: usize) -> Result<Committer> {
+    /// Starts the committer. `staged` (with the commit log): two threads, one that makes each
+    /// group durable in the log and goes straight on to the next group, and one that applies
+    /// the durable groups to the tables, in order, and answers their jobs. Without the log one
+    /// thread does both.
+    fn spawn(staged: bool) -> Result<Committer> {
         let (queue, jobs) = crossbeam::channel::unbounded();
-        let intake = Arc::new(parking_lot::Mutex::new(()));
-        for _ in 0..threads.max(1) {
-            let jobs = jobs.clone();
-            let intake = intake.clone();
+        let start = |name: &str, run: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
-                .name("idemdb-committer".into())
-                .spawn(move || run(&jobs, &intake))
+                .name(name.into())
+                .spawn(run)
                 .map_err(|error| Error::Storage {
                     kind: crate::format::error::StorageErrorKind::Io,
                     detail: format!("cannot start the committer thread: {error}"),
-                })?;
+                })
+        };
+        if staged {
+            let (durable, applier) = crossbeam::channel::unbounded();
+            start(
+                "idemdb-committer",
+                Box::new(move || run(&jobs, Some(&durable))),
+            )?;
+            start("idemdb-applier", Box::new(move || apply(&applier)))?;
+        } else {
+            start("idemdb-committer", Box::new(move || run(&jobs, None)))?;
         }
         Ok(Committer { queue })
     }
@@ -110,13 +122,17 @@ impl Committer {
     }
 }
 
-/// A committer thread: one group per loop, until the engine is dropped.
-fn run(jobs: &Receiver<Job>, intake: &parking_lot::Mutex<()>) {
-    loop {
-        let mut turn = Some(intake.lock());
-        let Ok(first) = jobs.recv() else {
-            return;
-        };
+/// A group made durable, on its way to the applier thread.
+struct DurableJobs {
+    writer: Arc<dyn BatchWriter>,
+    staged: StagedWrite,
+    finishes: Vec<FinishFn>,
+}
+
+/// The committer thread: one group per loop, until the engine is dropped. With `applier`, it
+/// hands each durable group on and takes the next; without, it finishes each itself.
+fn run(jobs: &Receiver<Job>, applier: Option<&Sender<DurableJobs>>) {
+    while let Ok(first) = jobs.recv() {
         let mut claims = first.claims;
         let mut bytes = first.batch.size_in_bytes();
         let mut group = vec![first];
@@ -130,18 +146,31 @@ fn run(jobs: &Receiver<Job>, intake: &parking_lot::Mutex<()>) {
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
-        write_group(group, &mut || drop(turn.take()));
+        let Some(durable) = write_group(group) else {
+            continue;
+        };
+        match applier {
+            Some(applier) => {
+                if let Err(unsent) = applier.send(durable) {
+                    // The applier ends only when this thread does: unreachable.
+                    finish_group(unsent.into_inner());
+                }
+            }
+            None => finish_group(durable),
+        }
     }
 }
 
-/// Writes one group as one batch and answers each of its jobs. Holds no engine reference of its
-/// own once written: the claims' are the last, so once the last caller is answered nothing here
-/// keeps the store open.
-fn write_group(group: Vec<Job>, queued: &mut dyn FnMut()) {
-    let Some(writer) = group.first().map(|job| job.writer.clone()) else {
-        queued();
-        return;
-    };
+/// The applier thread: finishes the durable groups in the order they come.
+fn apply(groups: &Receiver<DurableJobs>) {
+    while let Ok(group) = groups.recv() {
+        finish_group(group);
+    }
+}
+
+/// Makes one group durable as one batch.
+fn write_group(group: Vec<Job>) -> Option<DurableJobs> {
+    let writer = group.first().map(|job| job.writer.clone())?;
     let mut batches = Vec::with_capacity(group.len());
     let mut finishes = Vec::with_capacity(group.len());
     for job in group {
@@ -153,7 +182,24 @@ fn write_group(group: Vec<Job>, queued: &mut dyn FnMut()) {
     } else {
         join(batches.iter())
     };
-    let written = writer.write_batch(batch, queued);
+    let staged = writer.write_durable(batch);
+    Some(DurableJobs {
+        writer,
+        staged,
+        finishes,
+    })
+}
+
+/// Completes a group's write and answers each of its jobs. Holds no engine reference of its
+/// own once written: the claims' are the last, so once the last caller is answered nothing
+/// here keeps the store open.
+fn finish_group(group: DurableJobs) {
+    let DurableJobs {
+        writer,
+        staged,
+        finishes,
+    } = group;
+    let written = writer.complete_write(staged);
     drop(writer);
     // A group is one batch: on failure every job in it gets the same answer.
     for finish in finishes {
@@ -288,12 +334,12 @@ impl BatchCommitFuture {
 pub(crate) struct CommitterSlot(std::sync::OnceLock<Committer>);
 
 impl CommitterSlot {
-    /// The committer, started with `threads` threads by the first call.
-    pub(crate) fn get_or_start(&self, threads: usize) -> Result<&Committer> {
+    /// The committer, started by the first call (`staged`: see [`Committer::spawn`]).
+    pub(crate) fn get_or_start(&self, staged: bool) -> Result<&Committer> {
         if let Some(committer) = self.0.get() {
             return Ok(committer);
         }
-        let started = Committer::spawn(threads)?;
+        let started = Committer::spawn(staged)?;
         // Two first callers may race: the loser's queue is dropped unused and its thread ends.
         Ok(self.0.get_or_init(|| started))
     }

@@ -79,6 +79,24 @@ pub(crate) fn retire_log(store: &Path, db: &DB) -> Result<()> {
         .map_err(|error| Error::io("syncing the store directory", &error))
 }
 
+/// The fault seam around the log's writes: runs the call it is given (whose argument says
+/// whether to sync).
+type LogIo<'a> = dyn Fn(&dyn Fn(bool) -> Result<()>) -> Result<()> + 'a;
+
+/// A group whose records [`LogWriter::lead`] made durable in the log (or failed to), to be
+/// applied to RocksDB by [`LogWriter::apply`].
+pub(crate) struct DurableGroup {
+    group: u64,
+    /// Each batch with its writer's ticket (`None`: the batch given to `write_durable`).
+    batches: Vec<(Option<u64>, WriteBatch)>,
+    /// Batches the log refused (too large for a segment, or a full ring that a flush could
+    /// not free), with why.
+    refused: Vec<(Option<u64>, Error)>,
+    last_lsn: u64,
+    /// Whether the log's write and sync succeeded.
+    durable: Result<()>,
+}
+
 /// The commit log and its group commit.
 pub(crate) struct LogWriter {
     state: parking_lot::Mutex<State>,
@@ -161,9 +179,10 @@ impl LogWriter {
     /// `flush` flushes every table (when the log needs room). `queued` is called once the
     /// batch has its place in the log's order (every batch queued after it gets a later LSN).
     ///
-    /// Pipelined: a group's leader gives up the lead once its records are durable, so the next
-    /// group's records are written and synced while this one is applied to RocksDB. Groups are
-    /// applied in LSN order, each after the one before it.
+    /// Group commit: writers queue; one of them leads the next group (every batch queued) while
+    /// the others wait. Pipelined: a leader gives up the lead once its group's records are
+    /// durable, so the next group's records are written and synced while this one is applied
+    /// to RocksDB. Groups are applied in LSN order, each after the one before it.
     pub(crate) fn write(
         &self,
         db: &DB,
@@ -172,9 +191,6 @@ impl LogWriter {
         flush: impl Fn() -> Result<()>,
         queued: &mut dyn FnMut(),
     ) -> Result<()> {
-        let default = db
-            .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
-            .expect("the default table exists");
         let mut state = self.state.lock();
         let ticket = state.next_ticket;
         state.next_ticket += 1;
@@ -189,79 +205,159 @@ impl LogWriter {
                 self.done.wait(&mut state);
                 continue;
             }
-            // Lead the next group.
-            state.leading = true;
-            let group = state.next_group;
-            state.next_group += 1;
-            let members = std::mem::take(&mut state.queue);
-            let mut batches = Vec::with_capacity(members.len());
-            let mut refused = Vec::new();
-            for (member, mut batch) in members {
-                let lsn = state.log.next_lsn();
-                batch.put_cf(default, LOG_LSN_KEY, lsn.to_be_bytes());
-                let appended = match state.log.append(batch.data()) {
-                    Err(full) if full.is_retryable() => {
-                        // The ring is full: once every earlier group is in RocksDB, every
-                        // batch written so far goes to table files, and their segments are
-                        // free again.
-                        while state.applied_groups != group {
-                            self.done.wait(&mut state);
-                        }
-                        flush().and_then(|()| {
-                            let written = state.written_lsn;
-                            state.log.release_through(written + 1);
-                            state.log.append(batch.data())
-                        })
-                    }
-                    other => other,
-                };
-                match appended {
-                    Ok(_) => batches.push((member, batch)),
-                    Err(error) => refused.push((member, error)),
-                }
-            }
-            let writes = state.log.take_writes();
-            let last_lsn = state.log.next_lsn() - 1;
+            let group = self.lead(&mut state, db, None, &io, &flush);
             drop(state);
-            // The log first (durable with Sync), then the tables, in LSN order.
-            let sync_each = self.sync_each;
-            let durable = io(&|synced| perform_writes(&writes, synced && sync_each));
+            // The caller's own outcome is among the members'.
+            let _ = self.apply(db, group);
             state = self.state.lock();
-            // The next group may write and sync its records while this one is applied.
-            state.leading = false;
-            self.done.notify_all();
-            while state.applied_groups != group {
-                self.done.wait(&mut state);
-            }
-            let durable = match &state.failed {
-                Some(earlier) => Err(earlier.clone()),
-                None => durable,
-            };
-            drop(state);
-            let members: Vec<u64> = batches.iter().map(|(member, _)| *member).collect();
-            let outcome = durable.and_then(|()| {
-                for (_, batch) in batches {
-                    db.write_opt(batch, &no_wal())?;
-                }
-                Ok(())
-            });
-            state = self.state.lock();
-            state.applied_groups += 1;
-            match &outcome {
-                Ok(()) if !members.is_empty() => state.written_lsn = last_lsn,
-                Ok(()) => {}
-                Err(error) => {
-                    state.failed.get_or_insert_with(|| error.clone());
-                }
-            }
-            for member in members {
-                state.outcomes.insert(member, outcome.clone());
-            }
-            for (member, error) in refused {
-                state.outcomes.insert(member, Err(error));
-            }
-            self.done.notify_all();
         }
+    }
+
+    /// The first half of a write for a caller that keeps the log busy (the async committer):
+    /// waits for the lead, then leads a group of `batch` and every batch queued, and returns
+    /// once its records are durable in the log (or failed). [`LogWriter::apply`] finishes it;
+    /// meanwhile the caller may start the next group. Groups are applied in the order they
+    /// were led.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn write_durable(
+        &self,
+        db: &DB,
+        batch: WriteBatch,
+        io: impl Fn(&dyn Fn(bool) -> Result<()>) -> Result<()>,
+        flush: impl Fn() -> Result<()>,
+    ) -> DurableGroup {
+        let mut state = self.state.lock();
+        while state.leading {
+            self.done.wait(&mut state);
+        }
+        self.lead(&mut state, db, Some(batch), &io, &flush)
+    }
+
+    /// Leads a group: `own` (a caller's batch that is not queued) and every batch queued get
+    /// their LSNs and are appended, written and synced (without the lock), and the lead is
+    /// given up. The state must have no leader.
+    fn lead(
+        &self,
+        state: &mut parking_lot::MutexGuard<'_, State>,
+        db: &DB,
+        own: Option<WriteBatch>,
+        io: &LogIo<'_>,
+        flush: &dyn Fn() -> Result<()>,
+    ) -> DurableGroup {
+        let default = db
+            .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
+            .expect("the default table exists");
+        state.leading = true;
+        let group = state.next_group;
+        state.next_group += 1;
+        let members = own
+            .map(|batch| (None, batch))
+            .into_iter()
+            .chain(
+                std::mem::take(&mut state.queue)
+                    .into_iter()
+                    .map(|(ticket, batch)| (Some(ticket), batch)),
+            )
+            .collect::<Vec<_>>();
+        let mut batches = Vec::with_capacity(members.len());
+        let mut refused = Vec::new();
+        for (member, mut batch) in members {
+            let lsn = state.log.next_lsn();
+            batch.put_cf(default, LOG_LSN_KEY, lsn.to_be_bytes());
+            let appended = match state.log.append(batch.data()) {
+                Err(full) if full.is_retryable() => {
+                    // The ring is full: once every earlier group is in RocksDB, every batch
+                    // written so far goes to table files, and their segments are free again.
+                    while state.applied_groups != group {
+                        self.done.wait(state);
+                    }
+                    flush().and_then(|()| {
+                        let written = state.written_lsn;
+                        state.log.release_through(written + 1);
+                        state.log.append(batch.data())
+                    })
+                }
+                other => other,
+            };
+            match appended {
+                Ok(_) => batches.push((member, batch)),
+                Err(error) => refused.push((member, error)),
+            }
+        }
+        let writes = state.log.take_writes();
+        let last_lsn = state.log.next_lsn() - 1;
+        // The log first (durable with Sync), without the lock: the next group queues meanwhile.
+        let sync_each = self.sync_each;
+        let durable = parking_lot::MutexGuard::unlocked(state, || {
+            io(&|synced| perform_writes(&writes, synced && sync_each))
+        });
+        // The next group may write and sync its records while this one is applied.
+        state.leading = false;
+        self.done.notify_all();
+        DurableGroup {
+            group,
+            batches,
+            refused,
+            last_lsn,
+            durable,
+        }
+    }
+
+    /// Applies a group led by [`LogWriter::lead`] to `db` once every earlier group is applied,
+    /// and answers its members. Returns the outcome of the group's own batch (the one given
+    /// to [`LogWriter::write_durable`]; `Ok` when it had none).
+    pub(crate) fn apply(&self, db: &DB, group: DurableGroup) -> Result<()> {
+        let DurableGroup {
+            group,
+            batches,
+            refused,
+            last_lsn,
+            durable,
+        } = group;
+        let mut state = self.state.lock();
+        while state.applied_groups != group {
+            self.done.wait(&mut state);
+        }
+        let durable = match &state.failed {
+            Some(earlier) => Err(earlier.clone()),
+            None => durable,
+        };
+        drop(state);
+        let members: Vec<Option<u64>> = batches.iter().map(|(member, _)| *member).collect();
+        let outcome = durable.and_then(|()| {
+            for (_, batch) in batches {
+                db.write_opt(batch, &no_wal())?;
+            }
+            Ok(())
+        });
+        let mut state = self.state.lock();
+        state.applied_groups += 1;
+        match &outcome {
+            Ok(()) if !members.is_empty() => state.written_lsn = last_lsn,
+            Ok(()) => {}
+            Err(error) => {
+                state.failed.get_or_insert_with(|| error.clone());
+            }
+        }
+        let mut own = Ok(());
+        for member in members {
+            match member {
+                Some(ticket) => {
+                    state.outcomes.insert(ticket, outcome.clone());
+                }
+                None => own = outcome.clone(),
+            }
+        }
+        for (member, error) in refused {
+            match member {
+                Some(ticket) => {
+                    state.outcomes.insert(ticket, Err(error));
+                }
+                None => own = Err(error),
+            }
+        }
+        self.done.notify_all();
+        own
     }
 
     /// Syncs the log's files: every commit so far becomes durable (`Engine::flush_wal`).

@@ -413,10 +413,9 @@ impl Storage {
     /// The committer of async commits, started on first use.
     #[cfg(feature = "tokio")]
     pub(crate) fn committer(&self) -> Result<&crate::storage::committer::Committer> {
-        // With the commit log a second thread writes the next group while the first one's is
-        // applied to RocksDB (`LogWriter::write`); RocksDB's own WAL gains nothing from it.
-        let threads = if self.log.is_some() { 2 } else { 1 };
-        self.committer.get_or_start(threads)
+        // With the commit log a second thread applies each group to the tables while the first
+        // writes and syncs the next one's records; RocksDB's own WAL has no such halves.
+        self.committer.get_or_start(self.log.is_some())
     }
 
     pub(crate) fn check_not_poisoned(&self) -> Result<()> {
@@ -428,13 +427,6 @@ impl Storage {
 
     /// The one write path: writes `batch` atomically with the engine's durability.
     pub(crate) fn write(&self, batch: WriteBatch) -> Result<()> {
-        self.write_in_order(batch, &mut || {})
-    }
-
-    /// [`Storage::write`], calling `queued` once the batch's place in the write order is
-    /// fixed: with the commit log, a batch queued after that call gets a later LSN, so a
-    /// committer with more than one thread keeps its groups in the order it took them.
-    pub(crate) fn write_in_order(&self, batch: WriteBatch, queued: &mut dyn FnMut()) -> Result<()> {
         self.check_not_poisoned()?;
         if let Some(log) = &self.log {
             log.write(
@@ -442,12 +434,49 @@ impl Storage {
                 batch,
                 |call| self.io_result(IoPoint::Write, call),
                 || self.flush_every_table(),
-                queued,
+                &mut || {},
             )?;
             self.write_batches.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        queued();
+        self.write_without_log(batch)
+    }
+
+    /// [`Storage::write`] in two halves, for the async committer: this one makes `batch`
+    /// durable (with the commit log, in the log: the committer can start the next group while
+    /// [`Storage::complete_write`] applies this one to the tables; without it, the whole write).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn write_durable(&self, batch: WriteBatch) -> StagedWrite {
+        if let Err(error) = self.check_not_poisoned() {
+            return StagedWrite::Done(Err(error));
+        }
+        match &self.log {
+            Some(log) => StagedWrite::Logged(log.write_durable(
+                self.db(),
+                batch,
+                |call| self.io_result(IoPoint::Write, call),
+                || self.flush_every_table(),
+            )),
+            None => StagedWrite::Done(self.write_without_log(batch)),
+        }
+    }
+
+    /// The second half of [`Storage::write_durable`]: the write's outcome.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn complete_write(&self, staged: StagedWrite) -> Result<()> {
+        match staged {
+            StagedWrite::Done(outcome) => outcome,
+            StagedWrite::Logged(group) => {
+                let log = self.log.as_ref().expect("a logged write has the log");
+                log.apply(self.db(), group)?;
+                self.write_batches.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    }
+
+    /// A write through RocksDB's WAL (no commit log).
+    fn write_without_log(&self, batch: WriteBatch) -> Result<()> {
         self.io(IoPoint::Write, |synced| {
             if synced {
                 self.db().write_opt(batch, &self.write_options)
@@ -657,9 +686,21 @@ impl Storage {
 
 #[cfg(feature = "tokio")]
 impl crate::storage::committer::BatchWriter for Storage {
-    fn write_batch(&self, batch: WriteBatch, queued: &mut dyn FnMut()) -> Result<()> {
-        self.write_in_order(batch, queued)
+    fn write_durable(&self, batch: WriteBatch) -> StagedWrite {
+        Storage::write_durable(self, batch)
     }
+
+    fn complete_write(&self, staged: StagedWrite) -> Result<()> {
+        Storage::complete_write(self, staged)
+    }
+}
+
+/// A write [`Storage::write_durable`] started: done, or durable in the commit log and still to
+/// be applied to the tables.
+#[cfg(feature = "tokio")]
+pub(crate) enum StagedWrite {
+    Done(Result<()>),
+    Logged(crate::storage::logged_writes::DurableGroup),
 }
 
 /// Every user table the builder declares, with its kind.

@@ -60,12 +60,15 @@ impl Idemdb {
         })
     }
 
-    /// A session that keeps two durable batches in flight ([`PipelinedSession`]).
-    pub fn pipelined_session(&self) -> Result<Box<dyn Session>> {
+    /// A session that keeps up to `depth` durable batches in flight ([`PipelinedSession`]).
+    pub fn pipelined_session(&self, depth: usize) -> Result<Box<dyn Session>> {
         Ok(Box::new(PipelinedSession {
             session: self.batch_session()?,
             runtime: tokio::runtime::Builder::new_current_thread().build()?,
-            in_flight: None,
+            in_flight: std::collections::VecDeque::new(),
+            depth: depth.max(1),
+            calls: 0,
+            held: Vec::new(),
         }))
     }
 }
@@ -126,28 +129,36 @@ impl IdemdbSession {
     }
 }
 
-/// idemdb's durable batches with two in flight: each call claims its batch and hands it to the
-/// engine's committer (`ClaimBatch::commit_async`), then waits until the previous call's batch
-/// is durable. One batch is claimed and staged while the other's fsync runs, so a call costs
-/// about the larger of the two rather than their sum; each batch is acknowledged one call later.
-/// A re-sent message whose first copy is in the batch still in flight finds its key held
-/// (`InProgress`), as a consumer's would; it is delivered again once that batch is durable, and
-/// is then a duplicate.
+/// idemdb's durable batches with up to `depth` in flight: each call claims its batch and hands
+/// it to the engine's committer (`ClaimBatch::commit_async`), then, with `depth` batches in
+/// flight, waits until the oldest is durable. Batches are claimed and staged while earlier ones
+/// are synced, and batches waiting together are written as one group; each batch is
+/// acknowledged `depth - 1` calls later. A re-sent message whose first copy is in a batch still
+/// in flight finds its key held (`InProgress`), as a consumer's would; it is delivered again,
+/// and is then a duplicate, once every batch that was in flight before it is durable (a
+/// consumer would requeue it; the pipeline does not stop for it).
 struct PipelinedSession {
     session: IdemdbSession,
     runtime: tokio::runtime::Runtime,
-    in_flight: Option<idemdb::BatchCommitFuture>,
+    /// The batches in flight, oldest first, each with its call's number.
+    in_flight: std::collections::VecDeque<(u64, idemdb::BatchCommitFuture)>,
+    depth: usize,
+    calls: u64,
+    /// Held deliveries, each with the number of the newest batch that was in flight before it.
+    held: Vec<(u64, Delivery)>,
 }
 
-impl Session for PipelinedSession {
-    fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
-        let (batch, held) = self.session.claim_batch(deliveries)?;
-        let committing = batch.commit_async(|_| b"");
-        if let Some(previous) = self.in_flight.replace(committing) {
-            self.runtime.block_on(previous)?;
-        }
-        for index in held {
-            let delivery = &deliveries[index];
+impl PipelinedSession {
+    /// Waits for the oldest batch in flight, then delivers again what waited for it.
+    fn complete_oldest(&mut self) -> Result<()> {
+        let Some((call, oldest)) = self.in_flight.pop_front() else {
+            return Ok(());
+        };
+        self.runtime.block_on(oldest)?;
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            self.held.drain(..).partition(|(after, _)| *after <= call);
+        self.held = waiting;
+        for (_, delivery) in ready {
             let fingerprint = Fingerprint::of(delivery.value());
             match self.session.consumer.begin(delivery.key, fingerprint)? {
                 Outcome::Duplicate { .. } => {}
@@ -158,13 +169,33 @@ impl Session for PipelinedSession {
     }
 }
 
+impl Session for PipelinedSession {
+    fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
+        let (batch, held) = self.session.claim_batch(deliveries)?;
+        let call = self.calls;
+        self.calls += 1;
+        if let Some((newest, _)) = self.in_flight.back() {
+            self.held
+                .extend(held.into_iter().map(|index| (*newest, deliveries[index])));
+        } else if !held.is_empty() {
+            bail!("a message held with no batch in flight");
+        }
+        self.in_flight
+            .push_back((call, batch.commit_async(|_| b"")));
+        while self.in_flight.len() >= self.depth {
+            self.complete_oldest()?;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for PipelinedSession {
     fn drop(&mut self) {
-        if let Some(last) = self.in_flight.take() {
-            // The run is over; a failure of the last batch was already counted by nobody, so
+        while !self.in_flight.is_empty() {
+            // The run is over; a failure of a last batch was already counted by nobody, so
             // say it rather than lose it.
-            if let Err(error) = self.runtime.block_on(last) {
-                eprintln!("idemdb pipelined: the last batch failed: {error}");
+            if let Err(error) = self.complete_oldest() {
+                eprintln!("idemdb pipelined: a last batch failed: {error}");
             }
         }
     }

@@ -26,9 +26,14 @@ pub enum Kind {
     /// (`EngineBuilder::commit_log`: 4 segments of 64 MiB).
     IdemdbCommitLog,
     /// [`Kind::IdemdbPipelined`] with the experimental commit log.
-    IdemdbCommitLogPipelined,
-    /// idemdb, `Durability::Sync`, batches committed with `commit_async`, two in flight.
-    IdemdbPipelined,
+    IdemdbCommitLogPipelined {
+        depth: usize,
+    },
+    /// idemdb, `Durability::Sync`, batches committed with `commit_async`, up to `depth` in
+    /// flight.
+    IdemdbPipelined {
+        depth: usize,
+    },
     /// idemdb, re-delivering keys stored before the timed run (the duplicate path): still in
     /// the memtable, or flushed to table files first.
     IdemdbDuplicates {
@@ -248,7 +253,21 @@ pub fn all() -> Vec<Spec> {
         ),
         Spec::new(
             "idemdb sync + commit log, batch 64, 2 in flight",
-            Kind::IdemdbCommitLogPipelined,
+            Kind::IdemdbCommitLogPipelined { depth: 2 },
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync + commit log, batch 64, 3 in flight",
+            Kind::IdemdbCommitLogPipelined { depth: 3 },
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync + commit log, batch 64, 4 in flight",
+            Kind::IdemdbCommitLogPipelined { depth: 4 },
             1,
             64,
             1,
@@ -269,7 +288,7 @@ pub fn all() -> Vec<Spec> {
         ),
         Spec::new(
             "idemdb sync, batch 64, 2 in flight",
-            Kind::IdemdbPipelined,
+            Kind::IdemdbPipelined { depth: 2 },
             1,
             64,
             1,
@@ -506,15 +525,19 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
             warm_up(|| store.session(), || store.flush())?;
             Prepared::sharing(store, threads, Idemdb::session)
         }
-        Kind::IdemdbCommitLogPipelined => {
+        Kind::IdemdbCommitLogPipelined { depth } => {
             let store = Idemdb::open_with_commit_log(dir)?;
             warm_up(|| store.session(), || store.flush())?;
-            Prepared::sharing(store, threads, Idemdb::pipelined_session)
+            Prepared::sharing(store, threads, move |store: &Idemdb| {
+                store.pipelined_session(depth)
+            })
         }
-        Kind::IdemdbPipelined => {
+        Kind::IdemdbPipelined { depth } => {
             let store = Idemdb::open(dir, Durability::Sync)?;
             warm_up(|| store.session(), || store.flush())?;
-            Prepared::sharing(store, threads, Idemdb::pipelined_session)
+            Prepared::sharing(store, threads, move |store: &Idemdb| {
+                store.pipelined_session(depth)
+            })
         }
         Kind::IdemdbDuplicates { flushed } => {
             let store = Idemdb::open(dir, Durability::Buffered)?;
