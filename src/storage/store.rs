@@ -434,7 +434,6 @@ impl Storage {
                 batch,
                 |call| self.io_result(IoPoint::Write, call),
                 || self.flush_every_table(),
-                &mut || {},
             )?;
             self.write_batches.fetch_add(1, Ordering::Relaxed);
             return Ok(());

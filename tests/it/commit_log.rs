@@ -334,3 +334,52 @@ async fn async_commits_go_through_the_log() {
     let engine = logged(&store, Durability::Sync);
     assert_eq!(counter(&engine), 50);
 }
+
+/// Async commits (the committer making groups durable while the applier applies the ones
+/// before) and synchronous writers (leading groups of their own, waking one another) at once,
+/// through a ring small enough to need flushes: every commit answered, each applied once.
+#[cfg(feature = "tokio")]
+#[test]
+fn async_and_synchronous_writers_share_the_pipeline() {
+    let store = TestStore::new();
+    let engine = Arc::new(logged(&store, Durability::Sync));
+    let synchronous: Vec<_> = (0..12u32)
+        .map(|thread| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                commit_all(
+                    &engine,
+                    10_000 + thread * 1_000..10_000 + thread * 1_000 + 60,
+                );
+            })
+        })
+        .collect();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let c = engine.consumer("c").unwrap();
+        let counters = engine.business_table("counters").unwrap();
+        let mut in_flight = std::collections::VecDeque::new();
+        for key in 0..600 {
+            let key = format!("a-{key}");
+            let Outcome::Fresh(mut claim) = c.begin(&key, Fingerprint::of(&key)).unwrap() else {
+                panic!("fresh")
+            };
+            claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
+            in_flight.push_back(claim.commit_async(b"ok"));
+            if in_flight.len() > 8 {
+                in_flight.pop_front().unwrap().await.unwrap();
+            }
+        }
+        for future in in_flight {
+            future.await.unwrap();
+        }
+    });
+    for thread in synchronous {
+        thread.join().unwrap();
+    }
+    assert_eq!(counter(&engine), 600 + 12 * 60);
+    drop(engine);
+    assert_eq!(counter(&logged(&store, Durability::Sync)), 600 + 12 * 60);
+}
