@@ -113,7 +113,7 @@ if ! dpkg -s fuse3 >/dev/null 2>&1; then
 fi
 echo "== the power-cut file system forgets what it must (powercut/)"
 cargo test --release -p idemdb-powercut
-echo "== the crash harness with every open on the experimental commit log (SIGKILLs, power cuts)"
+echo "== the crash harness with every open on the commit log (SIGKILLs, power cuts)"
 IDEMDB_CRASH_COMMIT_LOG=1 IDEMDB_CRASH_CYCLES=30 IDEMDB_CRASH_CUTS=20 \
     cargo test --release --all-features --test crash
 

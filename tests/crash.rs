@@ -44,7 +44,7 @@
 //! effect done twice under one epoch (its in-progress record was lost). If it passes, the
 //! harness could not see a durability bug, and the test fails.
 //!
-//! `IDEMDB_CRASH_COMMIT_LOG=1` runs every open with the experimental commit log
+//! `IDEMDB_CRASH_COMMIT_LOG=1` runs every open with the commit log
 //! (`EngineBuilder::commit_log`) instead of RocksDB's WAL.
 //!
 //! `IDEMDB_CRASH_SEED` sets the seed. Power cuts need root and FUSE; where mounting is refused
@@ -122,7 +122,7 @@ fn builder(store: &Path, durability: Durability) -> idemdb::EngineBuilder {
         .business_table(
             TableOptions::new("counters").associative_merge_operator("add_u64", merge_ops::add_u64),
         );
-    // IDEMDB_CRASH_COMMIT_LOG=1: every open (children and checks) with the experimental commit
+    // IDEMDB_CRASH_COMMIT_LOG=1: every open (children and checks) with the commit
     // log, small segments so that the ring goes round and flushes make room.
     if std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some() {
         return builder.commit_log(3, 256 << 10);

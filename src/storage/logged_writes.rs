@@ -1,4 +1,4 @@
-//! The experimental durable path through the commit log (`EngineBuilder::commit_log`): each
+//! The durable path through the commit log (`EngineBuilder::commit_log`): each
 //! write batch gets the next log sequence number (LSN), written into the batch itself
 //! ([`LOG_LSN_KEY`]), is appended to the log, made durable there, and only then written to
 //! RocksDB, whose tables run without their WAL and flush atomically (all together), so that

@@ -77,7 +77,7 @@ pub(crate) struct Storage {
     write_batches: AtomicU64,
     /// The business tables as declared, in declaration order.
     pub(crate) business: Vec<TableOptions>,
-    /// The experimental commit log, when the builder asked for it
+    /// The commit log, when the builder asked for it
     /// (`EngineBuilder::commit_log`): the durable path instead of RocksDB's WAL.
     log: Option<crate::storage::logged_writes::LogWriter>,
     /// The directory lock, last so that it is released after RocksDB has closed the store.

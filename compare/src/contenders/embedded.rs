@@ -34,7 +34,7 @@ impl Idemdb {
         Ok(Idemdb { engine })
     }
 
-    /// `Durability::Sync` with the experimental commit log instead of RocksDB's WAL.
+    /// `Durability::Sync` with the commit log instead of RocksDB's WAL.
     pub fn open_with_commit_log(dir: &Path) -> Result<Idemdb> {
         let engine = Engine::builder(dir)
             .durability(Durability::Sync)

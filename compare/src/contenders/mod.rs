@@ -22,10 +22,10 @@ use crate::workloads::{Session, Shape, WARM_UP_THREAD};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
     Idemdb(Durability),
-    /// idemdb, `Durability::Sync`, with the experimental commit log instead of RocksDB's WAL
+    /// idemdb, `Durability::Sync`, with the commit log instead of RocksDB's WAL
     /// (`EngineBuilder::commit_log`: 4 segments of 64 MiB).
     IdemdbCommitLog,
-    /// [`Kind::IdemdbPipelined`] with the experimental commit log.
+    /// [`Kind::IdemdbPipelined`] with the commit log.
     IdemdbCommitLogPipelined {
         depth: usize,
     },
@@ -268,6 +268,13 @@ pub fn all() -> Vec<Spec> {
         Spec::new(
             "idemdb sync + commit log, batch 64, 4 in flight",
             Kind::IdemdbCommitLogPipelined { depth: 4 },
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync + commit log, batch 64, 8 in flight",
+            Kind::IdemdbCommitLogPipelined { depth: 8 },
             1,
             64,
             1,
