@@ -82,6 +82,9 @@ const POINTS: [&str; 2] = [
     "after-commit-before-ack",
     "after-side-effect-before-complete",
 ];
+/// The power-cut point right after a transactional commit's ack: the commit must survive
+/// (with async commits, a future resolved before its group was durable would not).
+const AFTER_ACK: &str = "after-ack";
 
 /// How the id is processed: transactional, batch, or external two-phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,6 +294,13 @@ fn child() {
     }
     let one = 1u64.to_be_bytes();
     let holder = format!("pid-{}", std::process::id());
+    // IDEMDB_CRASH_ASYNC (some `Sync` children): transactional commits go through
+    // `commit_async`, up to ASYNC_IN_FLIGHT at a time, each acknowledged when its future
+    // resolves (with the commit log: the committer and applier threads).
+    #[cfg(feature = "tokio")]
+    let mut in_flight = AsyncCommits::new(
+        durability == Durability::Sync && std::env::var_os("IDEMDB_CRASH_ASYNC").is_some(),
+    );
     say("READY");
 
     for (handled, line) in std::io::stdin().lock().lines().enumerate() {
@@ -322,6 +332,12 @@ fn child() {
             b'T' => {
                 let id = ids[0];
                 match consumer.begin(key(id), fingerprint(id)).expect("begin") {
+                    #[cfg(feature = "tokio")]
+                    Outcome::Fresh(mut claim) if in_flight.enabled => {
+                        claim.put(&rows, key(id), b"t").expect("put");
+                        claim.merge(&counters, key(id), one).expect("merge");
+                        in_flight.push(id, claim.commit_async(b"done"), point.as_deref());
+                    }
                     Outcome::Fresh(mut claim) => {
                         claim.put(&rows, key(id), b"t").expect("put");
                         claim.merge(&counters, key(id), one).expect("merge");
@@ -330,6 +346,9 @@ fn child() {
                             stop_at(POINTS[0]);
                         }
                         say(&format!("ACK {id} new"));
+                        if point.as_deref() == Some(AFTER_ACK) {
+                            stop_at(AFTER_ACK);
+                        }
                     }
                     Outcome::Duplicate { .. } => say(&format!("ACK {id}")),
                     other => panic!("transactional {id}: unexpected {other:?}"),
@@ -435,7 +454,62 @@ fn child() {
             other => panic!("unknown delivery line {:?}", other as char),
         }
     }
+    #[cfg(feature = "tokio")]
+    in_flight.drain(point.as_deref());
     say("DONE");
+}
+
+/// Most async commits a child keeps in flight.
+#[cfg(feature = "tokio")]
+const ASYNC_IN_FLIGHT: usize = 4;
+
+/// A child's async commits in flight, oldest first, acknowledged as their futures resolve.
+#[cfg(feature = "tokio")]
+struct AsyncCommits {
+    enabled: bool,
+    runtime: tokio::runtime::Runtime,
+    futures: std::collections::VecDeque<(u64, idemdb::CommitFuture)>,
+}
+
+#[cfg(feature = "tokio")]
+impl AsyncCommits {
+    fn new(enabled: bool) -> AsyncCommits {
+        AsyncCommits {
+            enabled,
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime"),
+            futures: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// Adds a commit; with too many in flight, waits for the oldest.
+    fn push(&mut self, id: u64, future: idemdb::CommitFuture, point: Option<&str>) {
+        self.futures.push_back((id, future));
+        while self.futures.len() > ASYNC_IN_FLIGHT {
+            self.complete_oldest(point);
+        }
+    }
+
+    fn complete_oldest(&mut self, point: Option<&str>) {
+        let Some((id, future)) = self.futures.pop_front() else {
+            return;
+        };
+        self.runtime.block_on(future).expect("async commit");
+        if point == Some(POINTS[0]) {
+            stop_at(POINTS[0]);
+        }
+        say(&format!("ACK {id} new"));
+        if point == Some(AFTER_ACK) {
+            stop_at(AFTER_ACK);
+        }
+    }
+
+    fn drain(&mut self, point: Option<&str>) {
+        while !self.futures.is_empty() {
+            self.complete_oldest(point);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -448,6 +522,8 @@ enum CutAt {
     Random,
     /// Right after a commit returned, before its ack.
     AfterCommit,
+    /// Right after a transactional commit's ack.
+    AfterAck,
     /// At a counted operation after the child began a memtable flush.
     Flush,
     /// At a counted operation after the child began a full compaction.
@@ -459,9 +535,10 @@ enum CutAt {
     LogSegment,
 }
 
-const CUT_PLACES: [CutAt; 5] = [
+const CUT_PLACES: [CutAt; 6] = [
     CutAt::Random,
     CutAt::AfterCommit,
+    CutAt::AfterAck,
     CutAt::Flush,
     CutAt::Compaction,
     CutAt::WalSwitch,
@@ -717,6 +794,13 @@ fn run_child(
         .stderr(Stdio::piped());
     if let Some(point) = point {
         command.env("IDEMDB_CRASH_POINT", point);
+    }
+    // Every second `Sync` child commits its transactional deliveries with `commit_async`.
+    static SYNC_CHILDREN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    if durability == Durability::Sync
+        && SYNC_CHILDREN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 1
+    {
+        command.env("IDEMDB_CRASH_ASYNC", "1");
     }
     if let Some((fs, fsync)) = power {
         command.env("IDEMDB_CRASH_PHASES", fs.path());
@@ -1058,7 +1142,10 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
             }
             Ending::PowerCut { fsync } => {
                 let fs = PowerCut::mount(&disk, &mnt).expect("mount the power-cut file system");
-                let mut place = CUT_PLACES[(cycle % CUT_PLACES.len() as u64) as usize];
+                // Shifted by one every round of places, so that `Sync` (even) and `Buffered`
+                // (odd) cycles both meet every place.
+                let places = CUT_PLACES.len() as u64;
+                let mut place = CUT_PLACES[((cycle + cycle / places) % places) as usize];
                 // The commit log's stores create no WAL files to cut at: cut at its segments.
                 if place == CutAt::WalSwitch
                     && std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some()
@@ -1078,14 +1165,18 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                     CutAt::LogSegment => {
                         fs.arm(Event::Write("segment-1".into()), rng.below(6) as u32);
                     }
-                    CutAt::Random | CutAt::AfterCommit => {}
+                    CutAt::Random | CutAt::AfterCommit | CutAt::AfterAck => {}
                 }
                 // An armed cut not reached by then becomes a random one.
                 let kill_after = match place {
                     CutAt::Random => Duration::from_millis(10 + rng.below(200)),
                     _ => Duration::from_secs(3),
                 };
-                let point = (place == CutAt::AfterCommit).then_some(POINTS[0]);
+                let point = match place {
+                    CutAt::AfterCommit => Some(POINTS[0]),
+                    CutAt::AfterAck => Some(AFTER_ACK),
+                    _ => None,
+                };
                 let run = run_child(
                     &child_store,
                     &ledger,
@@ -1100,7 +1191,7 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                 // made a random cut.
                 let reached = match place {
                     CutAt::Random => true,
-                    CutAt::AfterCommit => run.at_point,
+                    CutAt::AfterCommit | CutAt::AfterAck => run.at_point,
                     CutAt::Flush | CutAt::Compaction | CutAt::WalSwitch | CutAt::LogSegment => {
                         run.cut_by_fs
                     }

@@ -43,12 +43,16 @@ const WRITE_BATCH_HEADER_BYTES: usize = 12;
 /// which the store implements. (The store owns its committer, so the committer cannot hold
 /// the store; each job holds it until its group is written.)
 pub(crate) trait BatchWriter: Send + Sync {
-    /// Makes `batch` durable with the engine's durability: with the commit log, in the log
-    /// (the tables are written by [`BatchWriter::complete_write`]); without it, the whole
-    /// write.
-    fn write_durable(&self, batch: WriteBatch) -> StagedWrite;
-    /// Finishes a write [`BatchWriter::write_durable`] started; its outcome.
-    fn complete_write(&self, staged: StagedWrite) -> Result<()>;
+    /// Makes `batches` (one per job, numbered) durable with the engine's durability: with the
+    /// commit log, in the log (the tables are written by [`BatchWriter::complete_write`]),
+    /// returning those the log had no room for yet; without it, joined and written whole.
+    fn write_durable(
+        &self,
+        batches: Vec<(usize, WriteBatch)>,
+    ) -> (StagedWrite, Vec<(usize, WriteBatch)>);
+    /// Finishes a write [`BatchWriter::write_durable`] started: each batch's outcome, by its
+    /// number.
+    fn complete_write(&self, staged: StagedWrite) -> Vec<(usize, Result<()>)>;
 }
 /// What a job does once its group is written (or failed): report, release its claims' keys,
 /// then answer its caller, in that order, so a caller that awaited every commit and then drops
@@ -126,7 +130,8 @@ impl Committer {
 struct DurableJobs {
     writer: Arc<dyn BatchWriter>,
     staged: StagedWrite,
-    finishes: Vec<FinishFn>,
+    /// The finish of each job the write holds, by the job's number.
+    finishes: Vec<(usize, FinishFn)>,
 }
 
 /// The committer thread: one group per loop, until the engine is dropped. With `applier`, it
@@ -146,10 +151,9 @@ fn run(jobs: &Receiver<Job>, applier: Option<&Sender<DurableJobs>>) {
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
-        let Some(durable) = write_group(group) else {
-            continue;
-        };
-        match applier {
+        // Each write goes on as soon as it is durable: with the commit log, the next write of
+        // the same group may wait for it to be applied (a full ring).
+        write_group(group, &mut |durable| match applier {
             Some(applier) => {
                 if let Err(unsent) = applier.send(durable) {
                     // The applier ends only when this thread does: unreachable.
@@ -157,7 +161,7 @@ fn run(jobs: &Receiver<Job>, applier: Option<&Sender<DurableJobs>>) {
                 }
             }
             None => finish_group(durable),
-        }
+        });
     }
 }
 
@@ -168,48 +172,70 @@ fn apply(groups: &Receiver<DurableJobs>) {
     }
 }
 
-/// Makes one group durable as one batch.
-fn write_group(group: Vec<Job>) -> Option<DurableJobs> {
-    let writer = group.first().map(|job| job.writer.clone())?;
-    let mut batches = Vec::with_capacity(group.len());
-    let mut finishes = Vec::with_capacity(group.len());
-    for job in group {
-        batches.push(job.batch);
-        finishes.push(job.finish);
-    }
-    let batch = if batches.len() == 1 {
-        batches.pop().unwrap_or_default()
-    } else {
-        join(batches.iter())
+/// Makes one group's jobs durable: one write, or, with the commit log, as many as its ring
+/// needs; each is handed to `deliver` at once.
+fn write_group(group: Vec<Job>, deliver: &mut dyn FnMut(DurableJobs)) {
+    let Some(writer) = group.first().map(|job| job.writer.clone()) else {
+        return;
     };
-    let staged = writer.write_durable(batch);
-    Some(DurableJobs {
-        writer,
-        staged,
-        finishes,
-    })
+    let mut finishes: Vec<Option<FinishFn>> = Vec::with_capacity(group.len());
+    let mut batches = Vec::with_capacity(group.len());
+    for (number, job) in group.into_iter().enumerate() {
+        batches.push((number, job.batch));
+        finishes.push(Some(job.finish));
+    }
+    let mut writer = Some(writer);
+    while let Some(current) = writer.take() {
+        let (staged, left) = current.write_durable(std::mem::take(&mut batches));
+        let held: Vec<(usize, FinishFn)> = (0..finishes.len())
+            .filter(|number| !left.iter().any(|(other, _)| other == number))
+            .filter_map(|number| finishes[number].take().map(|finish| (number, finish)))
+            .collect();
+        // The last write takes this thread's reference to the store with it: once its jobs
+        // are answered, nothing here keeps the store open.
+        if !left.is_empty() {
+            writer = Some(current.clone());
+        }
+        deliver(DurableJobs {
+            writer: current,
+            staged,
+            finishes: held,
+        });
+        batches = left;
+    }
 }
 
-/// Completes a group's write and answers each of its jobs. Holds no engine reference of its
-/// own once written: the claims' are the last, so once the last caller is answered nothing
-/// here keeps the store open.
+/// Completes a write and answers each of its jobs. Holds no engine reference of its own once
+/// written: the claims' are the last, so once the last caller is answered nothing here keeps
+/// the store open.
 fn finish_group(group: DurableJobs) {
     let DurableJobs {
         writer,
         staged,
         finishes,
     } = group;
-    let written = writer.complete_write(staged);
+    let outcomes = writer.complete_write(staged);
     drop(writer);
-    // A group is one batch: on failure every job in it gets the same answer.
-    for finish in finishes {
-        finish(written.clone());
+    for (number, finish) in finishes {
+        let outcome = outcomes
+            .iter()
+            .find(|(other, _)| *other == number)
+            .map_or_else(
+                || Err(committer_error("the write did not answer for a commit")),
+                |(_, outcome)| outcome.clone(),
+            );
+        finish(outcome);
     }
 }
 
 /// One write batch holding every record of `batches`, in order: RocksDB applies it atomically,
 /// as it would each of them.
-fn join<'a>(batches: impl Iterator<Item = &'a WriteBatch> + Clone) -> WriteBatch {
+pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch {
+    let mut batches: Vec<WriteBatch> = batches.into_iter().collect();
+    if batches.len() == 1 {
+        return batches.pop().unwrap_or_default();
+    }
+    let batches = batches.iter();
     let records: usize = batches.clone().map(|batch| batch.len()).sum();
     let bytes: usize = batches
         .clone()

@@ -83,15 +83,24 @@ pub(crate) fn retire_log(store: &Path, db: &DB) -> Result<()> {
 /// whether to sync).
 type LogIo<'a> = dyn Fn(&dyn Fn(bool) -> Result<()>) -> Result<()> + 'a;
 
+/// Whose a batch in a group is.
+#[derive(Clone, Copy, Debug)]
+enum Member {
+    /// A queued writer's, by ticket ([`LogWriter::write`]).
+    Queued(u64),
+    /// One of the batches given to [`LogWriter::write_durable`], by the caller's number.
+    Own(usize),
+}
+
 /// A group whose records [`LogWriter::lead`] made durable in the log (or failed to), to be
 /// applied to RocksDB by [`LogWriter::apply`].
 pub(crate) struct DurableGroup {
     group: u64,
-    /// Each batch with its writer's ticket (`None`: the batch given to `write_durable`).
-    batches: Vec<(Option<u64>, WriteBatch)>,
+    /// Each batch with whose it is.
+    batches: Vec<(Member, WriteBatch)>,
     /// Batches the log refused (too large for a segment, or a full ring that a flush could
     /// not free), with why.
-    refused: Vec<(Option<u64>, Error)>,
+    refused: Vec<(Member, Error)>,
     last_lsn: u64,
     /// Whether the log's write and sync succeeded.
     durable: Result<()>,
@@ -220,7 +229,7 @@ impl LogWriter {
                 park(&mut state);
                 continue;
             }
-            let group = self.lead(&mut state, db, None, &io, &flush);
+            let (group, _) = self.lead(&mut state, db, Vec::new(), &io, &flush);
             drop(state);
             // The caller's own outcome is among the members'.
             let _ = self.apply(db, group);
@@ -229,58 +238,81 @@ impl LogWriter {
     }
 
     /// The first half of a write for a caller that keeps the log busy (the async committer):
-    /// waits for the lead, then leads a group of `batch` and every batch queued, and returns
-    /// once its records are durable in the log (or failed). [`LogWriter::apply`] finishes it;
-    /// meanwhile the caller may start the next group. Groups are applied in the order they
-    /// were led.
+    /// waits for the lead, then leads a group of `batches` (each its own record, numbered by
+    /// the caller) and every batch queued, and returns once their records are durable in the
+    /// log (or failed), with the batches the group had no room for (the ring was full: the
+    /// caller hands those to the next call, which flushes the tables once this group is
+    /// applied). [`LogWriter::apply`] finishes the group; meanwhile the caller may start the
+    /// next one. Groups are applied in the order they were led.
     #[cfg(feature = "tokio")]
     pub(crate) fn write_durable(
         &self,
         db: &DB,
-        batch: WriteBatch,
+        batches: Vec<(usize, WriteBatch)>,
         io: impl Fn(&dyn Fn(bool) -> Result<()>) -> Result<()>,
         flush: impl Fn() -> Result<()>,
-    ) -> DurableGroup {
+    ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
         let mut state = self.state.lock();
         while state.leading {
             state.lead_waiters.push(std::thread::current());
             park(&mut state);
         }
-        self.lead(&mut state, db, Some(batch), &io, &flush)
+        self.lead(&mut state, db, batches, &io, &flush)
     }
 
-    /// Leads a group: `own` (a caller's batch that is not queued) and every batch queued get
-    /// their LSNs and are appended, written and synced (without the lock), and the lead is
-    /// given up. The state must have no leader.
+    /// Leads a group: `own` (a caller's batches, not queued) and every batch queued get their
+    /// LSNs and are appended, written and synced (without the lock), and the lead is given up.
+    /// The state must have no leader. When the ring fills after the group's first record, the
+    /// rest wait for the next group (their segments can only be freed once this group is in the
+    /// tables): queued batches go back to the front of the queue, `own` ones are returned.
     fn lead(
         &self,
         state: &mut parking_lot::MutexGuard<'_, State>,
         db: &DB,
-        own: Option<WriteBatch>,
+        own: Vec<(usize, WriteBatch)>,
         io: &LogIo<'_>,
         flush: &dyn Fn() -> Result<()>,
-    ) -> DurableGroup {
+    ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
         let default = db
             .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
             .expect("the default table exists");
         state.leading = true;
         let group = state.next_group;
         state.next_group += 1;
-        let members = own
-            .map(|batch| (None, batch))
+        let mut members = own
             .into_iter()
+            .map(|(index, batch)| (Member::Own(index), batch))
             .chain(
                 std::mem::take(&mut state.queue)
                     .into_iter()
-                    .map(|(ticket, batch)| (Some(ticket), batch)),
+                    .map(|(ticket, batch)| (Member::Queued(ticket), batch)),
             )
-            .collect::<Vec<_>>();
+            .collect::<std::collections::VecDeque<_>>();
         let mut batches = Vec::with_capacity(members.len());
         let mut refused = Vec::new();
-        for (member, mut batch) in members {
+        let mut deferred = Vec::new();
+        let mut own_left = Vec::new();
+        while let Some((member, mut batch)) = members.pop_front() {
             let lsn = state.log.next_lsn();
             batch.put_cf(default, LOG_LSN_KEY, lsn.to_be_bytes());
             let appended = match state.log.append(batch.data()) {
+                Err(full) if full.is_retryable() && !batches.is_empty() => {
+                    // The ring is full with this group's own records among those it holds:
+                    // this batch and the rest wait for the next group.
+                    let unnumbered = without_lsn_put(lsn, batch.data())
+                        .map(|bytes| WriteBatch::from_data(&bytes));
+                    match unnumbered {
+                        Ok(batch) => members.push_front((member, batch)),
+                        Err(error) => refused.push((member, error)),
+                    }
+                    for (member, batch) in members.drain(..) {
+                        match member {
+                            Member::Queued(ticket) => deferred.push((ticket, batch)),
+                            Member::Own(index) => own_left.push((index, batch)),
+                        }
+                    }
+                    break;
+                }
                 Err(full) if full.is_retryable() => {
                     // The ring is full: once every earlier group is in RocksDB, every batch
                     // written so far goes to table files, and their segments are free again.
@@ -301,6 +333,11 @@ impl LogWriter {
                 Err(error) => refused.push((member, error)),
             }
         }
+        if !deferred.is_empty() {
+            // Ahead of what was queued meanwhile: they were queued first.
+            deferred.append(&mut state.queue);
+            state.queue = deferred;
+        }
         let writes = state.log.take_writes();
         let last_lsn = state.log.next_lsn() - 1;
         // The log first (durable with Sync), without the lock: the next group queues meanwhile.
@@ -320,19 +357,22 @@ impl LogWriter {
         for waiter in state.lead_waiters.drain(..) {
             waiter.unpark();
         }
-        DurableGroup {
-            group,
-            batches,
-            refused,
-            last_lsn,
-            durable,
-        }
+        (
+            DurableGroup {
+                group,
+                batches,
+                refused,
+                last_lsn,
+                durable,
+            },
+            own_left,
+        )
     }
 
     /// Applies a group led by [`LogWriter::lead`] to `db` once every earlier group is applied,
-    /// and answers its members. Returns the outcome of the group's own batch (the one given
-    /// to [`LogWriter::write_durable`]; `Ok` when it had none).
-    pub(crate) fn apply(&self, db: &DB, group: DurableGroup) -> Result<()> {
+    /// and answers its queued members. Returns the outcomes of the group's own batches (those
+    /// given to [`LogWriter::write_durable`]), by the caller's numbers.
+    pub(crate) fn apply(&self, db: &DB, group: DurableGroup) -> Vec<(usize, Result<()>)> {
         let DurableGroup {
             group,
             batches,
@@ -350,7 +390,7 @@ impl LogWriter {
             None => durable,
         };
         drop(state);
-        let members: Vec<Option<u64>> = batches.iter().map(|(member, _)| *member).collect();
+        let members: Vec<Member> = batches.iter().map(|(member, _)| *member).collect();
         let outcome = durable.and_then(|()| {
             for (_, batch) in batches {
                 db.write_opt(batch, &no_wal())?;
@@ -366,7 +406,7 @@ impl LogWriter {
                 state.failed.get_or_insert_with(|| error.clone());
             }
         }
-        let mut own = Ok(());
+        let mut own = Vec::new();
         let answers = members
             .into_iter()
             .map(|member| (member, outcome.clone()))
@@ -377,13 +417,13 @@ impl LogWriter {
             );
         for (member, answer) in answers {
             match member {
-                Some(ticket) => {
+                Member::Queued(ticket) => {
                     state.outcomes.insert(ticket, answer);
                     if let Some(waiter) = state.waiters.get(&ticket) {
                         waiter.unpark();
                     }
                 }
-                None => own = answer,
+                Member::Own(index) => own.push((index, answer)),
             }
         }
         // The next group's leader may be waiting for its turn.

@@ -441,35 +441,58 @@ impl Storage {
         self.write_without_log(batch)
     }
 
-    /// [`Storage::write`] in two halves, for the async committer: this one makes `batch`
-    /// durable (with the commit log, in the log: the committer can start the next group while
-    /// [`Storage::complete_write`] applies this one to the tables; without it, the whole write).
+    /// [`Storage::write`] in two halves, for the async committer: this one makes `batches`
+    /// (each a commit's, numbered by the caller) durable. With the commit log each is a record
+    /// of one group, and those the ring had no room for are returned, for the next call (the
+    /// committer can start it while [`Storage::complete_write`] applies this group to the
+    /// tables); without the log they are joined into one write batch and written whole.
     #[cfg(feature = "tokio")]
-    pub(crate) fn write_durable(&self, batch: WriteBatch) -> StagedWrite {
+    pub(crate) fn write_durable(
+        &self,
+        batches: Vec<(usize, WriteBatch)>,
+    ) -> (StagedWrite, Vec<(usize, WriteBatch)>) {
+        let numbers: Vec<usize> = batches.iter().map(|(number, _)| *number).collect();
         if let Err(error) = self.check_not_poisoned() {
-            return StagedWrite::Done(Err(error));
+            return (StagedWrite::Done(numbers, Err(error)), Vec::new());
         }
         match &self.log {
-            Some(log) => StagedWrite::Logged(log.write_durable(
-                self.db(),
-                batch,
-                |call| self.io_result(IoPoint::Write, call),
-                || self.flush_every_table(),
-            )),
-            None => StagedWrite::Done(self.write_without_log(batch)),
+            Some(log) => {
+                let (group, left) = log.write_durable(
+                    self.db(),
+                    batches,
+                    |call| self.io_result(IoPoint::Write, call),
+                    || self.flush_every_table(),
+                );
+                (StagedWrite::Logged(group), left)
+            }
+            None => {
+                let joined = crate::storage::committer::join(batches.into_iter().map(|(_, b)| b));
+                (
+                    StagedWrite::Done(numbers, self.write_without_log(joined)),
+                    Vec::new(),
+                )
+            }
         }
     }
 
-    /// The second half of [`Storage::write_durable`]: the write's outcome.
+    /// The second half of [`Storage::write_durable`]: each batch's outcome, by its number.
     #[cfg(feature = "tokio")]
-    pub(crate) fn complete_write(&self, staged: StagedWrite) -> Result<()> {
+    pub(crate) fn complete_write(&self, staged: StagedWrite) -> Vec<(usize, Result<()>)> {
         match staged {
-            StagedWrite::Done(outcome) => outcome,
+            StagedWrite::Done(numbers, outcome) => numbers
+                .into_iter()
+                .map(|number| (number, outcome.clone()))
+                .collect(),
             StagedWrite::Logged(group) => {
                 let log = self.log.as_ref().expect("a logged write has the log");
-                log.apply(self.db(), group)?;
-                self.write_batches.fetch_add(1, Ordering::Relaxed);
-                Ok(())
+                let outcomes = log.apply(self.db(), group);
+                let written = outcomes
+                    .iter()
+                    .filter(|(_, outcome)| outcome.is_ok())
+                    .count();
+                self.write_batches
+                    .fetch_add(written as u64, Ordering::Relaxed);
+                outcomes
             }
         }
     }
@@ -685,20 +708,23 @@ impl Storage {
 
 #[cfg(feature = "tokio")]
 impl crate::storage::committer::BatchWriter for Storage {
-    fn write_durable(&self, batch: WriteBatch) -> StagedWrite {
-        Storage::write_durable(self, batch)
+    fn write_durable(
+        &self,
+        batches: Vec<(usize, WriteBatch)>,
+    ) -> (StagedWrite, Vec<(usize, WriteBatch)>) {
+        Storage::write_durable(self, batches)
     }
 
-    fn complete_write(&self, staged: StagedWrite) -> Result<()> {
+    fn complete_write(&self, staged: StagedWrite) -> Vec<(usize, Result<()>)> {
         Storage::complete_write(self, staged)
     }
 }
 
-/// A write [`Storage::write_durable`] started: done, or durable in the commit log and still to
-/// be applied to the tables.
+/// A write [`Storage::write_durable`] started: done (the numbers of its batches and their
+/// one outcome), or durable in the commit log and still to be applied to the tables.
 #[cfg(feature = "tokio")]
 pub(crate) enum StagedWrite {
-    Done(Result<()>),
+    Done(Vec<usize>, Result<()>),
     Logged(crate::storage::logged_writes::DurableGroup),
 }
 

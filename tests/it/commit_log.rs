@@ -383,3 +383,108 @@ fn async_and_synchronous_writers_share_the_pipeline() {
     drop(engine);
     assert_eq!(counter(&logged(&store, Durability::Sync)), 600 + 12 * 60);
 }
+
+/// Found by tests written from the docs alone: async commits waiting together were joined into
+/// one record, and a group of small commits larger than a segment was refused as "a batch
+/// larger than a segment". Each commit is now its own record, and what does not fit in the
+/// ring waits for the next group.
+#[cfg(feature = "tokio")]
+#[test]
+fn many_small_async_commits_in_flight_fit_a_small_ring() {
+    let store = TestStore::new();
+    let engine = store
+        .builder()
+        .durability(Durability::Sync)
+        .commit_log(2, SEGMENT)
+        .open()
+        .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let c = engine.consumer("c").unwrap();
+        let counters = engine.business_table("counters").unwrap();
+        let orders = engine.business_table("orders").unwrap();
+        // About 500 KB waiting at once: several times a segment, and the whole ring.
+        let futures: Vec<_> = (0..1_500)
+            .map(|key| {
+                let key = format!("a-{key}");
+                let Outcome::Fresh(mut claim) = c.begin(&key, Fingerprint::of(&key)).unwrap()
+                else {
+                    panic!("fresh")
+                };
+                claim.put(&orders, &key, [7u8; 200]).unwrap();
+                claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
+                claim.commit_async(b"ok")
+            })
+            .collect();
+        for future in futures {
+            future.await.unwrap();
+        }
+    });
+    assert_eq!(counter(&engine), 1_500);
+    drop(engine);
+    let engine = store.builder().commit_log(2, SEGMENT).open().unwrap();
+    assert_eq!(counter(&engine), 1_500);
+}
+
+/// Found by tests written from the docs alone: writers queued behind a leader whose group
+/// filled the ring with its own records were refused ("the commit log is full") instead of
+/// waiting for the next group, which flushes the tables first.
+#[test]
+fn queued_writers_wait_for_room_instead_of_failing() {
+    let store = TestStore::new();
+    let engine = store
+        .builder()
+        .durability(Durability::Sync)
+        .commit_log(2, SEGMENT)
+        .open()
+        .unwrap();
+    std::thread::scope(|scope| {
+        for thread in 0..8 {
+            let engine = &engine;
+            scope.spawn(move || {
+                let c = engine.consumer("c").unwrap();
+                let orders = engine.business_table("orders").unwrap();
+                for round in 0..20 {
+                    // About 30 KiB a batch: two fit in a segment, four in the ring.
+                    let keys: Vec<String> =
+                        (0..10).map(|i| format!("q{thread}-{round}-{i}")).collect();
+                    let messages: Vec<idemdb::Message<'_>> = keys
+                        .iter()
+                        .map(|key| idemdb::Message::new(key, Fingerprint::of(key)))
+                        .collect();
+                    let mut batch = c.begin_batch(&messages).unwrap();
+                    for (index, key) in keys.iter().enumerate() {
+                        batch
+                            .claim_mut(index)
+                            .unwrap()
+                            .put(&orders, key, vec![5u8; 3 << 10])
+                            .unwrap();
+                    }
+                    batch.commit(|_| b"ok").unwrap();
+                }
+            });
+        }
+    });
+    drop(engine);
+    let engine = store.builder().commit_log(2, SEGMENT).open().unwrap();
+    assert_all_duplicates_of(
+        &engine,
+        (0..8)
+            .flat_map(|t| (0..20).flat_map(move |r| (0..10).map(move |i| format!("q{t}-{r}-{i}")))),
+    );
+}
+
+fn assert_all_duplicates_of(engine: &Engine, keys: impl Iterator<Item = String>) {
+    let c = engine.consumer("c").unwrap();
+    for key in keys {
+        assert!(
+            matches!(
+                c.begin(&key, Fingerprint::of(&key)).unwrap(),
+                Outcome::Duplicate { .. }
+            ),
+            "{key}"
+        );
+    }
+}
