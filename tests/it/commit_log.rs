@@ -13,10 +13,15 @@ use crate::util::TestStore;
 const SEGMENT: u64 = 64 << 10;
 
 fn logged(store: &TestStore, durability: Durability) -> Engine {
+    logged_ring(store, durability, 3)
+}
+
+/// A store on a log of `segments` segments of [`SEGMENT`] bytes.
+fn logged_ring(store: &TestStore, durability: Durability, segments: usize) -> Engine {
     store
         .builder()
         .durability(durability)
-        .commit_log(3, SEGMENT)
+        .commit_log(segments, SEGMENT)
         .open()
         .unwrap()
 }
@@ -57,9 +62,12 @@ fn counter(engine: &Engine) -> u64 {
 }
 
 fn assert_all_duplicates(engine: &Engine, keys: std::ops::Range<u32>) {
+    assert_all_duplicates_of(engine, keys.map(|key| format!("m-{key}")));
+}
+
+fn assert_all_duplicates_of(engine: &Engine, keys: impl Iterator<Item = String>) {
     let c = engine.consumer("c").unwrap();
     for key in keys {
-        let key = format!("m-{key}");
         assert!(
             matches!(
                 c.begin(&key, Fingerprint::of(&key)).unwrap(),
@@ -392,12 +400,7 @@ fn async_and_synchronous_writers_share_the_pipeline() {
 #[test]
 fn many_small_async_commits_in_flight_fit_a_small_ring() {
     let store = TestStore::new();
-    let engine = store
-        .builder()
-        .durability(Durability::Sync)
-        .commit_log(2, SEGMENT)
-        .open()
-        .unwrap();
+    let engine = logged_ring(&store, Durability::Sync, 2);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
@@ -424,7 +427,7 @@ fn many_small_async_commits_in_flight_fit_a_small_ring() {
     });
     assert_eq!(counter(&engine), 1_500);
     drop(engine);
-    let engine = store.builder().commit_log(2, SEGMENT).open().unwrap();
+    let engine = logged_ring(&store, Durability::Sync, 2);
     assert_eq!(counter(&engine), 1_500);
 }
 
@@ -434,12 +437,7 @@ fn many_small_async_commits_in_flight_fit_a_small_ring() {
 #[test]
 fn queued_writers_wait_for_room_instead_of_failing() {
     let store = TestStore::new();
-    let engine = store
-        .builder()
-        .durability(Durability::Sync)
-        .commit_log(2, SEGMENT)
-        .open()
-        .unwrap();
+    let engine = logged_ring(&store, Durability::Sync, 2);
     std::thread::scope(|scope| {
         for thread in 0..8 {
             let engine = &engine;
@@ -468,23 +466,10 @@ fn queued_writers_wait_for_room_instead_of_failing() {
         }
     });
     drop(engine);
-    let engine = store.builder().commit_log(2, SEGMENT).open().unwrap();
+    let engine = logged_ring(&store, Durability::Sync, 2);
     assert_all_duplicates_of(
         &engine,
         (0..8)
             .flat_map(|t| (0..20).flat_map(move |r| (0..10).map(move |i| format!("q{t}-{r}-{i}")))),
     );
-}
-
-fn assert_all_duplicates_of(engine: &Engine, keys: impl Iterator<Item = String>) {
-    let c = engine.consumer("c").unwrap();
-    for key in keys {
-        assert!(
-            matches!(
-                c.begin(&key, Fingerprint::of(&key)).unwrap(),
-                Outcome::Duplicate { .. }
-            ),
-            "{key}"
-        );
-    }
 }
