@@ -145,46 +145,38 @@ impl StoreBuilder {
         // Whether `db` holds the table files alone (no record of the log applied).
         let mut clean = true;
         let mut lsn = tables_lsn(&db)?;
-        let mut attempt = 1;
-        let db = loop {
-            let wal = log_as_wal(&self.path, lsn, db.latest_sequence_number());
-            match wal {
-                Ok(None) if clean => break db,
-                Ok(Some(wal)) => {
-                    let with_log = open(Some(wal.dir()))?;
-                    let held = tables_lsn(&with_log)?;
-                    if held == lsn && wal.unchanged()? {
-                        break with_log;
+        let db = 'read: {
+            for attempt in 1..=LOG_READ_ATTEMPTS {
+                let last = attempt == LOG_READ_ATTEMPTS;
+                match log_as_wal(&self.path, lsn, db.latest_sequence_number()) {
+                    Ok(None) if clean => break 'read db,
+                    Ok(Some(wal)) => {
+                        let with_log = open(Some(wal.dir()))?;
+                        let held = tables_lsn(&with_log)?;
+                        if held == lsn && wal.unchanged()? {
+                            break 'read with_log;
+                        }
+                        (db, clean, lsn) = (with_log, false, held);
                     }
-                    (db, clean, lsn) = (with_log, false, held);
+                    Err(error) if last => return Err(error),
+                    // Nothing after the LSN, but `db` applied records the tables now hold; or
+                    // the log no longer holds the LSN (the application flushed and reused its
+                    // segment).
+                    Ok(None) | Err(_) if !last => {
+                        db = open(None)?;
+                        (clean, lsn) = (true, tables_lsn(&db)?);
+                    }
+                    // The last attempt found the tables moved on: give up.
+                    _ => {}
                 }
-                // Nothing after the LSN, but `db` applied records the tables now hold; or the
-                // log no longer holds the LSN (the application flushed and reused its segment).
-                Ok(None) | Err(_) if attempt < LOG_READ_ATTEMPTS => {
-                    db = open(None)?;
-                    (clean, lsn) = (true, tables_lsn(&db)?);
-                }
-                Ok(None) => {
-                    return Err(Error::Storage {
-                        kind: crate::format::error::StorageErrorKind::Retryable,
-                        detail: format!(
-                            "the application flushed its commit log during each of \
-                             {LOG_READ_ATTEMPTS} reads of it; try again"
-                        ),
-                    });
-                }
-                Err(error) => return Err(error),
             }
-            attempt += 1;
-            if attempt > LOG_READ_ATTEMPTS {
-                return Err(Error::Storage {
-                    kind: crate::format::error::StorageErrorKind::Retryable,
-                    detail: format!(
-                        "the application flushed its commit log during each of \
-                         {LOG_READ_ATTEMPTS} reads of it; try again"
-                    ),
-                });
-            }
+            return Err(Error::Storage {
+                kind: crate::format::error::StorageErrorKind::Retryable,
+                detail: format!(
+                    "the application flushed its commit log during each of \
+                     {LOG_READ_ATTEMPTS} reads of it; try again"
+                ),
+            });
         };
         Ok(Store {
             path: self.path,

@@ -111,6 +111,17 @@ fn slot_path(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("segment-{slot}"))
 }
 
+/// The header at the start of the segment file `file` (at `path`), `None` where there is none
+/// (never written, or a file shorter than a header).
+fn read_segment_header(file: &File, path: &Path) -> Result<Option<LogSegmentHeader>> {
+    let mut head = [0u8; LOG_SEGMENT_HEADER_BYTES];
+    match file.read_exact_at(&mut head, 0) {
+        Ok(()) => Ok(LogSegmentHeader::decode(&head)),
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(error) => Err(io_error("reading", path, &error)),
+    }
+}
+
 /// How [`Chain::read`] opens the segment files.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Access {
@@ -169,12 +180,7 @@ impl Chain {
                     path.display()
                 )));
             }
-            let mut head = [0u8; LOG_SEGMENT_HEADER_BYTES];
-            let header = match file.read_exact_at(&mut head, 0) {
-                Ok(()) => LogSegmentHeader::decode(&head),
-                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => None,
-                Err(error) => return Err(io_error("reading", &path, &error)),
-            };
+            let header = read_segment_header(&file, &path)?;
             slots.push(Slot {
                 file: Arc::new(file),
                 header,
@@ -411,10 +417,7 @@ impl CommitLog {
         for (slot, header) in headers {
             let path = slot_path(dir, *slot);
             let file = File::open(&path).map_err(|error| io_error("opening", &path, &error))?;
-            let mut head = [0u8; LOG_SEGMENT_HEADER_BYTES];
-            file.read_exact_at(&mut head, 0)
-                .map_err(|error| io_error("reading", &path, &error))?;
-            if LogSegmentHeader::decode(&head) != Some(*header) {
+            if read_segment_header(&file, &path)? != Some(*header) {
                 return Ok(false);
             }
         }

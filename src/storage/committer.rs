@@ -29,15 +29,12 @@ use tokio::sync::oneshot;
 use crate::format::error::{Error, Result};
 use crate::format::record::Committed;
 use crate::storage::store::StagedWrite;
+use crate::storage::wal_file::BATCH_HEADER_BYTES;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
 /// A group stops taking jobs once its batches reach this size, for the same reason.
 pub(crate) const GROUP_BYTES_MAX: usize = 16 << 20;
-
-/// RocksDB's write batch layout (`WriteBatch::rep_` in write_batch.cc): an 8-byte sequence
-/// number, a 4-byte little-endian record count, then the records.
-const WRITE_BATCH_HEADER_BYTES: usize = 12;
 
 /// The engine's one write path, as a job carries it: a reference to the store that writes,
 /// which the store implements. (The store owns its committer, so the committer cannot hold
@@ -187,8 +184,13 @@ fn write_group(group: Vec<Job>, deliver: &mut dyn FnMut(DurableJobs)) {
     let mut writer = Some(writer);
     while let Some(current) = writer.take() {
         let (staged, left) = current.write_durable(std::mem::take(&mut batches));
+        // The jobs this write holds: every one not left for the next (linear in the group).
+        let mut waiting = vec![false; finishes.len()];
+        for (number, _) in &left {
+            waiting[*number] = true;
+        }
         let held: Vec<(usize, FinishFn)> = (0..finishes.len())
-            .filter(|number| !left.iter().any(|(other, _)| other == number))
+            .filter(|&number| !waiting[number])
             .filter_map(|number| finishes[number].take().map(|finish| (number, finish)))
             .collect();
         // The last write takes this thread's reference to the store with it: once its jobs
@@ -214,16 +216,13 @@ fn finish_group(group: DurableJobs) {
         staged,
         finishes,
     } = group;
-    let outcomes = writer.complete_write(staged);
+    let mut outcomes: std::collections::HashMap<usize, Result<()>> =
+        writer.complete_write(staged).into_iter().collect();
     drop(writer);
     for (number, finish) in finishes {
         let outcome = outcomes
-            .iter()
-            .find(|(other, _)| *other == number)
-            .map_or_else(
-                || Err(committer_error("the write did not answer for a commit")),
-                |(_, outcome)| outcome.clone(),
-            );
+            .remove(&number)
+            .unwrap_or_else(|| Err(committer_error("the write did not answer for a commit")));
         finish(outcome);
     }
 }
@@ -239,9 +238,9 @@ pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch 
     let records: usize = batches.clone().map(|batch| batch.len()).sum();
     let bytes: usize = batches
         .clone()
-        .map(|batch| batch.data().len() - WRITE_BATCH_HEADER_BYTES)
+        .map(|batch| batch.data().len() - BATCH_HEADER_BYTES)
         .sum();
-    let mut rep = Vec::with_capacity(WRITE_BATCH_HEADER_BYTES + bytes);
+    let mut rep = Vec::with_capacity(BATCH_HEADER_BYTES + bytes);
     // The sequence number is assigned by the write.
     rep.extend_from_slice(&0u64.to_le_bytes());
     // A group stops taking jobs at GROUP_CLAIMS_MAX claims, and one job (a batch) holds at most
@@ -250,7 +249,7 @@ pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch 
     let count = u32::try_from(records).expect("a group's record count fits RocksDB's u32");
     rep.extend_from_slice(&count.to_le_bytes());
     for batch in batches {
-        rep.extend_from_slice(&batch.data()[WRITE_BATCH_HEADER_BYTES..]);
+        rep.extend_from_slice(&batch.data()[BATCH_HEADER_BYTES..]);
     }
     WriteBatch::from_data(&rep)
 }

@@ -5,13 +5,16 @@
 //! the table files always hold exactly the batches up to the LSN they record.
 //!
 //! Group commit: writers queue their batches; one of them at a time leads, takes the queue,
-//! appends it to the log under the lock, then writes and syncs the log and writes the batches
-//! to RocksDB in LSN order without the lock, while the next group queues. Every writer of a
-//! group gets the group's outcome.
+//! appends it to the log under the lock, then writes and syncs the log without the lock while
+//! the next group queues. Pipelined: once its records are durable the leader gives up the lead,
+//! and the group is applied to RocksDB, after the groups before it, while the next one syncs.
+//! Every writer of a group gets its outcome. The async committer drives the same two halves
+//! ([`LogWriter::write_durable`], [`LogWriter::apply`]) from two threads.
 //!
-//! Recovery (at open): RocksDB replays what survived of its own WAL; then the LSN the tables
-//! hold says where the log's replay starts; the records after it are written to RocksDB in order, each exactly once (merge operands are not
-//! idempotent).
+//! Recovery (at open): the table files' LSN says where the log's replay starts; the records
+//! after it are written to RocksDB in order, each exactly once (merge operands are not
+//! idempotent). A reader beside the owner gets them as a RocksDB WAL file instead
+//! ([`log_as_wal`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -485,14 +488,11 @@ impl ReaderWal {
 /// last. A reader's replay leaves [`LOG_LSN_KEY`] as the table files have it, so that the
 /// reader can check that the files it opened are the ones whose LSN it read the log after.
 fn without_lsn_put(lsn: u64, payload: &[u8]) -> Result<Vec<u8>> {
-    const BATCH_HEADER_BYTES: usize = 12;
+    use crate::storage::wal_file::{BATCH_HEADER_BYTES, batch_count};
     let mut alone = WriteBatch::default();
     alone.put(LOG_LSN_KEY, lsn.to_be_bytes());
     let put = &alone.data()[BATCH_HEADER_BYTES..];
-    let count = payload
-        .get(8..BATCH_HEADER_BYTES)
-        .map(|count| u32::from_le_bytes(count.try_into().expect("4 bytes")));
-    match count {
+    match batch_count(payload) {
         Some(count)
             if count > 0
                 && payload.len() >= BATCH_HEADER_BYTES + put.len()

@@ -1,7 +1,8 @@
-//! RocksDB's WAL file format, written for one reader: an operator tool's read-only open beside
-//! an application on the commit log. The table files do not hold the commits the log holds
-//! after the tables' LSN, and a read-only RocksDB cannot be written to; but it replays the WAL
-//! files it finds into its memtables. So the reader writes those log records, in LSN order, as
+//! RocksDB's formats we write ourselves: a write batch's header (also read by the async
+//! committer, which joins batches) and the WAL file, written for one reader: an operator
+//! tool's read-only open beside an application on the commit log. The table files do not
+//! hold the commits the log holds after the tables' LSN, and a read-only RocksDB cannot be
+//! written to; but it replays the WAL files it finds into its memtables. So the reader writes those log records, in LSN order, as
 //! a WAL file of a private WAL directory, and RocksDB's own recovery applies them (merge
 //! operands included) exactly as the application's replay does.
 //!
@@ -28,8 +29,15 @@ const LAST: u8 = 4;
 /// RocksDB stores a CRC rotated and offset by this (`crc32c::Mask`): the CRC of a string
 /// holding CRCs is then not trivially related to them.
 const MASK_DELTA: u32 = 0xa282_ead8;
-/// A write batch's header: its sequence number (8 bytes) and entry count (4 bytes).
-const BATCH_HEADER_BYTES: usize = 12;
+/// A write batch's header (`WriteBatch::data`, RocksDB's `WriteBatch::rep_`): its sequence
+/// number (8 bytes, little-endian) and its count of entries (4 bytes, little-endian).
+pub(crate) const BATCH_HEADER_BYTES: usize = 12;
+
+/// The count of entries in the write batch `rep`, or `None` if it is shorter than its header.
+pub(crate) fn batch_count(rep: &[u8]) -> Option<u32> {
+    rep.get(8..BATCH_HEADER_BYTES)
+        .map(|count| u32::from_le_bytes(count.try_into().expect("4 bytes")))
+}
 
 fn masked_crc(kind: u8, payload: &[u8]) -> u32 {
     let crc = crc32c::crc32c_append(crc32c::crc32c(&[kind]), payload);
@@ -70,10 +78,7 @@ impl WalFileWriter {
     /// Appends the write batch `rep` (RocksDB's bytes of a batch) with the next sequence
     /// number.
     pub(crate) fn append_batch(&mut self, rep: &[u8]) -> Result<()> {
-        let Some(count) = rep
-            .get(8..BATCH_HEADER_BYTES)
-            .map(|count| u32::from_le_bytes(count.try_into().expect("4 bytes")))
-        else {
+        let Some(count) = batch_count(rep) else {
             return Err(Error::invalid_argument(
                 "a write batch shorter than its header",
             ));
