@@ -30,6 +30,7 @@ use idemdb::decision::{Found, admit, inspect_record};
 use idemdb::format::encode_key;
 use idemdb::{Message, Outcome};
 use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
@@ -231,7 +232,10 @@ impl PgConsumer {
         match claimed {
             Ok(rows) => learn(single_row(rows)?.get(1)),
             // Nothing inserted, nothing of the transaction written: the key's row decides.
-            Err(error) if error.code() == Some(LOST_ROW) => {
+            Err(error)
+                if error.code() == Some(LOST_ROW)
+                    || error.code() == Some(&SqlState::UNIQUE_VIOLATION) =>
+            {
                 // The rollback's answer came with the COMMIT's; the read runs after it, unnamed:
                 // planned for the table as it is now (a kept plan could be one made when the
                 // table was small, which scans it whole), and outside any transaction, where
