@@ -69,8 +69,7 @@
 //!
 //! **Removal.** Reads are exact at the expiry millisecond whatever is stored;
 //! [`PgStore::maintain`], run regularly, deletes the expired records oldest first through the
-//! index on their removal time (in each of its 16 lanes, one per writing server process modulo
-//! 16, so that concurrent writers do not queue at one end of the index), in batches of 1,000 rows (each its own transaction, skipping
+//! index on their removal time, in batches of 1,000 rows (each its own transaction, skipping
 //! rows another transaction has locked: a claim's commit replacing one), so it costs what expired since the last run, not what the table
 //! holds, and never holds many locks or frees much at once. The table is installed with
 //! autovacuum told to visit it after 1% of its rows changed, so new records reuse the space of
@@ -113,13 +112,10 @@
 //! [`Error::Idemdb`]), nothing written: a stale reader. The embedded engine's calls, in the
 //! same shape.
 //!
-//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 7. A store opened on tables at
-//! versions 1 to 6 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 6. A store opened on tables at
+//! versions 1 to 5 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock. Versions 5 and 6 gain the removal-time index's lanes: a column added without
-//! rewriting the table (the rows there take the installer's lane) and the index built again,
-//! which holds writes off the table for as long as the build takes (seconds per million rows).
-//! Version 5 gains the read positions' table and function too. From versions 1 to 4 the old
+//! lock. Version 5 gains the read positions' table and function. From versions 1 to 4 the old
 //! records table (plain at version 1, partitioned by removal day at 2 to 4) is
 //! renamed aside, the new one made, every record whose removal time has not passed copied into
 //! it (those whose has read as absent already, and removal would delete them), and the old

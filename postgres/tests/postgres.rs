@@ -12,13 +12,12 @@
 //! with its business rows, a dropped or failed batch leaves nothing, the batch-size limit, and
 //! racing connections claiming overlapping batches have one winner per key. Resolution of an
 //! in-progress key by hand: completed or released, refused for a key not in progress.
-//! Removal (one table since schema version 5, expired rows deleted oldest first in small
-//! batches, lane by lane of the removal-time index since 7): exactly the rows whose removal
-//! time has come go, not a millisecond before, in every lane, an external claim in progress
-//! never; a commit whose replaced row removal took meanwhile writes it whole. Migrations from
-//! every older layout (a plain table at version 1, day partitions at 2 to 4, with detached and
-//! half-detached day tables left by removal at 4, the index without lanes at 6): every live
-//! record answers as before and exports the same, expired ones are left out. `apply`: one round trip
+//! Removal (schema version 5: one table, expired rows deleted oldest first in small batches):
+//! exactly the rows whose removal time has come go, not a millisecond before, an external
+//! claim in progress never; a commit whose replaced row removal took meanwhile writes it
+//! whole. Migrations from every older layout (a plain table at version 1, day partitions at
+//! 2 to 4, with detached and half-detached day tables left by removal at 4): every live record
+//! answers as before and exports the same, expired ones are left out. `apply`: one round trip
 //! for a new key, and a clock estimate put off by a slow round trip refused, then relearned.
 //! Faults: a connection lost before the commit (nothing lands, the key is free) and during it
 //! (the COMMIT waits for a standby, its server process is terminated: the redelivery finds
@@ -207,7 +206,6 @@ fn main() {
     scenario!(a_version_2_schema_is_migrated_by_install);
     scenario!(a_version_3_schema_is_migrated_by_install);
     scenario!(migration_from_schema_4_keeps_every_live_record);
-    scenario!(a_version_6_schema_gains_the_expiry_lanes_and_keeps_every_record);
     scenario!(derived_keys_are_the_embedded_engines);
     scenario!(metrics_count_outcomes_and_commits_with_the_embedded_names);
     scenario!(the_in_progress_gauge_counts_the_external_claims_alive);
@@ -1881,7 +1879,7 @@ async fn expired_records_are_removed_at_their_expiry_millisecond_in_batches(
     clock.set(START + 999);
     let done = store.maintain(&client).await?;
     ensure!(
-        done.removed == 0 && done.batches == 0,
+        done.removed == 0 && done.batches == 1,
         "before any expiry: {done:?}"
     );
     ensure!(
@@ -1967,24 +1965,15 @@ async fn expired_records_are_removed_at_their_expiry_millisecond_in_batches(
         }
         other => return Err(format!("e3 after removal: {other:?}").into()),
     }
-    // A year later, in batches of one: e9 and the other consumer's record go (two batches);
-    // the external claim stays, though its lease ran out long ago, and is taken over at the
-    // next epoch. Both rows are moved to other lanes of the removal-time index than this
-    // connection's (the last and one in the middle): removal visits every lane.
-    client
-        .batch_execute(
-            "UPDATE t_removal.records SET lane = 15 WHERE message_key = convert_to('e9', 'UTF8'); \
-             UPDATE t_removal.records SET lane = 7 \
-             WHERE consumer <> (SELECT consumer FROM t_removal.records \
-                                WHERE message_key = convert_to('e9', 'UTF8'))",
-        )
-        .await?;
+    // A year later, in batches of one: e9 and the other consumer's record go (two full
+    // batches, then an empty one); the external claim stays, though its lease ran out long
+    // ago, and is taken over at the next epoch.
     clock.set(START + 365 * idemdb_postgres::DAY_MS as u64);
     let done = store
         .maintain_with(&client, Removal::default().batch_rows(1))
         .await?;
     ensure!(
-        done.removed == 2 && done.batches == 2,
+        done.removed == 2 && done.batches == 3,
         "e9 and other/e0 one by one: {done:?}"
     );
     let rows = stored_rows(&client, "t_removal").await?;
@@ -4011,99 +4000,6 @@ async fn export_lines_import_and_export_back_exactly_under_each_keys_lock(
 }
 
 /// A store of `names` on a mock clock at `now_ms`, with an hour's retention.
-/// Turns a freshly installed `schema` back into version 6's layout of the records table: no
-/// `lane` column, the removal-time index on `expires_at_ms` alone.
-pub(crate) async fn as_version_6(client: &Client, schema: &str) -> Result<(), Failure> {
-    client
-        .batch_execute(&format!(
-            "DROP INDEX {schema}.records_expiry; \
-             ALTER TABLE {schema}.records DROP COLUMN lane; \
-             CREATE INDEX records_expiry ON {schema}.records (expires_at_ms); \
-             UPDATE {schema}.records_version SET version = 6"
-        ))
-        .await?;
-    Ok(())
-}
-
-/// A version 6 store (the removal-time index without lanes) is refused until `install`
-/// migrates it; the migration keeps every record (each answers as before), gives the rows the
-/// installer's lane, and removal then finds the expired ones there and in the lanes of the
-/// connections that write after it.
-async fn a_version_6_schema_gains_the_expiry_lanes_and_keeps_every_record(
-    url: &str,
-) -> Result<(), Failure> {
-    const START: u64 = 5_000_000;
-    let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, "t_v6").await?;
-    let clock = MockClock::new(START);
-    let store = mock_store(&client, names.clone(), &clock, false).await?;
-    let consumer = store.consumer("c")?;
-    for i in 0..20 {
-        clock.set(START + i);
-        commit_one(&consumer, &mut client, &format!("k{i}"), "m", "ok").await?;
-    }
-    let exported_before = export_text(&store, &client).await?;
-    as_version_6(&client, "t_v6").await?;
-    let refused = PgStore::builder().names(names.clone()).open(&client).await;
-    ensure!(
-        matches!(refused, Err(Error::SchemaTooOld { found: 6, .. })),
-        "a version 6 store before install: {refused:?}"
-    );
-    install(&mut client, &names).await?;
-    let version: i32 = client
-        .query_one("SELECT version FROM t_v6.records_version", &[])
-        .await?
-        .get(0);
-    ensure!(version == SCHEMA_VERSION, "migrated to {version}");
-    let index: String = client
-        .query_one(
-            "SELECT indexdef FROM pg_indexes \
-             WHERE schemaname = 't_v6' AND indexname = 'records_expiry'",
-            &[],
-        )
-        .await?
-        .get(0);
-    ensure!(
-        index.ends_with("(lane, expires_at_ms)"),
-        "the removal time's index: {index}"
-    );
-    let lanes: i64 = client
-        .query_one("SELECT count(DISTINCT lane) FROM t_v6.records", &[])
-        .await?
-        .get(0);
-    ensure!(lanes == 1, "the old rows take one lane: {lanes}");
-    // Every record answers as before the migration.
-    let store = mock_store(&client, names.clone(), &clock, false).await?;
-    let consumer = store.consumer("c")?;
-    for i in 0..20 {
-        let outcome = consumer
-            .begin(&mut client, format!("k{i}"), Fingerprint::of(b"m"))
-            .await?;
-        ensure!(
-            matches!(outcome, Outcome::Duplicate { .. }),
-            "k{i} after the migration: {outcome:?}"
-        );
-    }
-    ensure!(
-        export_text(&store, &client).await? == exported_before,
-        "the export changed"
-    );
-    // New records from another connection (another server process, most likely another
-    // lane) and the old ones all go once expired.
-    let mut other = connect(url).await?;
-    clock.set(START + 100);
-    commit_one(&consumer, &mut other, "new", "m", "ok").await?;
-    clock.set(START + 3_600_100);
-    let done = store.maintain(&client).await?;
-    ensure!(done.removed == 21, "removed after expiry: {done:?}");
-    let left: i64 = client
-        .query_one("SELECT count(*) FROM t_v6.records", &[])
-        .await?
-        .get(0);
-    ensure!(left == 0, "rows left after removal: {left}");
-    Ok(())
-}
-
 async fn mock_store(
     client: &Client,
     names: Names,
@@ -4465,7 +4361,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 7,
+        version == SCHEMA_VERSION && version == 6,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;
@@ -4855,7 +4751,7 @@ async fn migration_from_schema_4_keeps_every_live_record(url: &str) -> Result<()
     ensure!(
         expiry_index
             .as_ref()
-            .is_some_and(|index| index.ends_with("(lane, expires_at_ms)")),
+            .is_some_and(|index| index.ends_with("(expires_at_ms)")),
         "the removal time's index: {expiry_index:?}"
     );
     let width_column: bool = client

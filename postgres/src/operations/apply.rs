@@ -92,7 +92,10 @@ impl PgConsumer {
     /// lock, the record, the statements and `COMMIT` go out together. Any other message is
     /// first tried that way too (the record's insert then fails and the transaction rolls back,
     /// statements included), and is then decided and committed in two more round trips. The
-    /// first call on a store takes the longer way, to learn the database's clock.
+    /// first call on a store takes the longer way, to learn the database's clock. That failed
+    /// insert is an error on the server's side like any other: with PostgreSQL's default
+    /// `log_min_error_statement`, each duplicate's writes a line to the server's log, with the
+    /// key in its detail (the unique key's violation).
     ///
     /// ```no_run
     /// # async fn example(client: &mut tokio_postgres::Client, orders: idemdb_postgres::PgConsumer)

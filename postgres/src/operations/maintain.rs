@@ -1,5 +1,5 @@
-//! Removal of expired records: [`PgStore::maintain`] deletes them oldest first in each lane of
-//! the removal-time index, in small batches that each commit on their own.
+//! Removal of expired records: [`PgStore::maintain`] deletes them oldest first, in small
+//! batches that each commit on their own.
 
 use std::time::Duration;
 
@@ -9,7 +9,6 @@ use tokio_postgres::types::Type;
 use crate::error::Result;
 use crate::storage::records::now_on_store_clock;
 use crate::storage::store::PgStore;
-use crate::tables::install::EXPIRY_LANES;
 use crate::tables::names::NEVER_MS;
 
 /// How [`PgStore::maintain_with`] removes: how many rows each batch deletes, and the pause
@@ -54,8 +53,7 @@ impl Removal {
 pub struct Maintenance {
     /// The expired records deleted.
     pub removed: u64,
-    /// The batches (transactions) they were deleted in; a statement that found nothing to
-    /// delete is not counted.
+    /// The batches (transactions) they were deleted in.
     pub batches: u64,
 }
 
@@ -64,10 +62,8 @@ impl PgStore {
     /// [`Removal`]'s defaults. Run it regularly (every minute or so, from one process or
     /// several): each run costs what expired since the last, not what the table holds.
     ///
-    /// Expired records are found through the index on their removal time and deleted in
-    /// batches, each its own transaction, oldest first in each of the index's 16 lanes (a
-    /// row's lane is the server process that wrote it, modulo 16: concurrent writers then
-    /// add to the index at 16 places instead of one), one lane after the other. A batch skips rows another transaction
+    /// Expired records are found through the index on their removal time, oldest first, and
+    /// deleted in batches, each its own transaction. A batch skips rows another transaction
     /// has locked (a claim replacing an expired record), so removal never waits for a claim
     /// and a claim never waits for more than one batch; a row whose record was replaced
     /// since it was found is looked at again and kept (its new removal time is later). Calls
@@ -123,31 +119,22 @@ impl PgStore {
             .min(NEVER_MS - 1);
         let limit = i64::from(removal.batch_rows);
         let mut done = Maintenance::default();
-        for lane in 0..EXPIRY_LANES {
-            loop {
-                let rows = client
-                    .query_typed(
-                        &self.inner.remove_expired,
-                        &[
-                            (&now_ms, Type::INT8),
-                            (&limit, Type::INT8),
-                            (&lane, Type::INT2),
-                        ],
-                    )
-                    .await?;
-                let removed: i64 = crate::sql::txn::single_row(rows)?.get(0);
-                if removed > 0 {
-                    done.removed += u64::try_from(removed).unwrap_or(0);
-                    done.batches += 1;
-                }
-                if removed < limit {
-                    break;
-                }
-                if !removal.pause.is_zero() {
-                    tokio::time::sleep(removal.pause).await;
-                }
+        loop {
+            let rows = client
+                .query_typed(
+                    &self.inner.remove_expired,
+                    &[(&now_ms, Type::INT8), (&limit, Type::INT8)],
+                )
+                .await?;
+            let removed: i64 = crate::sql::txn::single_row(rows)?.get(0);
+            done.removed += u64::try_from(removed).unwrap_or(0);
+            done.batches += 1;
+            if removed < limit {
+                return Ok(done);
+            }
+            if !removal.pause.is_zero() {
+                tokio::time::sleep(removal.pause).await;
             }
         }
-        Ok(done)
     }
 }

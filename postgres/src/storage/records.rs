@@ -238,18 +238,18 @@ pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
 /// the record's time `$5` is within the tolerance of the database's clock (`$5` null skips
 /// that check: an injected clock decides the store's time). Answers the database's time, or
 /// fails when it inserted nothing, which aborts the transaction and the caller's statements
-/// behind it: with `unique_violation` (23505) when the key has a row, with [`LOST_ROW`] when the
-/// lock is held elsewhere or the clocks are apart.
+/// behind it: with `unique_violation` (23505) when the key has a row, with [`LOST_ROW`] when
+/// the lock is held elsewhere or the clocks are apart.
 ///
 /// The lock is taken in the same statement as the insert: the insert's check of the unique
 /// key sees every row committed or being written, whatever the statement's snapshot, so a
 /// row the lock's previous holder committed is found. The lock keeps out claims that hold the
 /// key without a row yet (a [`PgConsumer::begin`] writes its row at its commit).
 ///
-/// A plain insert, not `ON CONFLICT DO NOTHING`: the conflict is an error either way, and the
-/// plain insert's check costs less (no speculative insertion, one WAL record fewer: 46 us
-/// against 56 us per statement in `pg_stat_statements`, PostgreSQL 15). A duplicate's insert
-/// leaves a dead row behind, as any failed insert does, for vacuum.
+/// A plain insert, not `ON CONFLICT DO NOTHING`: the conflict fails the statement either way,
+/// and the plain insert skips the speculative insertion and its WAL record (46 us against
+/// 56 us per statement in `pg_stat_statements`, PostgreSQL 15). A duplicate's insert leaves a
+/// dead row behind, as any failed insert does, for vacuum.
 pub(crate) fn insert_if_new_sql(records: &str) -> String {
     format!(
         "WITH inserted AS ( \
@@ -273,14 +273,14 @@ pub(crate) fn read_at_sql(records: &str) -> String {
     )
 }
 
-/// One batch of removal: the oldest expired rows of lane `$3`, up to `$2`, locked without
-/// waiting (rows a claim holds are skipped) and deleted; answers how many. The lock looks at a
-/// row replaced since the statement began in its new version, which no longer qualifies; the
-/// delete's own condition backs that up.
+/// One batch of removal: the oldest expired rows, up to `$2`, locked without waiting (rows a
+/// claim holds are skipped) and deleted; answers how many. The lock looks at a row replaced
+/// since the statement began in its new version, which no longer qualifies; the delete's own
+/// condition backs that up.
 pub(crate) fn remove_expired_sql(records: &str) -> String {
     format!(
         "WITH doomed AS ( \
-             SELECT ctid FROM {records} WHERE lane = $3 AND expires_at_ms <= $1 \
+             SELECT ctid FROM {records} WHERE expires_at_ms <= $1 \
              ORDER BY expires_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED \
          ), removed AS ( \
              DELETE FROM {records} AS r USING doomed \

@@ -183,12 +183,9 @@ impl StoreBuilder {
                          SET record = excluded.record, expires_at_ms = excluded.expires_at_ms \
                      ) SELECT 1"
                 ),
-                // Every lane named, so the removal-time index is probed once per lane.
                 never_expiring: format!(
                     "SELECT message_key, record FROM {records} \
-                     WHERE consumer = $1 AND lane = ANY ({lanes}) \
-                       AND expires_at_ms = {NEVER_MS} ORDER BY message_key",
-                    lanes = crate::tables::install::lanes_array(),
+                     WHERE consumer = $1 AND expires_at_ms = {NEVER_MS} ORDER BY message_key"
                 ),
                 read_version: format!(
                     "SELECT version FROM {entity} WHERE consumer = $1 AND entity_key = $2"

@@ -16,18 +16,7 @@ use crate::tables::names::Names;
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 7;
-
-/// The records' removal-time index is split into this many lanes: a row's `lane` is its
-/// writer's server process id modulo the count (the column's default), and the index is on
-/// `(lane, expires_at_ms)`. See [`create_records`] for why.
-pub(crate) const EXPIRY_LANES: i16 = 16;
-
-/// Every lane as an SQL array literal, for a statement that looks in all of them.
-pub(crate) fn lanes_array() -> String {
-    let lanes: Vec<String> = (0..EXPIRY_LANES).map(|lane| lane.to_string()).collect();
-    format!("'{{{}}}'::smallint[]", lanes.join(","))
-}
+pub const SCHEMA_VERSION: i32 = 6;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -69,18 +58,14 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=6) => {
+        Some(version @ 1..=5) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
             if version <= 4 {
                 migrate_records(&tx, names).await?;
-            } else {
-                add_expiry_lanes(&tx, names).await?;
             }
-            if version <= 5 {
-                create_positions(&tx, names).await?;
-            }
+            create_positions(&tx, names).await?;
             tx.batch_execute(&format!(
                 "ALTER TABLE {} DROP COLUMN IF EXISTS partition_days; \
                  UPDATE {} SET version = {SCHEMA_VERSION}",
@@ -122,14 +107,6 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
 /// removed ([`NEVER_MS`]: not by time); its index lets removal find the expired rows oldest
 /// first, in small batches, at a cost that follows what expired and not what the table holds.
 ///
-/// The index leads with `lane`, the writing server process's id modulo [`EXPIRY_LANES`]
-/// (the column's default, so no statement names it). Removal times grow with the clock, so an
-/// index on the time alone takes every new row at its last page, and concurrent writers queue
-/// for that one page's lock: with 8 connections writing batches of 64, the insert took 1.06 ms
-/// with that index, 0.59 ms without it and 0.65 ms with lanes (PostgreSQL 15,
-/// `pg_stat_statements`, 2 cores). Each connection writes at the end of its own lane, and
-/// removal walks the lanes one after the other.
-///
 /// Autovacuum is told to visit the table after 1% of its rows changed (the default waits for
 /// 20%), so that the space of removed rows is reused by new ones while there is little of it,
 /// and the table stays near the size of its live records.
@@ -140,41 +117,12 @@ async fn create_records(tx: &Transaction<'_>, names: &Names) -> Result<()> {
              message_key bytea NOT NULL,
              record bytea NOT NULL,
              expires_at_ms bigint NOT NULL,
-             {lane},
              PRIMARY KEY (consumer, message_key)
          ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_insert_scale_factor = 0.01,
                  autovacuum_analyze_scale_factor = 0.02);
-         CREATE INDEX {expiry} ON {records} (lane, expires_at_ms);",
+         CREATE INDEX {expiry} ON {records} (expires_at_ms);",
         records = names.records(),
         expiry = names.expiry_index(),
-        lane = lane_column(),
-    ))
-    .await?;
-    Ok(())
-}
-
-/// The records' `lane` column: its writer's server process id modulo [`EXPIRY_LANES`], filled
-/// in by the server (`pg_backend_pid` is stable, so adding the column to a filled table writes
-/// no row: the rows already there all take the migrating process's lane).
-fn lane_column() -> String {
-    format!(
-        "lane smallint NOT NULL DEFAULT (pg_backend_pid() % {EXPIRY_LANES})::smallint \
-         CHECK (lane >= 0 AND lane < {EXPIRY_LANES})"
-    )
-}
-
-/// Versions 5 and 6 to 7: the removal-time index gains its lanes. The column is added without
-/// rewriting the table, and the index is built again in the installer's transaction, which
-/// holds writes off the table until it commits (seconds per million rows).
-async fn add_expiry_lanes(tx: &Transaction<'_>, names: &Names) -> Result<()> {
-    tx.batch_execute(&format!(
-        "ALTER TABLE {records} ADD COLUMN {lane};
-         DROP INDEX {schema}.{expiry};
-         CREATE INDEX {expiry} ON {records} (lane, expires_at_ms);",
-        records = names.records(),
-        schema = names.schema,
-        expiry = names.expiry_index(),
-        lane = lane_column(),
     ))
     .await?;
     Ok(())
