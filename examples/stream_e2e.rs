@@ -471,11 +471,12 @@ async fn run() -> Result<bool, BoxError> {
     let mut still_since: Vec<(usize, Instant)> = vec![(0, Instant::now()); reference.len()];
     loop {
         fleet.restart_exited()?;
-        let mut behind = 0;
+        let mut behind = Vec::new();
         for (stream, messages) in reference.iter().enumerate() {
             let last = messages.last().map(|(offset, _)| *offset);
             let ledger = fleet.ledger(stream);
-            if last.is_none() || committed_up_to(&ledger)? >= last {
+            let committed = committed_up_to(&ledger)?;
+            if last.is_none() || committed >= last {
                 continue;
             }
             if placement == Placement::BrokerBeforeCommit {
@@ -488,13 +489,21 @@ async fn run() -> Result<bool, BoxError> {
                     continue;
                 }
             }
-            behind += 1;
+            behind.push(format!(
+                "stream {stream}: last offset {last:?}, committed up to {committed:?}, read up to {:?}",
+                read_up_to(&ledger)?
+            ));
         }
-        if behind == 0 {
+        if behind.is_empty() {
             break;
         }
         if Instant::now() > deadline {
-            return Err(format!("{behind} stream(s) not consumed to the end in 300 s").into());
+            return Err(format!(
+                "{} stream(s) not consumed to the end in 300 s ({})",
+                behind.len(),
+                behind.join("; ")
+            )
+            .into());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -21,7 +21,8 @@ rabbitmq_install
 cargo build --release --all-features --example stream_orders --example stream_e2e
 
 work="$(mktemp -d -t idemdb-streams-XXXXXX)"
-trap 'rabbitmq_stop; rm -rf "$work"' EXIT
+# A failed run keeps its folder (the ledgers, the stores, the server's log) for a look.
+trap 'status=$?; rabbitmq_stop; if [ "$status" -eq 0 ]; then rm -rf "$work"; else echo "rabbitmq-streams: kept $work" >&2; fi' EXIT
 rabbitmq_start "$work/server"
 checker="$CARGO_TARGET_DIR/release/examples/stream_e2e"
 "$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/run" --orders 3000 --rate 400 \

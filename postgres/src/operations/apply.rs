@@ -58,10 +58,14 @@ enum OneTrip {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Applied {
-    /// The committed record's epoch (1 for a key never claimed before).
+    /// The committed record's epoch: 1 for a key without a row (never claimed, or its
+    /// expired record already removed by [`PgStore::maintain`](crate::PgStore::maintain)),
+    /// the next epoch for a key whose expired, released or taken-over record was still stored.
     pub epoch: u64,
-    /// True when it took one round trip (the key was new and the clocks agreed); false when it
-    /// was decided and committed in two, as `begin_message` and `commit_with` do.
+    /// True when the message was decided and committed by the one-round-trip path (the key
+    /// was new and the clocks agreed); false when it took the two-round-trip path of
+    /// `begin_message` and `commit_with`. On a connection the store has not used before, the
+    /// statements are prepared first, in round trips of their own, whichever path it takes.
     pub one_round_trip: bool,
 }
 

@@ -110,8 +110,10 @@ impl<'c> PgClaimBatch<'c> {
     /// all. `result_of` is called for those indexes only, in order.
     ///
     /// # Errors
-    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`; [`Error::LostKey`] if a
-    /// replaced row was gone (the key's lock should make it impossible); [`Error::Postgres`]
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`; [`Error::LostKey`] if an
+    /// entity's version could not be written (the entity's lock should make it impossible; a
+    /// replaced record whose row removal deleted meanwhile is written anew, not an error);
+    /// [`Error::Postgres`]
     /// when a statement or the commit fails, a business statement of the batch included. A
     /// failed statement makes the COMMIT sent behind it roll back, and nothing is written; if
     /// the connection dropped during the COMMIT its outcome is unknown: do not acknowledge the

@@ -30,7 +30,7 @@ impl Default for Removal {
 }
 
 impl Removal {
-    /// Rows deleted per batch (at least 1; default 1,000). Each batch is one transaction: its
+    /// Rows deleted per batch (default 1,000; 0 is taken as 1). Each batch is one transaction: its
     /// rows' locks and its WAL are that small, whatever has expired.
     #[must_use]
     pub fn batch_rows(mut self, rows: u32) -> Removal {
