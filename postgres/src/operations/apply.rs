@@ -98,7 +98,7 @@ impl PgConsumer {
     /// statements included), and is then decided and committed in two more round trips. The
     /// first call on a store takes the longer way, to learn the database's clock. That failed
     /// insert is an error on the server's side like any other: with PostgreSQL's default
-    /// `log_min_error_statement`, each duplicate's writes a line to the server's log, with the
+    /// `log_min_error_statement`, each duplicate's failed insert writes a line to the server's log, with the
     /// key in its detail (the unique key's violation).
     ///
     /// ```no_run
