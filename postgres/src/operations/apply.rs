@@ -98,8 +98,8 @@ impl PgConsumer {
     /// statements included), and is then decided and committed in two more round trips. The
     /// first call on a store takes the longer way, to learn the database's clock. That failed
     /// insert is an error on the server's side like any other: with PostgreSQL's default
-    /// `log_min_error_statement`, each duplicate's failed insert writes a line to the server's log, with the
-    /// key in its detail (the unique key's violation).
+    /// `log_min_error_statement`, each duplicate's failed insert writes a line to the server's
+    /// log, with the key in its detail (the unique key's violation).
     ///
     /// ```no_run
     /// # async fn example(client: &mut tokio_postgres::Client, orders: idemdb_postgres::PgConsumer)
