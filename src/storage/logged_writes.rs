@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use rocksdb::{DB, WriteBatch, WriteOptions};
 
@@ -86,11 +87,31 @@ pub(crate) fn retire_log(store: &Path, db: &DB) -> Result<()> {
 /// whether to sync).
 type LogIo<'a> = dyn Fn(&dyn Fn(bool) -> Result<()>) -> Result<()> + 'a;
 
+/// A writer waiting in [`LogWriter::write`]: its thread, and its outcome once its group is
+/// applied. Each writer is answered in its own slot, without the log's lock: with 32 writers
+/// on 2 cores, each woken writer taking that lock to read its outcome kept the leader and the
+/// applier spinning and yielding for it.
+struct Waiter {
+    thread: std::thread::Thread,
+    outcome: parking_lot::Mutex<Option<Result<()>>>,
+}
+
+impl Waiter {
+    fn answer(&self, outcome: Result<()>) {
+        *self.outcome.lock() = Some(outcome);
+        self.thread.unpark();
+    }
+
+    fn take(&self) -> Option<Result<()>> {
+        self.outcome.lock().take()
+    }
+}
+
 /// Whose a batch in a group is.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone)]
 enum Member {
-    /// A queued writer's, by ticket ([`LogWriter::write`]).
-    Queued(u64),
+    /// A queued writer's ([`LogWriter::write`]).
+    Queued(Arc<Waiter>),
     /// One of the batches given to [`LogWriter::write_durable`], by the caller's number.
     Own(usize),
 }
@@ -118,9 +139,7 @@ pub(crate) struct LogWriter {
 
 struct State {
     log: CommitLog,
-    queue: Vec<(u64, WriteBatch)>,
-    outcomes: HashMap<u64, Result<()>>,
-    next_ticket: u64,
+    queue: Vec<(Arc<Waiter>, WriteBatch)>,
     /// A leader is appending, writing or syncing its group's records.
     leading: bool,
     /// The number the next group gets: groups are applied to RocksDB in this order.
@@ -133,11 +152,6 @@ struct State {
     failed: Option<Error>,
     /// The LSN of the last batch written to RocksDB.
     written_lsn: u64,
-    /// Each waiting writer's thread, by ticket: woken when its outcome is in, or when it may
-    /// lead. Threads are woken one by one, each for what it waits for (a condition variable
-    /// woke every writer at each step: with 32 writers, most of a group's time went to
-    /// wake-ups on 2 cores).
-    waiters: HashMap<u64, std::thread::Thread>,
     /// Threads waiting for the lead without a queued batch ([`LogWriter::write_durable`]).
     lead_waiters: Vec<std::thread::Thread>,
     /// Leaders waiting for the groups before theirs to be applied, by group.
@@ -193,14 +207,11 @@ impl LogWriter {
             state: parking_lot::Mutex::new(State {
                 log,
                 queue: Vec::new(),
-                outcomes: HashMap::new(),
-                next_ticket: 0,
                 leading: false,
                 next_group: 0,
                 applied_groups: 0,
                 failed: None,
                 written_lsn,
-                waiters: HashMap::new(),
                 lead_waiters: Vec::new(),
                 turn_waiters: HashMap::new(),
             }),
@@ -223,25 +234,32 @@ impl LogWriter {
         io: impl Fn(&dyn Fn(bool) -> Result<()>) -> Result<()>,
         flush: impl Fn() -> Result<()>,
     ) -> Result<()> {
+        let waiter = Arc::new(Waiter {
+            thread: std::thread::current(),
+            outcome: parking_lot::Mutex::new(None),
+        });
         let mut state = self.state.lock();
-        let ticket = state.next_ticket;
-        state.next_ticket += 1;
-        state.queue.push((ticket, batch));
+        state.queue.push((waiter.clone(), batch));
         loop {
-            if let Some(outcome) = state.outcomes.remove(&ticket) {
-                state.waiters.remove(&ticket);
-                return outcome;
-            }
             if state.leading || state.queue.is_empty() {
-                // Another leader has the log, or took this batch into its group.
-                state.waiters.insert(ticket, std::thread::current());
-                park(&mut state);
+                // Another leader has the log, or took this batch into its group: woken with
+                // the outcome, or to lead the next group (threads waiting on a `Thread` may
+                // also wake for nothing: the loop looks again).
+                drop(state);
+                std::thread::park();
+                if let Some(outcome) = waiter.take() {
+                    return outcome;
+                }
+                state = self.state.lock();
                 continue;
             }
             let (group, _) = self.lead(&mut state, db, Vec::new(), &io, &flush);
             drop(state);
             // The caller's own outcome is among the members'.
             let _ = self.apply(db, group);
+            if let Some(outcome) = waiter.take() {
+                return outcome;
+            }
             state = self.state.lock();
         }
     }
@@ -294,7 +312,7 @@ impl LogWriter {
             .chain(
                 std::mem::take(&mut state.queue)
                     .into_iter()
-                    .map(|(ticket, batch)| (Member::Queued(ticket), batch)),
+                    .map(|(waiter, batch)| (Member::Queued(waiter), batch)),
             )
             .collect::<std::collections::VecDeque<_>>();
         let mut batches = Vec::with_capacity(members.len());
@@ -316,7 +334,7 @@ impl LogWriter {
                     }
                     for (member, batch) in members.drain(..) {
                         match member {
-                            Member::Queued(ticket) => deferred.push((ticket, batch)),
+                            Member::Queued(waiter) => deferred.push((waiter, batch)),
                             Member::Own(index) => own_left.push((index, batch)),
                         }
                     }
@@ -360,10 +378,8 @@ impl LogWriter {
         // writer with a queued batch is woken to lead it (any of them may), and whoever waits
         // to lead without one.
         state.leading = false;
-        if let Some((next, _)) = state.queue.first()
-            && let Some(waiter) = state.waiters.get(next)
-        {
-            waiter.unpark();
+        if let Some((waiter, _)) = state.queue.first() {
+            waiter.thread.unpark();
         }
         for waiter in state.lead_waiters.drain(..) {
             waiter.unpark();
@@ -401,7 +417,7 @@ impl LogWriter {
             None => durable,
         };
         drop(state);
-        let members: Vec<Member> = batches.iter().map(|(member, _)| *member).collect();
+        let members: Vec<Member> = batches.iter().map(|(member, _)| member.clone()).collect();
         let outcome = durable.and_then(|()| {
             for (_, batch) in batches {
                 db.write_opt(batch, &no_wal())?;
@@ -417,6 +433,12 @@ impl LogWriter {
                 state.failed.get_or_insert_with(|| error.clone());
             }
         }
+        // The next group's leader may be waiting for its turn.
+        let next = state.applied_groups;
+        if let Some(waiter) = state.turn_waiters.remove(&next) {
+            waiter.unpark();
+        }
+        drop(state);
         let mut own = Vec::new();
         let answers = members
             .into_iter()
@@ -428,19 +450,9 @@ impl LogWriter {
             );
         for (member, answer) in answers {
             match member {
-                Member::Queued(ticket) => {
-                    state.outcomes.insert(ticket, answer);
-                    if let Some(waiter) = state.waiters.get(&ticket) {
-                        waiter.unpark();
-                    }
-                }
+                Member::Queued(waiter) => waiter.answer(answer),
                 Member::Own(index) => own.push((index, answer)),
             }
-        }
-        // The next group's leader may be waiting for its turn.
-        let next = state.applied_groups;
-        if let Some(waiter) = state.turn_waiters.remove(&next) {
-            waiter.unpark();
         }
         own
     }

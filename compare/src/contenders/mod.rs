@@ -70,9 +70,11 @@ pub enum Kind {
     /// 4 KiB write + fdatasync of a preallocated, already written file: the disk's own
     /// durable-write latency. With `append`, a 200-byte record appended to a file preallocated
     /// the way RocksDB preallocates its WAL (allocated, size kept): each fdatasync then also
-    /// journals the file's new size, as a WAL's does.
+    /// journals the file's new size, as a WAL's does. With `direct`, the 4 KiB in place go
+    /// through an `O_DIRECT | O_DSYNC` descriptor instead (the commit log's synced writes).
     Fdatasync {
         append: bool,
+        direct: bool,
     },
 }
 
@@ -224,14 +226,30 @@ pub fn all() -> Vec<Spec> {
         // Durable: every acknowledged message survives a power loss.
         Spec::new(
             "fdatasync 4 KiB",
-            Kind::Fdatasync { append: false },
+            Kind::Fdatasync {
+                append: false,
+                direct: false,
+            },
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "direct write 4 KiB",
+            Kind::Fdatasync {
+                append: false,
+                direct: true,
+            },
             1,
             1,
             1,
         ),
         Spec::new(
             "fdatasync append 200 B",
-            Kind::Fdatasync { append: true },
+            Kind::Fdatasync {
+                append: true,
+                direct: false,
+            },
             1,
             1,
             1,
@@ -622,9 +640,9 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 ))
             })
         }
-        Kind::Fdatasync { append } => Ok(Prepared {
+        Kind::Fdatasync { append, direct } => Ok(Prepared {
             sessions: vec![Box::new(crate::contenders::embedded::Fdatasync::create(
-                dir, append,
+                dir, append, direct,
             )?)],
             store: None,
         }),
