@@ -29,7 +29,6 @@ use tokio::sync::oneshot;
 use crate::format::error::{Error, Result};
 use crate::format::record::Committed;
 use crate::storage::store::StagedWrite;
-use crate::storage::wal_file::BATCH_HEADER_BYTES;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
@@ -225,33 +224,6 @@ fn finish_group(group: DurableJobs) {
             .unwrap_or_else(|| Err(committer_error("the write did not answer for a commit")));
         finish(outcome);
     }
-}
-
-/// One write batch holding every record of `batches`, in order: RocksDB applies it atomically,
-/// as it would each of them.
-pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch {
-    let mut batches: Vec<WriteBatch> = batches.into_iter().collect();
-    if batches.len() == 1 {
-        return batches.pop().unwrap_or_default();
-    }
-    let batches = batches.iter();
-    let records: usize = batches.clone().map(|batch| batch.len()).sum();
-    let bytes: usize = batches
-        .clone()
-        .map(|batch| batch.data().len() - BATCH_HEADER_BYTES)
-        .sum();
-    let mut rep = Vec::with_capacity(BATCH_HEADER_BYTES + bytes);
-    // The sequence number is assigned by the write.
-    rep.extend_from_slice(&0u64.to_le_bytes());
-    // A group stops taking jobs at GROUP_CLAIMS_MAX claims, and one job (a batch) holds at most
-    // BATCH_MESSAGES_MAX claims of at most STAGED_WRITES_MAX + 2 records each: about 335
-    // million records, well inside a u32.
-    let count = u32::try_from(records).expect("a group's record count fits RocksDB's u32");
-    rep.extend_from_slice(&count.to_le_bytes());
-    for batch in batches {
-        rep.extend_from_slice(&batch.data()[BATCH_HEADER_BYTES..]);
-    }
-    WriteBatch::from_data(&rep)
 }
 
 /// The future of [`crate::Claim::commit_async`]: resolves to what [`crate::Claim::commit`] would have

@@ -1,8 +1,11 @@
 //! The durable path through the commit log (`EngineBuilder::commit_log`): each
-//! write batch gets the next log sequence number (LSN), written into the batch itself
-//! ([`LOG_LSN_KEY`]), is appended to the log, made durable there, and only then written to
-//! RocksDB, whose tables run without their WAL and flush atomically (all together), so that
-//! the table files always hold exactly the batches up to the LSN they record.
+//! write batch is appended to the log under the next log sequence number (LSN), made durable
+//! there, and only then written to RocksDB, whose tables run without their WAL and flush
+//! atomically (all together). A group's batches go to RocksDB as one write batch that also
+//! puts the group's last LSN ([`LOG_LSN_KEY`]): RocksDB applies a batch whole, so the table
+//! files always hold exactly the batches up to the LSN they record. (Each batch carried its own
+//! LSN put before: one memtable insert more per commit, and one RocksDB write per batch; logs
+//! written then still open, their records' puts being the same values.)
 //!
 //! Group commit: writers queue their batches; one of them at a time leads, takes the queue,
 //! appends it to the log under the lock, then writes and syncs the log without the lock while
@@ -40,12 +43,22 @@ fn no_wal() -> WriteOptions {
     options
 }
 
+fn default_table(db: &DB) -> &rocksdb::ColumnFamily {
+    db.cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
+        .expect("the default table exists")
+}
+
+/// The log record `payload` of LSN `lsn` as a batch to replay into the tables: with the put
+/// of its LSN, so that the tables say which records they hold.
+fn numbered(db: &DB, payload: &[u8], lsn: u64) -> WriteBatch {
+    let mut batch = WriteBatch::from_data(payload);
+    batch.put_cf(default_table(db), LOG_LSN_KEY, lsn.to_be_bytes());
+    batch
+}
+
 /// The LSN of the last batch the tables hold (memtables included), 0 for none.
 pub(crate) fn tables_lsn(db: &DB) -> Result<u64> {
-    let default = db
-        .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
-        .expect("the default table exists");
-    Ok(match db.get_pinned_cf(default, LOG_LSN_KEY)? {
+    Ok(match db.get_pinned_cf(default_table(db), LOG_LSN_KEY)? {
         Some(value) => {
             u64::from_be_bytes(value.as_ref().try_into().map_err(|_| Error::Corrupt {
                 key: LOG_LSN_KEY.to_vec(),
@@ -74,8 +87,8 @@ pub(crate) fn retire_log(store: &Path, db: &DB) -> Result<()> {
     let mut synced = WriteOptions::default();
     synced.set_sync(true);
     let from = tables_lsn(db)? + 1;
-    let (log, _) = CommitLog::open(&dir, from, |_, payload| {
-        Ok(db.write_opt(WriteBatch::from_data(payload), &synced)?)
+    let (log, _) = CommitLog::open(&dir, from, |lsn, payload| {
+        Ok(db.write_opt(numbered(db, payload, lsn), &synced)?)
     })?;
     drop(log);
     std::fs::remove_dir_all(&dir).map_err(|error| Error::io("removing the commit log", &error))?;
@@ -179,7 +192,7 @@ impl LogWriter {
         let (mut log, written_lsn) = if dir.exists() {
             let mut last = tables;
             let (log, recovered) = CommitLog::open(&dir, tables + 1, |lsn, payload| {
-                db.write_opt(WriteBatch::from_data(payload), &no_wal())?;
+                db.write_opt(numbered(db, payload, lsn), &no_wal())?;
                 last = lsn;
                 Ok(())
             })?;
@@ -253,7 +266,7 @@ impl LogWriter {
                 state = self.state.lock();
                 continue;
             }
-            let (group, _) = self.lead(&mut state, db, Vec::new(), &io, &flush);
+            let (group, _) = self.lead(&mut state, Vec::new(), &io, &flush);
             drop(state);
             // The caller's own outcome is among the members'.
             let _ = self.apply(db, group);
@@ -274,7 +287,6 @@ impl LogWriter {
     #[cfg(feature = "tokio")]
     pub(crate) fn write_durable(
         &self,
-        db: &DB,
         batches: Vec<(usize, WriteBatch)>,
         io: impl Fn(&dyn Fn(bool) -> Result<()>) -> Result<()>,
         flush: impl Fn() -> Result<()>,
@@ -284,7 +296,7 @@ impl LogWriter {
             state.lead_waiters.push(std::thread::current());
             park(&mut state);
         }
-        self.lead(&mut state, db, batches, &io, &flush)
+        self.lead(&mut state, batches, &io, &flush)
     }
 
     /// Leads a group: `own` (a caller's batches, not queued) and every batch queued get their
@@ -295,14 +307,10 @@ impl LogWriter {
     fn lead(
         &self,
         state: &mut parking_lot::MutexGuard<'_, State>,
-        db: &DB,
         own: Vec<(usize, WriteBatch)>,
         io: &LogIo<'_>,
         flush: &dyn Fn() -> Result<()>,
     ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
-        let default = db
-            .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
-            .expect("the default table exists");
         state.leading = true;
         let group = state.next_group;
         state.next_group += 1;
@@ -319,19 +327,12 @@ impl LogWriter {
         let mut refused = Vec::new();
         let mut deferred = Vec::new();
         let mut own_left = Vec::new();
-        while let Some((member, mut batch)) = members.pop_front() {
-            let lsn = state.log.next_lsn();
-            batch.put_cf(default, LOG_LSN_KEY, lsn.to_be_bytes());
+        while let Some((member, batch)) = members.pop_front() {
             let appended = match state.log.append(batch.data()) {
                 Err(full) if full.is_retryable() && !batches.is_empty() => {
                     // The ring is full with this group's own records among those it holds:
                     // this batch and the rest wait for the next group.
-                    let unnumbered = without_lsn_put(lsn, batch.data())
-                        .map(|bytes| WriteBatch::from_data(&bytes));
-                    match unnumbered {
-                        Ok(batch) => members.push_front((member, batch)),
-                        Err(error) => refused.push((member, error)),
-                    }
+                    members.push_front((member, batch));
                     for (member, batch) in members.drain(..) {
                         match member {
                             Member::Queued(waiter) => deferred.push((waiter, batch)),
@@ -419,10 +420,12 @@ impl LogWriter {
         drop(state);
         let members: Vec<Member> = batches.iter().map(|(member, _)| member.clone()).collect();
         let outcome = durable.and_then(|()| {
-            for (_, batch) in batches {
-                db.write_opt(batch, &no_wal())?;
+            if batches.is_empty() {
+                return Ok(());
             }
-            Ok(())
+            let mut group = crate::storage::wal_file::join(batches.into_iter().map(|(_, b)| b));
+            group.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
+            Ok(db.write_opt(group, &no_wal())?)
         });
         let mut state = self.state.lock();
         state.applied_groups += 1;
@@ -504,9 +507,13 @@ impl ReaderWal {
     }
 }
 
-/// `payload` (a log record's batch) without the put of its LSN that [`LogWriter::write`] adds
-/// last. A reader's replay leaves [`LOG_LSN_KEY`] as the table files have it, so that the
-/// reader can check that the files it opened are the ones whose LSN it read the log after.
+/// `payload` (a log record's batch) without a put of its LSN at its end. Records carry none
+/// now (a group's write to the tables puts its LSN once); logs written before carry one in
+/// every record. A reader's replay leaves [`LOG_LSN_KEY`] as the table files have it, so that
+/// the reader can check that the files it opened are the ones whose LSN it read the log after.
+///
+/// # Errors
+/// [`Error::Corrupt`] for a payload shorter than a write batch's header.
 fn without_lsn_put(lsn: u64, payload: &[u8]) -> Result<Vec<u8>> {
     use crate::storage::wal_file::{BATCH_HEADER_BYTES, batch_count};
     let mut alone = WriteBatch::default();
@@ -522,10 +529,11 @@ fn without_lsn_put(lsn: u64, payload: &[u8]) -> Result<Vec<u8>> {
             batch[8..BATCH_HEADER_BYTES].copy_from_slice(&(count - 1).to_le_bytes());
             Ok(batch)
         }
-        _ => Err(Error::Corrupt {
+        Some(_) => Ok(payload.to_vec()),
+        None => Err(Error::Corrupt {
             key: LOG_LSN_KEY.to_vec(),
             reason: crate::format::error::DecodeError::Invalid {
-                reason: "a commit-log record does not end with the put of its LSN",
+                reason: "a commit-log record is shorter than a write batch's header",
             },
         }),
     }
@@ -587,4 +595,66 @@ pub(crate) fn log_as_wal(
         log_dir,
         headers,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::commit_log::LOG_SEGMENT_BYTES_MIN;
+
+    fn value(db: &DB, key: &[u8]) -> Option<Vec<u8>> {
+        db.get(key).unwrap()
+    }
+
+    /// Logs written before a group's write to the tables put its LSN once carry a put of its
+    /// LSN in every record: such a log, followed by records without one, replays whole, and the
+    /// tables say the last LSN. A reader's copy of either kind has no LSN put.
+    #[test]
+    fn records_with_and_without_their_lsn_put_replay_alike() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = rocksdb::Options::default();
+        options.create_if_missing(true);
+        let db = DB::open_cf(&options, dir.path().join("tables"), ["default"]).unwrap();
+        let writer = LogWriter::open(dir.path(), &db, 2, LOG_SEGMENT_BYTES_MIN, true).unwrap();
+        let mut payloads = Vec::new();
+        {
+            let mut state = writer.state.lock();
+            for lsn in 1..=4u64 {
+                let mut batch = WriteBatch::default();
+                batch.put(format!("key-{lsn}"), format!("value-{lsn}"));
+                if lsn <= 2 {
+                    // The earlier format.
+                    batch.put(LOG_LSN_KEY, lsn.to_be_bytes());
+                }
+                assert_eq!(state.log.append(batch.data()).unwrap(), lsn);
+                payloads.push(batch.data().to_vec());
+            }
+            state.log.sync().unwrap();
+        }
+        // A crash before the tables were written: the next open replays all four.
+        drop(writer);
+        assert_eq!(tables_lsn(&db).unwrap(), 0);
+        let writer = LogWriter::open(dir.path(), &db, 2, LOG_SEGMENT_BYTES_MIN, true).unwrap();
+        assert_eq!(tables_lsn(&db).unwrap(), 4);
+        for lsn in 1..=4 {
+            assert_eq!(
+                value(&db, format!("key-{lsn}").as_bytes()),
+                Some(format!("value-{lsn}").into_bytes())
+            );
+        }
+        // A group written now: one write with the group's last LSN.
+        let mut batch = WriteBatch::default();
+        batch.put("key-5", "value-5");
+        writer
+            .write(&db, batch, |call| call(true), || Ok(()))
+            .unwrap();
+        assert_eq!(tables_lsn(&db).unwrap(), 5);
+        // The reader's copies: the old records lose their put, the new ones are as written.
+        for (lsn, payload) in (1..).zip(&payloads) {
+            let copy = without_lsn_put(lsn, payload).unwrap();
+            assert_eq!(WriteBatch::from_data(&copy).len(), 1, "LSN {lsn}");
+            assert!(!copy.windows(LOG_LSN_KEY.len()).any(|w| w == LOG_LSN_KEY));
+        }
+        assert!(without_lsn_put(9, &[0u8; 4]).is_err());
+    }
 }

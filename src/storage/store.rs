@@ -458,7 +458,6 @@ impl Storage {
         match &self.log {
             Some(log) => {
                 let (group, left) = log.write_durable(
-                    self.db(),
                     batches,
                     |call| self.io_result(IoPoint::Write, call),
                     || self.flush_every_table(),
@@ -466,7 +465,7 @@ impl Storage {
                 (StagedWrite::Logged(group), left)
             }
             None => {
-                let joined = crate::storage::committer::join(batches.into_iter().map(|(_, b)| b));
+                let joined = crate::storage::wal_file::join(batches.into_iter().map(|(_, b)| b));
                 (
                     StagedWrite::Done(numbers, self.write_without_log(joined)),
                     Vec::new(),

@@ -1,5 +1,5 @@
-//! RocksDB's formats we write ourselves: a write batch's header (also read by the async
-//! committer, which joins batches) and the WAL file, written for one reader: an operator
+//! RocksDB's formats we write ourselves: a write batch's header (read to join batches into one,
+//! [`join`]) and the WAL file, written for one reader: an operator
 //! tool's read-only open beside an application on the commit log. The table files do not
 //! hold the commits the log holds after the tables' LSN, and a read-only RocksDB cannot be
 //! written to; but it replays the WAL files it finds into its memtables. So the reader writes those log records, in LSN order, as
@@ -17,6 +17,8 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+
+use rocksdb::WriteBatch;
 
 use crate::format::error::{Error, Result};
 
@@ -37,6 +39,34 @@ pub(crate) const BATCH_HEADER_BYTES: usize = 12;
 pub(crate) fn batch_count(rep: &[u8]) -> Option<u32> {
     rep.get(8..BATCH_HEADER_BYTES)
         .map(|count| u32::from_le_bytes(count.try_into().expect("4 bytes")))
+}
+
+/// One write batch holding every record of `batches`, in order: RocksDB applies it atomically,
+/// as it would each of them.
+pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch {
+    let mut batches: Vec<WriteBatch> = batches.into_iter().collect();
+    if batches.len() == 1 {
+        return batches.pop().unwrap_or_default();
+    }
+    let batches = batches.iter();
+    let records: usize = batches.clone().map(|batch| batch.len()).sum();
+    let bytes: usize = batches
+        .clone()
+        .map(|batch| batch.data().len() - BATCH_HEADER_BYTES)
+        .sum();
+    let mut rep = Vec::with_capacity(BATCH_HEADER_BYTES + bytes);
+    // The sequence number is assigned by the write.
+    rep.extend_from_slice(&0u64.to_le_bytes());
+    // The async committer's group stops taking jobs at GROUP_CLAIMS_MAX claims, and one job
+    // (a batch) holds at most BATCH_MESSAGES_MAX claims of at most STAGED_WRITES_MAX + 2
+    // records each: about 335 million records, well inside a u32. The commit log's groups are
+    // of blocked writers, one batch each.
+    let count = u32::try_from(records).expect("a group's record count fits RocksDB's u32");
+    rep.extend_from_slice(&count.to_le_bytes());
+    for batch in batches {
+        rep.extend_from_slice(&batch.data()[BATCH_HEADER_BYTES..]);
+    }
+    WriteBatch::from_data(&rep)
 }
 
 fn masked_crc(kind: u8, payload: &[u8]) -> u32 {
