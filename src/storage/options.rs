@@ -287,9 +287,12 @@ impl EngineBuilder {
     /// RocksDB's write-ahead log, which the store's tables then do without. Default: off.
     /// Reopened without it, a store replays its log into RocksDB's WAL and removes it.
     ///
-    /// Why: an `fdatasync` of a file rewritten in place writes data only, where RocksDB's
-    /// growing WAL also journals its new size; groups of commits are pipelined (one group
-    /// synced while the one before it is applied to the tables). Measured in BENCHMARKS.md
+    /// Why: a sync of a file rewritten in place writes data only, where RocksDB's growing WAL
+    /// also journals its new size; with `Durability::Sync` the records go out as direct writes
+    /// (`O_DIRECT | O_DSYNC`, whole 4 KiB blocks) where the file system takes them and
+    /// `segment_bytes` is a multiple of 4 KiB, else as a write and an `fdatasync`; groups of
+    /// commits are pipelined (one group synced while the one before it is applied to the
+    /// tables). Measured in BENCHMARKS.md
     /// ("The commit log"): durable commits from one thread, 32 threads and async batches with
     /// several in flight all faster than on RocksDB's WAL. The guarantees are the same:
     /// `Durability::Sync` survives power loss, `Buffered` a process crash, batches are never
