@@ -82,6 +82,7 @@
 //! | memtable per table | 1 MiB..=1 GiB; default 64 MiB | [`WRITE_BUFFER_BYTES_MIN`], [`WRITE_BUFFER_BYTES_MAX`], [`WRITE_BUFFER_BYTES_DEFAULT`] |
 //! | labels added to the metrics ([`EngineBuilder::metrics_label`]) | at most 8; values at most 256 bytes | [`METRICS_LABELS_MAX`], [`METRICS_LABEL_VALUE_BYTES_MAX`] |
 //! | periodic compaction | 1 hour..=365 days; default 1 day | [`PERIODIC_COMPACTION_S_MIN`], [`PERIODIC_COMPACTION_S_MAX`], [`PERIODIC_COMPACTION_S_DEFAULT`] |
+//! | commit log ([`EngineBuilder::commit_log`]) | 2..=1024 segments of 64 KiB..=4 GiB | [`COMMIT_LOG_SEGMENTS_MIN`], [`COMMIT_LOG_SEGMENTS_MAX`], [`COMMIT_LOG_SEGMENT_BYTES_MIN`], [`COMMIT_LOG_SEGMENT_BYTES_MAX`] |
 //!
 //! The clock is bounded too: at a reading beyond [`CLOCK_MS_MAX`] (2^62 ms since the Unix epoch) a
 //! write returns [`Error::ClockOutOfRange`] and writes nothing, so that no record is born expired.
@@ -515,10 +516,11 @@ pub use storage::fault::{Fault, FaultInjector, IoPoint};
 pub use storage::observe::{ConsumerStats, Stats};
 #[cfg(feature = "engine")]
 pub use storage::options::{
-    BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN, Durability,
-    EngineBuilder, METRICS_LABEL_VALUE_BYTES_MAX, METRICS_LABELS_MAX,
-    PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX, PERIODIC_COMPACTION_S_MIN,
-    RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TABLE_NAME_BYTES_MAX,
-    TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions, WRITE_BUFFER_BYTES_DEFAULT,
-    WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
+    BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN,
+    COMMIT_LOG_SEGMENT_BYTES_MAX, COMMIT_LOG_SEGMENT_BYTES_MIN, COMMIT_LOG_SEGMENTS_MAX,
+    COMMIT_LOG_SEGMENTS_MIN, Durability, EngineBuilder, METRICS_LABEL_VALUE_BYTES_MAX,
+    METRICS_LABELS_MAX, PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX,
+    PERIODIC_COMPACTION_S_MIN, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN,
+    TABLE_NAME_BYTES_MAX, TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions,
+    WRITE_BUFFER_BYTES_DEFAULT, WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };

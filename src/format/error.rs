@@ -43,6 +43,10 @@ pub enum Limit {
     BatchMessages,
     /// [`crate::POSITION_SOURCE_BYTES_MIN`] ..= [`crate::POSITION_SOURCE_BYTES_MAX`].
     PositionSourceBytes,
+    /// [`crate::COMMIT_LOG_SEGMENTS_MIN`] ..= [`crate::COMMIT_LOG_SEGMENTS_MAX`].
+    CommitLogSegments,
+    /// [`crate::COMMIT_LOG_SEGMENT_BYTES_MIN`] ..= [`crate::COMMIT_LOG_SEGMENT_BYTES_MAX`].
+    CommitLogSegmentBytes,
 }
 
 /// What RocksDB reported, reduced to what a caller can act on.

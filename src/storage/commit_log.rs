@@ -34,6 +34,14 @@ use crate::format::commit_log::{
 };
 use crate::format::error::{Error, Result};
 
+#[cfg(test)]
+thread_local! {
+    /// Tests' seam: runs in a read of the log between the segment headers' read and the
+    /// records' (where a writer beside the reader may reuse a segment).
+    pub(crate) static AFTER_HEADERS_READ: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// The fewest slots of a ring: one being written, one to switch to.
 pub(crate) const LOG_SLOTS_MIN: usize = 2;
 /// The smallest segment: a header and a few records.
@@ -264,6 +272,12 @@ impl Chain {
                 end_lsn: header.map_or(0, |header| header.first_lsn),
             });
         }
+        #[cfg(test)]
+        AFTER_HEADERS_READ.with(|hook| {
+            if let Some(hook) = hook.borrow_mut().as_mut() {
+                hook();
+            }
+        });
         let segment_bytes = segment_bytes.ok_or_else(|| {
             Error::invalid_argument(format!("no commit log in {}", dir.display()))
         })?;
@@ -349,6 +363,31 @@ impl CommitLog {
                 "a commit log needs at least {LOG_SLOTS_MIN} segments of at least \
                  {LOG_SEGMENT_BYTES_MIN} bytes"
             )));
+        }
+        // Every byte is written: a log larger than the free space would fill the disk before
+        // failing.
+        let needed = (slots as u64).saturating_mul(segment_bytes);
+        let parent = dir
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let space = rustix::fs::statvfs(parent).map_err(|error| {
+            io_error(
+                "reading the free space of",
+                parent,
+                &std::io::Error::from(error),
+            )
+        })?;
+        let free = space.f_bavail.saturating_mul(space.f_frsize);
+        if needed > free {
+            return Err(Error::Storage {
+                kind: crate::format::error::StorageErrorKind::NoSpace,
+                detail: format!(
+                    "a commit log of {slots} segments of {segment_bytes} bytes needs {needed} \
+                     bytes; {} has {free} free",
+                    parent.display()
+                ),
+            });
         }
         // Made under a temporary name and renamed into place once complete: a crash while it
         // is made leaves no log (the next open makes it again), never a partial one.

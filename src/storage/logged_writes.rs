@@ -576,6 +576,15 @@ pub(crate) fn log_as_wal(
     })?;
     writer.finish()?;
     if records == 0 {
+        // Nothing after the LSN, unless the owner reused a segment between the read of its
+        // header and of its records: the records read then end at once, as if there were none
+        // (a reader took that for the end and missed every commit after the tables' LSN).
+        if !CommitLog::unchanged_since(&log_dir, &headers)? {
+            return Err(Error::Storage {
+                kind: crate::format::error::StorageErrorKind::Retryable,
+                detail: "the commit log's segments were reused during the read".to_owned(),
+            });
+        }
         return Ok(None);
     }
     let absolute = std::path::absolute(store)
@@ -656,5 +665,58 @@ mod tests {
             assert!(!copy.windows(LOG_LSN_KEY.len()).any(|w| w == LOG_LSN_KEY));
         }
         assert!(without_lsn_put(9, &[0u8; 4]).is_err());
+    }
+
+    /// A reader beside the owner reads the segment headers, then the records; the owner may
+    /// reuse a segment in between. The records read then end at once: that must not pass for
+    /// a log with nothing after the tables' LSN.
+    #[test]
+    fn a_segment_reused_during_a_read_is_not_taken_for_the_end_of_the_log() {
+        use crate::format::commit_log::{
+            LOG_SEGMENT_HEADER_BYTES, LogSegmentHeader, encode_log_record,
+        };
+        use crate::storage::commit_log::AFTER_HEADERS_READ;
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut log =
+            CommitLog::create(&dir.path().join(LOG_DIR), 2, LOG_SEGMENT_BYTES_MIN, 1).unwrap();
+        for lsn in 1..=3u64 {
+            let mut batch = WriteBatch::default();
+            batch.put(format!("key-{lsn}"), "value");
+            log.append(batch.data()).unwrap();
+        }
+        log.sync().unwrap();
+        drop(log);
+        // Undisturbed: the three records, from the tables' LSN 0 on.
+        assert!(log_as_wal(dir.path(), 0, 0).unwrap().is_some());
+        // The owner reuses the first slot for a later segment between the two reads.
+        let slot = dir.path().join(LOG_DIR).join("segment-0");
+        AFTER_HEADERS_READ.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                let file = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
+                let header = LogSegmentHeader {
+                    segment: 9,
+                    first_lsn: 100,
+                };
+                file.write_all_at(&header.encode(), 0).unwrap();
+                let mut record = Vec::new();
+                encode_log_record(100, WriteBatch::default().data(), &mut record);
+                file.write_all_at(&record, LOG_SEGMENT_HEADER_BYTES as u64)
+                    .unwrap();
+            }));
+        });
+        let read = log_as_wal(dir.path(), 0, 0);
+        AFTER_HEADERS_READ.with(|hook| hook.borrow_mut().take());
+        match read {
+            Err(error) => assert!(error.is_retryable(), "{error:?}"),
+            Ok(found) => panic!(
+                "a read cut short by a reused segment passed for a whole one: {}",
+                if found.is_some() {
+                    "some records"
+                } else {
+                    "no records"
+                }
+            ),
+        }
     }
 }

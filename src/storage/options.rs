@@ -37,6 +37,15 @@ pub const WRITE_BUFFER_BYTES_MIN: usize = 1 << 20;
 pub const WRITE_BUFFER_BYTES_MAX: usize = 1 << 30;
 /// The default memtable (write buffer) per table, in bytes (64 MiB).
 pub const WRITE_BUFFER_BYTES_DEFAULT: usize = 64 << 20;
+/// The fewest segments of a commit log ([`EngineBuilder::commit_log`]): one being written, one
+/// to switch to.
+pub const COMMIT_LOG_SEGMENTS_MIN: usize = crate::storage::commit_log::LOG_SLOTS_MIN;
+/// The most segments of a commit log.
+pub const COMMIT_LOG_SEGMENTS_MAX: usize = 1024;
+/// The smallest commit-log segment, in bytes (64 KiB).
+pub const COMMIT_LOG_SEGMENT_BYTES_MIN: u64 = crate::storage::commit_log::LOG_SEGMENT_BYTES_MIN;
+/// The largest commit-log segment, in bytes (4 GiB).
+pub const COMMIT_LOG_SEGMENT_BYTES_MAX: u64 = 4 << 30;
 /// The most labels [`EngineBuilder::metrics_label`] adds to an engine's metrics.
 pub const METRICS_LABELS_MAX: usize = 8;
 /// The longest value of a label [`EngineBuilder::metrics_label`] adds, in bytes.
@@ -304,8 +313,11 @@ impl EngineBuilder {
     /// room flushes every table first (the records in the tables' files no longer need the
     /// log). A batch larger than a segment is refused ([`Error::InvalidArgument`]: a segment
     /// holds `segment_bytes` less 32 bytes of header, and a batch takes 24 bytes of record
-    /// header besides its own encoding). Segments: at least 2 of at least 64 KiB
-    /// ([`Error::InvalidOption`] otherwise). The shape is fixed when the log is made: a later
+    /// header besides its own encoding). Segments: [`COMMIT_LOG_SEGMENTS_MIN`]..=
+    /// [`COMMIT_LOG_SEGMENTS_MAX`] of [`COMMIT_LOG_SEGMENT_BYTES_MIN`]..=
+    /// [`COMMIT_LOG_SEGMENT_BYTES_MAX`] bytes ([`Error::LimitExceeded`] otherwise, at open); a
+    /// log larger than the free space of the store's file system is refused before anything
+    /// is written ([`Error::Storage`] of kind `NoSpace`). The shape is fixed when the log is made: a later
     /// open with other numbers goes on with the log as it is (open once without the log, then
     /// with it, to make it anew).
     ///
@@ -348,13 +360,19 @@ impl EngineBuilder {
         if self.path.as_os_str().is_empty() {
             return Err(Error::invalid_option("the store path is empty"));
         }
-        if let Some((segments, segment_bytes)) = self.commit_log
-            && (segments < crate::storage::commit_log::LOG_SLOTS_MIN
-                || segment_bytes < crate::storage::commit_log::LOG_SEGMENT_BYTES_MIN)
-        {
-            return Err(Error::invalid_option(
-                "the commit log needs at least 2 segments of at least 64 KiB",
-            ));
+        if let Some((segments, segment_bytes)) = self.commit_log {
+            check_limit_u64(
+                Limit::CommitLogSegments,
+                u64::try_from(segments).unwrap_or(u64::MAX),
+                COMMIT_LOG_SEGMENTS_MIN as u64,
+                COMMIT_LOG_SEGMENTS_MAX as u64,
+            )?;
+            check_limit_u64(
+                Limit::CommitLogSegmentBytes,
+                segment_bytes,
+                COMMIT_LOG_SEGMENT_BYTES_MIN,
+                COMMIT_LOG_SEGMENT_BYTES_MAX,
+            )?;
         }
         check_limit_u64(
             Limit::RetentionMs,

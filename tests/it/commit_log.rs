@@ -310,13 +310,52 @@ fn a_checkpoint_holds_every_commit_made_before_it() {
 
 #[test]
 fn bad_log_shapes_are_refused_at_open() {
+    use idemdb::{Error, Limit};
     let store = TestStore::new();
-    for (segments, bytes) in [(1, SEGMENT), (3, 1024)] {
-        assert!(matches!(
-            store.builder().commit_log(segments, bytes).open(),
-            Err(idemdb::Error::InvalidOption { .. })
-        ));
+    for (segments, bytes, limit) in [
+        (1, SEGMENT, Limit::CommitLogSegments),
+        (usize::MAX, SEGMENT, Limit::CommitLogSegments),
+        (
+            idemdb::COMMIT_LOG_SEGMENTS_MAX + 1,
+            SEGMENT,
+            Limit::CommitLogSegments,
+        ),
+        (3, 1024, Limit::CommitLogSegmentBytes),
+        (2, u64::MAX, Limit::CommitLogSegmentBytes),
+        (
+            2,
+            idemdb::COMMIT_LOG_SEGMENT_BYTES_MAX + 1,
+            Limit::CommitLogSegmentBytes,
+        ),
+    ] {
+        let opened = store.builder().commit_log(segments, bytes).open();
+        assert!(
+            matches!(opened, Err(Error::LimitExceeded { limit: found, .. }) if found == limit),
+            "{segments} x {bytes}: {opened:?}"
+        );
     }
+    // Within the limits but beyond the disk (1,024 x 4 GiB): refused before a byte is written.
+    let opened = store
+        .builder()
+        .commit_log(
+            idemdb::COMMIT_LOG_SEGMENTS_MAX,
+            idemdb::COMMIT_LOG_SEGMENT_BYTES_MAX,
+        )
+        .open();
+    assert!(
+        matches!(
+            &opened,
+            Err(Error::Storage {
+                kind: idemdb::StorageErrorKind::NoSpace,
+                ..
+            })
+        ),
+        "{opened:?}"
+    );
+    assert!(!store.dir.path().join("idemdb-log").exists());
+    assert!(!store.dir.path().join("idemdb-log.new").exists());
+    // The store opens with a log that fits.
+    drop(store.builder().commit_log(2, SEGMENT).open().unwrap());
 }
 
 #[cfg(feature = "tokio")]
