@@ -811,6 +811,30 @@ mod tests {
         (0..bytes).map(|i| (lsn as usize + i) as u8).collect()
     }
 
+    /// A segment whose size is not a multiple of the direct block keeps `fdatasync`: its last
+    /// block is short, and a direct write of it would grow the file.
+    #[test]
+    fn segments_of_an_odd_size_keep_fdatasync() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let odd = SEGMENT + 512;
+        let mut log = CommitLog::create(&path, 2, odd, 1).unwrap();
+        assert!(!log.write_direct().unwrap());
+        assert!(log.direct.is_none());
+        let mut lsn = 1;
+        while log.active == 0 {
+            lsn = log.append(&payload(lsn, 3_000)).unwrap() + 1;
+            log.sync().unwrap();
+        }
+        drop(log);
+        let (_, recovered) = open_collecting(&path, 1).unwrap();
+        assert_eq!(recovered.records.len() as u64, lsn - 1);
+        for slot in 0..2 {
+            let length = std::fs::metadata(slot_path(&path, slot)).unwrap().len();
+            assert_eq!(length, odd, "the segment files keep their size");
+        }
+    }
+
     #[test]
     fn records_come_back_from_any_lsn_across_segments() {
         records_come_back_from_any_lsn_across_segments_with(false);
