@@ -139,8 +139,9 @@ impl StoreBuilder {
         // the log (the application writes its tables without RocksDB's WAL). They are handed to
         // another open as a WAL file (without their LSN puts), and that open is kept if its
         // table files hold the same LSN (the application did not flush in between: no record
-        // is applied twice) and the log's segments were not reused during the read (none is
-        // missing). Else again from the LSN that open found.
+        // is applied twice); a read during which the log's segments were reused (records may
+        // be missing) is refused by `log_as_wal` itself. Else again from the LSN that open found,
+        // or from the tables' LSN after a refused read.
         let mut db = open(None)?;
         // Whether `db` holds the table files alone (no record of the log applied).
         let mut clean = true;
@@ -153,7 +154,7 @@ impl StoreBuilder {
                     Ok(Some(wal)) => {
                         let with_log = open(Some(wal.dir()))?;
                         let held = tables_lsn(&with_log)?;
-                        if held == lsn && wal.unchanged()? {
+                        if held == lsn {
                             break 'read with_log;
                         }
                         (db, clean, lsn) = (with_log, false, held);

@@ -112,6 +112,12 @@ impl Aligned {
     }
 }
 
+/// Whether `error` is a file system's refusal of direct I/O (tmpfs before Linux 6.6, some FUSE
+/// ones), at the open or at the first write.
+fn refuses_direct(error: &std::io::Error) -> bool {
+    error.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error())
+}
+
 fn block_below(at: u64) -> u64 {
     at - at % DIRECT_BLOCK as u64
 }
@@ -703,12 +709,7 @@ impl CommitLog {
                 .open(&path)
             {
                 Ok(file) => files.push(Arc::new(file)),
-                // The file system has no direct I/O (tmpfs before Linux 6.6, some FUSE ones).
-                Err(error)
-                    if error.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) =>
-                {
-                    return Ok(false);
-                }
+                Err(error) if refuses_direct(&error) => return Ok(false),
                 Err(error) => return Err(io_error("opening", &path, &error)),
             }
         }
@@ -724,9 +725,7 @@ impl CommitLog {
             .map_err(|error| io_error("reading", &path, &error))?;
         match files[slot].write_all_at(block.bytes(), tail_at) {
             Ok(()) => {}
-            Err(error) if error.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
-                return Ok(false);
-            }
+            Err(error) if refuses_direct(&error) => return Ok(false),
             Err(error) => return Err(io_error("writing", &path, &error)),
         }
         self.direct = Some(Direct {

@@ -418,12 +418,12 @@ impl LogWriter {
             None => durable,
         };
         drop(state);
-        let members: Vec<Member> = batches.iter().map(|(member, _)| member.clone()).collect();
+        let (members, batches): (Vec<Member>, Vec<WriteBatch>) = batches.into_iter().unzip();
         let outcome = durable.and_then(|()| {
             if batches.is_empty() {
                 return Ok(());
             }
-            let mut group = crate::storage::wal_file::join(batches.into_iter().map(|(_, b)| b));
+            let mut group = crate::storage::wal_file::join(batches);
             group.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
             Ok(db.write_opt(group, &no_wal())?)
         });
@@ -490,20 +490,12 @@ const READER_SEQUENCE_MARGIN: u64 = 1 << 40;
 /// temporary directory (see `storage/wal_file.rs`), removed when this is dropped.
 pub(crate) struct ReaderWal {
     dir: tempfile::TempDir,
-    log_dir: std::path::PathBuf,
-    headers: Vec<(usize, crate::format::commit_log::LogSegmentHeader)>,
 }
 
 impl ReaderWal {
     /// The WAL directory to give RocksDB's read-only open.
     pub(crate) fn dir(&self) -> &Path {
         self.dir.path()
-    }
-
-    /// Whether the segments read still hold what they held: if the owner reused one during
-    /// the read, records may be missing, and the reader starts again.
-    pub(crate) fn unchanged(&self) -> Result<bool> {
-        CommitLog::unchanged_since(&self.log_dir, &self.headers)
     }
 }
 
@@ -548,7 +540,8 @@ fn without_lsn_put(lsn: u64, payload: &[u8]) -> Result<Vec<u8>> {
 /// # Errors
 /// [`Error::Storage`] if a file cannot be read or written; [`Error::InvalidArgument`] if the
 /// log no longer holds `tables_lsn + 1` (the owner flushed and reused its segment meanwhile:
-/// open again).
+/// open again); [`Error::Storage`] of kind `Retryable` if a segment read was reused during the
+/// read (records may be missing: open again).
 pub(crate) fn log_as_wal(
     store: &Path,
     tables_lsn: u64,
@@ -575,16 +568,17 @@ pub(crate) fn log_as_wal(
         writer.append_batch(&without_lsn_put(lsn, payload)?)
     })?;
     writer.finish()?;
+    // A segment the owner reused during the read may have cut the records short, or ended them
+    // at once when it was reused between the read of its header and of its records (a read
+    // that found nothing had been taken for the end, missing every commit after the tables'
+    // LSN): such a read is not used, whatever it found.
+    if !CommitLog::unchanged_since(&log_dir, &headers)? {
+        return Err(Error::Storage {
+            kind: crate::format::error::StorageErrorKind::Retryable,
+            detail: "the commit log's segments were reused during the read".to_owned(),
+        });
+    }
     if records == 0 {
-        // Nothing after the LSN, unless the owner reused a segment between the read of its
-        // header and of its records: the records read then end at once, as if there were none
-        // (a reader took that for the end and missed every commit after the tables' LSN).
-        if !CommitLog::unchanged_since(&log_dir, &headers)? {
-            return Err(Error::Storage {
-                kind: crate::format::error::StorageErrorKind::Retryable,
-                detail: "the commit log's segments were reused during the read".to_owned(),
-            });
-        }
         return Ok(None);
     }
     let absolute = std::path::absolute(store)
@@ -599,11 +593,7 @@ pub(crate) fn log_as_wal(
                 .map_err(|error| Error::io("linking the store's WAL files", &error))?;
         }
     }
-    Ok(Some(ReaderWal {
-        dir,
-        log_dir,
-        headers,
-    }))
+    Ok(Some(ReaderWal { dir }))
 }
 
 #[cfg(test)]
