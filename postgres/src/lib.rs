@@ -69,9 +69,11 @@
 //!
 //! **Removal.** Reads are exact at the expiry millisecond whatever is stored;
 //! [`PgStore::maintain`], run regularly, deletes the expired records oldest first through the
-//! index on their removal time, in batches of 1,000 rows (each its own transaction, skipping
-//! rows another transaction has locked: a claim's commit replacing one), so it costs what expired since the last run, not what the table
-//! holds, and never holds many locks or frees much at once. The table is installed with
+//! index on their removal time, in batches of 1,000 rows (each its own transaction, going
+//! around rows another transaction holds: a claim's commit replacing one), busy 10% of the
+//! time by default ([`Removal::busy_percent`]), so it costs what expired since the last run,
+//! not what the table holds, never holds many locks or frees much at once, and leaves the
+//! server to the claims. The table is installed with
 //! autovacuum told to visit it after 1% of its rows changed, so new records reuse the space of
 //! removed ones. Retention is at most [`RETENTION_MS_MAX`] (60 days).
 //!

@@ -227,6 +227,7 @@ fn main() {
     scenario!(overlapping_maintain_calls_share_the_work_and_each_succeeds);
     scenario!(a_failed_call_frees_its_keys_before_the_error_returns);
     scenario!(a_maintain_given_up_half_way_leaves_nothing_locked);
+    scenario!(removal_goes_around_a_row_another_transaction_holds);
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
@@ -1968,14 +1969,28 @@ async fn expired_records_are_removed_at_their_expiry_millisecond_in_batches(
     // A year later, in batches of one: e9 and the other consumer's record go (two full
     // batches, then an empty one); the external claim stays, though its lease ran out long
     // ago, and is taken over at the next epoch.
+    // Paced at half the time, on a session whose own setting removal must leave as it was
+    // (each batch commits without a sync of its own, for its transaction only).
     clock.set(START + 365 * idemdb_postgres::DAY_MS as u64);
+    client
+        .batch_execute("SET synchronous_commit = local")
+        .await?;
     let done = store
-        .maintain_with(&client, Removal::default().batch_rows(1))
+        .maintain_with(&client, Removal::default().batch_rows(1).busy_percent(50))
         .await?;
     ensure!(
         done.removed == 2 && done.batches == 3,
         "e9 and other/e0 one by one: {done:?}"
     );
+    let setting: String = client
+        .query_one("SHOW synchronous_commit", &[])
+        .await?
+        .get(0);
+    ensure!(
+        setting == "local",
+        "the session's setting after removal: {setting}"
+    );
+    client.batch_execute("RESET synchronous_commit").await?;
     let rows = stored_rows(&client, "t_removal").await?;
     ensure!(rows == ["c/held"], "rows a year later: {rows:?}");
     drop(held);
@@ -7002,6 +7017,57 @@ async fn claims_go_through(
         Outcome::Fresh(claim) => claim.commit(b"again").await?,
         other => return Err(format!("{expired}: {other:?}").into()),
     }
+    Ok(())
+}
+
+/// Removal deletes without locking first, so a batch meets a row another transaction holds
+/// in its delete: it must neither wait for that transaction nor fail, but go around the row
+/// (the batch is sent again skipping locked rows) and leave it for a later call.
+async fn removal_goes_around_a_row_another_transaction_holds(url: &str) -> Result<(), Failure> {
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    let (mut client, store, consumer, clock) = daily_store(url, "t_removal_held").await?;
+    let old: Vec<String> = (0..30).map(|index| format!("old-{index}")).collect();
+    commit_new_keys(&consumer, &mut client, &old).await?;
+    clock.set(110 * DAY);
+    let rows = async |client: &Client| -> Result<Vec<String>, Failure> {
+        Ok(client
+            .query(
+                "SELECT convert_from(message_key, 'UTF8') FROM t_removal_held.records \
+                 ORDER BY 1",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect())
+    };
+    // Another transaction holds old-7's row for as long as it likes.
+    let holder = connect(url).await?;
+    holder
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM t_removal_held.records \
+             WHERE message_key = convert_to('old-7', 'UTF8') FOR UPDATE",
+        )
+        .await?;
+    let done = store.maintain(&client).await?;
+    ensure!(
+        done.removed == 29 && done.batches == 1,
+        "every expired row but the held one, in one batch: {done:?}"
+    );
+    ensure!(
+        rows(&client).await? == ["old-7"],
+        "left: {:?}",
+        rows(&client).await?
+    );
+    // Once the holder is done, the next call takes it.
+    holder.batch_execute("ROLLBACK").await?;
+    let done = store.maintain(&client).await?;
+    ensure!(done.removed == 1, "the row held before: {done:?}");
+    ensure!(
+        rows(&client).await?.is_empty(),
+        "left: {:?}",
+        rows(&client).await?
+    );
     Ok(())
 }
 

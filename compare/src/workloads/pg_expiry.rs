@@ -3,11 +3,14 @@
 //! periods.
 //!
 //! Two runs. **Backlog**: the expired records are written straight into the records table
-//! (one SQL statement, real encoded records), then clients claim and commit new messages (the
-//! business row in the claim's transaction, as in the peers run) at a constant total rate for
-//! a quiet window, then the removal starts on its own connection while they go on, until the
-//! backlog is gone. Reported per removal method, each on a fresh server: the p99 of the
-//! commits started in the quiet window, and of those started while the removal ran.
+//! (one SQL statement, real encoded records, their removal times rising with their place in
+//! the table as claims over time would have written them), then clients claim and commit new
+//! messages (the business row in the claim's transaction, as in the peers run) at a constant
+//! total rate for a quiet window, then the removal starts on its own connection while they go
+//! on, until the backlog is gone. Each removal method runs on a fresh server, and last the
+//! control: the same backlog and the same clients for as long as the longest removal, with no
+//! removal. Reported per method: the p99 of the commits started while the removal ran, against
+//! the control's p99 over the same span of its run (checkpoints and autovacuum come in both).
 //! **Steady state**: a fresh server, a short retention, claims at a constant rate for several
 //! retention periods, `maintain` every tenth of a period; at the end of every period the
 //! records table with its indexes is weighed against a freshly built copy of its live rows
@@ -37,15 +40,20 @@ pub struct PgExpiryArgs {
     /// Messages per second, all clients together (paced; a client behind schedule sends at once).
     #[arg(long, default_value_t = 2_000)]
     pub rate: u64,
-    /// The pause after each batch of the paced removal, in milliseconds (backlog run).
-    #[arg(long, default_value_t = 10)]
-    pub pause_ms: u64,
+    /// The share of its connection's time of the second removal, `maintain_with`, in percent
+    /// (`Removal::busy_percent`; backlog run; 100: as fast as it goes).
+    #[arg(long, default_value_t = 100)]
+    pub busy_percent: u8,
+    /// Spread the backlog's removal times over a minute regardless of the rows' place in the
+    /// table (each batch of removal then touches a page per row), as runs before session 33 did.
+    #[arg(long)]
+    pub scattered: bool,
     /// Seconds of the quiet window before the removal starts (backlog run).
     #[arg(long, default_value_t = 20.0)]
     pub seconds: f64,
-    /// Run only the paced removal of the backlog runs.
+    /// Run only `maintain` (its defaults) and the control of the backlog runs.
     #[arg(long)]
-    pub only_paced: bool,
+    pub only_default: bool,
     /// Retention of the steady-state run, in seconds.
     #[arg(long, default_value_t = 30)]
     pub retention_s: u64,
@@ -66,8 +74,9 @@ impl PgExpiryArgs {
             records: 10_000_000,
             clients: 8,
             rate: 2_000,
-            pause_ms: 10,
-            only_paced: false,
+            busy_percent: 100,
+            scattered: false,
+            only_default: false,
             seconds: 20.0,
             retention_s: 30,
             periods: 10,
@@ -80,20 +89,24 @@ impl PgExpiryArgs {
 /// How the expired records are removed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Removal {
-    /// `PgStore::maintain`: batches of 1,000 rows, each its own transaction, no pause.
+    /// `PgStore::maintain`, its defaults: batches of 1,000 rows, each its own transaction,
+    /// busy 10% of the time.
     Maintain,
-    /// `PgStore::maintain_with`, batches of 1,000 rows with `--pause-ms` after each.
-    MaintainPaced,
+    /// `PgStore::maintain_with`, batches of 1,000 rows, busy `--busy-percent` of the time.
+    MaintainWith,
     /// One `DELETE` of every expired row: what a hand-written inbox table's removal does.
     Delete,
+    /// No removal: the control, as long as the longest removal.
+    Control,
 }
 
 impl Removal {
     pub fn name(self) -> &'static str {
         match self {
-            Removal::Maintain => "maintain (batches of 1,000 rows)",
-            Removal::MaintainPaced => "maintain_with (batches of 1,000 rows, paused after each)",
+            Removal::Maintain => "maintain (batches of 1,000 rows, busy 10% of the time)",
+            Removal::MaintainWith => "maintain_with (batches of 1,000 rows, --busy-percent)",
             Removal::Delete => "one DELETE of every expired row",
+            Removal::Control => "none (the control)",
         }
     }
 }
@@ -104,7 +117,6 @@ pub struct ExpiryRun {
     pub removal_seconds: f64,
     pub removed: u64,
     pub quiet_commits: usize,
-    pub quiet_p50_us: f64,
     pub quiet_p99_us: f64,
     pub during_commits: usize,
     pub during_p50_us: f64,
@@ -112,6 +124,11 @@ pub struct ExpiryRun {
     /// The slowest commit started while the removal ran.
     pub during_max_us: f64,
     pub rows_left: i64,
+    /// The control's commits started in the same span of its run as this removal's.
+    pub control_commits: usize,
+    pub control_p99_us: f64,
+    /// The control's slowest commit in that span.
+    pub control_max_us: f64,
 }
 
 /// One retention period of the steady-state run, weighed at its end.
@@ -136,16 +153,37 @@ pub struct ExpiryReport {
 
 pub fn run(args: &PgExpiryArgs) -> Result<ExpiryReport> {
     let mut backlog = Vec::new();
-    for removal in [Removal::Maintain, Removal::MaintainPaced, Removal::Delete] {
-        if args.only_paced && removal != Removal::MaintainPaced {
+    for removal in [Removal::Maintain, Removal::MaintainWith, Removal::Delete] {
+        if args.only_default && removal != Removal::Maintain {
             continue;
         }
         let dir = tempdir()?;
         eprintln!("starting postgres on 127.0.0.1:{}", args.port);
         let server = crate::servers::postgres(dir.path(), args.port)?;
-        backlog.push(backlog_run(args, removal)?);
+        backlog.push(backlog_run(args, removal, Duration::ZERO)?.0);
         drop(server);
     }
+    // The control runs as long as the longest removal ran, on a fresh server of its own.
+    let longest = backlog
+        .iter()
+        .map(|run| run.removal_seconds)
+        .fold(0.0, f64::max);
+    let dir = tempdir()?;
+    let server = crate::servers::postgres(dir.path(), args.port)?;
+    let (control, calls) = backlog_run(args, Removal::Control, Duration::from_secs_f64(longest))?;
+    drop(server);
+    for run in &mut backlog {
+        let from = Duration::from_secs_f64(args.seconds);
+        let span = window(
+            &calls,
+            from,
+            from + Duration::from_secs_f64(run.removal_seconds.max(0.001)),
+        );
+        run.control_commits = span.len();
+        run.control_p99_us = us(&span, 0.99);
+        run.control_max_us = us(&span, 1.0);
+    }
+    backlog.push(control);
     let mut steady = Vec::new();
     if args.periods > 0 {
         let dir = tempdir()?;
@@ -235,7 +273,13 @@ fn us(sorted: &[u32], q: f64) -> f64 {
     quantile(sorted, q) / 1000.0
 }
 
-fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
+/// One backlog run; the control (no removal) lasts `control_for` after the quiet window.
+/// Answers the run and its calls.
+fn backlog_run(
+    args: &PgExpiryArgs,
+    removal: Removal,
+    control_for: Duration,
+) -> Result<(ExpiryRun, Vec<Call>)> {
     let port = args.port;
     pg_backend::reset(port)?;
     let runtime = pg_backend::runtime()?;
@@ -243,8 +287,15 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
     runtime.block_on(async {
         let client = pg_backend::connect(port, true).await?;
         // Committed a day ago, expired an hour ago (what matters is when the row is removable),
-        // their removal times spread over a minute.
+        // their removal times spread over a minute: rising with the row's place in the table,
+        // as claims committed one after the other at a constant retention write them, or
+        // (--scattered) cycling through the minute so neighbouring rows are a minute apart.
         let expired_at_ms = now_ms() - 3_600_000;
+        let spread = if args.scattered {
+            "$2::int8 - (i % 60000)"
+        } else {
+            "$2::int8 - 60000 + (i * 60000 / $3::int8)"
+        };
         let record = Record::new(
             1,
             expired_at_ms - 86_400_000,
@@ -258,8 +309,10 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
             .execute(
                 "INSERT INTO bench_idemdb.records (consumer, message_key, record, expires_at_ms) \
                  SELECT 'bench'::bytea, convert_to('x' || lpad(i::text, 15, '0'), 'UTF8'), $1, \
-                        $2 - (i % 60000) \
-                 FROM generate_series(1, $3::int8) AS i",
+                        {spread} \
+                 FROM generate_series(1, $3::int8) AS i"
+                    .replace("{spread}", spread)
+                    .as_str(),
                 &[&record, &(expired_at_ms as i64), &(args.records as i64)],
             )
             .await?;
@@ -290,10 +343,13 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
             .await?;
         let removed = match removal {
             Removal::Maintain => store.maintain(&client).await?.removed,
-            Removal::MaintainPaced => {
-                let paced =
-                    idemdb_postgres::Removal::default().pause(Duration::from_millis(args.pause_ms));
-                store.maintain_with(&client, paced).await?.removed
+            Removal::MaintainWith => {
+                let removal = idemdb_postgres::Removal::default().busy_percent(args.busy_percent);
+                store.maintain_with(&client, removal).await?.removed
+            }
+            Removal::Control => {
+                tokio::time::sleep(control_for).await;
+                0
             }
             Removal::Delete => {
                 client
@@ -330,13 +386,15 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
         removal_seconds: (removal_end - removal_start).as_secs_f64(),
         removed,
         quiet_commits: quiet.len(),
-        quiet_p50_us: us(&quiet, 0.5),
         quiet_p99_us: us(&quiet, 0.99),
         during_commits: during.len(),
         during_p50_us: us(&during, 0.5),
         during_p99_us: us(&during, 0.99),
         during_max_us: us(&during, 1.0),
         rows_left,
+        control_commits: 0,
+        control_p99_us: 0.0,
+        control_max_us: 0.0,
     };
     eprintln!(
         "{}: {} removed in {:.1} s; p99 quiet {:.0} us ({} commits), during {:.0} us ({} commits); {} expired rows left",
@@ -349,7 +407,7 @@ fn backlog_run(args: &PgExpiryArgs, removal: Removal) -> Result<ExpiryRun> {
         result.during_commits,
         result.rows_left
     );
-    Ok(result)
+    Ok((result, calls))
 }
 
 fn steady_run(args: &PgExpiryArgs) -> Result<Vec<Period>> {

@@ -34,7 +34,8 @@ import   reads every line and checks it before anything is written. A key that h
 install  creates the tables (as idemdb_postgres::install does), if they are missing, or
          migrates older ones.
 maintain deletes the records that have expired (as PgStore::maintain does: oldest first, in
-         batches of 1,000 rows, each its own transaction) and prints how many.
+         batches of 1,000 rows, each its own transaction, busy a tenth of the time) and
+         prints how many.
 
 OPTIONS:
     --url URL        the connection (libpq keywords or postgresql://...; no TLS);

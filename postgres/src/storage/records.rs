@@ -273,19 +273,51 @@ pub(crate) fn read_at_sql(records: &str) -> String {
     )
 }
 
-/// One batch of removal: the oldest expired rows, up to `$2`, locked without waiting (rows a
-/// claim holds are skipped) and deleted; answers how many. The lock looks at a row replaced
-/// since the statement began in its new version, which no longer qualifies; the delete's own
-/// condition backs that up.
-pub(crate) fn remove_expired_sql(records: &str) -> String {
+/// How a batch of removal treats a row another transaction has locked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Locked {
+    /// Delete without locking first, waiting at most [`REMOVAL_LOCK_TIMEOUT_MS`] for a row
+    /// another transaction holds (the batch then fails with `55P03`, and is sent again as
+    /// [`Locked::Skip`]). One WAL record per row, the delete's.
+    Wait,
+    /// Lock the rows first, skipping those another transaction holds, then delete them: never
+    /// waits, but each row writes two WAL records, the lock's and the delete's.
+    Skip,
+}
+
+/// How long a batch of removal waits for a row another transaction holds before it is sent
+/// again skipping such rows. Far below the server's `deadlock_timeout` (1 s by default), so a
+/// claim that waits for the batch while the batch waits for it is never the one aborted.
+pub(crate) const REMOVAL_LOCK_TIMEOUT_MS: u32 = 20;
+
+/// One batch of removal, as one simple query (one implicit transaction): the oldest rows
+/// expired at `now_ms`, up to `limit`, deleted; its one row answers how many rows were chosen
+/// and how many deleted. A row replaced since the statement began (a claim took the key
+/// again) is looked at in its new version, which no longer qualifies, by the delete's own
+/// condition (and by the lock's, with [`Locked::Skip`]).
+///
+/// The transaction commits without waiting for its WAL to reach the disk (`synchronous_commit`
+/// off for it alone): a removal lost in a crash is only done again, and a claim that follows it
+/// waits for its own WAL, which comes after the removal's. So removal adds no sync of its own
+/// beside the claims'. The numbers are the library's own, written into the text as literals,
+/// so each batch is planned for its bounds.
+pub(crate) fn remove_expired_sql(records: &str, now_ms: i64, limit: i64, locked: Locked) -> String {
+    let (wait, lock) = match locked {
+        Locked::Wait => (
+            format!("SET LOCAL lock_timeout = {REMOVAL_LOCK_TIMEOUT_MS}; "),
+            "",
+        ),
+        Locked::Skip => (String::new(), " FOR UPDATE SKIP LOCKED"),
+    };
     format!(
-        "WITH doomed AS ( \
-             SELECT ctid FROM {records} WHERE expires_at_ms <= $1 \
-             ORDER BY expires_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED \
+        "SET LOCAL synchronous_commit TO off; {wait}\
+         WITH doomed AS ( \
+             SELECT ctid FROM {records} WHERE expires_at_ms <= {now_ms} \
+             ORDER BY expires_at_ms LIMIT {limit}{lock} \
          ), removed AS ( \
              DELETE FROM {records} AS r USING doomed \
-             WHERE r.ctid = doomed.ctid AND r.expires_at_ms <= $1 RETURNING 1 \
-         ) SELECT count(*) FROM removed"
+             WHERE r.ctid = doomed.ctid AND r.expires_at_ms <= {now_ms} RETURNING 1 \
+         ) SELECT (SELECT count(*) FROM doomed), (SELECT count(*) FROM removed)"
     )
 }
 

@@ -156,7 +156,6 @@ impl StoreBuilder {
                 ),
                 insert_if_new: crate::storage::records::insert_if_new_sql(&records),
                 read_at: crate::storage::records::read_at_sql(&records),
-                remove_expired: crate::storage::records::remove_expired_sql(&records),
                 insert_many: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      SELECT $1, n.message_key, n.record, n.expires_at_ms \
@@ -256,8 +255,6 @@ pub(crate) struct Inner {
     /// The key's row and the database's time, read after a one-round-trip claim inserted
     /// nothing.
     pub(crate) read_at: String,
-    /// One batch of removal ([`PgStore::maintain`]).
-    pub(crate) remove_expired: String,
     /// Inserts many rows of one consumer (a batch's commit where every key was new).
     pub(crate) insert_many: String,
     /// Inserts and upserts many rows of one consumer (a batch's commit where some key replaces
