@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::storage::records::{Locked, now_on_store_clock, remove_expired_sql};
 use crate::storage::store::PgStore;
 use crate::tables::names::NEVER_MS;
@@ -200,7 +200,7 @@ fn counts(messages: &[SimpleQueryMessage]) -> Result<(i64, i64)> {
             SimpleQueryMessage::Row(row) => Some((count(row, 0)?, count(row, 1)?)),
             _ => None,
         })
-        .ok_or(crate::Error::UnexpectedAnswer {
+        .ok_or(Error::UnexpectedAnswer {
             detail: "a batch of removal answered no count",
         })
 }
