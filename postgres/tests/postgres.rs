@@ -7068,6 +7068,60 @@ async fn removal_goes_around_a_row_another_transaction_holds(url: &str) -> Resul
         "left: {:?}",
         rows(&client).await?
     );
+
+    // A session whose default is SERIALIZABLE: each batch is READ COMMITTED all the same.
+    commit_new_keys(&consumer, &mut client, &old).await?;
+    clock.set(220 * DAY);
+    client
+        .batch_execute("SET default_transaction_isolation = 'serializable'")
+        .await?;
+    // Inside a transaction of the caller's that has run a statement: refused, nothing removed.
+    client.batch_execute("BEGIN; SELECT 1").await?;
+    match store.maintain(&client).await {
+        Err(idemdb_postgres::Error::Postgres(error))
+            if error.code() == Some(&tokio_postgres::error::SqlState::ACTIVE_SQL_TRANSACTION) => {}
+        other => return Err(format!("maintain inside a transaction: {other:?}").into()),
+    }
+    client.batch_execute("ROLLBACK").await?;
+    ensure!(
+        rows(&client).await?.len() == 30,
+        "left: {:?}",
+        rows(&client).await?
+    );
+    let done = store.maintain(&client).await?;
+    ensure!(done.removed == 30, "under a SERIALIZABLE default: {done:?}");
+    client
+        .batch_execute("RESET default_transaction_isolation")
+        .await?;
+
+    // The clock is read once per call: one that moves on at every reading decides by its
+    // first. Ten rows expire a day apart, at days 330 to 339; the clock reads day 335 first,
+    // then a year more at every reading.
+    #[derive(Debug)]
+    struct Stepping(std::sync::atomic::AtomicU64);
+    impl idemdb::Clock for Stepping {
+        fn now_ms(&self) -> u64 {
+            self.0
+                .fetch_add(365 * DAY, std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+    for (day, key) in old.iter().take(10).enumerate() {
+        clock.set((329 + day as u64) * DAY);
+        commit_new_keys(&consumer, &mut client, std::slice::from_ref(key)).await?;
+    }
+    let stepping = PgStore::builder()
+        .names(Names::new("t_removal_held", "records")?)
+        .retention(Duration::from_millis(DAY))
+        .clock(Stepping(std::sync::atomic::AtomicU64::new(335 * DAY)))
+        .open(&client)
+        .await?;
+    let done = stepping
+        .maintain_with(&client, idemdb_postgres::Removal::default().batch_rows(2))
+        .await?;
+    ensure!(
+        done.removed == 6,
+        "the rows expired by the first reading (days 330-335): {done:?}"
+    );
     Ok(())
 }
 

@@ -53,7 +53,7 @@ impl Removal {
         self
     }
 
-    /// A fixed pause after every batch that deleted a full batch (default none), added to the
+    /// A fixed pause after every batch that chose a full batch (default none), added to the
     /// one [`busy_percent`](Self::busy_percent) asks for: spreads a large backlog over time,
     /// leaving the server's disk and processors to the claims meanwhile.
     #[must_use]
@@ -75,7 +75,9 @@ impl Removal {
 pub struct Maintenance {
     /// The expired records deleted.
     pub removed: u64,
-    /// The batches (transactions) they were deleted in.
+    /// The batches (transactions) sent, the last one included, which chose fewer rows than
+    /// a batch holds and may have found none: 2,000 expired rows in batches of 1,000 are 3
+    /// batches, an empty table 1. A batch sent again after meeting a held row counts once.
     pub batches: u64,
 }
 
@@ -94,6 +96,13 @@ impl PgStore {
     /// kept (its new removal time is later). Calls that overlap share the work. A call given
     /// up half way (its future dropped) has committed the batches before; the one running
     /// commits or rolls back as a whole.
+    ///
+    /// Each batch is a transaction of its own at READ COMMITTED, whatever the session's
+    /// default: call it outside any transaction of the caller's (as every call of this crate).
+    /// Inside one that has run a statement, the first batch fails with `Error::Postgres`
+    /// (SQLSTATE 25001) and nothing is removed. The 20 ms bound is for rows; a lock on the
+    /// whole table (a DDL statement's) is waited for as any statement waits, under the
+    /// session's own `lock_timeout`.
     ///
     /// Deleted rows leave their space to autovacuum, which the table is installed to run after
     /// 1% of it changed, so new records reuse it and the table stays near the size of its
@@ -136,11 +145,13 @@ impl PgStore {
     /// # Errors
     /// As [`maintain`](Self::maintain).
     pub async fn maintain_with(&self, client: &Client, removal: Removal) -> Result<Maintenance> {
-        self.check_clock()?;
+        // The clock is read once: what is checked is what decides.
+        let now_ms = now_on_store_clock(client, self).await?;
+        if now_ms > idemdb::CLOCK_MS_MAX {
+            return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
+        }
         // Never the never-removable rows' value, whatever the clock says.
-        let now_ms = i64::try_from(now_on_store_clock(client, self).await?)
-            .unwrap_or(i64::MAX)
-            .min(NEVER_MS - 1);
+        let now_ms = i64::try_from(now_ms).unwrap_or(i64::MAX).min(NEVER_MS - 1);
         let limit = i64::from(removal.batch_rows);
         let records = self.inner.names.records();
         let mut done = Maintenance::default();

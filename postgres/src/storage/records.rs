@@ -290,7 +290,9 @@ pub(crate) enum Locked {
 /// claim that waits for the batch while the batch waits for it is never the one aborted.
 pub(crate) const REMOVAL_LOCK_TIMEOUT_MS: u32 = 20;
 
-/// One batch of removal, as one simple query (one implicit transaction): the oldest rows
+/// One batch of removal, as one simple query (one implicit transaction, at READ COMMITTED
+/// whatever the session's default; inside a transaction of the caller's that has run a
+/// statement, the isolation level's setting fails it with 25001 before anything): the oldest rows
 /// expired at `now_ms`, up to `limit`, deleted; its one row answers how many rows were chosen
 /// and how many deleted. A row replaced since the statement began (a claim took the key
 /// again) is looked at in its new version, which no longer qualifies, by the delete's own
@@ -310,7 +312,8 @@ pub(crate) fn remove_expired_sql(records: &str, now_ms: i64, limit: i64, locked:
         Locked::Skip => (String::new(), " FOR UPDATE SKIP LOCKED"),
     };
     format!(
-        "SET LOCAL synchronous_commit TO off; {wait}\
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+         SET LOCAL synchronous_commit TO off; {wait}\
          WITH doomed AS ( \
              SELECT ctid FROM {records} WHERE expires_at_ms <= {now_ms} \
              ORDER BY expires_at_ms LIMIT {limit}{lock} \
