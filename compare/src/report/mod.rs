@@ -851,14 +851,7 @@ pub fn write_pg_expiry(
         writeln!(
             md,
             "| {} | {} | {:.1} | {:.0} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} | {} |",
-            if run.removal == Removal::MaintainWith {
-                format!(
-                    "maintain_with (batches of 1,000 rows, busy {}% of the time)",
-                    args.busy_percent
-                )
-            } else {
-                run.removal.name().to_owned()
-            },
+            run.removal.name(args),
             run.removed,
             run.removal_seconds,
             run.quiet_p99_us,
@@ -930,7 +923,7 @@ pub fn write_pg_expiry(
             md,
             "\nPG4, commits: p99 while {} removed {} expired records / the control's p99 over the \
              same span <= 1.5: {ratio:.2}, {}.",
-            run.removal.name(),
+            run.removal.name(args),
             run.removed,
             verdict(ratio <= 1.5 && run.removed >= 10_000_000)
         )?;

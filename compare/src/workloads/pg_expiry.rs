@@ -101,12 +101,15 @@ pub enum Removal {
 }
 
 impl Removal {
-    pub fn name(self) -> &'static str {
+    pub fn name(self, args: &PgExpiryArgs) -> String {
         match self {
-            Removal::Maintain => "maintain (batches of 1,000 rows, busy 10% of the time)",
-            Removal::MaintainWith => "maintain_with (batches of 1,000 rows, --busy-percent)",
-            Removal::Delete => "one DELETE of every expired row",
-            Removal::Control => "none (the control)",
+            Removal::Maintain => "maintain (batches of 1,000 rows, busy 10% of the time)".into(),
+            Removal::MaintainWith => format!(
+                "maintain_with (batches of 1,000 rows, busy {}% of the time)",
+                args.busy_percent
+            ),
+            Removal::Delete => "one DELETE of every expired row".into(),
+            Removal::Control => "none (the control)".into(),
         }
     }
 }
@@ -124,8 +127,7 @@ pub struct ExpiryRun {
     /// The slowest commit started while the removal ran.
     pub during_max_us: f64,
     pub rows_left: i64,
-    /// The control's commits started in the same span of its run as this removal's.
-    pub control_commits: usize,
+    /// The p99 of the control's commits started in the same span of its run as this removal's.
     pub control_p99_us: f64,
     /// The control's slowest commit in that span.
     pub control_max_us: f64,
@@ -172,14 +174,13 @@ pub fn run(args: &PgExpiryArgs) -> Result<ExpiryReport> {
     let server = crate::servers::postgres(dir.path(), args.port)?;
     let (control, calls) = backlog_run(args, Removal::Control, Duration::from_secs_f64(longest))?;
     drop(server);
+    let from = Duration::from_secs_f64(args.seconds);
     for run in &mut backlog {
-        let from = Duration::from_secs_f64(args.seconds);
         let span = window(
             &calls,
             from,
             from + Duration::from_secs_f64(run.removal_seconds.max(0.001)),
         );
-        run.control_commits = span.len();
         run.control_p99_us = us(&span, 0.99);
         run.control_max_us = us(&span, 1.0);
     }
@@ -307,12 +308,12 @@ fn backlog_run(
         eprintln!("writing {} expired records", args.records);
         client
             .execute(
-                "INSERT INTO bench_idemdb.records (consumer, message_key, record, expires_at_ms) \
-                 SELECT 'bench'::bytea, convert_to('x' || lpad(i::text, 15, '0'), 'UTF8'), $1, \
-                        {spread} \
-                 FROM generate_series(1, $3::int8) AS i"
-                    .replace("{spread}", spread)
-                    .as_str(),
+                &format!(
+                    "INSERT INTO bench_idemdb.records (consumer, message_key, record, expires_at_ms) \
+                     SELECT 'bench'::bytea, convert_to('x' || lpad(i::text, 15, '0'), 'UTF8'), $1, \
+                            {spread} \
+                     FROM generate_series(1, $3::int8) AS i"
+                ),
                 &[&record, &(expired_at_ms as i64), &(args.records as i64)],
             )
             .await?;
@@ -392,13 +393,12 @@ fn backlog_run(
         during_p99_us: us(&during, 0.99),
         during_max_us: us(&during, 1.0),
         rows_left,
-        control_commits: 0,
         control_p99_us: 0.0,
         control_max_us: 0.0,
     };
     eprintln!(
         "{}: {} removed in {:.1} s; p99 quiet {:.0} us ({} commits), during {:.0} us ({} commits); {} expired rows left",
-        removal.name(),
+        removal.name(args),
         result.removed,
         result.removal_seconds,
         result.quiet_p99_us,

@@ -8,7 +8,7 @@ use tokio_postgres::{Client, SimpleQueryMessage};
 
 use crate::error::{Error, Result};
 use crate::storage::records::{Locked, now_on_store_clock, remove_expired_sql};
-use crate::storage::store::PgStore;
+use crate::storage::store::{PgStore, clock_in_range};
 use crate::tables::names::NEVER_MS;
 
 /// How [`PgStore::maintain_with`] removes: how many rows each batch deletes, the share of the
@@ -146,10 +146,7 @@ impl PgStore {
     /// As [`maintain`](Self::maintain).
     pub async fn maintain_with(&self, client: &Client, removal: Removal) -> Result<Maintenance> {
         // The clock is read once: what is checked is what decides.
-        let now_ms = now_on_store_clock(client, self).await?;
-        if now_ms > idemdb::CLOCK_MS_MAX {
-            return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
-        }
+        let now_ms = clock_in_range(now_on_store_clock(client, self).await?)?;
         // Never the never-removable rows' value, whatever the clock says.
         let now_ms = i64::try_from(now_ms).unwrap_or(i64::MAX).min(NEVER_MS - 1);
         let limit = i64::from(removal.batch_rows);

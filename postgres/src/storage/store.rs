@@ -242,6 +242,17 @@ impl StoreBuilder {
     }
 }
 
+/// A reading of the store's clock, refused beyond [`idemdb::CLOCK_MS_MAX`].
+///
+/// # Errors
+/// [`idemdb::Error::ClockOutOfRange`].
+pub(crate) fn clock_in_range(now_ms: u64) -> Result<u64> {
+    if now_ms > idemdb::CLOCK_MS_MAX {
+        return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
+    }
+    Ok(now_ms)
+}
+
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) read: String,
@@ -329,10 +340,7 @@ impl PgStore {
     /// [`idemdb::Error::ClockOutOfRange`].
     pub(crate) fn check_clock(&self) -> Result<()> {
         if let Some(clock) = &self.inner.clock {
-            let now_ms = clock.now_ms();
-            if now_ms > idemdb::CLOCK_MS_MAX {
-                return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
-            }
+            clock_in_range(clock.now_ms())?;
         }
         Ok(())
     }
