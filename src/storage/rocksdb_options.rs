@@ -109,8 +109,9 @@ pub(crate) fn db_options() -> rocksdb::Options {
     options.set_max_background_jobs(2);
     options.set_max_open_files(-1);
     // An L0-to-L1 compaction split in two: L0 drains sooner, so a new key's lookup consults
-    // fewer L0 files' filters. Measured at 80M+ records (BENCHMARKS.md, Targets, P7): 17.9 us of
-    // CPU per stored record against 21.1-23.9 in four runs without it, the same at 3M.
+    // fewer L0 files' filters. Measured at 80M+ records (P7; docs/bench/history/
+    // 2026-12-04-second-performance-pass.md): 17.9 us of CPU per stored record against
+    // 21.1-23.9 in four runs without it, the same at 3M.
     options.set_max_subcompactions(2);
     options
 }
