@@ -68,14 +68,10 @@ impl EngineBuilder {
         // wrong with the declaration.
         let lock = StoreLock::acquire(&self.path)?;
         let stored = StoredMeta::read(&self.path)?;
-        // A new store is created under a marker, so that a crash midway is finished by the
-        // next open instead of leaving a database it would refuse (`store_meta.rs`).
+        // A new store is created under a marker (written by `Storage::open` once every check
+        // has passed), removed here when the store is complete.
         let creating = match &stored {
-            None if self.open_mode == OpenMode::Application => {
-                store_meta::begin_creation(&self.path)?;
-                true
-            }
-            None => false,
+            None => self.open_mode == OpenMode::Application,
             Some(stored) => stored.creation_interrupted,
         };
         let engine = Engine::open_locked(&self, lock, stored)?;

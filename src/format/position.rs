@@ -74,18 +74,27 @@ impl Position {
 }
 
 /// Checks a source name (a topic, a stream) against its limits, as every backend must before
-/// it stores a position.
+/// it stores a position. A NUL character is refused by every backend, though the embedded
+/// engine could store it: PostgreSQL's text cannot, and a position must move between backends
+/// (`idemdb export`, `idemdb-pg import`). No broker names a log with one.
 ///
 /// # Errors
 /// [`crate::Error::LimitExceeded`] with [`Limit::PositionSourceBytes`] outside
-/// [`POSITION_SOURCE_BYTES_MIN`]..=[`POSITION_SOURCE_BYTES_MAX`] bytes.
+/// [`POSITION_SOURCE_BYTES_MIN`]..=[`POSITION_SOURCE_BYTES_MAX`] bytes;
+/// [`crate::Error::InvalidArgument`] for a source containing NUL (`\0`).
 pub fn check_position_source(source: &str) -> Result<()> {
     check_limit(
         Limit::PositionSourceBytes,
         source.len(),
         POSITION_SOURCE_BYTES_MIN,
         POSITION_SOURCE_BYTES_MAX,
-    )
+    )?;
+    if source.contains('\0') {
+        return Err(crate::format::error::Error::invalid_argument(
+            "a read position's source contains NUL, which not every backend can store",
+        ));
+    }
+    Ok(())
 }
 
 /// The stored key of (consumer, source, partition), from the consumer's records prefix

@@ -18,7 +18,7 @@ use crate::operations::position::StagedPositions;
 use crate::operations::staging::Staged;
 use crate::storage::business_table::BusinessTable;
 use crate::storage::latch::KeyHashBuilder;
-use crate::storage::store::Storage;
+use crate::storage::store::{AcceptedPositions, Storage};
 
 /// The most messages one batch claims.
 pub const BATCH_MESSAGES_MAX: usize = 4096;
@@ -283,8 +283,8 @@ impl ClaimBatch {
     ///
     /// # Errors
     /// [`Error::LimitExceeded`] for a source outside
-    /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes. The
-    /// commit fails with [`Error::PositionBehind`], writing nothing, if an offset is then
+    /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes,
+    /// [`Error::InvalidArgument`] for one containing NUL. The commit fails with [`Error::PositionBehind`], writing nothing, if an offset is then
     /// behind its partition's position.
     pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
         let key = crate::format::position::encode_position_key(&self.prefix, source, partition)?;
@@ -309,10 +309,13 @@ impl ClaimBatch {
         result_of: impl FnMut(usize) -> R,
     ) -> Result<Vec<Option<Committed>>> {
         let started = std::time::Instant::now();
-        let (batch, committed) = self.prepare(result_of)?;
+        let (batch, committed, positions) = self.prepare(result_of)?;
         if !batch.is_empty() {
             // Every latch is still held until `self` drops, after the batch is visible.
             self.inner.write(batch)?;
+        }
+        if let Some(positions) = positions {
+            positions.written();
         }
         for (claim, committed) in self.claims.iter().zip(&committed) {
             if let (Some(claim), Some(committed)) = (claim, committed) {
@@ -323,11 +326,16 @@ impl ClaimBatch {
     }
 
     /// Builds the batch of every claim still held (staged writes, versions, markers) and what
-    /// each will have committed, by index. On error nothing is kept of the batch.
+    /// each will have committed, by index, with the acceptance of its read positions (to be
+    /// settled by the write). On error nothing is kept of the batch.
     pub(crate) fn prepare<R: AsRef<[u8]>>(
         &mut self,
         mut result_of: impl FnMut(usize) -> R,
-    ) -> Result<(WriteBatch, Vec<Option<Committed>>)> {
+    ) -> Result<(
+        WriteBatch,
+        Vec<Option<Committed>>,
+        Option<AcceptedPositions>,
+    )> {
         // Results are not known yet: room for every claim's entries but its result.
         let bytes = self
             .claims
@@ -353,14 +361,15 @@ impl ClaimBatch {
         for claim in self.claims.iter_mut().flatten() {
             positions.absorb(&mut claim.positions);
         }
+        let mut accepted = None;
         if !positions.is_empty() {
             let now_ms = match committed.iter().flatten().next() {
                 Some(first) => first.committed_at_ms,
                 None => self.inner.write_clock_ms()?,
             };
-            positions.append_to(&self.inner, &mut batch, now_ms)?;
+            accepted = positions.append_to(&self.inner, &mut batch, now_ms)?;
         }
-        Ok((batch, committed))
+        Ok((batch, committed, accepted))
     }
 }
 
@@ -396,12 +405,12 @@ impl ClaimBatch {
         let prepared = storage
             .committer()
             .and_then(|committer| Ok((committer, self.prepare(result_of)?)));
-        let (committer, (batch, committed)) = match prepared {
+        let (committer, (batch, committed, positions)) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => return BatchCommitFuture::ready(Err(error)),
         };
         if batch.is_empty() {
-            // No claim left to commit: nothing to write or wait for.
+            // No claim left to commit and no position: nothing to write or wait for.
             return BatchCommitFuture::ready(Ok(committed));
         }
         let (reply, receiver) = tokio::sync::oneshot::channel();
@@ -411,6 +420,9 @@ impl ClaimBatch {
             claims: claims.iter().flatten().count(),
             writer: storage.clone(),
             finish: Box::new(move |written| {
+                if let Some(positions) = positions {
+                    positions.settle(&written);
+                }
                 if written.is_ok() {
                     for (claim, committed) in claims.iter().zip(&committed) {
                         if let (Some(claim), Some(committed)) = (claim, committed) {

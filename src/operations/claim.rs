@@ -340,7 +340,8 @@ impl Claim {
     /// # Errors
     /// [`crate::Error::LimitExceeded`] for a source outside
     /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes;
-    /// [`crate::Error::InvalidArgument`] on an entity table's claim. The commit fails with
+    /// [`crate::Error::InvalidArgument`] for one containing NUL, and on an entity table's
+    /// claim. The commit fails with
     /// [`crate::Error::PositionBehind`], writing nothing, if `offset` is then behind the
     /// partition's position.
     pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {
@@ -370,10 +371,16 @@ impl Claim {
         let started = Instant::now();
         let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
         let committed = self.append_commit(&mut batch, result.as_ref())?;
-        self.positions
-            .append_to(&self.inner, &mut batch, committed.committed_at_ms)?;
+        let positions = std::mem::take(&mut self.positions).append_to(
+            &self.inner,
+            &mut batch,
+            committed.committed_at_ms,
+        )?;
         // The latch is still held: no other claim can read this key until the batch is visible.
         self.inner.write(batch)?;
+        if let Some(positions) = positions {
+            positions.written();
+        }
         self.report_commit(&committed, started);
         Ok(committed)
     }
@@ -561,15 +568,18 @@ impl Claim {
         };
         let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
         // Nothing is appended on error, and the claim is released as `commit` would.
-        let committed =
+        let (committed, positions) =
             match self
                 .append_commit(&mut batch, result.as_ref())
                 .and_then(|committed| {
                     let now_ms = committed.committed_at_ms;
-                    self.positions.append_to(&storage, &mut batch, now_ms)?;
-                    Ok(committed)
+                    let positions = std::mem::take(&mut self.positions);
+                    Ok((
+                        committed,
+                        positions.append_to(&storage, &mut batch, now_ms)?,
+                    ))
                 }) {
-                Ok(committed) => committed,
+                Ok(prepared) => prepared,
                 Err(error) => return CommitFuture::ready(Err(error)),
             };
         let (reply, receiver) = tokio::sync::oneshot::channel();
@@ -578,6 +588,9 @@ impl Claim {
             claims: 1,
             writer: storage.clone(),
             finish: Box::new(move |written| {
+                if let Some(positions) = positions {
+                    positions.settle(&written);
+                }
                 if written.is_ok() {
                     self.report_commit(&committed, started);
                 }

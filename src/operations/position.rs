@@ -14,7 +14,7 @@ use crate::format::position::{
     Position, decode_position_key, decode_position_value, encode_position_key,
     encode_position_value,
 };
-use crate::storage::store::Storage;
+use crate::storage::store::{AcceptedPositions, Storage};
 
 /// The positions a commit will write: (position key, offset), one entry per key, the highest
 /// offset staged for it. Almost every commit stages one position, or none.
@@ -53,24 +53,26 @@ impl StagedPositions {
 
     /// Checks every position against the stored and accepted ones and, if none is behind,
     /// appends them to `batch` as merge operands stamped `now_ms`. Nothing is appended on
-    /// error ([`Error::PositionBehind`]).
+    /// error ([`Error::PositionBehind`]). The acceptance returned is held until the commit's
+    /// write is settled: dropped without [`AcceptedPositions::written`], it gives the offsets
+    /// back.
     pub(crate) fn append_to(
-        &self,
-        inner: &Storage,
+        self,
+        inner: &Arc<Storage>,
         batch: &mut WriteBatch,
         now_ms: u64,
-    ) -> Result<()> {
+    ) -> Result<Option<AcceptedPositions>> {
         if self.entries.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let cf = inner
             .positions_cf()
             .ok_or_else(|| Error::invalid_argument("the store has no positions table"))?;
-        inner.accept_positions(&self.entries)?;
-        for (key, offset) in &self.entries {
+        let accepted = inner.accept_positions(self.entries)?;
+        for (key, offset) in accepted.offsets() {
             batch.merge_cf(cf, key, encode_position_value(*offset, now_ms));
         }
-        Ok(())
+        Ok(Some(accepted))
     }
 }
 
@@ -107,8 +109,8 @@ impl Positions {
     /// # Errors
     /// [`Error::LimitExceeded`] for a source outside
     /// [`crate::POSITION_SOURCE_BYTES_MIN`]..=[`crate::POSITION_SOURCE_BYTES_MAX`] bytes;
-    /// [`Error::Corrupt`] if the stored value does not decode; [`Error::Storage`] if the read
-    /// fails.
+    /// [`Error::InvalidArgument`] for one containing NUL; [`Error::Corrupt`] if the stored
+    /// value does not decode; [`Error::Storage`] if the read fails.
     pub fn get(&self, source: &str, partition: u32) -> Result<Option<Position>> {
         let key = encode_position_key(&self.prefix, source, partition)?;
         Ok(self
@@ -129,8 +131,8 @@ impl Positions {
     ///
     /// # Errors
     /// [`Error::PositionBehind`] if `offset` is behind the stored position, or behind one a
-    /// commit of this engine has accepted (nothing is written); otherwise as for
-    /// [`Positions::get`] and [`crate::Claim::commit`].
+    /// commit of this engine has accepted and is still writing (nothing is written); otherwise
+    /// as for [`Positions::get`] and [`crate::Claim::commit`].
     pub fn advance(&self, source: &str, partition: u32, offset: u64) -> Result<()> {
         let mut staged = StagedPositions::default();
         staged.stage(
@@ -139,8 +141,12 @@ impl Positions {
         );
         let mut batch = WriteBatch::default();
         let now_ms = self.inner.write_clock_ms()?;
-        staged.append_to(&self.inner, &mut batch, now_ms)?;
-        self.inner.write(batch)
+        let accepted = staged.append_to(&self.inner, &mut batch, now_ms)?;
+        self.inner.write(batch)?;
+        if let Some(accepted) = accepted {
+            accepted.written();
+        }
+        Ok(())
     }
 
     /// Every stored position of this consumer, ordered by source (byte order of the name)

@@ -354,6 +354,39 @@ impl Chain {
     }
 }
 
+/// Refuses a log of `slots` segments of `segment_bytes` to be made as `dir` when its file
+/// system has less free space than that ([`StorageErrorKind::NoSpace`]): every byte of a new
+/// log is written, so a log larger than the free space would fill the disk before failing.
+/// The store's open runs this before it writes anything, [`CommitLog::create`] again.
+///
+/// [`StorageErrorKind::NoSpace`]: crate::format::error::StorageErrorKind::NoSpace
+pub(crate) fn check_space(dir: &Path, slots: usize, segment_bytes: u64) -> Result<()> {
+    let needed = (slots as u64).saturating_mul(segment_bytes);
+    let parent = dir
+        .parent()
+        .filter(|parent| !parent.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let space = rustix::fs::statvfs(parent).map_err(|error| {
+        io_error(
+            "reading the free space of",
+            parent,
+            &std::io::Error::from(error),
+        )
+    })?;
+    let free = space.f_bavail.saturating_mul(space.f_frsize);
+    if needed > free {
+        return Err(Error::Storage {
+            kind: crate::format::error::StorageErrorKind::NoSpace,
+            detail: format!(
+                "a commit log of {slots} segments of {segment_bytes} bytes needs {needed} \
+                 bytes; {} has {free} free",
+                parent.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl CommitLog {
     /// Makes a new log in the new directory `dir`: `slots` segment files of `segment_bytes`
     /// each, zero-filled and synced (with the directory), the first segment started at
@@ -370,31 +403,7 @@ impl CommitLog {
                  {LOG_SEGMENT_BYTES_MIN} bytes"
             )));
         }
-        // Every byte is written: a log larger than the free space would fill the disk before
-        // failing.
-        let needed = (slots as u64).saturating_mul(segment_bytes);
-        let parent = dir
-            .parent()
-            .filter(|parent| !parent.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let space = rustix::fs::statvfs(parent).map_err(|error| {
-            io_error(
-                "reading the free space of",
-                parent,
-                &std::io::Error::from(error),
-            )
-        })?;
-        let free = space.f_bavail.saturating_mul(space.f_frsize);
-        if needed > free {
-            return Err(Error::Storage {
-                kind: crate::format::error::StorageErrorKind::NoSpace,
-                detail: format!(
-                    "a commit log of {slots} segments of {segment_bytes} bytes needs {needed} \
-                     bytes; {} has {free} free",
-                    parent.display()
-                ),
-            });
-        }
+        check_space(dir, slots, segment_bytes)?;
         // Made under a temporary name and renamed into place once complete: a crash while it
         // is made leaves no log (the next open makes it again), never a partial one.
         let target = dir;
@@ -579,7 +588,9 @@ impl CommitLog {
         let capacity = self.segment_bytes - LOG_SEGMENT_HEADER_BYTES as u64;
         if payload.len() > LOG_RECORD_PAYLOAD_MAX || needed > capacity {
             return Err(Error::invalid_argument(format!(
-                "a batch of {} bytes is larger than a commit-log segment holds ({capacity})",
+                "a batch of {} bytes is a log record of {needed} bytes (with its \
+                 {LOG_RECORD_HEADER_BYTES}-byte header), more than a commit-log segment holds \
+                 ({capacity} bytes after its own header); split the commit",
                 payload.len()
             )));
         }

@@ -71,6 +71,18 @@ pub(crate) fn tables_lsn(db: &DB) -> Result<u64> {
     })
 }
 
+/// Refuses an open that would make a commit log of `segments` x `segment_bytes` in `store` (it
+/// has none yet) on a file system without that much free space: run before the store is
+/// opened for writing, so that the refusal changes nothing. A log the store has already is
+/// opened as it is and needs no space.
+pub(crate) fn check_new_log_fits(store: &Path, segments: usize, segment_bytes: u64) -> Result<()> {
+    let dir = store.join(LOG_DIR);
+    if dir.exists() {
+        return Ok(());
+    }
+    crate::storage::commit_log::check_space(&dir, segments, segment_bytes)
+}
+
 /// Replays a log left in `store` into RocksDB's WAL (each record a synced write) and removes
 /// it: an open without the commit log (the application's, or an operator tool's) keeps every
 /// commit the log holds.

@@ -16,6 +16,8 @@ use rocksdb::{
     WriteBatch, WriteOptions,
 };
 
+use smallvec::SmallVec;
+
 use crate::format::clock::Clock;
 use crate::format::error::{Error, Result};
 use crate::format::position::{POSITIONS_TABLE, decode_position_key, decode_position_value};
@@ -66,9 +68,10 @@ pub(crate) struct Storage {
     pub(crate) markers: Vec<MarkerTable>,
     /// Latches of the ordering guard's entity versions.
     pub(crate) version_latches: Latches,
-    /// The highest read position accepted for each position key this open has written: what
-    /// a commit's staged positions are checked against ([`Storage::accept_positions`]).
-    accepted_positions: parking_lot::Mutex<HashMap<Vec<u8>, u64>>,
+    /// Per position key this open has checked: the highest offset written (or stored before)
+    /// and the offsets of commits accepted and not yet finished, which a commit's staged
+    /// positions are checked against ([`Storage::accept_positions`]).
+    accepted_positions: parking_lot::Mutex<HashMap<Vec<u8>, AcceptedOffsets>>,
     /// Per-consumer numbers, in the order consumers were first opened.
     pub(crate) consumer_metrics: parking_lot::Mutex<Vec<Arc<ConsumerMetrics>>>,
     /// Labels the opener added to every metric ([`EngineBuilder::metrics_label`]).
@@ -147,7 +150,14 @@ impl Storage {
         lock: StoreLock,
         stored: Option<StoredMeta>,
     ) -> Result<Storage> {
+        let new_store = stored.is_none() && builder.open_mode == OpenMode::Application;
         let meta_to_write = check_before_open(builder, stored)?;
+        if new_store {
+            // Every check has passed: a new store is created under a marker, so that a crash
+            // midway is finished by the next open instead of leaving a database it would refuse
+            // (`store_meta.rs`).
+            crate::storage::store_meta::begin_creation(&builder.path)?;
+        }
         let db = open_db(builder)?;
         let log = match (builder.commit_log, builder.open_mode) {
             (Some((segments, segment_bytes)), OpenMode::Application) => {
@@ -218,17 +228,29 @@ fn check_before_open(builder: &EngineBuilder, stored: Option<StoredMeta>) -> Res
         let operator = table.merge_operator.as_ref();
         (table.name.as_str(), operator.map(|op| op.name.as_str()))
     });
-    let Some(stored) = stored else {
-        let operators = operators
-            .map(|(table, op)| (table.to_owned(), op.map(str::to_owned)))
-            .collect();
-        return Ok(new_store_meta(&declared, operators));
+    let to_write = match stored {
+        None => {
+            let operators = operators
+                .map(|(table, op)| (table.to_owned(), op.map(str::to_owned)))
+                .collect();
+            new_store_meta(&declared, operators)
+        }
+        Some(stored) => {
+            let mut to_write = stored.check_declaration(path, &declared)?;
+            // The operator tools do not know the application's operators: they neither check
+            // nor record them.
+            if builder.open_mode == OpenMode::Application {
+                to_write.operators = stored.check_merge_operators(path, operators)?;
+            }
+            to_write
+        }
     };
-    let mut to_write = stored.check_declaration(path, &declared)?;
-    // The operator tools do not know the application's operators: they neither check nor
-    // record them.
-    if builder.open_mode == OpenMode::Application {
-        to_write.operators = stored.check_merge_operators(path, operators)?;
+    // A log this open would make must fit the disk: refused here, the WAL is neither replayed
+    // nor flushed, and a new store is not begun.
+    if let (Some((segments, segment_bytes)), OpenMode::Application) =
+        (builder.commit_log, builder.open_mode)
+    {
+        crate::storage::logged_writes::check_new_log_fits(path, segments, segment_bytes)?;
     }
     Ok(to_write)
 }
@@ -798,20 +820,35 @@ impl Storage {
     }
 
     /// Checks a commit's staged positions (position key, offset; one entry per key) against
-    /// the highest offset stored or accepted from an earlier commit of this open, and accepts
-    /// them all, or none: [`Error::PositionBehind`] for the first one behind. Checked and
-    /// accepted under one lock, so of two commits racing for a partition the later offset
-    /// wins and the other is refused whatever order they write in; the positions table's
-    /// merge keeps the highest offset too, so the stored position never moves backwards even
-    /// for writes this check did not see. An accepted offset stays accepted if the commit then
-    /// fails: the same commit may be retried; an earlier offset is refused until reopen.
-    pub(crate) fn accept_positions(&self, staged: &[(Vec<u8>, u64)]) -> Result<()> {
+    /// the highest offset stored, written by this open, or accepted for a commit still in
+    /// flight, and accepts them all, or none: [`Error::PositionBehind`] for the first one
+    /// behind. Checked and accepted under one lock, so of two commits racing for a partition
+    /// the later offset wins and the other is refused whatever order they write in; the
+    /// positions table's merge keeps the highest offset too, so the stored position never
+    /// moves backwards even for writes this check did not see.
+    ///
+    /// The acceptance lasts until the commit is settled: [`AcceptedPositions::written`] makes
+    /// its offsets the written ones; a commit that fails, or is dropped before its write, gives
+    /// its offsets back, so a later commit behind them (the same work split smaller, say) is
+    /// checked against what was written. After a failure that poisons the engine nothing more
+    /// is written anyway.
+    pub(crate) fn accept_positions(
+        self: &Arc<Self>,
+        staged: SmallVec<[(Vec<u8>, u64); 1]>,
+    ) -> Result<AcceptedPositions> {
         let mut accepted = self.accepted_positions.lock();
-        for (key, offset) in staged {
-            let highest = match accepted.get(key) {
-                Some(&highest) => Some(highest),
-                None => self.read_position(key)?.map(|(offset, _)| offset),
-            };
+        for (key, offset) in &staged {
+            if !accepted.contains_key(key) {
+                let written = self.read_position(key)?.map(|(offset, _)| offset);
+                accepted.insert(
+                    key.clone(),
+                    AcceptedOffsets {
+                        written,
+                        in_flight: SmallVec::new(),
+                    },
+                );
+            }
+            let highest = accepted[key].highest();
             if let Some(highest) = highest.filter(|&highest| *offset < highest) {
                 let (_, source, partition) =
                     decode_position_key(key).map_err(|reason| Error::Corrupt {
@@ -826,9 +863,148 @@ impl Storage {
                 });
             }
         }
-        for (key, offset) in staged {
-            accepted.insert(key.clone(), *offset);
+        for (key, offset) in &staged {
+            if let Some(offsets) = accepted.get_mut(key) {
+                offsets.in_flight.push(*offset);
+            }
         }
-        Ok(())
+        Ok(AcceptedPositions {
+            storage: self.clone(),
+            staged,
+        })
+    }
+
+    /// Ends the acceptance of `staged`: each offset leaves the commits in flight and, if the
+    /// commit was `written`, raises the written offset.
+    fn settle_positions(&self, staged: &[(Vec<u8>, u64)], written: bool) {
+        let mut accepted = self.accepted_positions.lock();
+        for (key, offset) in staged {
+            let Some(offsets) = accepted.get_mut(key) else {
+                continue;
+            };
+            if let Some(at) = offsets.in_flight.iter().position(|o| o == offset) {
+                offsets.in_flight.swap_remove(at);
+            }
+            if written {
+                offsets.written = offsets.written.max(Some(*offset));
+            }
+        }
+    }
+}
+
+/// What this open knows of one position key: the highest offset written (by this open, or
+/// stored before it), and the offsets of the commits accepted and not yet settled.
+struct AcceptedOffsets {
+    written: Option<u64>,
+    in_flight: SmallVec<[u64; 2]>,
+}
+
+impl AcceptedOffsets {
+    /// The highest offset a new commit of the key must not be behind.
+    fn highest(&self) -> Option<u64> {
+        self.written.max(self.in_flight.iter().copied().max())
+    }
+}
+
+/// The read positions of one commit, accepted by [`Storage::accept_positions`] and held until
+/// the commit's write is settled: [`AcceptedPositions::written`] once it is written; dropped
+/// without it (the write failed, or an error came before it), the offsets are given back.
+#[must_use = "dropping the acceptance gives the offsets back"]
+pub(crate) struct AcceptedPositions {
+    storage: Arc<Storage>,
+    staged: SmallVec<[(Vec<u8>, u64); 1]>,
+}
+
+impl AcceptedPositions {
+    /// The accepted (position key, offset) pairs.
+    pub(crate) fn offsets(&self) -> &[(Vec<u8>, u64)] {
+        &self.staged
+    }
+
+    /// The commit was written: its offsets are the written ones.
+    pub(crate) fn written(mut self) {
+        let staged = std::mem::take(&mut self.staged);
+        self.storage.settle_positions(&staged, true);
+    }
+
+    /// Settles by the write's outcome: [`AcceptedPositions::written`] if it succeeded, given
+    /// back if it failed.
+    pub(crate) fn settle(self, outcome: &Result<()>) {
+        if outcome.is_ok() {
+            self.written();
+        }
+    }
+}
+
+impl Drop for AcceptedPositions {
+    fn drop(&mut self) {
+        if !self.staged.is_empty() {
+            self.storage.settle_positions(&self.staged, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::position::encode_position_key;
+
+    fn open(dir: &Path) -> Arc<Storage> {
+        let builder = EngineBuilder::new(dir);
+        let lock = StoreLock::acquire(dir).unwrap();
+        let stored = StoredMeta::read(dir).unwrap();
+        Arc::new(Storage::open(&builder, lock, stored).unwrap())
+    }
+
+    fn staged(key: &[u8], offset: u64) -> SmallVec<[(Vec<u8>, u64); 1]> {
+        smallvec::smallvec![(key.to_vec(), offset)]
+    }
+
+    fn behind(storage: &Arc<Storage>, key: &[u8], offset: u64) -> Option<u64> {
+        match storage.accept_positions(staged(key, offset)) {
+            Err(Error::PositionBehind { stored, .. }) => Some(stored),
+            Ok(_) => None,
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_acceptance_given_back_leaves_the_highest_written_or_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = open(dir.path());
+        let key = encode_position_key(b"\x01c", "s", 0).unwrap();
+        storage
+            .accept_positions(staged(&key, 10))
+            .unwrap()
+            .written();
+        // Two commits in flight, 20 then 30.
+        let twenty = storage.accept_positions(staged(&key, 20)).unwrap();
+        let thirty = storage.accept_positions(staged(&key, 30)).unwrap();
+        assert_eq!(behind(&storage, &key, 25), Some(30));
+        // The higher one fails: the lower one, still in flight, is the bar.
+        drop(thirty);
+        assert_eq!(behind(&storage, &key, 15), Some(20));
+        // It fails too: back to what was written.
+        twenty.settle(&Err(Error::Poisoned));
+        assert_eq!(behind(&storage, &key, 9), Some(10));
+        // Accepted at 15 (not behind 10), and it is written.
+        storage
+            .accept_positions(staged(&key, 15))
+            .unwrap()
+            .written();
+        assert_eq!(behind(&storage, &key, 14), Some(15));
+        // A lower commit written after a higher one does not lower the bar.
+        let forty = storage.accept_positions(staged(&key, 40)).unwrap();
+        let refused = storage.accept_positions(staged(&key, 39));
+        assert!(refused.is_err());
+        forty.settle(&Ok(()));
+        assert_eq!(behind(&storage, &key, 39), Some(40));
+        // Two commits at the same offset: settling one leaves the other in flight.
+        let first = storage.accept_positions(staged(&key, 50)).unwrap();
+        let second = storage.accept_positions(staged(&key, 50)).unwrap();
+        drop(first);
+        assert_eq!(behind(&storage, &key, 45), Some(50));
+        drop(second);
+        assert_eq!(behind(&storage, &key, 45), None);
     }
 }

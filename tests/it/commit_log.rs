@@ -512,3 +512,174 @@ fn queued_writers_wait_for_room_instead_of_failing() {
             .flat_map(|t| (0..20).flat_map(move |r| (0..10).map(move |i| format!("q{t}-{r}-{i}")))),
     );
 }
+
+/// How a test commits: each path that stages read positions.
+#[derive(Clone, Copy, Debug)]
+enum CommitPath {
+    Claim,
+    Batch,
+    #[cfg(feature = "tokio")]
+    ClaimAsync,
+    #[cfg(feature = "tokio")]
+    BatchAsync,
+}
+
+impl CommitPath {
+    const ALL: &[CommitPath] = &[
+        CommitPath::Claim,
+        CommitPath::Batch,
+        #[cfg(feature = "tokio")]
+        CommitPath::ClaimAsync,
+        #[cfg(feature = "tokio")]
+        CommitPath::BatchAsync,
+    ];
+
+    /// Claims `key` on consumer `c`, puts a value of `value_bytes` into `orders` and stages
+    /// offset `offset` of partition 0 of `s`, then commits along this path.
+    fn commit(
+        self,
+        engine: &Engine,
+        key: &str,
+        value_bytes: usize,
+        offset: u64,
+    ) -> idemdb::Result<()> {
+        let c = engine.consumer("c").unwrap();
+        let orders = engine.business_table("orders").unwrap();
+        let value = vec![7u8; value_bytes];
+        let single = |c: &idemdb::Consumer| {
+            let Outcome::Fresh(mut claim) = c.begin(key, Fingerprint::of(key)).unwrap() else {
+                panic!("{key}: not fresh")
+            };
+            claim.put(&orders, key, &value).unwrap();
+            claim.stage_position("s", 0, offset).unwrap();
+            claim
+        };
+        let batch = |c: &idemdb::Consumer| {
+            let message = idemdb::Message::new(key.as_bytes(), Fingerprint::of(key));
+            let mut batch = c.begin_batch(&[message]).unwrap();
+            batch.put(&orders, key, &value).unwrap();
+            batch.stage_position("s", 0, offset).unwrap();
+            batch
+        };
+        match self {
+            CommitPath::Claim => single(&c).commit(b"ok").map(drop),
+            CommitPath::Batch => batch(&c).commit(|_| b"ok").map(drop),
+            #[cfg(feature = "tokio")]
+            CommitPath::ClaimAsync => block_on(single(&c).commit_async(b"ok")).map(drop),
+            #[cfg(feature = "tokio")]
+            CommitPath::BatchAsync => block_on(batch(&c).commit_async(|_| b"ok")).map(drop),
+        }
+    }
+}
+
+#[cfg(feature = "tokio")]
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+        .block_on(future)
+}
+
+#[test]
+fn a_commit_too_large_for_the_log_gives_its_read_position_back() {
+    use idemdb::Error;
+    for &path in CommitPath::ALL {
+        for durability in [Durability::Sync, Durability::Buffered] {
+            let store = TestStore::new();
+            let engine = logged_ring(&store, durability, 2);
+            let c = engine.consumer("c").unwrap();
+            let at = |c: &idemdb::Consumer| {
+                c.positions()
+                    .get("s", 0)
+                    .unwrap()
+                    .map(|position| position.offset)
+            };
+            path.commit(&engine, "m-10", 10, 10).unwrap();
+            // A value larger than a segment: refused, nothing written.
+            let refused = path.commit(&engine, "m-20", 100_000, 20);
+            match &refused {
+                Err(Error::InvalidArgument { reason }) => {
+                    assert!(reason.contains("split the commit"), "{reason}")
+                }
+                other => panic!("{path:?} {durability:?}: {other:?}"),
+            }
+            assert_eq!(at(&c), Some(10), "{path:?} {durability:?}");
+            assert!(c.get(b"m-20").unwrap().is_none());
+            // The same work split smaller commits below the refused offset, at once.
+            path.commit(&engine, "m-15", 10, 15)
+                .unwrap_or_else(|error| panic!("{path:?} {durability:?}: {error:?}"));
+            c.positions().advance("s", 0, 16).unwrap();
+            path.commit(&engine, "m-20", 10, 20).unwrap();
+            assert_eq!(at(&c), Some(20), "{path:?} {durability:?}");
+            // Still refused behind what was written.
+            assert!(matches!(
+                path.commit(&engine, "m-19", 10, 19),
+                Err(Error::PositionBehind {
+                    stored: 20,
+                    staged: 19,
+                    ..
+                })
+            ));
+        }
+    }
+}
+
+#[test]
+fn an_open_refused_for_the_logs_size_changes_nothing() {
+    use idemdb::{Error, StorageErrorKind};
+    let huge = |store: &TestStore, path: &std::path::Path| {
+        store
+            .builder_at(path)
+            .commit_log(
+                idemdb::COMMIT_LOG_SEGMENTS_MAX,
+                idemdb::COMMIT_LOG_SEGMENT_BYTES_MAX,
+            )
+            .open()
+    };
+    let listing = |path: &std::path::Path| {
+        let mut entries: Vec<(String, u64)> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|entry| {
+                let entry = entry.unwrap();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                (name, entry.metadata().unwrap().len())
+            })
+            .collect();
+        entries.sort();
+        entries
+    };
+    let no_space = |opened: idemdb::Result<Engine>| {
+        assert!(
+            matches!(
+                &opened,
+                Err(Error::Storage {
+                    kind: StorageErrorKind::NoSpace,
+                    ..
+                })
+            ),
+            "{opened:?}"
+        );
+    };
+    // A store with a commit still in RocksDB's WAL (buffered: no flush at close).
+    let store = TestStore::new();
+    commit_all(&store.open(), 0..1);
+    let before = listing(store.dir.path());
+    assert!(rocksdb_wal_bytes(&store) > 0);
+    no_space(huge(&store, store.dir.path()));
+    assert_eq!(listing(store.dir.path()), before, "the store was changed");
+    // An empty directory stays empty.
+    let empty = store.dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    no_space(huge(&store, &empty));
+    assert_eq!(listing(&empty), Vec::new());
+    // Both open with a log that fits, the commit kept.
+    let engine = store.builder().commit_log(2, SEGMENT).open().unwrap();
+    assert_eq!(counter(&engine), 1);
+    drop(
+        store
+            .builder_at(&empty)
+            .commit_log(2, SEGMENT)
+            .open()
+            .unwrap(),
+    );
+}

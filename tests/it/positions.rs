@@ -319,6 +319,31 @@ fn bad_sources_and_entity_claims_are_refused() {
             Err(Error::LimitExceeded { .. })
         ));
     }
+    // NUL: refused up front on every path, as on PostgreSQL, which cannot store it.
+    let nul = "orders\0eu";
+    assert!(matches!(
+        c.positions().advance(nul, 0, 1),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        c.positions().get(nul, 0),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let Outcome::Fresh(mut claim) = c.begin(b"m-nul", fp("nul")).unwrap() else {
+        panic!("fresh")
+    };
+    assert!(matches!(
+        claim.stage_position(nul, 0, 1),
+        Err(Error::InvalidArgument { .. })
+    ));
+    drop(claim);
+    let mut batch = c.begin_batch(&[Message::new(b"m-nul", fp("nul"))]).unwrap();
+    assert!(matches!(
+        batch.stage_position(nul, 0, 1),
+        Err(Error::InvalidArgument { .. })
+    ));
+    drop(batch);
+    assert!(c.positions().list().unwrap().is_empty());
     let longest = "s".repeat(idemdb::POSITION_SOURCE_BYTES_MAX);
     c.positions().advance(&longest, u32::MAX, u64::MAX).unwrap();
     let position = c.positions().get(&longest, u32::MAX).unwrap().unwrap();

@@ -372,7 +372,8 @@ impl<'c> PgClaim<'c> {
     /// # Errors
     /// [`Error::Idemdb`] with `LimitExceeded` for a source outside
     /// [`idemdb::POSITION_SOURCE_BYTES_MIN`]..=[`idemdb::POSITION_SOURCE_BYTES_MAX`] bytes,
-    /// with `InvalidArgument` for an offset past [`crate::POSITION_OFFSET_MAX`]. The commit
+    /// with `InvalidArgument` for one containing NUL or an offset past
+    /// [`crate::POSITION_OFFSET_MAX`]. The commit
     /// fails with [`idemdb::Error::PositionBehind`] (in [`Error::Idemdb`]), writing nothing,
     /// if `offset` is then behind the partition's stored position.
     pub fn stage_position(&mut self, source: &str, partition: u32, offset: u64) -> Result<()> {

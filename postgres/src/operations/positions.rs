@@ -55,7 +55,8 @@ impl PgPositions {
     ///
     /// # Errors
     /// [`Error::Idemdb`] with `LimitExceeded` for a source outside
-    /// [`idemdb::POSITION_SOURCE_BYTES_MIN`]..=[`idemdb::POSITION_SOURCE_BYTES_MAX`] bytes;
+    /// [`idemdb::POSITION_SOURCE_BYTES_MIN`]..=[`idemdb::POSITION_SOURCE_BYTES_MAX`] bytes,
+    /// with `InvalidArgument` for one containing NUL (which a text column cannot hold);
     /// [`Error::Postgres`] if the read fails.
     pub async fn get(
         &self,

@@ -259,6 +259,35 @@ pub async fn bad_positions_are_refused_before_anything_is_sent(url: &str) -> Res
         ),
         "{too_far:?}"
     );
+    // NUL, which PostgreSQL's text cannot hold: refused up front (it failed the statement
+    // with 22021), on every path.
+    let nul = "orders\0eu";
+    let advanced = c.positions().advance(&client, nul, 0, 1).await;
+    let read = c.positions().get(&client, nul, 0).await;
+    let Outcome::Fresh(mut claim) = c
+        .begin(&mut client, "m-nul", Fingerprint::of(b"nul"))
+        .await?
+    else {
+        return Err("m-nul: not fresh".into());
+    };
+    let staged = claim.stage_position(nul, 0, 1);
+    drop(claim);
+    for (what, refused) in [("advance", advanced), ("stage_position", staged)] {
+        ensure!(
+            matches!(
+                refused,
+                Err(Error::Idemdb(idemdb::Error::InvalidArgument { .. }))
+            ),
+            "{what} of a source with NUL: {refused:?}"
+        );
+    }
+    ensure!(
+        matches!(
+            read,
+            Err(Error::Idemdb(idemdb::Error::InvalidArgument { .. }))
+        ),
+        "get of a source with NUL: {read:?}"
+    );
     let longest = "s".repeat(idemdb::POSITION_SOURCE_BYTES_MAX);
     c.positions()
         .advance(
