@@ -42,7 +42,9 @@
 //! rebuilt in the same variable after every other kind. Kept plans look keys up in the index,
 //! and the store leaves the session's `enable_seqscan` as the caller set it. Overlapping
 //! `maintain` calls share the work and each succeed; one given up half way (between batches
-//! or mid-statement) leaves nothing locked. A claim given up during its first round trip frees
+//! or mid-statement) leaves nothing locked; one called inside a transaction of the caller's
+//! (any isolation level, a bare `BEGIN`, a savepoint, a `BEGIN` before a batch's second try)
+//! fails with 25001, removes nothing and leaves none of its settings there. A claim given up during its first round trip frees
 //! its key. A failed call (a refused commit, a record that does not decode) has freed its keys
 //! when its error returns, seen from another connection.
 //!
@@ -228,6 +230,7 @@ fn main() {
     scenario!(a_failed_call_frees_its_keys_before_the_error_returns);
     scenario!(a_maintain_given_up_half_way_leaves_nothing_locked);
     scenario!(removal_goes_around_a_row_another_transaction_holds);
+    scenario!(maintain_inside_a_callers_transaction_removes_nothing_and_sets_nothing);
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
@@ -7121,6 +7124,178 @@ async fn removal_goes_around_a_row_another_transaction_holds(url: &str) -> Resul
     ensure!(
         done.removed == 6,
         "the rows expired by the first reading (days 330-335): {done:?}"
+    );
+    Ok(())
+}
+
+/// `maintain` called inside a transaction of the caller's, at any isolation level, whether that
+/// transaction has run a statement or none, in a savepoint or not: the call fails with 25001
+/// and removes nothing, and none of its batch's settings (`synchronous_commit` off, its
+/// `lock_timeout`) reaches a transaction that can still commit: the caller's transaction is
+/// aborted (its `COMMIT` rolls back, its own write with it), and one rolled back to a
+/// savepoint taken before the call goes on with the session's settings and commits the
+/// caller's write. The batch sent again skipping locked rows is refused the same way when a
+/// `BEGIN` of the caller's reached the shared connection in between.
+async fn maintain_inside_a_callers_transaction_removes_nothing_and_sets_nothing(
+    url: &str,
+) -> Result<(), Failure> {
+    use tokio_postgres::error::SqlState;
+    const DAY: u64 = idemdb_postgres::DAY_MS as u64;
+    let (mut client, store, consumer, clock) = daily_store(url, "t_removal_inside").await?;
+    let watcher = connect(url).await?;
+    let count =
+        async |sql: &str| -> Result<i64, Failure> { Ok(watcher.query_one(sql, &[]).await?.get(0)) };
+    let records = "SELECT count(*) FROM t_removal_inside.records";
+    // The session's own settings, which removal must leave to every transaction of the caller's.
+    client
+        .batch_execute("SET synchronous_commit = local; SET lock_timeout = '7s'")
+        .await?;
+    let session = ["local".to_owned(), "7s".to_owned()];
+    let settings = async |client: &Client| -> Result<[String; 2], tokio_postgres::Error> {
+        let synchronous_commit = client.query_one("SHOW synchronous_commit", &[]).await?;
+        let lock_timeout = client.query_one("SHOW lock_timeout", &[]).await?;
+        Ok([synchronous_commit.get(0), lock_timeout.get(0)])
+    };
+    let refused = |answer: &Result<idemdb_postgres::Maintenance, Error>| {
+        matches!(answer, Err(Error::Postgres(error))
+            if error.code() == Some(&SqlState::ACTIVE_SQL_TRANSACTION))
+    };
+    let aborted = |answer: &Result<[String; 2], tokio_postgres::Error>| matches!(answer, Err(error) if error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION));
+    // How the caller's transaction began; whether it took the savepoint `s` before the call;
+    // the id of its own write, if it wrote.
+    let openings = [
+        ("BEGIN; SELECT 1", false, None),
+        (
+            "BEGIN; INSERT INTO t_removal_inside.orders VALUES ('plain', 'the caller''s')",
+            false,
+            Some("plain"),
+        ),
+        (
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1",
+            false,
+            None,
+        ),
+        ("BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT 1", false, None),
+        ("BEGIN", false, None),
+        ("BEGIN ISOLATION LEVEL SERIALIZABLE", false, None),
+        ("BEGIN; SAVEPOINT s", true, None),
+        (
+            "BEGIN; INSERT INTO t_removal_inside.orders VALUES ('kept', 'the caller''s'); \
+             SAVEPOINT s",
+            true,
+            Some("kept"),
+        ),
+    ];
+    let mut failures = Vec::new();
+    let mut now_ms = 100 * DAY + DAY / 2;
+    for (round, (opening, savepoint, write)) in openings.into_iter().enumerate() {
+        // Ten records, expired two days later.
+        let keys: Vec<String> = (0..10).map(|index| format!("r{round}-{index}")).collect();
+        commit_new_keys(&consumer, &mut client, &keys).await?;
+        now_ms += 2 * DAY;
+        clock.set(now_ms);
+        let before = count(records).await?;
+        let mut seen = Vec::new();
+        client.batch_execute(opening).await?;
+        let answer = store.maintain(&client).await;
+        if !refused(&answer) {
+            seen.push(format!("maintain answered {answer:?}"));
+        }
+        let inside = settings(&client).await;
+        if !aborted(&inside) {
+            seen.push(format!("inside the transaction after the call: {inside:?}"));
+        }
+        if savepoint {
+            client.batch_execute("ROLLBACK TO SAVEPOINT s").await?;
+            let inside = settings(&client).await?;
+            if inside != session {
+                seen.push(format!("back at the savepoint: {inside:?}"));
+            }
+        }
+        client.batch_execute("COMMIT").await?;
+        let after = count(records).await?;
+        if after != before {
+            seen.push(format!(
+                "{before} records before, {after} after the caller's COMMIT"
+            ));
+        }
+        if let Some(id) = write {
+            let written = count(&format!(
+                "SELECT count(*) FROM t_removal_inside.orders WHERE id = '{id}'"
+            ))
+            .await?;
+            // Kept only by a rollback to the savepoint: else the transaction was aborted.
+            if written != i64::from(savepoint) {
+                seen.push(format!("the caller's write: {written} rows"));
+            }
+        }
+        let outside = settings(&client).await?;
+        if outside != session {
+            seen.push(format!("the session's settings afterwards: {outside:?}"));
+        }
+        // Outside any transaction, the same call removes them.
+        let done = store.maintain(&client).await?;
+        if i64::try_from(done.removed)? != after || count(records).await? != 0 {
+            seen.push(format!("outside, afterwards: {done:?}"));
+        }
+        if !seen.is_empty() {
+            failures.push(format!("{opening}: {}", seen.join("; ")));
+        }
+    }
+
+    // A batch that meets a held row is sent again skipping locked rows, in a simple query of
+    // its own: a `BEGIN` sent on the shared connection after the first one (which waits for
+    // the row) runs before it, and must fail it the same way.
+    let keys: Vec<String> = (0..10).map(|index| format!("skip-{index}")).collect();
+    commit_new_keys(&consumer, &mut client, &keys).await?;
+    now_ms += 2 * DAY;
+    clock.set(now_ms);
+    let holder = connect(url).await?;
+    holder
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM t_removal_inside.records \
+             WHERE message_key = convert_to('skip-3', 'UTF8') FOR UPDATE",
+        )
+        .await?;
+    let before = count(records).await?;
+    let mut seen = Vec::new();
+    let mut removal = std::pin::pin!(store.maintain(&client));
+    // One poll sends the first batch (the clock is the mock's: no statement before it).
+    ensure!(
+        futures_util::FutureExt::now_or_never(removal.as_mut()).is_none(),
+        "the first batch answered within one poll"
+    );
+    let (answer, begun) = tokio::join!(removal, client.batch_execute("BEGIN"));
+    begun?;
+    if !refused(&answer) {
+        seen.push(format!("maintain answered {answer:?}"));
+    }
+    let inside = settings(&client).await;
+    if !aborted(&inside) {
+        seen.push(format!("inside the transaction after the call: {inside:?}"));
+    }
+    client.batch_execute("COMMIT").await?;
+    let after = count(records).await?;
+    if after != before {
+        seen.push(format!(
+            "{before} records before, {after} after the caller's COMMIT"
+        ));
+    }
+    holder.batch_execute("ROLLBACK").await?;
+    let done = store.maintain(&client).await?;
+    if i64::try_from(done.removed)? != after {
+        seen.push(format!("outside, afterwards: {done:?}"));
+    }
+    if !seen.is_empty() {
+        failures.push(format!(
+            "BEGIN between a batch and its second try: {}",
+            seen.join("; ")
+        ));
+    }
+    ensure!(
+        failures.is_empty(),
+        "maintain inside a transaction of the caller's:\n{}",
+        failures.join("\n")
     );
     Ok(())
 }

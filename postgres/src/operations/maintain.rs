@@ -99,8 +99,14 @@ impl PgStore {
     ///
     /// Each batch is a transaction of its own at READ COMMITTED, whatever the session's
     /// default: call it outside any transaction of the caller's (as every call of this crate).
-    /// Inside one that has run a statement, the first batch fails with `Error::Postgres`
-    /// (SQLSTATE 25001) and nothing is removed. The 20 ms bound is for rows; a lock on the
+    /// Inside one, at any isolation level, whether it has run a statement or only `BEGIN`, in
+    /// a savepoint or not, the first batch fails with `Error::Postgres` (SQLSTATE 25001,
+    /// `active_sql_transaction`) before it deletes or sets anything, and nothing is removed.
+    /// The failure aborts the caller's transaction, as any failed statement does: its
+    /// `COMMIT` rolls back, its own writes with it (a `ROLLBACK TO SAVEPOINT` of a savepoint
+    /// taken before the call keeps them), so the batch's settings (`synchronous_commit` off,
+    /// its lock timeout) never reach a commit of the caller's. Every batch checks it, the one
+    /// sent again around held rows too. The 20 ms bound is for rows; a lock on the
     /// whole table (a DDL statement's) is waited for as any statement waits, under the
     /// session's own `lock_timeout`.
     ///
@@ -122,7 +128,8 @@ impl PgStore {
     ///
     /// # Errors
     /// [`Error::Postgres`](crate::Error::Postgres) when a statement fails (the batches before
-    /// it stay removed); [`idemdb::Error::ClockOutOfRange`] for an injected clock beyond
+    /// it stay removed), with SQLSTATE 25001 when called inside a transaction of the caller's
+    /// (see above); [`idemdb::Error::ClockOutOfRange`] for an injected clock beyond
     /// [`idemdb::CLOCK_MS_MAX`], before anything is removed.
     pub async fn maintain(&self, client: &Client) -> Result<Maintenance> {
         self.maintain_with(client, Removal::default()).await

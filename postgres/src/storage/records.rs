@@ -290,11 +290,44 @@ pub(crate) enum Locked {
 /// claim that waits for the batch while the batch waits for it is never the one aborted.
 pub(crate) const REMOVAL_LOCK_TIMEOUT_MS: u32 = 20;
 
+/// The start of every batch of removal: READ COMMITTED, and a failure with SQLSTATE 25001
+/// (`active_sql_transaction`) before anything else when the batch would run inside a
+/// transaction of the caller's instead of its own implicit one. Neither its `SET LOCAL`s
+/// (`synchronous_commit` off, the lock timeout) nor its delete may land there: the caller's
+/// `COMMIT` would commit them with the caller's writes, without waiting for the WAL, and a
+/// rollback would undo removals already reported.
+///
+/// Setting the isolation level alone refuses too few: PostgreSQL refuses it after the
+/// transaction's first snapshot only when it changes the level, so a READ COMMITTED
+/// transaction that has run a statement would pass. Two checks (each seen on PostgreSQL 15):
+/// - `NOT DEFERRABLE` is refused after the first snapshot and in any subtransaction, whatever
+///   the value and the level: every caller's transaction that has run a statement, and every
+///   savepoint, fails at the first statement, on the server's own rule.
+/// - A transaction begun by an earlier message that has run nothing since (a bare `BEGIN`)
+///   has no snapshot, so no setting is refused there. `transaction_timestamp()` equals
+///   `statement_timestamp()` during the first message of a transaction (PostgreSQL's
+///   documentation of the two), and the batch's own transaction begins with its message; one
+///   begun by an earlier message began earlier, and the `DO` block fails it. It comes after
+///   the isolation level, which must be set before any snapshot, and before the settings; the
+///   failure aborts the caller's transaction, the level set in it with it.
+///
+/// Neither adds a round trip. The `DO` block, compiled at every batch, costs about 25 µs of
+/// the server's (PostgreSQL 15 over loopback: a batch that finds nothing went from 0.08 to
+/// 0.11 ms; a batch that deletes takes milliseconds).
+const OWN_TRANSACTION_ONLY: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED, NOT DEFERRABLE; \
+     DO $idemdb$ BEGIN \
+         IF transaction_timestamp() <> statement_timestamp() THEN \
+             RAISE EXCEPTION USING ERRCODE = 'active_sql_transaction', \
+                 MESSAGE = 'idemdb''s removal runs in transactions of its own: call maintain \
+                            outside any transaction (this one is aborted: roll it back)'; \
+         END IF; \
+     END $idemdb$; ";
+
 /// One batch of removal, as one simple query (one implicit transaction, at READ COMMITTED
-/// whatever the session's default; inside a transaction of the caller's that has run a
-/// statement, the isolation level's setting fails it with 25001 before anything): the oldest rows
-/// expired at `now_ms`, up to `limit`, deleted; its one row answers how many rows were chosen
-/// and how many deleted. A row replaced since the statement began (a claim took the key
+/// whatever the session's default; inside a transaction of the caller's it fails with 25001
+/// before its settings and its delete, see [`OWN_TRANSACTION_ONLY`]): the oldest rows expired
+/// at `now_ms`, up to `limit`, deleted; its one row answers how many rows were chosen and how
+/// many deleted. A row replaced since the statement began (a claim took the key
 /// again) is looked at in its new version, which no longer qualifies, by the delete's own
 /// condition (and by the lock's, with [`Locked::Skip`]).
 ///
@@ -312,7 +345,7 @@ pub(crate) fn remove_expired_sql(records: &str, now_ms: i64, limit: i64, locked:
         Locked::Skip => (String::new(), " FOR UPDATE SKIP LOCKED"),
     };
     format!(
-        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+        "{OWN_TRANSACTION_ONLY}\
          SET LOCAL synchronous_commit TO off; {wait}\
          WITH doomed AS ( \
              SELECT ctid FROM {records} WHERE expires_at_ms <= {now_ms} \
