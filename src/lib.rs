@@ -508,10 +508,10 @@ pub use operations::staging::{
 };
 #[cfg(feature = "engine")]
 pub use storage::business_table::BusinessTable;
-#[cfg(feature = "tokio")]
-pub use storage::committer::{BatchCommitFuture, CommitFuture};
 #[cfg(feature = "engine")]
 pub use storage::fault::{Fault, FaultInjector, IoPoint};
+#[cfg(feature = "tokio")]
+pub use storage::log::committer::{BatchCommitFuture, CommitFuture};
 #[cfg(feature = "engine")]
 pub use storage::observe::{ConsumerStats, Stats};
 #[cfg(feature = "engine")]

@@ -13,7 +13,7 @@ use crate::format::clock::{Clock, SystemClock};
 use crate::format::error::{Error, Limit, Result, check_limit_u64};
 use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::format::position::POSITIONS_TABLE;
-use crate::storage::logged_writes::{log_as_wal, tables_lsn};
+use crate::storage::log::logged_writes::{log_as_wal, tables_lsn};
 use crate::storage::options::{
     EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
 };

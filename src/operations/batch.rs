@@ -395,8 +395,8 @@ impl ClaimBatch {
     pub fn commit_async<R: AsRef<[u8]>>(
         mut self,
         result_of: impl FnMut(usize) -> R,
-    ) -> crate::storage::committer::BatchCommitFuture {
-        use crate::storage::committer::{BatchCommitFuture, Job};
+    ) -> crate::storage::log::committer::BatchCommitFuture {
+        use crate::storage::log::committer::{BatchCommitFuture, Job};
         let storage = self.inner.clone();
         if !storage.syncs_each_write() {
             return BatchCommitFuture::ready(self.commit(result_of));

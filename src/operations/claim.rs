@@ -555,8 +555,8 @@ impl Claim {
     pub fn commit_async(
         mut self,
         result: impl AsRef<[u8]>,
-    ) -> crate::storage::committer::CommitFuture {
-        use crate::storage::committer::{CommitFuture, Job};
+    ) -> crate::storage::log::committer::CommitFuture {
+        use crate::storage::log::committer::{CommitFuture, Job};
         let storage = self.inner().clone();
         if !storage.syncs_each_write() {
             return CommitFuture::ready(self.commit(result));

@@ -56,7 +56,7 @@ pub(crate) struct Storage {
     sync_writes: bool,
     /// The async commits' committer thread, started by the first one.
     #[cfg(feature = "tokio")]
-    committer: crate::storage::committer::CommitterSlot,
+    committer: crate::storage::log::committer::CommitterSlot,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
     /// Test seam: decides injected faults for the engine's I/O calls.
@@ -82,7 +82,7 @@ pub(crate) struct Storage {
     pub(crate) business: Vec<TableOptions>,
     /// The commit log, when the builder asked for it
     /// (`EngineBuilder::commit_log`): the durable path instead of RocksDB's WAL.
-    log: Option<crate::storage::logged_writes::LogWriter>,
+    log: Option<crate::storage::log::logged_writes::LogWriter>,
     /// The directory lock, last so that it is released after RocksDB has closed the store.
     _store_lock: StoreLock,
 }
@@ -161,7 +161,7 @@ impl Storage {
         let db = open_db(builder)?;
         let log = match (builder.commit_log, builder.open_mode) {
             (Some((segments, segment_bytes)), OpenMode::Application) => {
-                Some(crate::storage::logged_writes::LogWriter::open(
+                Some(crate::storage::log::logged_writes::LogWriter::open(
                     &builder.path,
                     &db,
                     segments,
@@ -172,7 +172,7 @@ impl Storage {
             // Without the log (or by an operator tool): a log left by an earlier open goes
             // into RocksDB's WAL first, then away.
             _ => {
-                crate::storage::logged_writes::retire_log(&builder.path, &db)?;
+                crate::storage::log::logged_writes::retire_log(&builder.path, &db)?;
                 None
             }
         };
@@ -199,7 +199,7 @@ impl Storage {
             #[cfg(feature = "tokio")]
             sync_writes: builder.durability == Durability::Sync,
             #[cfg(feature = "tokio")]
-            committer: crate::storage::committer::CommitterSlot::default(),
+            committer: crate::storage::log::committer::CommitterSlot::default(),
             poisoned: AtomicBool::new(false),
             fault_injector: builder.fault_injector.clone(),
             token_seed: token_seed(),
@@ -250,7 +250,7 @@ fn check_before_open(builder: &EngineBuilder, stored: Option<StoredMeta>) -> Res
     if let (Some((segments, segment_bytes)), OpenMode::Application) =
         (builder.commit_log, builder.open_mode)
     {
-        crate::storage::logged_writes::check_new_log_fits(path, segments, segment_bytes)?;
+        crate::storage::log::logged_writes::check_new_log_fits(path, segments, segment_bytes)?;
     }
     Ok(to_write)
 }
@@ -434,7 +434,7 @@ impl Storage {
 
     /// The committer of async commits, started on first use.
     #[cfg(feature = "tokio")]
-    pub(crate) fn committer(&self) -> Result<&crate::storage::committer::Committer> {
+    pub(crate) fn committer(&self) -> Result<&crate::storage::log::committer::Committer> {
         // With the commit log a second thread applies each group to the tables while the first
         // writes and syncs the next one's records; RocksDB's own WAL has no such halves.
         self.committer.get_or_start(self.log.is_some())
@@ -487,7 +487,8 @@ impl Storage {
                 (StagedWrite::Logged(group), left)
             }
             None => {
-                let joined = crate::storage::wal_file::join(batches.into_iter().map(|(_, b)| b));
+                let joined =
+                    crate::storage::log::wal_file::join(batches.into_iter().map(|(_, b)| b));
                 (
                     StagedWrite::Done(numbers, self.write_without_log(joined)),
                     Vec::new(),
@@ -728,7 +729,7 @@ impl Storage {
 }
 
 #[cfg(feature = "tokio")]
-impl crate::storage::committer::BatchWriter for Storage {
+impl crate::storage::log::committer::BatchWriter for Storage {
     fn write_durable(
         &self,
         batches: Vec<(usize, WriteBatch)>,
@@ -746,7 +747,7 @@ impl crate::storage::committer::BatchWriter for Storage {
 #[cfg(feature = "tokio")]
 pub(crate) enum StagedWrite {
     Done(Vec<usize>, Result<()>),
-    Logged(crate::storage::logged_writes::DurableGroup),
+    Logged(crate::storage::log::logged_writes::DurableGroup),
 }
 
 /// Every user table the builder declares, with its kind.

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use rocksdb::{DB, WriteBatch, WriteOptions};
 
 use crate::format::error::{Error, Result};
-use crate::storage::commit_log::{CommitLog, building_path, perform_writes};
+use crate::storage::log::commit_log::{CommitLog, building_path, perform_writes};
 
 /// The meta key (`default` table) holding the LSN of the last batch written to the tables.
 pub(crate) const LOG_LSN_KEY: &[u8] = b"idemdb.log-lsn";
@@ -80,7 +80,7 @@ pub(crate) fn check_new_log_fits(store: &Path, segments: usize, segment_bytes: u
     if dir.exists() {
         return Ok(());
     }
-    crate::storage::commit_log::check_space(&dir, segments, segment_bytes)
+    crate::storage::log::commit_log::check_space(&dir, segments, segment_bytes)
 }
 
 /// Replays a log left in `store` into RocksDB's WAL (each record a synced write) and removes
@@ -224,7 +224,7 @@ impl LogWriter {
         };
         if sync_each {
             // Every write is synced: direct writes make it durable in less time than the page
-            // cache and an fdatasync (storage/commit_log.rs).
+            // cache and an fdatasync (storage/log/commit_log.rs).
             let direct = log.write_direct()?;
             tracing::debug!(target: "idemdb", direct, "commit log writes");
         }
@@ -435,7 +435,7 @@ impl LogWriter {
             if batches.is_empty() {
                 return Ok(());
             }
-            let mut group = crate::storage::wal_file::join(batches);
+            let mut group = crate::storage::log::wal_file::join(batches);
             group.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
             Ok(db.write_opt(group, &no_wal())?)
         });
@@ -499,7 +499,7 @@ impl LogWriter {
 const READER_SEQUENCE_MARGIN: u64 = 1 << 40;
 
 /// The log's records a reader beside the owner needs, written as RocksDB WAL files in a
-/// temporary directory (see `storage/wal_file.rs`), removed when this is dropped.
+/// temporary directory (see `storage/log/wal_file.rs`), removed when this is dropped.
 pub(crate) struct ReaderWal {
     dir: tempfile::TempDir,
 }
@@ -519,7 +519,7 @@ impl ReaderWal {
 /// # Errors
 /// [`Error::Corrupt`] for a payload shorter than a write batch's header.
 fn without_lsn_put(lsn: u64, payload: &[u8]) -> Result<Vec<u8>> {
-    use crate::storage::wal_file::{BATCH_HEADER_BYTES, batch_count};
+    use crate::storage::log::wal_file::{BATCH_HEADER_BYTES, batch_count};
     let mut alone = WriteBatch::default();
     alone.put(LOG_LSN_KEY, lsn.to_be_bytes());
     let put = &alone.data()[BATCH_HEADER_BYTES..];
@@ -559,7 +559,7 @@ pub(crate) fn log_as_wal(
     tables_lsn: u64,
     last_sequence: u64,
 ) -> Result<Option<ReaderWal>> {
-    use crate::storage::wal_file::{WalFileWriter, wal_file_path};
+    use crate::storage::log::wal_file::{WalFileWriter, wal_file_path};
     let log_dir = store.join(LOG_DIR);
     if !log_dir.is_dir() {
         return Ok(None);
@@ -611,7 +611,7 @@ pub(crate) fn log_as_wal(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::commit_log::LOG_SEGMENT_BYTES_MIN;
+    use crate::storage::log::commit_log::LOG_SEGMENT_BYTES_MIN;
 
     fn value(db: &DB, key: &[u8]) -> Option<Vec<u8>> {
         db.get(key).unwrap()
@@ -677,7 +677,7 @@ mod tests {
         use crate::format::commit_log::{
             LOG_SEGMENT_HEADER_BYTES, LogSegmentHeader, encode_log_record,
         };
-        use crate::storage::commit_log::AFTER_HEADERS_READ;
+        use crate::storage::log::commit_log::AFTER_HEADERS_READ;
         use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
         let mut log =

@@ -1,7 +1,7 @@
 //! The commit log: segments made once, full size, and rewritten in place as a ring, so that a
 //! durable append is a `pwrite` over written blocks and an `fdatasync` that writes data only
 //! (a growing file makes every sync also journal its new size). The engine's durable path when a
-//! store is opened with `EngineBuilder::commit_log` (`storage/logged_writes.rs`).
+//! store is opened with `EngineBuilder::commit_log` (`storage/log/logged_writes.rs`).
 //!
 //! The format (segment headers, records, how a reader finds the end) is
 //! `format/commit_log.rs`. Here: the files, the ring, appends and syncs, reopening after a

@@ -10,7 +10,7 @@
 //! to RocksDB's write queue. With the commit log the work is split between two threads: the
 //! committer makes a group durable in the log and goes straight on to the next (it never
 //! sleeps while jobs wait), and an applier applies each durable group to RocksDB, in order,
-//! and answers its jobs (`storage/logged_writes.rs`). The callers build their own batches (the CPU part of a commit), so
+//! and answers its jobs (`storage/log/logged_writes.rs`). The callers build their own batches (the CPU part of a commit), so
 //! the committer only joins bytes and writes.
 //!
 //! Each claim's writes stay atomic: a group is one batch, so every claim in it lands or none
