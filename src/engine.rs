@@ -62,6 +62,17 @@ impl EngineBuilder {
     pub fn open(self) -> Result<Engine> {
         self.validate()?;
         if self.open_mode == OpenMode::Application {
+            if let (Some((segments, segment_bytes)), false) = (self.commit_log, self.path.exists())
+            {
+                // Before the directory is made: a refusal for the log's size creates nothing.
+                // (An existing store is checked once it is locked and its metadata read, so
+                // that a held one is `AlreadyOpen` first.)
+                crate::storage::log::logged_writes::check_new_log_fits(
+                    &self.path,
+                    segments,
+                    segment_bytes,
+                )?;
+            }
             create_store_directory(&self.path)?;
         }
         // The lock before anything is read: a held store is `AlreadyOpen` whatever else is

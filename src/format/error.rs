@@ -209,6 +209,9 @@ pub enum Error {
     /// written): another reader of the partition has moved on, so this one is stale. Nothing of
     /// the commit was written, the claim's marker and staged writes included. Stop reading the
     /// partition here and resume from [`crate::Positions::get`].
+    ///
+    /// `stored` may be the offset of a commit still being written that then fails: a failed
+    /// commit gives its offset back, so the position read afterwards is the one to trust.
     #[error(
         "position of {source_name:?} partition {partition} is at offset {stored}; offset {staged} is \
          behind it: this reader is stale, nothing was written"
@@ -218,7 +221,7 @@ pub enum Error {
         source_name: String,
         /// The partition.
         partition: u32,
-        /// The offset already stored or accepted.
+        /// The offset already stored, or accepted for a commit still being written.
         stored: u64,
         /// The offset this commit staged.
         staged: u64,

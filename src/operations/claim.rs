@@ -532,7 +532,8 @@ impl Claim {
     /// the future is ready at once.
     ///
     /// The key stays claimed until the commit is visible, as with [`Claim::commit`]. Dropping
-    /// the future does not cancel the commit.
+    /// the future does not cancel the commit; its read positions are settled by the write
+    /// either way (given back at once if it fails).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

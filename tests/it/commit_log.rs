@@ -672,6 +672,10 @@ fn an_open_refused_for_the_logs_size_changes_nothing() {
     std::fs::create_dir(&empty).unwrap();
     no_space(huge(&store, &empty));
     assert_eq!(listing(&empty), Vec::new());
+    // A missing path, two levels deep, is not created.
+    let missing = store.dir.path().join("a").join("store");
+    no_space(huge(&store, &missing));
+    assert!(!store.dir.path().join("a").exists());
     // Both open with a log that fits, the commit kept.
     let engine = store.builder().commit_log(2, SEGMENT).open().unwrap();
     assert_eq!(counter(&engine), 1);

@@ -115,14 +115,25 @@ fn slot_path(dir: &Path, slot: usize) -> PathBuf {
 /// Refuses a log of `slots` segments of `segment_bytes` to be made as `dir` when its file
 /// system has less free space than that ([`StorageErrorKind::NoSpace`]): every byte of a new
 /// log is written, so a log larger than the free space would fill the disk before failing.
-/// The store's open runs this before it writes anything, [`CommitLog::create`] again.
+/// The store's open runs this before it writes anything (a missing store directory is
+/// measured at its nearest existing parent), [`CommitLog::create`] again.
 ///
 /// [`StorageErrorKind::NoSpace`]: crate::format::error::StorageErrorKind::NoSpace
 pub(crate) fn check_space(dir: &Path, slots: usize, segment_bytes: u64) -> Result<()> {
     let needed = (slots as u64).saturating_mul(segment_bytes);
+    // The nearest directory that exists: a store's open checks before it creates the store's
+    // directory (and its missing parents), so that the refusal creates nothing.
     let parent = dir
-        .parent()
-        .filter(|parent| !parent.as_os_str().is_empty())
+        .ancestors()
+        .skip(1)
+        .map(|parent| {
+            if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            }
+        })
+        .find(|parent| parent.exists())
         .unwrap_or(Path::new("."));
     let space = rustix::fs::statvfs(parent).map_err(|error| {
         io_error(
