@@ -4,12 +4,15 @@
 //! `--streams` streams, each order to one stream by its id; runs one consumer process per stream
 //! (store `<work>/store-<stream>`), SIGKILLs consumers at random moments and restarts them, and
 //! lets them SIGKILL themselves at the weak point of their position's placement
-//! (`--kill-at-commit-per-mille`). Once every consumer has committed the last offset of its
-//! stream they are stopped, the streams are read again from the start as the reference, and
+//! (`--kill-at-commit-per-mille`); with `--kill-after-last-commit`, each stream's consumer also
+//! SIGKILLs itself there once in the group that holds the stream's last offset, so that the
+//! restarted consumer finds nothing left to read. Once every stream's last offset is committed
+//! the consumers are stopped, the streams are read again from the start as the reference, and
 //! the stores are checked:
 //!
 //! - lost (an order never applied) = 0, applied twice = 0, conflicts in `conflicts` only;
-//! - every offset of every stream settled by a commit (`reads`): none skipped;
+//! - every offset of every stream settled by a commit (`reads`): none skipped; with the position
+//!   in the store, each store's position at the stream's last offset;
 //! - **read again after a restart beyond the last commit's group** = 0: a read, by a process,
 //!   of an offset that an earlier process had already committed. A restarted consumer may read
 //!   again only what it had read and not committed when it died.
@@ -24,7 +27,14 @@
 //! `scripts/rabbitmq-streams.sh` starts a private server on 127.0.0.1 and runs this. Options:
 //! `--port PORT` (the stream protocol's), `--orders N`, `--streams N`, `--resend-percent P`,
 //! `--reused N`, `--rate MSGS_PER_S`, `--min-kills N`, `--kill-at-commit-per-mille N`,
-//! `--position PLACEMENT`, `--work DIR`, `--seed N`.
+//! `--kill-after-last-commit`, `--position PLACEMENT`, `--work DIR`, `--seed N`.
+//!
+//! A stream counts as committed to its end from the ledger: a consumer's `commit` event, or,
+//! where the position is written with or after the commit (the store; the broker after the
+//! commit), a restarted consumer's `ready N`, read from that position: offsets below N were
+//! committed. The second is what tells a kill between a commit and its `commit` event, after
+//! which nothing may be left to read. Neither is taken as proof of the accounting: that reads
+//! the stores (`reads`, the positions) once the consumers have stopped.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -47,7 +57,9 @@ mod streams;
 use checker::{BoxError, Children, DeadLetter, Rng, die_with_parent, plan, verify};
 use handler::monotonic_ns;
 use orders::shard_of;
-use streams::{Placement, conflict_key, open_stream_store, order_id_of, read_key, stream_name};
+use streams::{
+    CONSUMER_ID, Placement, conflict_key, open_stream_store, order_id_of, read_key, stream_name,
+};
 
 struct Options {
     port: u16,
@@ -58,6 +70,7 @@ struct Options {
     rate: u64,
     min_kills: usize,
     kill_at_commit_per_mille: u64,
+    kill_after_last_commit: bool,
     placement: Placement,
     work: PathBuf,
     seed: u64,
@@ -73,6 +86,7 @@ fn parse_options() -> Result<Options, BoxError> {
         rate: 400,
         min_kills: 10,
         kill_at_commit_per_mille: 20,
+        kill_after_last_commit: false,
         placement: Placement::Store,
         work: std::env::temp_dir().join("idemdb-stream-e2e"),
         seed: 1,
@@ -89,6 +103,7 @@ fn parse_options() -> Result<Options, BoxError> {
             "--rate" => options.rate = value()?.parse()?,
             "--min-kills" => options.min_kills = value()?.parse()?,
             "--kill-at-commit-per-mille" => options.kill_at_commit_per_mille = value()?.parse()?,
+            "--kill-after-last-commit" => options.kill_after_last_commit = true,
             "--position" => {
                 let text = value()?;
                 options.placement =
@@ -117,6 +132,9 @@ struct Fleet {
     options: Options,
     children: Children,
     starts: usize,
+    /// Per stream, the offset of its planned kill (`--kill-after-last-commit`): its last
+    /// offset, as the stream is created empty and each publish takes one offset.
+    planned_kills: Vec<Option<u64>>,
 }
 
 impl Fleet {
@@ -149,6 +167,15 @@ impl Fleet {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
+        // Once: until the stream's ledger shows the kill done (a consumer killed after the
+        // stream's last commit reads nothing again; one keeping its position at the broker
+        // after the commit would read that group again, and die there again).
+        if let Some(offset) = self.planned_kills[stream] {
+            let events = read_ledger(&self.ledger(stream))?;
+            if !events.iter().any(|event| event.kind == "planned-kill") {
+                command.arg("--kill-at-commit-of").arg(offset.to_string());
+            }
+        }
         die_with_parent(&mut command);
         self.children.set(stream, command.spawn()?);
         self.starts += 1;
@@ -201,6 +228,20 @@ fn highest_offset(events: &[Event], kind: &str) -> Option<u64> {
         .max()
 }
 
+/// The highest offset a stream's ledger shows committed: its highest `commit` event, or below
+/// a `ready N` (a process starting at N) where the position it was read from is written with
+/// the commit or after it, which a SIGKILL between a commit and its `commit` event leaves as
+/// the only evidence. With the position at the broker before the commit, `ready N` proves
+/// nothing: the offsets below N may be lost.
+fn committed_through(events: &[Event], placement: Placement) -> Option<u64> {
+    let committed = highest_offset(events, "commit");
+    if placement == Placement::BrokerBeforeCommit {
+        return committed;
+    }
+    let resumed = highest_offset(events, "ready").and_then(|start| start.checked_sub(1));
+    committed.max(resumed)
+}
+
 /// How long a stream's ledger must stand still, its last offset read, before the
 /// broker-before-commit control stops waiting for a commit of it that will never come.
 const LEDGER_STILL: Duration = Duration::from_secs(5);
@@ -245,6 +286,7 @@ struct Accounting {
     conflicts: u64,
     kills: u64,
     self_kills: u64,
+    planned_kills_missing: u64,
     starts: u64,
     unexpected_exits: u64,
     lost: u64,
@@ -254,6 +296,7 @@ struct Accounting {
     false_conflicts: u64,
     total_mismatches: u64,
     unsettled_offsets: u64,
+    positions_not_at_end: u64,
     read_again: u64,
     resume_ms: Vec<f64>,
 }
@@ -276,6 +319,10 @@ impl Accounting {
             ("conflicts recorded", self.conflicts),
             ("consumers SIGKILLed at random moments", self.kills),
             ("consumers SIGKILLed at the commit point", self.self_kills),
+            (
+                "planned kills after a stream's last commit not done",
+                self.planned_kills_missing,
+            ),
             ("consumer starts", self.starts),
             ("consumer exits not caused by us", self.unexpected_exits),
             ("lost", self.lost),
@@ -288,6 +335,10 @@ impl Accounting {
                 self.total_mismatches,
             ),
             ("offsets never settled by a commit", self.unsettled_offsets),
+            (
+                "stores whose position is not their stream's last offset",
+                self.positions_not_at_end,
+            ),
             (
                 "read again after a restart beyond the last commit's group",
                 self.read_again,
@@ -322,6 +373,8 @@ impl Accounting {
             && self.false_conflicts == 0
             && self.total_mismatches == 0
             && self.unsettled_offsets == 0
+            && self.positions_not_at_end == 0
+            && self.planned_kills_missing == 0
             && self.read_again == 0
             && self.outcome_mismatches == 0
     }
@@ -369,6 +422,17 @@ async fn run() -> Result<bool, BoxError> {
     }
     let streams = options.streams;
     let placement = options.placement;
+    let mut planned_kills = vec![None; streams];
+    if options.kill_after_last_commit {
+        for (stream, planned) in planned_kills.iter_mut().enumerate() {
+            let count = plan
+                .messages
+                .iter()
+                .filter(|message| shard_of(&message.order_id, streams) == stream)
+                .count();
+            *planned = (count as u64).checked_sub(1);
+        }
+    }
     let min_kills = options.min_kills;
     let rate = options.rate;
     let work = options.work.clone();
@@ -386,6 +450,7 @@ async fn run() -> Result<bool, BoxError> {
         options,
         children: Children::new(streams),
         starts: 0,
+        planned_kills,
     };
     for stream in 0..streams {
         fleet.start(stream)?;
@@ -467,7 +532,7 @@ async fn run() -> Result<bool, BoxError> {
         for (stream, messages) in reference.iter().enumerate() {
             let last = messages.last().map(|(offset, _)| *offset);
             let events = read_ledger(&fleet.ledger(stream))?;
-            let committed = highest_offset(&events, "commit");
+            let committed = committed_through(&events, placement);
             if last.is_none() || committed >= last {
                 continue;
             }
@@ -516,6 +581,35 @@ async fn run() -> Result<bool, BoxError> {
         let engine = open_stream_store(&work.join(format!("store-{stream}")))?;
         let events = read_ledger(&fleet.ledger(stream))?;
         check_reads(&engine, read_back, &events, &mut accounting)?;
+        let last = read_back.last().map(|(offset, _)| *offset);
+        if placement == Placement::Store {
+            // What the wait above took from the ledger, read from the store itself.
+            let stored = engine
+                .consumer(CONSUMER_ID)?
+                .positions()
+                .get(&stream_name(stream), 0)?
+                .map(|position| position.offset);
+            if stored != last {
+                accounting.positions_not_at_end += 1;
+                eprintln!("POSITION: stream {stream}: stored {stored:?}, last offset {last:?}");
+            }
+        }
+        // The planned kill done once, after the commit of the stream's last offset. (A random
+        // SIGKILL landing between that commit and its `planned-kill` line, microseconds apart,
+        // would leave it undone: the run then fails here rather than pass without the case.)
+        if fleet.planned_kills[stream].is_some() {
+            let done = events
+                .iter()
+                .filter(|event| event.kind == "planned-kill")
+                .filter_map(|event| event.subject.parse::<u64>().ok())
+                .collect::<Vec<_>>();
+            if last.is_none() || done.len() != 1 || done.first().copied() != last {
+                accounting.planned_kills_missing += 1;
+                eprintln!(
+                    "PLANNED KILL: stream {stream}: done after {done:?}, last offset {last:?}"
+                );
+            }
+        }
         dead_letters.extend(recorded_conflicts(&engine, read_back)?);
         // Each kill of this stream's consumer -> the restarted one subscribed.
         for &(_, at_ns) in kills.iter().filter(|(killed, _)| *killed == stream) {
@@ -671,7 +765,8 @@ fn check_reads(
                 if first != Some(expected) {
                     accounting.outcome_mismatches += 1;
                     eprintln!(
-                        "OUTCOME: offset {offset}: {first:?}, the stream's order makes {expected}"
+                        "OUTCOME: offset {offset} ({body}): {first:?}, the stream's order makes \
+                         {expected}"
                     );
                 }
             }

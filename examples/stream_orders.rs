@@ -21,7 +21,11 @@
 //! run (`examples/stream_e2e.rs`) uses as negative controls. `--kill-at-commit-per-mille N`
 //! makes the process SIGKILL itself at the placement's weak point: right after the commit
 //! (store), between the broker's offset and the commit (before), between the commit and the
-//! broker's offset (after).
+//! broker's offset (after). `--kill-at-commit-of OFFSET` makes it SIGKILL itself at that same
+//! point in the group that holds OFFSET (the first group reaching it), after writing
+//! `planned-kill <group's last offset>` to its ledger: the checker passes the stream's last
+//! offset, until the ledger shows the kill done, to test a kill after the stream's last commit,
+//! when a restarted consumer finds nothing left to read.
 //!
 //! ```text
 //! cargo run --release --features tokio --example stream_orders -- \
@@ -61,6 +65,7 @@ struct Options {
     ledger: Option<PathBuf>,
     placement: Placement,
     kill_at_commit_per_mille: u64,
+    kill_at_commit_of: Option<u64>,
     seed: u64,
 }
 
@@ -72,6 +77,7 @@ fn parse_options() -> Result<Options, BoxError> {
         ledger: None,
         placement: Placement::Store,
         kill_at_commit_per_mille: 0,
+        kill_at_commit_of: None,
         seed: u64::from(std::process::id()),
     };
     let mut args = std::env::args().skip(1);
@@ -88,6 +94,7 @@ fn parse_options() -> Result<Options, BoxError> {
                     Placement::parse(&text).ok_or_else(|| format!("unknown placement {text}"))?;
             }
             "--kill-at-commit-per-mille" => options.kill_at_commit_per_mille = value()?.parse()?,
+            "--kill-at-commit-of" => options.kill_at_commit_of = Some(value()?.parse()?),
             "--seed" => options.seed = value()?.parse()?,
             other => return Err(format!("unknown option {other}").into()),
         }
@@ -176,6 +183,11 @@ async fn run() -> Result<(), BoxError> {
             }
         }
         let last = group.last().map_or(0, |read| read.offset);
+        // The planned kill: this group reaches the offset it is planned at.
+        let planned_kill = options
+            .kill_at_commit_of
+            .is_some_and(|offset| last >= offset)
+            .then_some(last);
 
         let mut messages = Vec::with_capacity(group.len());
         for read in &group {
@@ -190,7 +202,13 @@ async fn run() -> Result<(), BoxError> {
             let order_id = order_id_of(&read.body).unwrap_or_default();
             let outcome = match &batch.outcomes()[index] {
                 BatchOutcome::Fresh => "fresh",
-                BatchOutcome::DuplicateInBatch { .. } => "duplicate",
+                // A copy of an earlier message of the group shares its fate: a copy of one
+                // that conflicts with the stored record conflicts too, as it would in a later
+                // group.
+                BatchOutcome::DuplicateInBatch { first } => match &batch.outcomes()[*first] {
+                    BatchOutcome::Settled(Outcome::Conflict { .. }) => "conflict",
+                    _ => "duplicate",
+                },
                 BatchOutcome::ConflictInBatch { .. } => "conflict",
                 BatchOutcome::Settled(Outcome::Duplicate { .. }) => "duplicate",
                 BatchOutcome::Settled(Outcome::Conflict { .. }) => "conflict",
@@ -222,16 +240,31 @@ async fn run() -> Result<(), BoxError> {
             Placement::Store => {
                 batch.stage_position(&options.stream, 0, last)?;
                 batch.commit(|_| b"applied")?;
-                maybe_kill(&mut draws, options.kill_at_commit_per_mille);
+                kill_point(
+                    &mut draws,
+                    options.kill_at_commit_per_mille,
+                    planned_kill,
+                    ledger.as_ref(),
+                );
             }
             Placement::BrokerBeforeCommit => {
                 stream.store_offset(last).await?;
-                maybe_kill(&mut draws, options.kill_at_commit_per_mille);
+                kill_point(
+                    &mut draws,
+                    options.kill_at_commit_per_mille,
+                    planned_kill,
+                    ledger.as_ref(),
+                );
                 batch.commit(|_| b"applied")?;
             }
             Placement::BrokerAfterCommit => {
                 batch.commit(|_| b"applied")?;
-                maybe_kill(&mut draws, options.kill_at_commit_per_mille);
+                kill_point(
+                    &mut draws,
+                    options.kill_at_commit_per_mille,
+                    planned_kill,
+                    ledger.as_ref(),
+                );
                 stream.store_offset(last).await?;
             }
         }
@@ -275,8 +308,17 @@ async fn broker_offset(port: u16, stream: &str) -> Result<Option<u64>, BoxError>
     }
 }
 
-/// SIGKILLs this process with probability `per_mille`/1000: the crash point, hit on purpose.
-fn maybe_kill(draws: &mut u64, per_mille: u64) {
+/// The crash point, hit on purpose: SIGKILLs this process surely when a kill is `planned` here
+/// (the group's last offset, written to the ledger first: the checker's evidence that the kill
+/// was done, since nothing after it can be written), else with probability `per_mille`/1000.
+fn kill_point(draws: &mut u64, per_mille: u64, planned: Option<u64>, ledger: Option<&Ledger>) {
+    if let Some(last) = planned {
+        if let Some(ledger) = ledger {
+            ledger.event("planned-kill", &last.to_string(), None);
+        }
+        // SAFETY: raising a signal at ourselves.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
     if per_mille == 0 {
         return;
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The log consumers' end-to-end run: a private RabbitMQ server on 127.0.0.1 with its stream
 # plugin, consumer processes (examples/stream_orders.rs) reading one stream each, SIGKILLed at
-# random moments and at the commit point and restarted, then the accounting
+# random moments and at the commit point (and, each once, right after the commit of its stream's
+# last offset, when nothing is left to read after a restart) and restarted, then the accounting
 # (examples/stream_e2e.rs): lost = 0, applied twice = 0, read again after a restart = 0. Then
 # the two negative controls, the position kept at the broker before and after the commit,
 # each of which must be caught (lost > 0; read again > 0).
@@ -26,7 +27,7 @@ trap 'status=$?; rabbitmq_stop; if [ "$status" -eq 0 ]; then rm -rf "$work"; els
 rabbitmq_start "$work/server"
 checker="$CARGO_TARGET_DIR/release/examples/stream_e2e"
 "$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/run" --orders 3000 --rate 400 \
-    --min-kills 15 "$@"
+    --min-kills 15 --kill-after-last-commit "$@"
 "$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/before" --orders 1500 --rate 400 \
     --min-kills 5 --kill-at-commit-per-mille 30 --position broker-before-commit
 "$checker" --port "$RABBITMQ_STREAM_PORT" --work "$work/after" --orders 1500 --rate 400 \
