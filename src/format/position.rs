@@ -90,9 +90,10 @@ pub fn check_position_source(source: &str) -> Result<()> {
         POSITION_SOURCE_BYTES_MAX,
     )?;
     if source.contains('\0') {
-        return Err(crate::format::error::Error::invalid_argument(
-            "a read position's source contains NUL, which not every backend can store",
-        ));
+        return Err(crate::format::error::Error::InvalidArgument {
+            reason: "a read position's source contains NUL, which not every backend can store"
+                .to_owned(),
+        });
     }
     Ok(())
 }
