@@ -67,7 +67,7 @@ impl EngineBuilder {
                 // Before the directory is made: a refusal for the log's size creates nothing.
                 // (An existing store is checked once it is locked and its metadata read, so
                 // that a held one is `AlreadyOpen` first.)
-                crate::storage::log::logged_writes::check_new_log_fits(
+                crate::storage::log::replay::check_new_log_fits(
                     &self.path,
                     segments,
                     segment_bytes,

@@ -13,7 +13,8 @@ use crate::format::clock::{Clock, SystemClock};
 use crate::format::error::{Error, Limit, Result, check_limit_u64};
 use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::format::position::POSITIONS_TABLE;
-use crate::storage::log::logged_writes::{log_as_wal, tables_lsn};
+use crate::storage::log::reader_wal::log_as_wal;
+use crate::storage::log::replay::tables_lsn;
 use crate::storage::options::{
     EngineBuilder, OpenMode, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN, TableOptions,
 };

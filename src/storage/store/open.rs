@@ -59,7 +59,7 @@ impl Storage {
             // Without the log (or by an operator tool): a log left by an earlier open goes
             // into RocksDB's WAL first, then away.
             _ => {
-                crate::storage::log::logged_writes::retire_log(&builder.path, &db)?;
+                crate::storage::log::replay::retire_log(&builder.path, &db)?;
                 None
             }
         };
@@ -137,7 +137,7 @@ fn check_before_open(builder: &EngineBuilder, stored: Option<StoredMeta>) -> Res
     if let (Some((segments, segment_bytes)), OpenMode::Application) =
         (builder.commit_log, builder.open_mode)
     {
-        crate::storage::log::logged_writes::check_new_log_fits(path, segments, segment_bytes)?;
+        crate::storage::log::replay::check_new_log_fits(path, segments, segment_bytes)?;
     }
     Ok(to_write)
 }
