@@ -3,7 +3,8 @@
 //! a module names only modules of its own layer or of layers below it, by their module paths:
 //! never through the crate root's re-exports, which would hide the direction. So no import
 //! cycle can form between layers. Reads the sources as text, like a reviewer would; comments
-//! and unit-test modules do not count.
+//! and unit-test modules do not count. No import cycle either among the files (a folder and its
+//! files being one room).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -132,6 +133,82 @@ fn import_cycle(src: &Path) -> Option<Vec<String>> {
         .into_iter()
         .map(|(module, named)| (module, named.modules))
         .collect();
+    cycle_in(&imports)
+}
+
+/// Every file of `src` as its module path (`storage::log::commit_log`; a folder's `mod.rs` is
+/// the folder's), with the other files it names: through `crate::` paths (the longest prefix
+/// that is a file) and `super::` paths. A folder and the files inside it are one room: a file
+/// uses its folder's items and the folder re-exports its files', so names between a module
+/// and its own ancestors or descendants are left out. Binaries, comments and unit tests do not
+/// count.
+fn file_imports(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut texts = BTreeMap::new();
+    let mut files = vec![src.to_path_buf()];
+    while let Some(path) = files.pop() {
+        if path.is_dir() {
+            if !path.ends_with("bin") {
+                files.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+            }
+            continue;
+        }
+        if path.extension().is_none_or(|extension| extension != "rs") || path.ends_with("lib.rs") {
+            continue;
+        }
+        let relative = path.strip_prefix(src).unwrap().with_extension("");
+        let mut parts: Vec<String> = relative
+            .components()
+            .map(|part| part.as_os_str().to_str().unwrap().to_owned())
+            .collect();
+        if parts.last().is_some_and(|last| last == "mod") {
+            parts.pop();
+        }
+        texts.insert(parts.join("::"), std::fs::read_to_string(&path).unwrap());
+    }
+    let related = |a: &str, b: &str| {
+        a == b || a.starts_with(&format!("{b}::")) || b.starts_with(&format!("{a}::"))
+    };
+    let mut imports = BTreeMap::new();
+    for (module, text) in &texts {
+        let parent = module.rsplit_once("::").map_or("", |(parent, _)| parent);
+        let mut named = BTreeSet::new();
+        for line in text.lines().map(str::trim_start) {
+            if line.starts_with("#[cfg(test)]") {
+                break;
+            }
+            if line.starts_with("//") {
+                continue;
+            }
+            for (prefix, base) in [("crate::", ""), ("super::", parent)] {
+                for (at, _) in line.match_indices(prefix) {
+                    if line[..at].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
+                        continue;
+                    }
+                    let path: Vec<&str> = line[at + prefix.len()..]
+                        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+                        .next()
+                        .unwrap_or("")
+                        .split("::")
+                        .filter(|part| !part.is_empty())
+                        .collect();
+                    let base: Vec<&str> = base.split("::").filter(|p| !p.is_empty()).collect();
+                    let target = (1..=path.len()).rev().find_map(|len| {
+                        let candidate = [&base[..], &path[..len]].concat().join("::");
+                        texts.contains_key(&candidate).then_some(candidate)
+                    });
+                    if let Some(target) = target.filter(|target| !related(module, target)) {
+                        named.insert(target);
+                    }
+                }
+            }
+        }
+        imports.insert(module.clone(), named);
+    }
+    imports
+}
+
+/// A cycle in `imports` (module -> the modules it names), if there is one.
+fn cycle_in(imports: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     // Depth-first search; a module met again while still on the path closes a cycle.
     fn visit<'a>(
         module: &'a str,
@@ -158,7 +235,7 @@ fn import_cycle(src: &Path) -> Option<Vec<String>> {
     }
     let mut done = BTreeSet::new();
     for module in imports.keys() {
-        if let Some(cycle) = visit(module, &imports, &mut Vec::new(), &mut done) {
+        if let Some(cycle) = visit(module, imports, &mut Vec::new(), &mut done) {
             return Some(cycle.into_iter().map(str::to_owned).collect());
         }
     }
@@ -192,6 +269,21 @@ fn no_import_cycle_among_the_modules() {
         assert!(
             cycle.is_none(),
             "import cycle in {}: {}",
+            src.display(),
+            cycle.unwrap_or_default().join(" -> ")
+        );
+    }
+}
+
+#[test]
+fn no_import_cycle_among_the_files() {
+    for src in [engine_src(), postgres_src()] {
+        let imports = file_imports(&src);
+        assert!(imports.len() > 20, "{}: files not found", src.display());
+        let cycle = cycle_in(&imports);
+        assert!(
+            cycle.is_none(),
+            "import cycle among the files of {}: {}",
             src.display(),
             cycle.unwrap_or_default().join(" -> ")
         );

@@ -193,7 +193,7 @@ pub use operations::transfer::{
 };
 pub use sql::prepared::CALLER_STATEMENTS_MAX;
 pub use storage::positions::POSITION_OFFSET_MAX;
-pub use storage::records::CLOCK_TOLERANCE_MS;
+pub use storage::store::CLOCK_TOLERANCE_MS;
 pub use storage::store::{
     PgConsumer, PgStore, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, StoreBuilder,
 };

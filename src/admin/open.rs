@@ -11,7 +11,6 @@ use rocksdb::{Cache, ColumnFamily, ColumnFamilyDescriptor, DB};
 use crate::engine::Engine;
 use crate::format::clock::{Clock, SystemClock};
 use crate::format::error::{Error, Limit, Result, check_limit_u64};
-use crate::format::key::{check_message_key, consumer_prefix, encode_with_prefix};
 use crate::format::position::POSITIONS_TABLE;
 use crate::storage::log::reader_wal::log_as_wal;
 use crate::storage::log::replay::tables_lsn;
@@ -26,8 +25,6 @@ use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{
     DeclaredKind, FormatMarker, RECORDS_TABLE, StoredMeta, VERSIONS_TABLE,
 };
-
-use super::scan::Target;
 
 /// The block cache of a store opened by a tool, in bytes: tools scan once, so a small cache
 /// does as well as a large one.
@@ -438,25 +435,5 @@ impl Store {
 
     pub(super) fn marker_tables(&self) -> impl Iterator<Item = &TableInfo> {
         self.tables.iter().filter(|table| table.kind.is_marker())
-    }
-
-    /// The table and stored key of `key` under `target`.
-    pub(super) fn locate(&self, target: &Target, key: &[u8]) -> Result<(String, Vec<u8>)> {
-        match target {
-            Target::Consumer(consumer) => Ok((
-                RECORDS_TABLE.to_owned(),
-                encode_with_prefix(&consumer_prefix(consumer)?, key)?,
-            )),
-            Target::Entity(table) => {
-                if self.kind(table) != Some(TableKind::Entity) {
-                    return Err(Error::UnknownTable {
-                        name: table.clone(),
-                        expected: "entity",
-                    });
-                }
-                check_message_key(key)?;
-                Ok((table.clone(), key.to_vec()))
-            }
-        }
     }
 }

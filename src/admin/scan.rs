@@ -9,7 +9,7 @@ use rocksdb::{Direction, IteratorMode};
 
 use crate::format::error::DecodeError;
 use crate::format::error::{Error, Result};
-use crate::format::key::{consumer_prefix, decode_key};
+use crate::format::key::{check_message_key, consumer_prefix, decode_key, encode_with_prefix};
 use crate::format::record::{Record, RecordState, Standing};
 use crate::storage::store_meta::RECORDS_TABLE;
 
@@ -252,6 +252,26 @@ pub struct Page {
 }
 
 impl Store {
+    /// The table and stored key of `key` under `target`.
+    pub(super) fn locate(&self, target: &Target, key: &[u8]) -> Result<(String, Vec<u8>)> {
+        match target {
+            Target::Consumer(consumer) => Ok((
+                RECORDS_TABLE.to_owned(),
+                encode_with_prefix(&consumer_prefix(consumer)?, key)?,
+            )),
+            Target::Entity(table) => {
+                if self.kind(table) != Some(TableKind::Entity) {
+                    return Err(Error::UnknownTable {
+                        name: table.clone(),
+                        expected: "entity",
+                    });
+                }
+                check_message_key(key)?;
+                Ok((table.clone(), key.to_vec()))
+            }
+        }
+    }
+
     /// The record stored under `key`, in whatever state (expired, released and corrupt
     /// included), or `None` if the key holds nothing.
     ///

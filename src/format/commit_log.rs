@@ -20,6 +20,13 @@
 //! ring is safe here where RocksDB's recycled WAL was not: a stale record is never taken for a
 //! new one, because its LSN is in its checksummed header and LSNs never repeat.
 
+/// The fewest slots of a ring: one being written, one to switch to.
+#[cfg(feature = "engine")]
+pub(crate) const LOG_SLOTS_MIN: usize = 2;
+/// The smallest segment: a header and a few records.
+#[cfg(feature = "engine")]
+pub(crate) const LOG_SEGMENT_BYTES_MIN: u64 = 64 << 10;
+
 /// The bytes of a segment header.
 pub const LOG_SEGMENT_HEADER_BYTES: usize = 32;
 /// The bytes of a record's header.

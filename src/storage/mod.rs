@@ -7,6 +7,7 @@
 
 pub(crate) mod business_table;
 pub(crate) mod fault;
+pub(crate) mod fsync;
 pub(crate) mod latch;
 pub(crate) mod log;
 pub(crate) mod observe;

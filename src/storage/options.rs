@@ -39,12 +39,11 @@ pub const WRITE_BUFFER_BYTES_MAX: usize = 1 << 30;
 pub const WRITE_BUFFER_BYTES_DEFAULT: usize = 64 << 20;
 /// The fewest segments of a commit log ([`EngineBuilder::commit_log`]): one being written, one
 /// to switch to.
-pub const COMMIT_LOG_SEGMENTS_MIN: usize = crate::storage::log::commit_log::LOG_SLOTS_MIN;
+pub const COMMIT_LOG_SEGMENTS_MIN: usize = crate::format::commit_log::LOG_SLOTS_MIN;
 /// The most segments of a commit log.
 pub const COMMIT_LOG_SEGMENTS_MAX: usize = 1024;
 /// The smallest commit-log segment, in bytes (64 KiB).
-pub const COMMIT_LOG_SEGMENT_BYTES_MIN: u64 =
-    crate::storage::log::commit_log::LOG_SEGMENT_BYTES_MIN;
+pub const COMMIT_LOG_SEGMENT_BYTES_MIN: u64 = crate::format::commit_log::LOG_SEGMENT_BYTES_MIN;
 /// The largest commit-log segment, in bytes (4 GiB).
 pub const COMMIT_LOG_SEGMENT_BYTES_MAX: u64 = 4 << 30;
 /// The most labels [`EngineBuilder::metrics_label`] adds to an engine's metrics.

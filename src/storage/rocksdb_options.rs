@@ -15,13 +15,16 @@ use crate::format::position::{
 };
 use crate::format::ttl::{COMPACTION_FILTER_NAME, FilterDecision, compaction_decision};
 use crate::storage::options::{EngineBuilder, OpenMode};
-use crate::storage::store_meta::OPAQUE_MERGE_OPERATOR_NAME;
 
 /// The memtable size of every table in [`OpenMode::Admin`]: the largest an application may
 /// configure ([`crate::WRITE_BUFFER_BYTES_MAX`]). A memtable that fills while the WAL is
 /// replayed is flushed even with `avoid_flush_during_recovery`, so it must hold whatever the
 /// application left unflushed; memory is taken only as data is replayed.
 pub(crate) const ADMIN_WRITE_BUFFER_BYTES: usize = crate::storage::options::WRITE_BUFFER_BYTES_MAX;
+
+/// The stand-in merge operator's name, written to the OPTIONS file by operator tools for a table
+/// whose operator they cannot find ([`set_opaque_merge_operator`]).
+pub(crate) const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
 
 /// Gives a table whose merge operator is unknown (an operator tool opening a business table) a
 /// stand-in. Without one, replaying the WAL stops silently at the table's first merge operand

@@ -37,10 +37,6 @@ pub(crate) const META_MERGE_OPERATOR_PREFIX: &str = "idemdb.merge-operator/";
 pub(crate) const CREATING_MARKER_FILE: &str = "IDEMDB-CREATING";
 /// What RocksDB's OPTIONS file says of a table without a merge operator.
 const NO_MERGE_OPERATOR: &str = "nullptr";
-/// The stand-in merge operator's name, written to the OPTIONS file by operator tools for a table
-/// whose operator they cannot find (`rocksdb_options::set_opaque_merge_operator`).
-pub(crate) const OPAQUE_MERGE_OPERATOR_NAME: &str = "idemdb.opaque";
-
 /// The kind of a user-declared table, recorded in the metadata when it is first declared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DeclaredKind {
@@ -313,7 +309,10 @@ impl StoredMeta {
                             .get_or_insert_with(|| stored_merge_operators(path))
                             .as_ref()
                             .and_then(|stored| stored.get(table));
-                        let unchecked = [NO_MERGE_OPERATOR, OPAQUE_MERGE_OPERATOR_NAME];
+                        let unchecked = [
+                            NO_MERGE_OPERATOR,
+                            crate::storage::rocksdb_options::OPAQUE_MERGE_OPERATOR_NAME,
+                        ];
                         if let Some(stored) = stored
                             && Some(stored.as_str()) != operator
                             && !unchecked.contains(&stored.as_str())
@@ -368,7 +367,7 @@ pub(crate) fn begin_creation(path: &Path) -> Result<()> {
     let marker = path.join(CREATING_MARKER_FILE);
     std::fs::File::create(&marker)
         .and_then(|file| file.sync_all())
-        .and_then(|()| sync_directory(path))
+        .and_then(|()| crate::storage::fsync::sync_directory(path))
         .map_err(|error| Error::io("writing the creation marker", &error))
 }
 
@@ -376,13 +375,8 @@ pub(crate) fn begin_creation(path: &Path) -> Result<()> {
 /// and synced).
 pub(crate) fn finish_creation(path: &Path) -> Result<()> {
     std::fs::remove_file(path.join(CREATING_MARKER_FILE))
-        .and_then(|()| sync_directory(path))
+        .and_then(|()| crate::storage::fsync::sync_directory(path))
         .map_err(|error| Error::io("removing the creation marker", &error))
-}
-
-/// Fsyncs a directory: the entries created, renamed or removed in it become durable.
-pub(crate) fn sync_directory(path: &Path) -> std::io::Result<()> {
-    std::fs::File::open(path)?.sync_all()
 }
 
 fn records_table_is_empty(path: &Path) -> Result<bool> {

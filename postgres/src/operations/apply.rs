@@ -36,12 +36,12 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::error::{Error, Result};
 use crate::sql::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
 use crate::storage::observe::OutcomeKind;
-use crate::storage::records::CLOCK_TOLERANCE_MS;
 use crate::storage::records::check_result;
 use crate::storage::records::completed_record;
 use crate::storage::records::decode_record;
 use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
+use crate::storage::store::CLOCK_TOLERANCE_MS;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
 /// What the one round trip did.

@@ -28,12 +28,18 @@ use tokio::sync::oneshot;
 
 use crate::format::error::{Error, Result};
 use crate::format::record::Committed;
-use crate::storage::store::StagedWrite;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
 /// A group stops taking jobs once its batches reach this size, for the same reason.
 pub(crate) const GROUP_BYTES_MAX: usize = 16 << 20;
+
+/// A write `Storage::write_durable` started: done (the numbers of its batches and their
+/// one outcome), or durable in the commit log and still to be applied to the tables.
+pub(crate) enum StagedWrite {
+    Done(Vec<usize>, Result<()>),
+    Logged(crate::storage::log::logged_writes::DurableGroup),
+}
 
 /// The engine's one write path, as a job carries it: a reference to the store that writes,
 /// which the store implements. (The store owns its committer, so the committer cannot hold
@@ -50,6 +56,7 @@ pub(crate) trait BatchWriter: Send + Sync {
     /// number.
     fn complete_write(&self, staged: StagedWrite) -> Vec<(usize, Result<()>)>;
 }
+
 /// What a job does once its group is written (or failed): report, release its claims' keys,
 /// then answer its caller, in that order, so a caller that awaited every commit and then drops
 /// the engine finds no claim of ours still keeping it open.

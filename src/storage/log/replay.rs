@@ -85,6 +85,6 @@ pub(crate) fn retire_log(store: &Path, db: &DB) -> Result<()> {
     })?;
     drop(log);
     std::fs::remove_dir_all(&dir).map_err(|error| Error::io("removing the commit log", &error))?;
-    crate::storage::store_meta::sync_directory(store)
+    crate::storage::fsync::sync_directory(store)
         .map_err(|error| Error::io("syncing the store directory", &error))
 }

@@ -30,8 +30,6 @@ mod write;
 
 use positions::AcceptedOffsets;
 pub(crate) use positions::AcceptedPositions;
-#[cfg(feature = "tokio")]
-pub(crate) use write::StagedWrite;
 
 /// The position of the consumers' records table among the marker tables (`Storage::markers`);
 /// entity tables follow it.

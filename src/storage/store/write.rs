@@ -8,6 +8,8 @@ use rocksdb::{WriteBatch, WriteOptions};
 use super::Storage;
 use crate::format::error::{Error, Result};
 use crate::storage::fault::{Fault, IoPoint};
+#[cfg(feature = "tokio")]
+use crate::storage::log::committer::StagedWrite;
 
 impl Storage {
     pub(crate) fn check_not_poisoned(&self) -> Result<()> {
@@ -166,12 +168,4 @@ impl crate::storage::log::committer::BatchWriter for Storage {
     fn complete_write(&self, staged: StagedWrite) -> Vec<(usize, Result<()>)> {
         Storage::complete_write(self, staged)
     }
-}
-
-/// A write [`Storage::write_durable`] started: done (the numbers of its batches and their
-/// one outcome), or durable in the commit log and still to be applied to the tables.
-#[cfg(feature = "tokio")]
-pub(crate) enum StagedWrite {
-    Done(Vec<usize>, Result<()>),
-    Logged(crate::storage::log::logged_writes::DurableGroup),
 }

@@ -32,6 +32,7 @@ use crate::format::commit_log::{
     LOG_RECORD_HEADER_BYTES, LOG_RECORD_PAYLOAD_MAX, LOG_SEGMENT_HEADER_BYTES, LogEnd,
     LogSegmentHeader, encode_log_record,
 };
+pub(crate) use crate::format::commit_log::{LOG_SEGMENT_BYTES_MIN, LOG_SLOTS_MIN};
 use crate::format::error::{Error, Result};
 
 mod chain;
@@ -53,10 +54,6 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// The fewest slots of a ring: one being written, one to switch to.
-pub(crate) const LOG_SLOTS_MIN: usize = 2;
-/// The smallest segment: a header and a few records.
-pub(crate) const LOG_SEGMENT_BYTES_MIN: u64 = 64 << 10;
 /// The block of direct writes: their offset, length and memory are multiples of it. 4 KiB
 /// covers the logical block of every common disk (512 B or 4 KiB).
 const DIRECT_BLOCK: usize = 4096;
@@ -208,14 +205,14 @@ impl CommitLog {
         }
         // The files' names (in the log's directory), and the directory's own name (in its
         // parent): a power cut forgets either until its directory is synced.
-        crate::storage::store_meta::sync_directory(dir)
+        crate::storage::fsync::sync_directory(dir)
             .map_err(|error| io_error("syncing", dir, &error))?;
         std::fs::rename(dir, target).map_err(|error| io_error("renaming", dir, &error))?;
         if let Some(parent) = target
             .parent()
             .filter(|parent| !parent.as_os_str().is_empty())
         {
-            crate::storage::store_meta::sync_directory(parent)
+            crate::storage::fsync::sync_directory(parent)
                 .map_err(|error| io_error("syncing", parent, &error))?;
         }
         let mut log = CommitLog {
