@@ -52,8 +52,9 @@ impl Store {
     /// # Errors
     /// [`Error::ReadOnly`] on a read-only open: a consumer may have the store open, and a
     /// position it holds in memory would undo the reset; [`Error::LimitExceeded`] for a bad
-    /// consumer id or source; [`Error::InvalidArgument`] for a store with no positions table
-    /// (written before positions existed: open it once with the application);
+    /// consumer id or source; [`Error::InvalidArgument`] for a source containing NUL, or for a
+    /// store with no positions table (written before positions existed: open it once with the
+    /// application);
     /// [`Error::Storage`] if the write fails.
     pub fn set_position(
         &self,

@@ -1,6 +1,6 @@
 //! The commit log's on-disk format: segment headers and records. Durable commits are written
 //! here before RocksDB (segments filled once, then rewritten in place as a ring); the log
-//! itself is `storage/log/commit_log.rs`.
+//! itself is `storage/log/commit_log/`.
 //!
 //! A segment is a file of a fixed size, filled with zeros when it is made (written, not only
 //! allocated, so that a later write never changes the file's size or its allocation and an

@@ -75,8 +75,10 @@ impl Position {
 
 /// Checks a source name (a topic, a stream) against its limits, as every backend must before
 /// it stores a position. A NUL character is refused by every backend, though the embedded
-/// engine could store it: PostgreSQL's text cannot, and a position must move between backends
-/// (`idemdb export`, `idemdb-pg import`). No broker names a log with one.
+/// engine could store it: PostgreSQL's text cannot, and a consumer moved from one backend to
+/// the other must find the same sources valid. No broker names a log with one. (A source with
+/// NUL stored by an embedded store of an earlier version is still listed, and can be neither
+/// read, moved nor reset by name.)
 ///
 /// # Errors
 /// [`crate::Error::LimitExceeded`] with [`Limit::PositionSourceBytes`] outside

@@ -147,7 +147,7 @@ impl LogWriter {
         };
         if sync_each {
             // Every write is synced: direct writes make it durable in less time than the page
-            // cache and an fdatasync (storage/log/commit_log.rs).
+            // cache and an fdatasync (storage/log/commit_log/direct.rs).
             let direct = log.write_direct()?;
             tracing::debug!(target: "idemdb", direct, "commit log writes");
         }
