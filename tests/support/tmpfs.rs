@@ -37,6 +37,18 @@ impl Tmpfs {
     pub fn path(&self) -> &Path {
         self.dir.path()
     }
+
+    /// The bytes free for files, as `df` reports them.
+    #[allow(dead_code)] // not every test binary asks
+    pub fn free_bytes(&self) -> u64 {
+        let output = Command::new("df")
+            .args(["--output=avail", "-B1"])
+            .arg(self.dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8(output.stdout).unwrap();
+        text.lines().nth(1).unwrap().trim().parse().unwrap()
+    }
 }
 
 impl Drop for Tmpfs {

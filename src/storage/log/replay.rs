@@ -61,7 +61,17 @@ pub(crate) fn check_new_log_fits(store: &Path, segments: usize, segment_bytes: u
     if dir.exists() {
         return Ok(());
     }
-    crate::storage::log::commit_log::check_space(&dir, segments, segment_bytes)
+    // A log left half made by a crash is removed before the new one is made: its space counts
+    // as free.
+    let left_over = std::fs::read_dir(building_path(&dir))
+        .map(|entries| {
+            entries
+                .filter_map(|entry| entry.ok()?.metadata().ok())
+                .map(|metadata| metadata.len())
+                .sum()
+        })
+        .unwrap_or(0);
+    crate::storage::log::commit_log::check_space(&dir, segments, segment_bytes, left_over)
 }
 
 /// Replays a log left in `store` into RocksDB's WAL (each record a synced write) and removes

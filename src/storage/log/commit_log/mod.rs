@@ -110,13 +110,18 @@ fn slot_path(dir: &Path, slot: usize) -> PathBuf {
 }
 
 /// Refuses a log of `slots` segments of `segment_bytes` to be made as `dir` when its file
-/// system has less free space than that ([`StorageErrorKind::NoSpace`]): every byte of a new
+/// system has less free space than that (with `reclaimable` bytes that making it frees first) ([`StorageErrorKind::NoSpace`]): every byte of a new
 /// log is written, so a log larger than the free space would fill the disk before failing.
 /// The store's open runs this before it writes anything (a missing store directory is
 /// measured at its nearest existing parent), [`CommitLog::create`] again.
 ///
 /// [`StorageErrorKind::NoSpace`]: crate::format::error::StorageErrorKind::NoSpace
-pub(crate) fn check_space(dir: &Path, slots: usize, segment_bytes: u64) -> Result<()> {
+pub(crate) fn check_space(
+    dir: &Path,
+    slots: usize,
+    segment_bytes: u64,
+    reclaimable: u64,
+) -> Result<()> {
     let needed = (slots as u64).saturating_mul(segment_bytes);
     // The nearest directory that exists: a store's open checks before it creates the store's
     // directory (and its missing parents), so that the refusal creates nothing.
@@ -139,7 +144,10 @@ pub(crate) fn check_space(dir: &Path, slots: usize, segment_bytes: u64) -> Resul
             &std::io::Error::from(error),
         )
     })?;
-    let free = space.f_bavail.saturating_mul(space.f_frsize);
+    let free = space
+        .f_bavail
+        .saturating_mul(space.f_frsize)
+        .saturating_add(reclaimable);
     if needed > free {
         return Err(Error::Storage {
             kind: crate::format::error::StorageErrorKind::NoSpace,
@@ -169,15 +177,16 @@ impl CommitLog {
                  {LOG_SEGMENT_BYTES_MIN} bytes"
             )));
         }
-        check_space(dir, slots, segment_bytes)?;
         // Made under a temporary name and renamed into place once complete: a crash while it
-        // is made leaves no log (the next open makes it again), never a partial one.
+        // is made leaves no log (the next open makes it again), never a partial one. What such
+        // a crash left goes first, and its space with it.
         let target = dir;
         let building = building_path(target);
         if building.exists() {
             std::fs::remove_dir_all(&building)
                 .map_err(|error| io_error("removing", &building, &error))?;
         }
+        check_space(dir, slots, segment_bytes, 0)?;
         let dir = building.as_path();
         std::fs::create_dir(dir).map_err(|error| io_error("creating", dir, &error))?;
         let zeros = vec![0u8; 1 << 20];
