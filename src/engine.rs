@@ -126,7 +126,7 @@ fn create_store_directory(path: &Path) -> Result<()> {
                 .iter()
                 .filter_map(|dir| dir.parent())
                 .filter(|parent| !parent.as_os_str().is_empty())
-                .try_for_each(crate::storage::fsync::sync_directory)
+                .try_for_each(crate::storage::directory::sync_directory)
         })
         .map_err(|error| Error::io("creating the store directory", &error))
 }

@@ -182,27 +182,6 @@ pub struct VerifyReport {
     pub problems: Vec<Problem>,
 }
 
-/// The total size and number of the regular files in `path` (RocksDB keeps a store's files in
-/// one directory).
-pub(super) fn directory_size(path: &Path) -> Result<(u64, u64)> {
-    let io = |error: std::io::Error| Error::io(&format!("reading {}", path.display()), &error);
-    let mut bytes = 0;
-    let mut files = 0;
-    for entry in std::fs::read_dir(path).map_err(io)? {
-        // On a live store, a compaction may delete a file between the listing and this look.
-        let metadata = match entry.map_err(io)?.metadata() {
-            Ok(metadata) => metadata,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(error) => return Err(io(error)),
-        };
-        if metadata.is_file() {
-            bytes += metadata.len();
-            files += 1;
-        }
-    }
-    Ok((bytes, files))
-}
-
 impl Store {
     /// Counts every marker table's records per consumer (per entity table) and state, and the
     /// files of the store's directory. Reads every record.
@@ -232,7 +211,7 @@ impl Store {
             }
             ControlFlow::Continue(())
         })?;
-        let (disk_bytes, disk_files) = directory_size(&self.path)?;
+        let (disk_bytes, disk_files) = crate::storage::directory::directory_size(&self.path)?;
         Ok(StoreStats {
             now_ms,
             disk_bytes,

@@ -6,8 +6,8 @@
 //! what to write, and [`store::Storage::write`] is the one way anything is written.
 
 pub(crate) mod business_table;
+pub(crate) mod directory;
 pub(crate) mod fault;
-pub(crate) mod fsync;
 pub(crate) mod latch;
 pub(crate) mod log;
 pub(crate) mod observe;

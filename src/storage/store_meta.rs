@@ -367,7 +367,7 @@ pub(crate) fn begin_creation(path: &Path) -> Result<()> {
     let marker = path.join(CREATING_MARKER_FILE);
     std::fs::File::create(&marker)
         .and_then(|file| file.sync_all())
-        .and_then(|()| crate::storage::fsync::sync_directory(path))
+        .and_then(|()| crate::storage::directory::sync_directory(path))
         .map_err(|error| Error::io("writing the creation marker", &error))
 }
 
@@ -375,7 +375,7 @@ pub(crate) fn begin_creation(path: &Path) -> Result<()> {
 /// and synced).
 pub(crate) fn finish_creation(path: &Path) -> Result<()> {
     std::fs::remove_file(path.join(CREATING_MARKER_FILE))
-        .and_then(|()| crate::storage::fsync::sync_directory(path))
+        .and_then(|()| crate::storage::directory::sync_directory(path))
         .map_err(|error| Error::io("removing the creation marker", &error))
 }
 

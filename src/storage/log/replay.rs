@@ -63,14 +63,12 @@ pub(crate) fn check_new_log_fits(store: &Path, segments: usize, segment_bytes: u
     }
     // A log left half made by a crash is removed before the new one is made: its space counts
     // as free.
-    let left_over = std::fs::read_dir(building_path(&dir))
-        .map(|entries| {
-            entries
-                .filter_map(|entry| entry.ok()?.metadata().ok())
-                .map(|metadata| metadata.len())
-                .sum()
-        })
-        .unwrap_or(0);
+    let building = building_path(&dir);
+    let left_over = if building.exists() {
+        crate::storage::directory::directory_size(&building)?.0
+    } else {
+        0
+    };
     crate::storage::log::commit_log::check_space(&dir, segments, segment_bytes, left_over)
 }
 
@@ -95,6 +93,6 @@ pub(crate) fn retire_log(store: &Path, db: &DB) -> Result<()> {
     })?;
     drop(log);
     std::fs::remove_dir_all(&dir).map_err(|error| Error::io("removing the commit log", &error))?;
-    crate::storage::fsync::sync_directory(store)
+    crate::storage::directory::sync_directory(store)
         .map_err(|error| Error::io("syncing the store directory", &error))
 }

@@ -23,7 +23,6 @@
 //! cache, which writes back that whole page too.
 
 use std::fs::{File, OpenOptions};
-
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -110,8 +109,9 @@ fn slot_path(dir: &Path, slot: usize) -> PathBuf {
 }
 
 /// Refuses a log of `slots` segments of `segment_bytes` to be made as `dir` when its file
-/// system has less free space than that (with `reclaimable` bytes that making it frees first) ([`StorageErrorKind::NoSpace`]): every byte of a new
-/// log is written, so a log larger than the free space would fill the disk before failing.
+/// system has less free space than that, counting `reclaimable` bytes that making it frees
+/// first ([`StorageErrorKind::NoSpace`]): every byte of a new log is written, so a log larger
+/// than the free space would fill the disk before failing.
 /// The store's open runs this before it writes anything (a missing store directory is
 /// measured at its nearest existing parent), [`CommitLog::create`] again.
 ///
@@ -214,14 +214,14 @@ impl CommitLog {
         }
         // The files' names (in the log's directory), and the directory's own name (in its
         // parent): a power cut forgets either until its directory is synced.
-        crate::storage::fsync::sync_directory(dir)
+        crate::storage::directory::sync_directory(dir)
             .map_err(|error| io_error("syncing", dir, &error))?;
         std::fs::rename(dir, target).map_err(|error| io_error("renaming", dir, &error))?;
         if let Some(parent) = target
             .parent()
             .filter(|parent| !parent.as_os_str().is_empty())
         {
-            crate::storage::fsync::sync_directory(parent)
+            crate::storage::directory::sync_directory(parent)
                 .map_err(|error| io_error("syncing", parent, &error))?;
         }
         let mut log = CommitLog {
