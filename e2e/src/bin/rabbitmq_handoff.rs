@@ -47,13 +47,13 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareO
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
-#[path = "common/checker.rs"]
+#[path = "../checker.rs"]
 mod checker;
-#[path = "common/handler.rs"]
+#[path = "../../../examples/common/handler.rs"]
 mod handler;
-#[path = "common/orders.rs"]
+#[path = "../../../examples/common/orders.rs"]
 mod orders;
-#[path = "common/prometheus.rs"]
+#[path = "../../../examples/common/prometheus.rs"]
 mod prometheus;
 use checker::{
     BoxError, Children, Plan, Rng, connect, declare_empty_queue, die_with_parent,
@@ -832,11 +832,10 @@ async fn run() -> Result<bool, BoxError> {
         )
         .into());
     }
-    // The operator CLI, when built beside the examples (`--features cli`): backups are
+    // The operator CLI, when built beside this checker (`--features cli`): backups are
     // restored with it, as an operator would.
     let cli = here
         .parent()
-        .and_then(Path::parent)
         .map(|release| release.join("idemdb"))
         .filter(|cli| {
             Command::new(cli)

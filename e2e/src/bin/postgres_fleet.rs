@@ -1,7 +1,7 @@
 //! The fleet end to end: competing consumers on ONE queue, their claims in PostgreSQL, under
 //! consumer SIGKILLs and primary failovers.
 //!
-//! Starts a PostgreSQL primary with a synchronous standby (`common/pg_cluster.rs`), publishes
+//! Starts a PostgreSQL primary with a synchronous standby (`e2e/src/pg_cluster.rs`), publishes
 //! orders to one RabbitMQ queue (with producer-side resends of the same order, and some order
 //! ids reused with other content), and runs `--consumers` processes of `postgres_orders` on
 //! it, any of which may get any order. Meanwhile it SIGKILLs consumers at random moments (and
@@ -33,13 +33,13 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
-#[path = "common/checker.rs"]
+#[path = "../checker.rs"]
 mod checker;
-#[path = "common/handler.rs"]
+#[path = "../../../examples/common/handler.rs"]
 mod handler;
-#[path = "common/orders.rs"]
+#[path = "../../../examples/common/orders.rs"]
 mod orders;
-#[path = "common/pg_cluster.rs"]
+#[path = "../pg_cluster.rs"]
 mod pg_cluster;
 use checker::{
     Applied, BoxError, Children, Plan, Rng, check_applied, connect, declare_empty_queue,

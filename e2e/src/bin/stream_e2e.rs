@@ -46,13 +46,13 @@ use idemdb::{Engine, Fingerprint};
 use rabbitmq_stream_client::Environment;
 use rabbitmq_stream_client::types::{Message, OffsetSpecification};
 
-#[path = "common/checker.rs"]
+#[path = "../checker.rs"]
 mod checker;
-#[path = "common/handler.rs"]
+#[path = "../../../examples/common/handler.rs"]
 mod handler;
-#[path = "common/orders.rs"]
+#[path = "../../../examples/common/orders.rs"]
 mod orders;
-#[path = "common/streams.rs"]
+#[path = "../../../examples/common/streams.rs"]
 mod streams;
 use checker::{BoxError, Children, DeadLetter, Rng, die_with_parent, plan, verify};
 use handler::monotonic_ns;

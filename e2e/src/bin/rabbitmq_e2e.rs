@@ -22,11 +22,11 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareO
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
-#[path = "common/checker.rs"]
+#[path = "../checker.rs"]
 mod checker;
-#[path = "common/orders.rs"]
+#[path = "../../../examples/common/orders.rs"]
 mod orders;
-#[path = "common/prometheus.rs"]
+#[path = "../../../examples/common/prometheus.rs"]
 mod prometheus;
 use checker::{
     BoxError, Children, Rng, connect, declare_empty_queue, die_with_parent, drain_dead_letters,

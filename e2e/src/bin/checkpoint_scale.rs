@@ -9,7 +9,7 @@
 //! With `--idemdb PATH` it also times the `idemdb backup` process itself.
 //!
 //! ```text
-//! cargo run --release --example checkpoint_scale -- [--records N] [--dir PATH] [--idemdb PATH]
+//! cargo run --release -p idemdb-e2e --bin checkpoint_scale -- [--records N] [--dir PATH] [--idemdb PATH]
 //! ```
 //!
 //! `--dir` is where the store is written (a temporary directory in it, removed at the end);
