@@ -17,24 +17,21 @@
 //! While it runs, the demo serves its Prometheus metrics on `--metrics` (loopback only; default
 //! 127.0.0.1:19090), and at the end it scrapes that endpoint itself and prints idemdb's lines.
 
-#[path = "common/prometheus.rs"]
+mod broker;
+mod consumer;
+#[path = "../common/prometheus.rs"]
 mod prometheus;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
-use crossbeam::channel::{Receiver, Sender, unbounded};
-use idemdb::{Durability, Engine, Fingerprint, Outcome, TableOptions, merge_ops};
+use idemdb::{Durability, merge_ops};
 
-/// One worker crash before commit per this many fresh claims.
-const CRASH_BEFORE_COMMIT_EVERY: u64 = 5_000;
-/// One worker crash between commit and ack per this many commits.
-const CRASH_BEFORE_ACK_EVERY: u64 = 5_000;
-/// Share of orders the producer publishes twice, in percent.
-const RESEND_PERCENT: u64 = 10;
+use broker::{Broker, publication};
+use consumer::{Counts, open, order_key, run_workers};
 
 struct Args {
     messages: u64,
@@ -92,189 +89,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// A delivery as the broker hands it out.
-#[derive(Clone, Copy)]
-struct Delivery {
-    order: u64,
-}
-
-/// SplitMix64: a small, seeded generator, so a run is reproducible without extra dependencies.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-/// The order's content: what its fingerprint covers.
-fn order_body(order: u64) -> String {
-    format!(
-        "order {order}: {} units of sku-{}",
-        order % 7 + 1,
-        order % 101
-    )
-}
-
-fn order_key(order: u64) -> String {
-    format!("order-{order:010}")
-}
-
-#[derive(Default)]
-struct Counts {
-    deliveries: AtomicU64,
-    fresh: AtomicU64,
-    committed: AtomicU64,
-    duplicate: AtomicU64,
-    in_progress: AtomicU64,
-    conflict: AtomicU64,
-    crash_before_commit: AtomicU64,
-    crash_before_ack: AtomicU64,
-}
-
-/// The broker: a queue of deliveries; anything not acknowledged goes back on it.
-struct Broker {
-    queue: Sender<Delivery>,
-    deliveries: Receiver<Delivery>,
-    unacked: AtomicUsize,
-}
-
-impl Broker {
-    fn redeliver(&self, delivery: Delivery) {
-        self.queue.send(delivery).expect("broker queue open");
-    }
-    fn ack(&self) {
-        self.unacked.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-fn open(args: &Args, dir: &std::path::Path) -> idemdb::Result<Engine> {
-    Engine::builder(dir)
-        .durability(args.durability)
-        .business_table(TableOptions::new("orders"))
-        .business_table(
-            TableOptions::new("effects").associative_merge_operator("add_u64", merge_ops::add_u64),
-        )
-        .open()
-}
-
-/// One worker: takes deliveries until the queue is drained or the process "crashes".
-fn work(
-    engine: &Engine,
-    broker: &Broker,
-    counts: &Counts,
-    crash: &AtomicBool,
-    seed: u64,
-) -> idemdb::Result<()> {
-    let consumer = engine.consumer("order-service")?;
-    let orders = engine.business_table("orders")?;
-    let effects = engine.business_table("effects")?;
-    let mut rng = Rng(seed);
-    while broker.unacked.load(Ordering::SeqCst) > 0 {
-        let Ok(delivery) = broker.deliveries.recv_timeout(Duration::from_millis(5)) else {
-            continue;
-        };
-        if crash.load(Ordering::SeqCst) {
-            // The process died with this delivery unacknowledged: the broker redelivers it.
-            broker.redeliver(delivery);
-            return Ok(());
-        }
-        counts.deliveries.fetch_add(1, Ordering::Relaxed);
-        let key = order_key(delivery.order);
-        let body = order_body(delivery.order);
-        match consumer.begin(&key, Fingerprint::of(&body))? {
-            Outcome::Fresh(mut claim) => {
-                counts.fresh.fetch_add(1, Ordering::Relaxed);
-                claim.put(&orders, &key, &body)?;
-                claim.merge(&effects, &key, 1u64.to_be_bytes())?;
-                claim.merge(&effects, "total", 1u64.to_be_bytes())?;
-                if rng.below(CRASH_BEFORE_COMMIT_EVERY) == 0 {
-                    // Crash before commit: the claim is dropped, nothing is written.
-                    counts.crash_before_commit.fetch_add(1, Ordering::Relaxed);
-                    drop(claim);
-                    broker.redeliver(delivery);
-                    continue;
-                }
-                claim.commit(format!("accepted {key}"))?;
-                counts.committed.fetch_add(1, Ordering::Relaxed);
-                if rng.below(CRASH_BEFORE_ACK_EVERY) == 0 {
-                    // Crash after commit, before ack: the redelivery must be a duplicate.
-                    counts.crash_before_ack.fetch_add(1, Ordering::Relaxed);
-                    broker.redeliver(delivery);
-                    continue;
-                }
-                broker.ack();
-            }
-            Outcome::Duplicate { .. } => {
-                counts.duplicate.fetch_add(1, Ordering::Relaxed);
-                broker.ack();
-            }
-            Outcome::InProgress { .. } => {
-                // Another worker holds this order right now: nack, the broker redelivers.
-                counts.in_progress.fetch_add(1, Ordering::Relaxed);
-                broker.redeliver(delivery);
-            }
-            Outcome::Conflict { .. } => {
-                counts.conflict.fetch_add(1, Ordering::Relaxed);
-                broker.ack();
-            }
-            // The demo's messages carry no production time or version, so neither the admission
-            // floor nor the ordering guard can apply.
-            Outcome::TooLate { .. } | Outcome::Stale { .. } => {
-                unreachable!("no admission floor or ordering guard in this demo")
-            }
-        }
-    }
-    Ok(())
-}
-
-fn run_workers(
-    engine: &Engine,
-    broker: &Arc<Broker>,
-    counts: &Arc<Counts>,
-    args: &Args,
-    crash_at: Option<usize>,
-    round: u64,
-) -> idemdb::Result<()> {
-    let crash = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..args.workers)
-        .map(|index| {
-            let (engine, broker, counts, crash) = (
-                engine.clone(),
-                broker.clone(),
-                counts.clone(),
-                crash.clone(),
-            );
-            std::thread::spawn(move || {
-                work(
-                    &engine,
-                    &broker,
-                    &counts,
-                    &crash,
-                    round * 1000 + index as u64 + 1,
-                )
-            })
-        })
-        .collect();
-    if let Some(crash_at) = crash_at {
-        while broker.unacked.load(Ordering::SeqCst) > crash_at {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        crash.store(true, Ordering::SeqCst);
-    }
-    for worker in workers {
-        worker.join().expect("worker thread panicked")?;
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(args) => args,
@@ -304,28 +118,8 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         None => temp.path().to_path_buf(),
     };
 
-    // The producer's publication: every order once, and ~10% of them a second time, shuffled.
-    let mut rng = Rng(42);
-    let distinct = args.messages * 100 / (100 + RESEND_PERCENT);
-    let mut published: Vec<Delivery> = (0..distinct).map(|order| Delivery { order }).collect();
-    while (published.len() as u64) < args.messages {
-        published.push(Delivery {
-            order: rng.below(distinct),
-        });
-    }
-    for i in (1..published.len()).rev() {
-        published.swap(i, rng.below(i as u64 + 1) as usize);
-    }
-
-    let (queue, deliveries) = unbounded();
-    let broker = Arc::new(Broker {
-        queue,
-        deliveries,
-        unacked: AtomicUsize::new(published.len()),
-    });
-    for delivery in &published {
-        broker.redeliver(*delivery);
-    }
+    let (published, distinct) = publication(args.messages);
+    let broker = Arc::new(Broker::new(&published));
     let counts = Arc::new(Counts::default());
 
     println!(
