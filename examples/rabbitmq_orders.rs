@@ -31,10 +31,13 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/handler.rs"]
 mod handler;
 #[path = "common/orders.rs"]
 mod orders;
+use args::Flags;
 use handler::{BoxError, Handler, Ledger};
 use orders::{DEAD_LETTER_QUEUE, open_store};
 
@@ -64,21 +67,20 @@ fn parse_options() -> Result<Options, BoxError> {
         transient_failure_percent: 0,
         kill_after_commit_per_mille: 0,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+    let mut flags = Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--amqp" => options.amqp = value()?,
-            "--queue" => options.queue = value()?,
-            "--dir" => options.dir = value()?.into(),
-            "--prefetch" => options.prefetch = value()?.parse()?,
-            "--metrics" => options.metrics = Some(value()?.parse()?),
-            "--events" => options.events = Some(value()?.into()),
+            "--amqp" => options.amqp = flags.value(&flag)?,
+            "--queue" => options.queue = flags.value(&flag)?,
+            "--dir" => options.dir = flags.value(&flag)?.into(),
+            "--prefetch" => options.prefetch = flags.parse(&flag)?,
+            "--metrics" => options.metrics = Some(flags.parse(&flag)?),
+            "--events" => options.events = Some(flags.value(&flag)?.into()),
             "--transient-failure-percent" => {
-                options.transient_failure_percent = value()?.parse()?
+                options.transient_failure_percent = flags.parse(&flag)?
             }
             "--kill-after-commit-per-mille" => {
-                options.kill_after_commit_per_mille = value()?.parse()?;
+                options.kill_after_commit_per_mille = flags.parse(&flag)?;
             }
             other => return Err(format!("unknown option {other}").into()),
         }

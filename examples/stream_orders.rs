@@ -40,12 +40,15 @@ use idemdb::{BatchOutcome, Fingerprint, Message, Outcome};
 use rabbitmq_stream_client::types::OffsetSpecification;
 use rabbitmq_stream_client::{Client, ClientOptions, Environment};
 
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/handler.rs"]
 mod handler;
 #[path = "common/orders.rs"]
 mod orders;
 #[path = "common/streams.rs"]
 mod streams;
+use args::Flags;
 use handler::{BoxError, Ledger, chain};
 use orders::{TOTAL_AMOUNT_KEY, parse_amount};
 use streams::{
@@ -80,22 +83,23 @@ fn parse_options() -> Result<Options, BoxError> {
         kill_at_commit_of: None,
         seed: u64::from(std::process::id()),
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+    let mut flags = Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--port" => options.port = value()?.parse()?,
-            "--stream" => options.stream = value()?,
-            "--dir" => options.dir = value()?.into(),
-            "--ledger" => options.ledger = Some(value()?.into()),
+            "--port" => options.port = flags.parse(&flag)?,
+            "--stream" => options.stream = flags.value(&flag)?,
+            "--dir" => options.dir = flags.value(&flag)?.into(),
+            "--ledger" => options.ledger = Some(flags.value(&flag)?.into()),
             "--position" => {
-                let text = value()?;
+                let text = flags.value(&flag)?;
                 options.placement =
                     Placement::parse(&text).ok_or_else(|| format!("unknown placement {text}"))?;
             }
-            "--kill-at-commit-per-mille" => options.kill_at_commit_per_mille = value()?.parse()?,
-            "--kill-at-commit-of" => options.kill_at_commit_of = Some(value()?.parse()?),
-            "--seed" => options.seed = value()?.parse()?,
+            "--kill-at-commit-per-mille" => {
+                options.kill_at_commit_per_mille = flags.parse(&flag)?
+            }
+            "--kill-at-commit-of" => options.kill_at_commit_of = Some(flags.parse(&flag)?),
+            "--seed" => options.seed = flags.parse(&flag)?,
             other => return Err(format!("unknown option {other}").into()),
         }
     }

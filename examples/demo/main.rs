@@ -17,6 +17,8 @@
 //! While it runs, the demo serves its Prometheus metrics on `--metrics` (loopback only; default
 //! 127.0.0.1:19090), and at the end it scrapes that endpoint itself and prints idemdb's lines.
 
+#[path = "../common/args.rs"]
+mod args;
 mod broker;
 mod consumer;
 #[path = "../common/prometheus.rs"]
@@ -30,6 +32,7 @@ use std::time::Instant;
 
 use idemdb::{Durability, merge_ops};
 
+use args::Flags;
 use broker::{Broker, publication};
 use consumer::{Counts, open, order_key, run_workers};
 
@@ -49,26 +52,21 @@ fn parse_args() -> Result<Args, String> {
         dir: None,
         metrics: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 19090))),
     };
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        let mut value = || words.next().ok_or(format!("{flag} needs a value"));
+    let mut flags = Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--messages" => {
-                args.messages = value()?.parse().map_err(|e| format!("--messages: {e}"))?;
-            }
-            "--workers" => {
-                args.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?
-            }
+            "--messages" => args.messages = flags.parse(&flag)?,
+            "--workers" => args.workers = flags.parse(&flag)?,
             "--durability" => {
-                args.durability = match value()?.as_str() {
+                args.durability = match flags.value(&flag)?.as_str() {
                     "sync" => Durability::Sync,
                     "buffered" => Durability::Buffered,
                     other => return Err(format!("--durability sync|buffered, not {other}")),
                 }
             }
-            "--dir" => args.dir = Some(PathBuf::from(value()?)),
+            "--dir" => args.dir = Some(PathBuf::from(flags.value(&flag)?)),
             "--metrics" => {
-                args.metrics = match value()?.as_str() {
+                args.metrics = match flags.value(&flag)?.as_str() {
                     "off" => None,
                     addr => {
                         let addr: std::net::SocketAddr =

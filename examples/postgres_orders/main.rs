@@ -46,11 +46,14 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio_postgres::{Client, NoTls};
 
+#[path = "../common/args.rs"]
+mod args;
 #[path = "../common/handler.rs"]
 mod handler;
 #[path = "../common/orders.rs"]
 mod orders;
 mod worker;
+use args::Flags;
 use handler::{BoxError, Ledger, chain};
 use orders::open_store;
 use worker::{Claims, Worker};
@@ -75,18 +78,17 @@ fn parse_options() -> Result<Options, BoxError> {
         embedded: None,
         kill_after_commit_per_mille: 0,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+    let mut flags = Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--amqp" => options.amqp = value()?,
-            "--queue" => options.queue = value()?,
-            "--pg" => options.pg = value()?,
-            "--workers" => options.workers = value()?.parse()?,
-            "--ledger" => options.ledger = value()?.into(),
-            "--embedded" => options.embedded = Some(value()?.into()),
+            "--amqp" => options.amqp = flags.value(&flag)?,
+            "--queue" => options.queue = flags.value(&flag)?,
+            "--pg" => options.pg = flags.value(&flag)?,
+            "--workers" => options.workers = flags.parse(&flag)?,
+            "--ledger" => options.ledger = flags.value(&flag)?.into(),
+            "--embedded" => options.embedded = Some(flags.value(&flag)?.into()),
             "--kill-after-commit-per-mille" => {
-                options.kill_after_commit_per_mille = value()?.parse()?;
+                options.kill_after_commit_per_mille = flags.parse(&flag)?;
             }
             other => return Err(format!("unknown option {other}").into()),
         }

@@ -37,12 +37,15 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+#[path = "../common/args.rs"]
+mod args;
 #[path = "../common/handler.rs"]
 mod handler;
 #[path = "../common/orders.rs"]
 mod orders;
 mod partition;
 mod session;
+use args::Flags;
 use handler::{BoxError, Ledger};
 use session::{Ended, session};
 
@@ -75,33 +78,33 @@ fn parse_options() -> Result<Options, BoxError> {
         checkpoint_every: None,
         backups: None,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+    let mut flags = Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--amqp" => options.amqp = value()?,
-            "--partitions" => options.partitions = value()?.parse()?,
-            "--stores" => options.stores = value()?.into(),
+            "--amqp" => options.amqp = flags.value(&flag)?,
+            "--partitions" => options.partitions = flags.parse(&flag)?,
+            "--stores" => options.stores = flags.value(&flag)?.into(),
             "--preferred" => {
-                options.preferred = value()?
+                options.preferred = flags
+                    .value(&flag)?
                     .split(',')
                     .filter(|p| !p.is_empty())
                     .map(str::parse)
                     .collect::<Result<_, _>>()?;
             }
-            "--prefetch" => options.prefetch = value()?.parse()?,
-            "--metrics" => options.metrics = Some(value()?.parse()?),
-            "--ledger" => options.ledger = Some(value()?.into()),
+            "--prefetch" => options.prefetch = flags.parse(&flag)?,
+            "--metrics" => options.metrics = Some(flags.parse(&flag)?),
+            "--ledger" => options.ledger = Some(flags.value(&flag)?.into()),
             "--transient-failure-percent" => {
-                options.transient_failure_percent = value()?.parse()?;
+                options.transient_failure_percent = flags.parse(&flag)?;
             }
             "--kill-after-commit-per-mille" => {
-                options.kill_after_commit_per_mille = value()?.parse()?;
+                options.kill_after_commit_per_mille = flags.parse(&flag)?;
             }
             "--checkpoint-every-ms" => {
-                options.checkpoint_every = Some(Duration::from_millis(value()?.parse()?));
+                options.checkpoint_every = Some(Duration::from_millis(flags.parse(&flag)?));
             }
-            "--backups" => options.backups = Some(value()?.into()),
+            "--backups" => options.backups = Some(flags.value(&flag)?.into()),
             other => return Err(format!("unknown option {other}").into()),
         }
     }

@@ -54,6 +54,8 @@
 //! - **Expiry.** Keys are remembered for [`RETENTION`]; a retry after that is processed again.
 //!   Publish it to clients, as the draft asks.
 
+#[path = "../common/args.rs"]
+mod args;
 mod payments;
 mod responses;
 #[cfg(test)]
@@ -67,6 +69,7 @@ use std::time::Duration;
 use idemdb::{Engine, TableOptions, merge_ops};
 use tokio::net::TcpListener;
 
+use args::Flags;
 use payments::router;
 
 /// The consumer under which the endpoint's idempotency keys are recorded.
@@ -104,12 +107,11 @@ fn parse_args() -> Result<Args, String> {
         port: PORT_DEFAULT,
         dir: std::env::temp_dir().join("idemdb-webhook"),
     };
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        let mut value = || words.next().ok_or(format!("{flag} needs a value"));
+    let mut flags = Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--port" => args.port = value()?.parse().map_err(|e| format!("--port: {e}"))?,
-            "--dir" => args.dir = PathBuf::from(value()?),
+            "--port" => args.port = flags.parse(&flag)?,
+            "--dir" => args.dir = PathBuf::from(flags.value(&flag)?),
             other => return Err(format!("unknown argument {other} (--port N, --dir PATH)")),
         }
     }
