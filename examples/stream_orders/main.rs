@@ -36,25 +36,22 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use futures_lite::StreamExt;
-use idemdb::{BatchOutcome, Fingerprint, Message, Outcome};
 use rabbitmq_stream_client::types::OffsetSpecification;
 use rabbitmq_stream_client::{Client, ClientOptions, Environment};
 
-#[path = "common/args.rs"]
+#[path = "../common/args.rs"]
 mod args;
-#[path = "common/handler.rs"]
+mod group;
+#[path = "../common/handler.rs"]
 mod handler;
-#[path = "common/orders.rs"]
+#[path = "../common/orders.rs"]
 mod orders;
-#[path = "common/streams.rs"]
+#[path = "../common/streams.rs"]
 mod streams;
 use args::Flags;
+use group::{Tables, claim_group, read_of};
 use handler::{BoxError, Ledger, chain};
-use orders::{TOTAL_AMOUNT_KEY, parse_amount};
-use streams::{
-    BROKER_REFERENCE, CONSUMER_ID, Placement, conflict_key, open_stream_store, order_id_of,
-    read_key,
-};
+use streams::{BROKER_REFERENCE, CONSUMER_ID, Placement, open_stream_store};
 
 /// The most messages committed as one group.
 const GROUP_MESSAGES_MAX: usize = 64;
@@ -106,12 +103,6 @@ fn parse_options() -> Result<Options, BoxError> {
     Ok(options)
 }
 
-/// One message read: its offset and body.
-struct Read {
-    offset: u64,
-    body: String,
-}
-
 #[tokio::main]
 async fn main() {
     if let Err(error) = run().await {
@@ -124,12 +115,8 @@ async fn run() -> Result<(), BoxError> {
     let options = parse_options()?;
     let engine = open_stream_store(&options.dir)?;
     let consumer = engine.consumer(CONSUMER_ID)?;
-    let orders = engine.business_table("orders")?;
-    let effects = engine.business_table("effects")?;
-    let conflicts = engine.business_table("conflicts")?;
-    let reads = engine.business_table("reads")?;
+    let tables = Tables::of(&engine)?;
     let ledger = options.ledger.as_deref().map(Ledger::open).transpose()?;
-    let pid = std::process::id();
     let mut draws = options.seed;
 
     let environment = Environment::builder()
@@ -193,52 +180,7 @@ async fn run() -> Result<(), BoxError> {
             .is_some_and(|offset| last >= offset)
             .then_some(last);
 
-        let mut messages = Vec::with_capacity(group.len());
-        for read in &group {
-            let order_id = order_id_of(&read.body).ok_or("a message without an order id")?;
-            messages.push(Message::new(
-                order_id,
-                Fingerprint::of(read.body.as_bytes()),
-            ));
-        }
-        let mut batch = consumer.begin_batch(&messages)?;
-        for (index, read) in group.iter().enumerate() {
-            let order_id = order_id_of(&read.body).unwrap_or_default();
-            let outcome = match &batch.outcomes()[index] {
-                BatchOutcome::Fresh => "fresh",
-                // A copy of an earlier message of the group shares its fate: a copy of one
-                // that conflicts with the stored record conflicts too, as it would in a later
-                // group.
-                BatchOutcome::DuplicateInBatch { first } => match &batch.outcomes()[*first] {
-                    BatchOutcome::Settled(Outcome::Conflict { .. }) => "conflict",
-                    _ => "duplicate",
-                },
-                BatchOutcome::ConflictInBatch { .. } => "conflict",
-                BatchOutcome::Settled(Outcome::Duplicate { .. }) => "duplicate",
-                BatchOutcome::Settled(Outcome::Conflict { .. }) => "conflict",
-                // One process reads the stream, and it claims one group at a time.
-                BatchOutcome::Settled(other) => {
-                    return Err(format!("offset {}: unexpected {other:?}", read.offset).into());
-                }
-            };
-            match outcome {
-                "fresh" => {
-                    let claim = batch
-                        .claim_mut(index)
-                        .ok_or("a fresh message without a claim")?;
-                    let amount = parse_amount(read.body.as_bytes()).unwrap_or(0);
-                    claim.put(&orders, order_id, &read.body)?;
-                    claim.merge(&effects, order_id, 1u64.to_be_bytes())?;
-                    claim.merge(&effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
-                }
-                "conflict" => {
-                    let key = conflict_key(order_id, &Fingerprint::of(read.body.as_bytes()));
-                    batch.put(&conflicts, key, &read.body)?;
-                }
-                _ => {}
-            }
-            batch.put(&reads, read_key(read.offset, pid), outcome)?;
-        }
+        let mut batch = claim_group(&consumer, &tables, &group)?;
 
         match options.placement {
             Placement::Store => {
@@ -278,19 +220,6 @@ async fn run() -> Result<(), BoxError> {
     }
     let _ = stream.handle().close().await;
     Ok(())
-}
-
-/// A delivery's offset and body.
-fn read_of(delivery: rabbitmq_stream_client::types::Delivery) -> Result<Read, BoxError> {
-    let body = delivery
-        .message()
-        .data()
-        .map(|data| String::from_utf8_lossy(data).into_owned())
-        .ok_or("a message without a body")?;
-    Ok(Read {
-        offset: delivery.offset(),
-        body,
-    })
 }
 
 /// The offset the broker stores for this consumer on `stream`, if any.
