@@ -8,7 +8,7 @@
 //! A crash anywhere (SIGKILL) is safe: before the commit nothing was written and the broker
 //! redelivers; between commit and ack the redelivery is a duplicate. An embedded store belongs
 //! to one process, so consumers scale by partition: each process owns one queue (a shard of
-//! the order ids) and its own store. `examples/rabbitmq_e2e.rs` runs several of these under
+//! the order ids) and its own store. `e2e/src/bin/rabbitmq_e2e.rs` runs several of these under
 //! SIGKILLs against a real server (`scripts/rabbitmq-e2e.sh`).
 //!
 //! Message format: `message_id` = order id, body = `<order id>:<amount>:<variant>`.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fleet end-to-end test: one RabbitMQ queue, three competing consumer processes
-# (examples/postgres_orders.rs) whose claims live in PostgreSQL, a primary with a synchronous
+# (examples/postgres_orders/) whose claims live in PostgreSQL, a primary with a synchronous
 # standby; consumers SIGKILLed at random moments, the primary SIGKILLed and its standby promoted;
 # then the accounting and the republish check (e2e/src/bin/postgres_fleet.rs). Then the negative
 # control: the same fleet with an embedded store per consumer must be caught applying orders

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The partitioned-fleet end-to-end test: a private RabbitMQ server on 127.0.0.1 routing orders
 # through its consistent-hash exchange to partition queues with a single active consumer; a
-# fleet of consumers (examples/rabbitmq_partitions.rs) whose partition stores move with their
+# fleet of consumers (examples/rabbitmq_partitions/) whose partition stores move with their
 # partitions, SIGKILLed, restarted and once SIGSTOPped past the heartbeat timeout; online
 # backups restored and checked; then the accounting (e2e/src/bin/rabbitmq_handoff.rs). Then the
 # negative control: the same fleet with stores that stay with each consumer must be caught

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The log consumers' end-to-end run: a private RabbitMQ server on 127.0.0.1 with its stream
-# plugin, consumer processes (examples/stream_orders.rs) reading one stream each, SIGKILLed at
+# plugin, consumer processes (examples/stream_orders/) reading one stream each, SIGKILLed at
 # random moments and at the commit point (and, each once, right after the commit of its stream's
 # last offset, when nothing is left to read after a restart) and restarted, then the accounting
 # (e2e/src/bin/stream_e2e.rs): lost = 0, applied twice = 0, read again after a restart = 0. Then

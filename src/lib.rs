@@ -328,7 +328,7 @@
 //!
 //! The same claim serves an HTTP endpoint that receives retried requests under an
 //! `Idempotency-Key` header: the response is the claim's result, stored with the request's
-//! effects and replayed to every retry. Below, the handler without a server; `examples/webhook.rs`
+//! effects and replayed to every retry. Below, the handler without a server; `examples/webhook/`
 //! is the same flow in axum, with [`Claim::commit_async`].
 //!
 //! ```

@@ -22,7 +22,7 @@
 //! While it owns a partition it can also take an online backup of its store every
 //! `--checkpoint-every-ms` (`Engine::checkpoint`) into `<backups>`.
 //!
-//! `examples/rabbitmq_handoff.rs` runs a fleet of these against a real server, SIGKILLs and
+//! `e2e/src/bin/rabbitmq_handoff.rs` runs a fleet of these against a real server, SIGKILLs and
 //! SIGSTOPs them, and checks the effects (`scripts/rabbitmq-handoff.sh`).
 //!
 //! ```text

@@ -18,7 +18,7 @@
 //! `--position broker-before-commit` and `--position broker-after-commit` keep the position at
 //! the broker instead (`store_offset`, read back with `query_offset`), before or after the
 //! commit: the two placements a consumer without idemdb's positions has, which the end-to-end
-//! run (`examples/stream_e2e.rs`) uses as negative controls. `--kill-at-commit-per-mille N`
+//! run (`e2e/src/bin/stream_e2e.rs`) uses as negative controls. `--kill-at-commit-per-mille N`
 //! makes the process SIGKILL itself at the placement's weak point: right after the commit
 //! (store), between the broker's offset and the commit (before), between the commit and the
 //! broker's offset (after). `--kill-at-commit-of OFFSET` makes it SIGKILL itself at that same

@@ -17,7 +17,7 @@
 //! cargo run --release -p idemdb-kafka-recipe -- <bootstrap servers> <topic> <partitions, e.g. 0,1,2> <store dir>
 //! ```
 //!
-//! The same shape runs on RabbitMQ streams in `examples/stream_orders.rs` (with batches, under
+//! The same shape runs on RabbitMQ streams in `examples/stream_orders/` (with batches, under
 //! SIGKILLs, checked end to end by `scripts/rabbitmq-streams.sh`); this one is compiled by the
 //! test command but was not run against a Kafka broker.
 
