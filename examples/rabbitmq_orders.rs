@@ -1,6 +1,12 @@
 //! An idempotent RabbitMQ consumer: orders from one queue, processed with idemdb, exactly-once
 //! effects behind an at-least-once broker.
 //!
+//! ```text
+//! cargo run --release --features tokio --example rabbitmq_orders -- \
+//!     --amqp amqp://guest:guest@127.0.0.1:15673/%2f --queue orders.0 --dir /tmp/orders-0 \
+//!     --metrics 127.0.0.1:19100
+//! ```
+//!
 //! Each delivery is handled as `common/handler.rs` describes (manual acks, prefetch > 1,
 //! deliveries processed concurrently): fresh orders are committed with their business writes in
 //! one durable batch and then acked; duplicates are acked; conflicts are dead-lettered.
@@ -12,12 +18,6 @@
 //! SIGKILLs against a real server (`scripts/rabbitmq-e2e.sh`).
 //!
 //! Message format: `message_id` = order id, body = `<order id>:<amount>:<variant>`.
-//!
-//! ```text
-//! cargo run --release --features tokio --example rabbitmq_orders -- \
-//!     --amqp amqp://guest:guest@127.0.0.1:15673/%2f --queue orders.0 --dir /tmp/orders-0 \
-//!     --metrics 127.0.0.1:19100
-//! ```
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,6 +1,5 @@
-//! The delivery handler both RabbitMQ consumers share (`rabbitmq_orders`, one store per
-//! process, and `rabbitmq_partitions`, one store per partition it owns), and the event ledger
-//! their checkers read.
+//! The delivery handler the RabbitMQ consumers share (`rabbitmq_orders`: a store per process;
+//! `rabbitmq_partitions`: a store per partition it owns), and the event ledger of every consumer.
 //!
 //! For each delivery:
 //!
@@ -9,10 +8,9 @@
 //! - `Duplicate`: ack without effect (the broker redelivered, or the producer resent).
 //! - `Conflict` (same order id, other content): publish to the dead-letter queue with both
 //!   fingerprints in headers, wait for the broker's confirm, then ack.
-//! - `InProgress` (the same order is being processed by another delivery right now), a
-//!   transient failure, or a retryable idemdb error: nack with requeue, so the broker delivers
-//!   it again later. Any other idemdb error (a poisoned engine) is returned: the caller stops,
-//!   and the broker requeues what it held.
+//! - `InProgress` (another delivery of the order is being processed), a transient failure, or a
+//!   retryable idemdb error: nack with requeue; the broker redelivers it later. Any other idemdb
+//!   error (a poisoned engine) is returned: the caller stops, the broker requeues what it held.
 
 // Each consumer uses its own part of this module.
 #![allow(dead_code)]
@@ -56,10 +54,9 @@ pub fn monotonic_ns() -> u64 {
     u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
 }
 
-/// One line per event, `<kind> <subject> <partition> <monotonic ns> <pid>` (a commit adds when it
-/// began), appended with one
-/// `write` to an `O_APPEND` file: a SIGKILL cannot tear a line, and several processes can share
-/// the file. The checkers read the kinds (`fresh`, `duplicate`, `open`, ...) and the times.
+/// One line per event, `<kind> <subject> <partition> <monotonic ns> <pid>` (a commit adds when
+/// it began), appended with one `write` to an `O_APPEND` file: a SIGKILL cannot tear a line, and
+/// several processes can share the file. The checkers read the kinds and the times.
 pub struct Ledger {
     file: std::sync::Mutex<std::fs::File>,
 }
@@ -151,8 +148,7 @@ impl Handler {
             Ok(outcome) => outcome,
             Err(idemdb::Error::LimitExceeded { .. }) => {
                 // No usable order id: a poison message, not something a retry can fix.
-                self.dead_letter(&delivery, &order_id, None, fingerprint)
-                    .await?;
+                dead_letter(&self.publisher, &delivery, &order_id, None, fingerprint).await?;
                 self.event("invalid", &order_id);
                 delivery.ack(BasicAckOptions::default()).await?;
                 return Ok(());
@@ -218,8 +214,8 @@ impl Handler {
             Outcome::Conflict {
                 stored_fingerprint, ..
             } => {
-                self.dead_letter(&delivery, &order_id, Some(stored_fingerprint), fingerprint)
-                    .await?;
+                let stored = Some(stored_fingerprint);
+                dead_letter(&self.publisher, &delivery, &order_id, stored, fingerprint).await?;
                 self.event("conflict", &order_id);
                 delivery.ack(BasicAckOptions::default()).await?;
             }
@@ -234,16 +230,6 @@ impl Handler {
             }
         }
         Ok(())
-    }
-
-    async fn dead_letter(
-        &self,
-        delivery: &lapin::message::Delivery,
-        order_id: &str,
-        stored: Option<Fingerprint>,
-        received: Fingerprint,
-    ) -> Result<(), BoxError> {
-        dead_letter(&self.publisher, delivery, order_id, stored, received).await
     }
 }
 

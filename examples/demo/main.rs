@@ -1,5 +1,13 @@
 //! A simulated at-least-once broker feeding an idempotent consumer built on idemdb.
 //!
+//! ```text
+//! cargo run --release --example demo -- [--messages N] [--workers N] [--durability sync|buffered] [--dir PATH]
+//!     [--metrics 127.0.0.1:19090|off]
+//! ```
+//!
+//! While it runs, the demo serves its Prometheus metrics on `--metrics` (loopback only; default
+//! 127.0.0.1:19090), and at the end it scrapes that endpoint itself and prints idemdb's lines.
+//!
 //! The producer publishes orders and resends about 10% of them (lost publisher acks). Workers
 //! take deliveries, claim each order, stage the business effects (the order row and counters)
 //! on the claim and commit; the broker redelivers every delivery that was not acknowledged.
@@ -8,14 +16,6 @@
 //! process "crashes": every worker stops where it is, the engine is dropped and reopened from
 //! disk, and everything unacknowledged is redelivered. At the end the demo checks that every
 //! order's effect was applied exactly once.
-//!
-//! ```text
-//! cargo run --release --example demo -- [--messages N] [--workers N] [--durability sync|buffered] [--dir PATH]
-//!     [--metrics 127.0.0.1:19090|off]
-//! ```
-//!
-//! While it runs, the demo serves its Prometheus metrics on `--metrics` (loopback only; default
-//! 127.0.0.1:19090), and at the end it scrapes that endpoint itself and prints idemdb's lines.
 
 #[path = "../common/args.rs"]
 mod args;

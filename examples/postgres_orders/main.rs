@@ -2,6 +2,17 @@
 //! the claims live in PostgreSQL (`idemdb-postgres`), so every process sees what the others
 //! processed.
 //!
+//! ```text
+//! cargo run --release --features tokio --example postgres_orders -- \
+//!     --amqp amqp://guest:guest@127.0.0.1:15673/%2f --queue orders.fleet --workers 4 \
+//!     --pg 'host=127.0.0.1 port=5432 user=postgres dbname=postgres target_session_attrs=read-write' \
+//!     --ledger /tmp/fleet-ledger.log
+//! ```
+//!
+//! The queue and the effects table `fleet.applied` must exist: `scripts/postgres-fleet.sh`
+//! makes them, starts the servers and runs a fleet of these under its checker
+//! (`e2e/src/bin/postgres_fleet.rs`).
+//!
 //! Each worker has its own AMQP channel and its own PostgreSQL connection, and handles one
 //! delivery at a time:
 //!

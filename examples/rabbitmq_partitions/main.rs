@@ -1,6 +1,12 @@
 //! A consumer of a partitioned fleet: the broker decides which process owns which partition,
 //! and each partition's store moves with it.
 //!
+//! ```text
+//! cargo run --release --features tokio --example rabbitmq_partitions -- \
+//!     --amqp 'amqp://guest:guest@127.0.0.1:15673/%2f?heartbeat=2' --partitions 6 \
+//!     --stores /tmp/orders-stores --ledger /tmp/orders-ledger.log
+//! ```
+//!
 //! Orders go through RabbitMQ's consistent-hash exchange to P partition queues, each declared
 //! with `x-single-active-consumer`. Every process of the fleet subscribes to every partition
 //! queue; the broker delivers each queue to one of them at a time and, when that one's
@@ -24,12 +30,6 @@
 //!
 //! `e2e/src/bin/rabbitmq_handoff.rs` runs a fleet of these against a real server, SIGKILLs and
 //! SIGSTOPs them, and checks the effects (`scripts/rabbitmq-handoff.sh`).
-//!
-//! ```text
-//! cargo run --release --features tokio --example rabbitmq_partitions -- \
-//!     --amqp 'amqp://guest:guest@127.0.0.1:15673/%2f?heartbeat=2' --partitions 6 \
-//!     --stores /tmp/orders-stores --ledger /tmp/orders-ledger.log
-//! ```
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

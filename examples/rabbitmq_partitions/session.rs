@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::{
@@ -24,13 +24,13 @@ pub(crate) enum Ended {
     ConnectionLost,
 }
 
+/// How long a pause (the process stopped or starved) must last for this process to presume
+/// its connection lost: the heartbeat interval of the connection string in `main.rs`'s header
+/// (2 s), past which the broker starts counting missed heartbeats.
+const PAUSE_PRESUMED_LOST: Duration = Duration::from_secs(2);
+
 /// One broker connection: subscribes to every partition queue, owns whichever partitions the
 /// broker delivers, and releases all of them before it returns.
-/// How long a pause (the process stopped or starved) must last for this process to presume
-/// its connection lost: the heartbeat interval of the connection string above (2 s), past which
-/// the broker starts counting missed heartbeats.
-const PAUSE_PRESUMED_LOST: std::time::Duration = std::time::Duration::from_secs(2);
-
 pub(crate) async fn session(
     shared: &Arc<Shared>,
     terminate: &mut tokio::signal::unix::Signal,
@@ -64,12 +64,12 @@ pub(crate) async fn session(
         let connected = connected.clone();
         let lost_tx = lost_tx.clone();
         tokio::spawn(async move {
-            const TICK: std::time::Duration = std::time::Duration::from_millis(200);
-            let mut last = std::time::Instant::now();
+            const TICK: Duration = Duration::from_millis(200);
+            let mut last = Instant::now();
             loop {
                 tokio::time::sleep(TICK).await;
                 let late = last.elapsed().saturating_sub(TICK);
-                last = std::time::Instant::now();
+                last = Instant::now();
                 if late > PAUSE_PRESUMED_LOST {
                     connected.store(false, Ordering::Release);
                     let _ = lost_tx.send(true);

@@ -1,6 +1,11 @@
 //! A log consumer: orders read from one RabbitMQ stream, processed with idemdb, with the read
 //! position committed in the same write batch as the markers and the effects.
 //!
+//! ```text
+//! cargo run --release --features tokio --example stream_orders -- \
+//!     --port 15552 --stream orders.stream.0 --dir /tmp/stream-store-0 --ledger /tmp/reads-0.log
+//! ```
+//!
 //! A stream does not redeliver: a consumer says where to start reading, and starts there. So
 //! the question a log consumer must answer after a crash is where it was, and the answer must
 //! agree with the effects it committed. Here it does by construction: each group of messages
@@ -26,11 +31,6 @@
 //! `planned-kill <group's last offset>` to its ledger: the checker passes the stream's last
 //! offset, until the ledger shows the kill done, to test a kill after the stream's last commit,
 //! when a restarted consumer finds nothing left to read.
-//!
-//! ```text
-//! cargo run --release --features tokio --example stream_orders -- \
-//!     --port 15552 --stream orders.stream.0 --dir /tmp/stream-store-0 --ledger /tmp/reads-0.log
-//! ```
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -181,36 +181,23 @@ async fn run() -> Result<(), BoxError> {
             .then_some(last);
 
         let mut batch = claim_group(&consumer, &tables, &group)?;
+        let per_mille = options.kill_at_commit_per_mille;
+        let mut kill = || kill_point(&mut draws, per_mille, planned_kill, ledger.as_ref());
 
         match options.placement {
             Placement::Store => {
                 batch.stage_position(&options.stream, 0, last)?;
                 batch.commit(|_| b"applied")?;
-                kill_point(
-                    &mut draws,
-                    options.kill_at_commit_per_mille,
-                    planned_kill,
-                    ledger.as_ref(),
-                );
+                kill();
             }
             Placement::BrokerBeforeCommit => {
                 stream.store_offset(last).await?;
-                kill_point(
-                    &mut draws,
-                    options.kill_at_commit_per_mille,
-                    planned_kill,
-                    ledger.as_ref(),
-                );
+                kill();
                 batch.commit(|_| b"applied")?;
             }
             Placement::BrokerAfterCommit => {
                 batch.commit(|_| b"applied")?;
-                kill_point(
-                    &mut draws,
-                    options.kill_at_commit_per_mille,
-                    planned_kill,
-                    ledger.as_ref(),
-                );
+                kill();
                 stream.store_offset(last).await?;
             }
         }

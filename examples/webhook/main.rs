@@ -1,5 +1,12 @@
 //! An HTTP webhook receiver that deduplicates deliveries by their `Idempotency-Key` header.
 //!
+//! ```text
+//! source scripts/setup.sh && cargo run --release --features tokio --example webhook -- [--port N] [--dir PATH]
+//! ```
+//!
+//! It listens on 127.0.0.1 only (default port 18080) and keeps its store in `--dir` (default
+//! `idemdb-webhook` in the system's temporary directory), so a restart still replays.
+//!
 //! `POST /payments` takes a payment (any body: JSON or plain text) and an `Idempotency-Key`
 //! header. The first delivery of a key is processed: a row in the `payments` table and one more
 //! on the `totals` counter, staged on an idemdb claim and committed in one write batch together
@@ -21,13 +28,6 @@
 //! still being processed. The key may be sent as the draft's structured-field string
 //! (`Idempotency-Key: "8e03978e"`) or bare (`Idempotency-Key: 8e03978e`); both name the same key.
 //! `GET /payments/count` reads the counter, to see that retries had no effect.
-//!
-//! ```text
-//! source scripts/setup.sh && cargo run --release --features tokio --example webhook -- [--port N] [--dir PATH]
-//! ```
-//!
-//! It listens on 127.0.0.1 only (default port 18080) and keeps its store in `--dir` (default
-//! `idemdb-webhook` in the system's temporary directory), so a restart still replays.
 //!
 //! How the answers come about, and what to keep when adapting this:
 //!
@@ -66,7 +66,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idemdb::{Engine, TableOptions, merge_ops};
+use idemdb::{Engine, EngineBuilder, TableOptions, merge_ops};
 use tokio::net::TcpListener;
 
 use args::Flags;
@@ -87,6 +87,11 @@ const PAYMENTS_COUNTER: &[u8] = b"payments";
 
 /// Opens (or creates) the store with the tables the webhook writes.
 fn open_engine(dir: &Path) -> idemdb::Result<Engine> {
+    engine_builder(dir).open()
+}
+
+/// The store's options: the retention and the tables.
+fn engine_builder(dir: &Path) -> EngineBuilder {
     Engine::builder(dir)
         .retention(RETENTION)
         .business_table(TableOptions::new(PAYMENTS_TABLE))
@@ -94,7 +99,6 @@ fn open_engine(dir: &Path) -> idemdb::Result<Engine> {
             TableOptions::new(TOTALS_TABLE)
                 .associative_merge_operator("add_u64", merge_ops::add_u64),
         )
-        .open()
 }
 
 struct Args {

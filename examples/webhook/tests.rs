@@ -7,12 +7,12 @@ mod client;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use idemdb::{Engine, MESSAGE_KEY_BYTES_MAX, TableOptions, merge_ops};
+use idemdb::MESSAGE_KEY_BYTES_MAX;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::payments::ProcessingGate;
-use crate::{PAYMENTS_TABLE, RETENTION, TOTALS_TABLE, open_engine};
+use crate::{engine_builder, open_engine};
 use client::{Server, payment_request, payments_processed, post, send};
 
 const PAYMENT: &str = r#"{"amount":1250,"currency":"EUR","to":"acct-17"}"#;
@@ -220,13 +220,7 @@ async fn failed_commit_stores_nothing_and_the_retry_is_processed() {
     let dir = tempfile::tempdir().expect("temp dir");
     {
         let faults = FailingWrites::default();
-        let engine = Engine::builder(dir.path())
-            .retention(RETENTION)
-            .business_table(TableOptions::new(PAYMENTS_TABLE))
-            .business_table(
-                TableOptions::new(TOTALS_TABLE)
-                    .associative_merge_operator("add_u64", merge_ops::add_u64),
-            )
+        let engine = engine_builder(dir.path())
             .fault_injector(faults.clone())
             .open()
             .expect("open");
