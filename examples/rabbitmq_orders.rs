@@ -35,10 +35,13 @@ use lapin::{Connection, ConnectionProperties};
 mod args;
 #[path = "common/handler.rs"]
 mod handler;
+#[path = "common/ledger.rs"]
+mod ledger;
 #[path = "common/orders.rs"]
 mod orders;
 use args::Flags;
-use handler::{BoxError, Handler, Ledger};
+use handler::{BoxError, Handler};
+use ledger::Ledger;
 use orders::{DEAD_LETTER_QUEUE, open_store};
 
 struct Options {

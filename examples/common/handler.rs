@@ -1,5 +1,5 @@
 //! The delivery handler the RabbitMQ consumers share (`rabbitmq_orders`: a store per process;
-//! `rabbitmq_partitions`: a store per partition it owns), and the event ledger of every consumer.
+//! `rabbitmq_partitions`: a store per partition it owns).
 //!
 //! For each delivery:
 //!
@@ -15,7 +15,6 @@
 // Each consumer uses its own part of this module.
 #![allow(dead_code)]
 
-use std::io::Write;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -24,83 +23,14 @@ use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 
+use crate::ledger::{Ledger, monotonic_ns};
+
 use crate::orders::{
     DEAD_LETTER_QUEUE, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT,
     TOTAL_AMOUNT_KEY, parse_amount,
 };
 
 pub use crate::orders::BoxError;
-
-/// An error with its sources (a database error's message is in its source).
-pub fn chain(error: &dyn std::error::Error) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        message.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    message
-}
-
-/// The system-wide monotonic clock in nanoseconds: the same in every process of the machine,
-/// and never stepped, so the checkers can order events of several processes.
-pub fn monotonic_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid timespec for the call to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
-}
-
-/// One line per event, `<kind> <subject> <partition> <monotonic ns> <pid>` (a commit adds when
-/// it began), appended with one `write` to an `O_APPEND` file: a SIGKILL cannot tear a line, and
-/// several processes can share the file. The checkers read the kinds and the times.
-pub struct Ledger {
-    file: std::sync::Mutex<std::fs::File>,
-}
-
-impl Ledger {
-    pub fn open(path: &std::path::Path) -> std::io::Result<Ledger> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)?;
-        Ok(Ledger {
-            file: std::sync::Mutex::new(file),
-        })
-    }
-
-    /// Appends one event; `partition` is `-` for a consumer of one queue.
-    pub fn event(&self, kind: &str, subject: &str, partition: Option<usize>) {
-        self.write(kind, subject, partition, "");
-    }
-
-    /// Appends one event of something that began at `began_ns` (a commit: the line's own time
-    /// is when it was acknowledged), as a sixth field.
-    pub fn event_since(&self, kind: &str, subject: &str, partition: Option<usize>, began_ns: u64) {
-        self.write(kind, subject, partition, &format!(" {began_ns}"));
-    }
-
-    fn write(&self, kind: &str, subject: &str, partition: Option<usize>, extra: &str) {
-        let partition = partition.map_or_else(|| "-".to_owned(), |p| p.to_string());
-        let line = format!(
-            "{kind} {subject} {partition} {} {}{extra}\n",
-            monotonic_ns(),
-            std::process::id()
-        );
-        let mut file = self
-            .file
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // The ledger is evidence for the checker, not part of the effect: a failed write is
-        // reported, and the message is still acked.
-        if let Err(error) = file.write_all(line.as_bytes()) {
-            eprintln!("idemdb consumer: ledger: {error}");
-        }
-    }
-}
 
 /// Everything a delivery handler needs, shared by the concurrent handlers of one store.
 pub struct Handler {

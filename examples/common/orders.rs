@@ -10,6 +10,17 @@ use idemdb::{Durability, Engine, TableOptions, merge_ops};
 /// The examples' error type: anything, across tasks.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// An error with its sources (a database error's message is in its source).
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    message
+}
+
 /// The exchange orders are published to; queue `orders.<shard>` is bound with key `<shard>`.
 pub const EXCHANGE: &str = "orders";
 /// Where conflicts (a reused order id with other content) and unusable messages go.

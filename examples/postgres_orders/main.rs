@@ -61,11 +61,15 @@ use tokio_postgres::{Client, NoTls};
 mod args;
 #[path = "../common/handler.rs"]
 mod handler;
+#[path = "../common/ledger.rs"]
+mod ledger;
 #[path = "../common/orders.rs"]
 mod orders;
 mod worker;
 use args::Flags;
-use handler::{BoxError, Ledger, chain};
+use handler::BoxError;
+use ledger::Ledger;
+use orders::chain;
 use orders::open_store;
 use worker::{Claims, Worker};
 

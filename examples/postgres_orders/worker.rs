@@ -15,7 +15,9 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::connect;
-use crate::handler::{self, BoxError, Ledger, chain, dead_letter, requeue};
+use crate::handler::{self, BoxError, dead_letter, requeue};
+use crate::ledger::{Ledger, monotonic_ns};
+use crate::orders::chain;
 
 /// The business table the effects go to, created by the checker.
 pub const APPLY_EFFECT: &str = "INSERT INTO fleet.applied (order_id, body, times) \
@@ -69,7 +71,7 @@ impl Worker {
         order_id: &str,
     ) -> Result<(), Failure> {
         let fingerprint = Fingerprint::of(&delivery.data);
-        let began_ns = handler::monotonic_ns();
+        let began_ns = monotonic_ns();
         let outcome = match &*self.claims {
             Claims::Postgres(consumer) => {
                 self.claim_in_postgres(consumer, client, delivery, order_id, fingerprint)

@@ -41,12 +41,15 @@ use std::time::Duration;
 mod args;
 #[path = "../common/handler.rs"]
 mod handler;
+#[path = "../common/ledger.rs"]
+mod ledger;
 #[path = "../common/orders.rs"]
 mod orders;
 mod partition;
 mod session;
 use args::Flags;
-use handler::{BoxError, Ledger};
+use handler::BoxError;
+use ledger::Ledger;
 use session::{Ended, session};
 
 struct Options {

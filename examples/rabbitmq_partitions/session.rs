@@ -15,7 +15,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::sync::watch;
 
 use crate::Shared;
-use crate::handler::BoxError;
+use crate::orders::BoxError;
 use crate::orders::{DEAD_LETTER_QUEUE, partition_queue, partition_queue_arguments};
 use crate::partition::own_partition;
 

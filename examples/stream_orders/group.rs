@@ -4,7 +4,7 @@
 
 use idemdb::{BatchOutcome, ClaimBatch, Consumer, Engine, Fingerprint, Message, Outcome};
 
-use crate::handler::BoxError;
+use crate::orders::BoxError;
 use crate::orders::{TOTAL_AMOUNT_KEY, parse_amount};
 use crate::streams::{conflict_key, order_id_of, read_key};
 

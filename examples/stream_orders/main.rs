@@ -42,15 +42,16 @@ use rabbitmq_stream_client::{Client, ClientOptions, Environment};
 #[path = "../common/args.rs"]
 mod args;
 mod group;
-#[path = "../common/handler.rs"]
-mod handler;
+#[path = "../common/ledger.rs"]
+mod ledger;
 #[path = "../common/orders.rs"]
 mod orders;
 #[path = "../common/streams.rs"]
 mod streams;
 use args::Flags;
 use group::{Tables, claim_group, read_of};
-use handler::{BoxError, Ledger, chain};
+use ledger::Ledger;
+use orders::{BoxError, chain};
 use streams::{BROKER_REFERENCE, CONSUMER_ID, Placement, open_stream_store};
 
 /// The most messages committed as one group.
