@@ -16,6 +16,7 @@ if [ -x "$cycles" ]; then
     echo "== module cycles"
     "$cycles" src
     "$cycles" postgres/src
+    "$cycles" e2e/src
 else
     echo "== module cycles skipped ($cycles not found beside the checkout)"
 fi
@@ -23,6 +24,7 @@ echo "== clippy"
 cargo clippy --release --all-features --all-targets -- -D warnings
 cargo clippy --release -p idemdb-powercut --all-targets -- -D warnings
 cargo clippy --release -p idemdb-postgres --all-targets -- -D warnings
+cargo clippy --release -p idemdb-e2e --all-targets -- -D warnings
 echo "== the PostgreSQL backend builds without RocksDB"
 if cargo tree -p idemdb-postgres -e normal | grep -q librocksdb; then
     echo "idemdb-postgres depends on RocksDB" >&2
@@ -85,6 +87,8 @@ else
     echo "== fuzz smoke skipped (needs a nightly toolchain, and cargo-fuzz, which did not install)"
 fi
 
+echo "== the end-to-end checkers' library (e2e/): options, the report and its negative-control switch"
+cargo test --release -p idemdb-e2e --lib
 echo "== RabbitMQ end to end: consumers SIGKILLed against a real server"
 bash scripts/rabbitmq-e2e.sh
 echo "== RabbitMQ partitioned fleet: handoffs, a zombie, online backups, the negative control"

@@ -9,10 +9,8 @@
 //! every standby in `synchronous_standby_names`): an acknowledged commit is on both servers
 //! before the client hears of it, so a promotion never loses one. The setting is made with
 //! `ALTER SYSTEM` once the standby streams, and removed from the standby's copy: a freshly
-//! promoted server must not wait for a standby it does not have yet.
-
-// Only the fleet checker uses this module, and not every accessor.
-#![allow(dead_code)]
+//! promoted server must not wait for a standby it does not have yet. [`Cluster`] keeps the pair
+//! and makes the failovers.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -21,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
 
-use crate::orders::BoxError;
+use crate::BoxError;
+use crate::ledger::monotonic_ns;
 
 /// One server: its data folder, port, and process (the leader of its own process group).
 pub struct Node {
@@ -311,6 +310,98 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = self.stop();
+    }
+}
+
+/// The primary and its synchronous standby; the standby's place is taken by a new copy after
+/// every failover.
+pub struct Cluster {
+    binaries: Binaries,
+    dir: PathBuf,
+    pub primary: Node,
+    pub standby: Option<Node>,
+    /// Servers made so far: names and folders are `node<N>`.
+    made: usize,
+}
+
+/// One failover's times, on the system-wide monotonic clock.
+pub struct Failover {
+    pub killed_ns: u64,
+    pub promoted_ns: u64,
+}
+
+impl Cluster {
+    /// A primary in `dir/node0`, and a standby of it in `dir/node1` if `with_standby` (the
+    /// caller then requires it synchronous once it is ready to).
+    pub fn new(dir: &Path, with_standby: bool) -> Result<Cluster, BoxError> {
+        let binaries = Binaries::find()?;
+        binaries.own(dir)?;
+        let primary = binaries.primary("node0", dir.join("node0"))?;
+        let mut cluster = Cluster {
+            binaries,
+            dir: dir.to_owned(),
+            primary,
+            standby: None,
+            made: 1,
+        };
+        if with_standby {
+            let port = free_port()?;
+            cluster.add_standby(port)?;
+        }
+        Ok(cluster)
+    }
+
+    fn add_standby(&mut self, port: u16) -> Result<(), BoxError> {
+        let name = format!("node{}", self.made);
+        self.made += 1;
+        let standby = self
+            .binaries
+            .standby(&self.primary, &name, self.dir.join(&name), port)?;
+        self.standby = Some(standby);
+        Ok(())
+    }
+
+    /// The consumers' connection string: both ports, and only a server that accepts writes
+    /// will do, so a reconnect after a failover finds the new primary.
+    pub fn conninfo(&self) -> String {
+        let mut ports = vec![self.primary.port.to_string()];
+        if let Some(standby) = &self.standby {
+            ports.push(standby.port.to_string());
+        }
+        let hosts = vec!["127.0.0.1"; ports.len()];
+        format!(
+            "host={} port={} user=postgres dbname=postgres target_session_attrs=read-write \
+             connect_timeout=2",
+            hosts.join(","),
+            ports.join(",")
+        )
+    }
+
+    /// Kills the primary as a lost host dies, promotes the synchronous standby, and copies a
+    /// new standby onto the old primary's port.
+    pub async fn fail_over(&mut self) -> Result<Failover, BoxError> {
+        // Only a primary with a streaming synchronous standby may be lost without losing an
+        // acknowledged commit.
+        self.primary.require_sync_standby().await?;
+        let standby = self.standby.take().ok_or("no standby to promote")?;
+        self.primary.kill()?;
+        // Taken once every process of the primary has been sent its SIGKILL: until then its
+        // backends still serve (the kill stops the postmaster, then lists its children), and
+        // a commit they acknowledge is not one of the new primary's.
+        let killed_ns = monotonic_ns();
+        standby.promote().await?;
+        let promoted_ns = monotonic_ns();
+        let old = std::mem::replace(&mut self.primary, standby);
+        let old_port = old.port;
+        let old_data = old.data.clone();
+        drop(old);
+        std::fs::remove_dir_all(&old_data)?;
+        self.add_standby(old_port)?;
+        self.primary.require_sync_standby().await?;
+        Ok(Failover {
+            killed_ns,
+            promoted_ns,
+        })
     }
 }
 

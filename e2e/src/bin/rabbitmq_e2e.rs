@@ -13,147 +13,87 @@
 //! `--kill-after-commit-per-mille N` (consumers SIGKILL themselves between a commit and its
 //! ack), `--metrics-port-base PORT`, `--work DIR`, `--seed N`.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, ExchangeKind};
-
-#[path = "../checker.rs"]
-mod checker;
-#[path = "../../../examples/common/orders.rs"]
-mod orders;
-#[path = "../../../examples/common/prometheus.rs"]
-mod prometheus;
-use checker::{
-    BoxError, Children, Rng, connect, declare_empty_queue, die_with_parent, drain_dead_letters,
-    plan, ready_messages, verify, wait_quiet,
-};
-use orders::{DEAD_LETTER_QUEUE, EXCHANGE, open_store, queue_name, shard_of};
+use idemdb_e2e::amqp::{self, Outgoing};
+use idemdb_e2e::args::{Args, Workload, check};
+use idemdb_e2e::orders::{DEAD_LETTER_QUEUE, EXCHANGE, open_store, queue_name, shard_of};
+use idemdb_e2e::report::{Control, Report};
+use idemdb_e2e::supervisor::{Supervisor, recipe};
+use idemdb_e2e::{BoxError, fresh_folder, ledger, prometheus, verdict};
+use lapin::options::ExchangeDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::{Channel, ExchangeKind};
 
 struct Options {
     amqp: String,
-    orders: usize,
     shards: usize,
-    resend_percent: u64,
-    reused: usize,
-    rate: u64,
-    min_kills: usize,
     transient_failure_percent: u64,
     kill_after_commit_per_mille: u64,
     metrics_port_base: u16,
-    work: PathBuf,
-    seed: u64,
+    load: Workload,
 }
 
 fn parse_options() -> Result<Options, BoxError> {
-    let mut options = Options {
-        amqp: "amqp://guest:guest@127.0.0.1:15673/%2f".into(),
-        orders: 2000,
-        shards: 3,
-        resend_percent: 20,
-        reused: 20,
-        rate: 400,
-        min_kills: 10,
-        transient_failure_percent: 3,
-        kill_after_commit_per_mille: 5,
-        metrics_port_base: 19100,
-        work: std::env::temp_dir().join("idemdb-rabbitmq-e2e"),
-        seed: 1,
+    let mut args = Args::from_env();
+    let options = Options {
+        amqp: args.value("amqp", "amqp://guest:guest@127.0.0.1:15673/%2f".to_owned())?,
+        shards: args.value("shards", 3)?,
+        transient_failure_percent: args.value("transient-failure-percent", 3)?,
+        kill_after_commit_per_mille: args.value("kill-after-commit-per-mille", 5)?,
+        metrics_port_base: args.value("metrics-port-base", 19100)?,
+        load: Workload::parse(&mut args, "rabbitmq-e2e", 400)?,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--amqp" => options.amqp = value()?,
-            "--orders" => options.orders = value()?.parse()?,
-            "--shards" => options.shards = value()?.parse()?,
-            "--resend-percent" => options.resend_percent = value()?.parse()?,
-            "--reused" => options.reused = value()?.parse()?,
-            "--rate" => options.rate = value()?.parse()?,
-            "--min-kills" => options.min_kills = value()?.parse()?,
-            "--transient-failure-percent" => {
-                options.transient_failure_percent = value()?.parse()?
-            }
-            "--kill-after-commit-per-mille" => {
-                options.kill_after_commit_per_mille = value()?.parse()?;
-            }
-            "--metrics-port-base" => options.metrics_port_base = value()?.parse()?,
-            "--work" => options.work = value()?.into(),
-            "--seed" => options.seed = value()?.parse()?,
-            other => return Err(format!("unknown option {other}").into()),
-        }
-    }
-    if options.orders == 0 || options.shards == 0 || options.rate == 0 {
-        return Err("--orders, --shards and --rate must be at least 1".into());
-    }
-    if options.reused > options.orders {
-        return Err("--reused cannot exceed --orders".into());
-    }
-    if options.resend_percent > 100 || options.transient_failure_percent > 100 {
-        return Err("percentages are 0..=100".into());
-    }
-    if options.kill_after_commit_per_mille > 1000 {
-        return Err("--kill-after-commit-per-mille is 0..=1000".into());
-    }
+    args.finish()?;
+    check(options.shards > 0, "--shards must be at least 1")?;
+    check(
+        options.transient_failure_percent <= 100,
+        "--transient-failure-percent is 0..=100",
+    )?;
+    check(
+        options.kill_after_commit_per_mille <= 1000,
+        "--kill-after-commit-per-mille is 0..=1000",
+    )?;
     Ok(options)
 }
 
-/// The consumer processes, one per shard.
-struct Fleet {
-    binary: PathBuf,
-    options_amqp: String,
-    work: PathBuf,
-    metrics_port_base: u16,
-    transient_failure_percent: u64,
-    kill_after_commit_per_mille: u64,
-    children: Children,
-    starts: usize,
-}
-
-impl Fleet {
-    fn start(&mut self, shard: usize) -> Result<(), BoxError> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.work.join(format!("consumer-{shard}.log")))?;
-        let port = self.metrics_port_base + u16::try_from(shard)?;
-        let mut command = Command::new(&self.binary);
+/// One `rabbitmq_orders` process per shard: its queue, its store, its ledger, its metrics port.
+fn consumers(options: &Options) -> Result<Supervisor, BoxError> {
+    let amqp = options.amqp.clone();
+    let work = options.load.work.clone();
+    let base = options.metrics_port_base;
+    let transient = options.transient_failure_percent.to_string();
+    let kill = options.kill_after_commit_per_mille.to_string();
+    let command_line = move |shard: usize, command: &mut std::process::Command| {
+        let port = base + u16::try_from(shard)?;
         command
             .arg("--amqp")
-            .arg(&self.options_amqp)
+            .arg(&amqp)
             .arg("--queue")
             .arg(queue_name(shard))
             .arg("--dir")
-            .arg(self.work.join(format!("store-{shard}")))
+            .arg(work.join(format!("store-{shard}")))
             .arg("--events")
-            .arg(self.work.join(format!("events-{shard}.log")))
+            .arg(work.join(format!("events-{shard}.log")))
             .arg("--metrics")
             .arg(format!("127.0.0.1:{port}"))
             .arg("--transient-failure-percent")
-            .arg(self.transient_failure_percent.to_string())
+            .arg(&transient)
             .arg("--kill-after-commit-per-mille")
-            .arg(self.kill_after_commit_per_mille.to_string())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        die_with_parent(&mut command);
-        self.children.set(shard, command.spawn()?);
-        self.starts += 1;
+            .arg(&kill);
         Ok(())
-    }
-
-    /// Restarts every consumer that is not running: one that killed itself between a commit
-    /// and its ack, or one that exited for another reason (it should not; reported).
-    fn restart_exited(&mut self) -> Result<(), BoxError> {
-        for shard in self.children.exited()? {
-            self.start(shard)?;
-        }
-        Ok(())
-    }
+    };
+    let binary = recipe("rabbitmq_orders")?;
+    let work = &options.load.work;
+    Ok(Supervisor::new(
+        binary,
+        work,
+        options.shards,
+        Box::new(command_line),
+    ))
 }
 
 /// Declares the exchange, the shard queues and the dead-letter queue, and empties them.
@@ -172,309 +112,130 @@ async fn topology(channel: &Channel, shards: usize) -> Result<(), BoxError> {
     for shard in 0..shards {
         let binding_key = shard.to_string();
         let binding = Some((EXCHANGE, binding_key.as_str()));
-        declare_empty_queue(channel, &queue_name(shard), FieldTable::default(), binding).await?;
+        let queue = queue_name(shard);
+        amqp::declare_empty_queue(channel, &queue, FieldTable::default(), binding).await?;
     }
-    declare_empty_queue(channel, DEAD_LETTER_QUEUE, FieldTable::default(), None).await
+    amqp::declare_empty_queue(channel, DEAD_LETTER_QUEUE, FieldTable::default(), None).await
 }
 
-/// The shard queues' names.
-fn shard_queues(shards: usize) -> Vec<String> {
-    (0..shards).map(queue_name).collect()
-}
-
-/// Total bytes of the consumers' event logs: still growing means still processing.
-fn events_bytes(work: &Path, shards: usize) -> Result<u64, BoxError> {
-    Ok((0..shards)
-        .filter_map(|shard| std::fs::metadata(work.join(format!("events-{shard}.log"))).ok())
-        .map(|metadata| metadata.len())
-        .sum::<u64>())
-}
-
-/// The run's accounting, checked and printed at the end.
-#[derive(Default)]
-struct Accounting {
-    published: u64,
-    distinct_orders: u64,
-    effects_applied: u64,
-    duplicates_suppressed: u64,
-    conflicts_dead_lettered: u64,
-    redelivered: u64,
-    transient_nacks: u64,
-    in_progress_nacks: u64,
-    kills: u64,
-    self_kills: u64,
-    starts: u64,
-    unexpected_exits: u64,
-    lost: u64,
-    applied_twice: u64,
-    wrong_content: u64,
-    missing_conflicts: u64,
-    false_conflicts: u64,
-    total_mismatches: u64,
-}
-
-impl Accounting {
-    fn passed(&self) -> bool {
-        // A consumer that dies on its own is a bug even when nothing was lost.
-        self.unexpected_exits == 0
-            && self.lost == 0
-            && self.applied_twice == 0
-            && self.wrong_content == 0
-            && self.missing_conflicts == 0
-            && self.false_conflicts == 0
-            && self.total_mismatches == 0
-    }
-
-    fn print(&self) {
-        let rows = [
-            ("published (confirmed by the broker)", self.published),
-            ("distinct orders", self.distinct_orders),
-            ("effects applied", self.effects_applied),
-            ("duplicates suppressed", self.duplicates_suppressed),
-            ("conflicts dead-lettered", self.conflicts_dead_lettered),
-            ("deliveries marked redelivered", self.redelivered),
-            ("transient failures nacked", self.transient_nacks),
-            ("in-progress nacked", self.in_progress_nacks),
-            ("consumers SIGKILLed at random moments", self.kills),
-            (
-                "consumers SIGKILLed between commit and ack",
-                self.self_kills,
-            ),
-            ("consumer starts", self.starts),
-            ("consumer exits not caused by us", self.unexpected_exits),
-            ("lost", self.lost),
-            ("applied twice", self.applied_twice),
-            ("applied with content never published", self.wrong_content),
-            (
-                "conflicting content not dead-lettered",
-                self.missing_conflicts,
-            ),
-            ("dead-lettered without a conflict", self.false_conflicts),
-            ("shards whose total amount disagrees", self.total_mismatches),
-        ];
-        for (label, value) in rows {
-            println!("  {label:<44} {value:>9}");
-        }
-    }
-}
-
-/// Counts the consumers' logged outcomes by kind.
-fn count_events(work: &Path, shards: usize) -> Result<HashMap<String, u64>, BoxError> {
-    let mut counts = HashMap::new();
-    for shard in 0..shards {
-        let path = work.join(format!("events-{shard}.log"));
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        for line in text.lines() {
-            let kind = line.split(' ').next().unwrap_or_default();
-            *counts.entry(kind.to_owned()).or_insert(0) += 1;
-        }
-    }
-    Ok(counts)
-}
-
-#[tokio::main]
-async fn main() {
-    match run().await {
-        Ok(true) => {}
-        Ok(false) => std::process::exit(1),
-        Err(error) => {
-            eprintln!("rabbitmq_e2e: {error}");
-            std::process::exit(2);
-        }
-    }
+fn main() {
+    idemdb_e2e::main("rabbitmq_e2e", run());
 }
 
 async fn run() -> Result<bool, BoxError> {
     let options = parse_options()?;
+    let load = &options.load;
+    let shards = options.shards;
     let started = Instant::now();
-    let mut rng = Rng(options.seed);
-    let plan = plan(
-        options.orders,
-        options.resend_percent,
-        options.reused,
-        &mut rng,
-    );
-    if options.work.exists() {
-        std::fs::remove_dir_all(&options.work)?;
-    }
-    std::fs::create_dir_all(&options.work)?;
+    let (plan, mut rng) = load.plan();
+    fresh_folder(&load.work)?;
 
-    let connection = connect(&options.amqp).await?;
-    let channel = connection.create_channel().await?;
-    topology(&channel, options.shards).await?;
-    let publisher = connection.create_channel().await?;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-
-    let binary = std::env::current_exe()?.with_file_name("rabbitmq_orders");
-    if !binary.exists() {
-        return Err(format!(
-            "{} not found: build it with `cargo build --release --features tokio --examples`",
-            binary.display()
-        )
-        .into());
-    }
-    let mut fleet = Fleet {
-        binary,
-        options_amqp: options.amqp.clone(),
-        work: options.work.clone(),
-        metrics_port_base: options.metrics_port_base,
-        transient_failure_percent: options.transient_failure_percent,
-        kill_after_commit_per_mille: options.kill_after_commit_per_mille,
-        children: Children::new(options.shards),
-        starts: 0,
-    };
-    for shard in 0..options.shards {
-        fleet.start(shard)?;
-    }
+    let amqp::Session {
+        connection,
+        channel,
+        publisher,
+    } = amqp::session(&options.amqp).await?;
+    topology(&channel, shards).await?;
+    let mut consumers = consumers(&options)?;
+    consumers.start_all()?;
     println!(
-        "rabbitmq_e2e: {} orders, {} messages to publish at {}/s, {} shards, work dir {}",
-        options.orders,
+        "rabbitmq_e2e: {} orders, {} messages to publish at {}/s, {shards} shards, work dir {}",
+        load.orders,
         plan.messages.len(),
-        options.rate,
-        options.shards,
-        options.work.display()
+        load.rate,
+        load.work.display()
     );
 
     // The producer publishes at a steady rate (each publish confirmed), while this task kills
     // consumers at random moments and restarts them.
-    let producer = {
-        let messages = plan.messages.clone();
-        let shards = options.shards;
-        let interval = Duration::from_micros(1_000_000 / options.rate);
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(interval);
-            let mut confirmed = 0u64;
-            for message in messages {
-                ticker.tick().await;
-                let properties = BasicProperties::default()
-                    .with_message_id(ShortString::from(message.order_id.as_str()))
-                    .with_delivery_mode(2);
-                let routing_key = shard_of(&message.order_id, shards).to_string();
-                let confirm = publisher
-                    .basic_publish(
-                        EXCHANGE.into(),
-                        routing_key.into(),
-                        BasicPublishOptions::default(),
-                        message.body.as_bytes(),
-                        properties,
-                    )
-                    .await?
-                    .await?;
-                if !confirm.is_ack() {
-                    return Err::<u64, BoxError>("the broker refused a publish".into());
-                }
-                confirmed += 1;
-            }
-            Ok(confirmed)
+    let messages = plan
+        .messages
+        .iter()
+        .map(|message| Outgoing {
+            routing_key: shard_of(&message.order_id, shards).to_string(),
+            order_id: message.order_id.clone(),
+            body: message.body.clone(),
         })
-    };
+        .collect();
+    let published = Arc::new(AtomicU64::new(0));
+    let producer = tokio::spawn(amqp::publish(
+        publisher,
+        EXCHANGE,
+        messages,
+        load.rate,
+        published.clone(),
+    ));
     let mut kills = 0u64;
     loop {
-        let pause = 100 + rng.below(700);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-        if producer.is_finished() && kills >= options.min_kills as u64 {
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
+        if producer.is_finished() && kills >= load.min_kills {
             break;
         }
-        let shard = usize::try_from(rng.below(options.shards as u64))?;
-        if fleet.children.kill(shard)?.is_some() {
+        let shard = usize::try_from(rng.below(shards as u64))?;
+        if consumers.kill_and_restart(shard)?.is_some() {
             kills += 1;
-            fleet.start(shard)?;
         }
-        fleet.restart_exited()?;
+        consumers.restart_exited()?;
     }
-    let published = producer.await??;
+    producer.await??;
     println!("rabbitmq_e2e: all published; {kills} kills done; draining");
 
-    // Drain: wait for quiet, stop the consumers gracefully, and check nothing is left (a
-    // message delivered to a stopping consumer goes back to its queue: start again then).
-    let mut metrics_sample = None;
-    for round in 0.. {
-        wait_quiet(
-            &channel,
-            &shard_queues(options.shards),
-            || fleet.restart_exited(),
-            || events_bytes(&options.work, options.shards),
-        )
-        .await?;
-        if metrics_sample.is_none() {
-            let consumer_0 =
-                std::net::SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
-            metrics_sample = prometheus::scrape(consumer_0).ok();
-        }
-        fleet.children.stop_gracefully()?;
-        if ready_messages(&channel, &shard_queues(options.shards)).await? == 0 {
-            break;
-        }
-        if round == 10 {
-            return Err("messages keep coming back after ten drain rounds".into());
-        }
-        for shard in 0..options.shards {
-            fleet.start(shard)?;
-        }
-    }
-    if let Some(sample) = &metrics_sample {
-        std::fs::write(options.work.join("metrics-shard-0.txt"), sample)?;
-    }
-    let dead_letters = drain_dead_letters(&channel).await?;
+    // Drain, with a scrape of consumer 0's metrics once the queues are quiet.
+    let queues: Vec<String> = (0..shards).map(queue_name).collect();
+    let progress = || ledger::bytes(&load.work, "events-");
+    amqp::wait_quiet(&channel, &queues, || consumers.restart_exited(), progress).await?;
+    let consumer_0 = SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
+    let metrics = prometheus::scrape(consumer_0).ok();
+    amqp::drain(&channel, &queues, &mut consumers, progress).await?;
+    let dead_letters = amqp::drain_dead_letters(&channel).await?;
     connection.close(200, "done".into()).await?;
 
-    let events = count_events(&options.work, options.shards)?;
-    let event = |kind: &str| events.get(kind).copied().unwrap_or(0);
-    let mut accounting = Accounting {
-        published,
-        distinct_orders: plan.contents.len() as u64,
-        duplicates_suppressed: event("duplicate"),
-        redelivered: event("redelivered"),
-        transient_nacks: event("transient"),
-        in_progress_nacks: event("in_progress"),
-        kills,
-        self_kills: fleet.children.self_kills as u64,
-        starts: fleet.starts as u64,
-        unexpected_exits: fleet.children.unexpected_exits as u64,
-        ..Accounting::default()
-    };
     let mut stores = Vec::new();
-    for shard in 0..options.shards {
-        let dir = options.work.join(format!("store-{shard}"));
+    for shard in 0..shards {
+        let dir = load.work.join(format!("store-{shard}"));
         stores.push((format!("shard {shard}"), open_store(&dir)?));
     }
-    let verdict = verify(&stores, &plan, &dead_letters)?;
-    accounting.effects_applied = verdict.effects_applied;
-    accounting.lost = verdict.lost;
-    accounting.applied_twice = verdict.applied_twice;
-    accounting.wrong_content = verdict.wrong_content;
-    accounting.missing_conflicts = verdict.missing_conflicts;
-    accounting.false_conflicts = verdict.false_conflicts;
-    accounting.conflicts_dead_lettered = verdict.conflicts_dead_lettered;
-    accounting.total_mismatches = verdict.total_mismatches;
+    let verdict = verdict::verify(&stores, &plan, &dead_letters)?;
+    let events = ledger::read_all(&load.work, "events-")?;
+    let count = |kind: &str| ledger::count(&events, kind, 0);
+    if let Some(sample) = &metrics {
+        std::fs::write(load.work.join("metrics-shard-0.txt"), sample)?;
+        println!("rabbitmq_e2e: metrics of consumer 0 (full scrape in the work dir):");
+        let shown = sample
+            .lines()
+            .filter(|line| line.starts_with("idemdb_outcomes_total") || line.contains("_count"));
+        for line in shown.take(8) {
+            println!("  {line}");
+        }
+    }
     println!(
         "rabbitmq_e2e: accounting ({:.0} s from first publish to last check)",
         started.elapsed().as_secs_f64()
     );
-    accounting.print();
-    if let Some(sample) = metrics_sample {
-        let shown: Vec<&str> = sample
-            .lines()
-            .filter(|line| line.starts_with("idemdb_outcomes_total") || line.contains("_count"))
-            .take(8)
-            .collect();
-        println!("rabbitmq_e2e: metrics of consumer 0 (full scrape in the work dir):");
-        for line in shown {
-            println!("  {line}");
-        }
-    }
-    let passed = accounting.passed();
-    println!(
-        "rabbitmq_e2e: {}",
-        if passed {
-            "PASSED: lost = 0, applied twice = 0"
-        } else {
-            "FAILED"
-        }
+    let mut report = Report::new("rabbitmq_e2e");
+    report.figure(
+        "published (confirmed by the broker)",
+        published.load(Ordering::Relaxed),
     );
-    Ok(passed)
+    report.figure("distinct orders", plan.contents.len());
+    report.figure("effects applied", verdict.effects_applied);
+    report.figure("duplicates suppressed", count("duplicate"));
+    report.figure("conflicts dead-lettered", verdict.conflicts_dead_lettered);
+    report.figure("deliveries marked redelivered", count("redelivered"));
+    report.figure("transient failures nacked", count("transient"));
+    report.figure("in-progress nacked", count("in_progress"));
+    report.figure("consumers SIGKILLed at random moments", kills);
+    report.figure(
+        "consumers SIGKILLed between commit and ack",
+        consumers.self_kills,
+    );
+    report.figure("consumer starts", consumers.starts);
+    report.zero(
+        "consumer exits not caused by us",
+        consumers.unexpected_exits,
+    );
+    report.verdict(&verdict, "dead-lettered", Some("shards"));
+    Ok(report.finish(Control::Run {
+        claim: "lost = 0, applied twice = 0",
+    }))
 }

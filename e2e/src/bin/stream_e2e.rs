@@ -36,441 +36,156 @@
 //! which nothing may be left to read. Neither is taken as proof of the accounting: that reads
 //! the stores (`reads`, the positions) once the consumers have stopped.
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use futures_lite::StreamExt;
-use idemdb::{Engine, Fingerprint};
-use rabbitmq_stream_client::Environment;
-use rabbitmq_stream_client::types::{Message, OffsetSpecification};
-
-#[path = "../checker.rs"]
-mod checker;
-#[path = "../../../examples/common/handler.rs"]
-mod handler;
-#[path = "../../../examples/common/orders.rs"]
-mod orders;
-#[path = "../../../examples/common/streams.rs"]
-mod streams;
-use checker::{BoxError, Children, DeadLetter, Rng, die_with_parent, plan, verify};
-use handler::monotonic_ns;
-use orders::shard_of;
-use streams::{
-    CONSUMER_ID, Placement, conflict_key, open_stream_store, order_id_of, read_key, stream_name,
-};
+use idemdb_e2e::args::{Args, Workload, check};
+use idemdb_e2e::ledger::{self, monotonic_ns};
+use idemdb_e2e::orders::shard_of;
+use idemdb_e2e::reads::{self, Reads, committed_through, highest_offset};
+use idemdb_e2e::report::{Control, Report, median_max};
+use idemdb_e2e::streams::{CONSUMER_ID, Placement, open_stream_store, stream_name};
+use idemdb_e2e::supervisor::{Supervisor, recipe};
+use idemdb_e2e::{BoxError, fresh_folder, verdict};
+use rabbitmq_stream_client::types::Message;
 
 struct Options {
     port: u16,
-    orders: usize,
     streams: usize,
-    resend_percent: u64,
-    reused: usize,
-    rate: u64,
-    min_kills: usize,
     kill_at_commit_per_mille: u64,
     kill_after_last_commit: bool,
     placement: Placement,
-    work: PathBuf,
-    seed: u64,
+    load: Workload,
 }
 
 fn parse_options() -> Result<Options, BoxError> {
-    let mut options = Options {
-        port: 15552,
-        orders: 2000,
-        streams: 3,
-        resend_percent: 20,
-        reused: 20,
-        rate: 400,
-        min_kills: 10,
-        kill_at_commit_per_mille: 20,
-        kill_after_last_commit: false,
-        placement: Placement::Store,
-        work: std::env::temp_dir().join("idemdb-stream-e2e"),
-        seed: 1,
+    let mut args = Args::from_env();
+    let position: String = args.value("position", Placement::Store.label().to_owned())?;
+    let options = Options {
+        port: args.value("port", 15552)?,
+        streams: args.value("streams", 3)?,
+        kill_at_commit_per_mille: args.value("kill-at-commit-per-mille", 20)?,
+        kill_after_last_commit: args.flag("kill-after-last-commit"),
+        placement: Placement::parse(&position)
+            .ok_or_else(|| format!("unknown placement {position}"))?,
+        load: Workload::parse(&mut args, "stream-e2e", 400)?,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--port" => options.port = value()?.parse()?,
-            "--orders" => options.orders = value()?.parse()?,
-            "--streams" => options.streams = value()?.parse()?,
-            "--resend-percent" => options.resend_percent = value()?.parse()?,
-            "--reused" => options.reused = value()?.parse()?,
-            "--rate" => options.rate = value()?.parse()?,
-            "--min-kills" => options.min_kills = value()?.parse()?,
-            "--kill-at-commit-per-mille" => options.kill_at_commit_per_mille = value()?.parse()?,
-            "--kill-after-last-commit" => options.kill_after_last_commit = true,
-            "--position" => {
-                let text = value()?;
-                options.placement =
-                    Placement::parse(&text).ok_or_else(|| format!("unknown placement {text}"))?;
-            }
-            "--work" => options.work = value()?.into(),
-            "--seed" => options.seed = value()?.parse()?,
-            other => return Err(format!("unknown option {other}").into()),
-        }
-    }
-    if options.orders == 0 || options.streams == 0 || options.rate == 0 {
-        return Err("--orders, --streams and --rate must be at least 1".into());
-    }
-    if options.reused > options.orders || options.resend_percent > 100 {
-        return Err("--reused is at most --orders; --resend-percent is 0..=100".into());
-    }
-    if options.kill_at_commit_per_mille > 1000 {
-        return Err("--kill-at-commit-per-mille is 0..=1000".into());
-    }
+    args.finish()?;
+    check(options.streams > 0, "--streams must be at least 1")?;
+    check(
+        options.kill_at_commit_per_mille <= 1000,
+        "--kill-at-commit-per-mille is 0..=1000",
+    )?;
     Ok(options)
 }
 
-/// The consumer processes, one per stream.
-struct Fleet {
-    binary: PathBuf,
-    options: Options,
-    children: Children,
-    starts: usize,
-    /// Per stream, the offset of its planned kill (`--kill-after-last-commit`): its last
-    /// offset, as the stream is created empty and each publish takes one offset.
-    planned_kills: Vec<Option<u64>>,
+/// The ledger of stream `stream`'s consumers (every process of the stream appends to it).
+fn ledger_of(work: &Path, stream: usize) -> PathBuf {
+    work.join(format!("ledger-{stream}.log"))
 }
 
-impl Fleet {
-    fn ledger(&self, stream: usize) -> PathBuf {
-        self.options.work.join(format!("ledger-{stream}.log"))
-    }
-
-    fn start(&mut self, stream: usize) -> Result<(), BoxError> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.options.work.join(format!("consumer-{stream}.log")))?;
-        let seed = self.options.seed ^ ((self.starts as u64 + 1) << 20);
-        let mut command = Command::new(&self.binary);
+/// One `stream_orders` process per stream: its stream, its store, its ledger, the placement of
+/// its position. `planned_kills` holds, per stream, the offset after whose commit the consumer
+/// SIGKILLs itself once (`--kill-after-last-commit`).
+fn consumers(options: &Options, planned_kills: Vec<Option<u64>>) -> Result<Supervisor, BoxError> {
+    let port = options.port.to_string();
+    let work = options.load.work.clone();
+    let placement = options.placement.label();
+    let kill = options.kill_at_commit_per_mille.to_string();
+    let seed = options.load.seed;
+    let mut starts = 0u64;
+    let command_line = move |stream: usize, command: &mut Command| {
+        // Each process draws its kills at the commit point from a seed of its own.
+        starts += 1;
         command
             .arg("--port")
-            .arg(self.options.port.to_string())
+            .arg(&port)
             .arg("--stream")
             .arg(stream_name(stream))
             .arg("--dir")
-            .arg(self.options.work.join(format!("store-{stream}")))
+            .arg(work.join(format!("store-{stream}")))
             .arg("--ledger")
-            .arg(self.ledger(stream))
+            .arg(ledger_of(&work, stream))
             .arg("--position")
-            .arg(self.options.placement.label())
+            .arg(placement)
             .arg("--kill-at-commit-per-mille")
-            .arg(self.options.kill_at_commit_per_mille.to_string())
+            .arg(&kill)
             .arg("--seed")
-            .arg(seed.to_string())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
+            .arg((seed ^ (starts << 20)).to_string());
         // Once: until the stream's ledger shows the kill done (a consumer killed after the
         // stream's last commit reads nothing again; one keeping its position at the broker
         // after the commit would read that group again, and die there again).
-        if let Some(offset) = self.planned_kills[stream] {
-            let events = read_ledger(&self.ledger(stream))?;
+        if let Some(offset) = planned_kills[stream] {
+            let events = ledger::read(&ledger_of(&work, stream))?;
             if !events.iter().any(|event| event.kind == "planned-kill") {
                 command.arg("--kill-at-commit-of").arg(offset.to_string());
             }
         }
-        die_with_parent(&mut command);
-        self.children.set(stream, command.spawn()?);
-        self.starts += 1;
         Ok(())
-    }
-
-    fn restart_exited(&mut self) -> Result<(), BoxError> {
-        for stream in self.children.exited()? {
-            self.start(stream)?;
-        }
-        Ok(())
-    }
-}
-
-/// One line of a consumer's ledger: `<kind> <subject> - <monotonic ns> <pid>`.
-struct Event {
-    kind: String,
-    subject: String,
-    at_ns: u64,
-    pid: u32,
-}
-
-fn read_ledger(path: &Path) -> Result<Vec<Event>, BoxError> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(Vec::new());
     };
-    let mut events = Vec::new();
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        if fields.len() < 5 {
-            return Err(format!("{}: malformed line {line:?}", path.display()).into());
-        }
-        events.push(Event {
-            kind: fields[0].to_owned(),
-            subject: fields[1].to_owned(),
-            at_ns: fields[3].parse()?,
-            pid: fields[4].parse()?,
-        });
-    }
-    Ok(events)
-}
-
-/// The highest offset among a stream's ledger events of `kind` ("commit": committed; "read":
-/// read).
-fn highest_offset(events: &[Event], kind: &str) -> Option<u64> {
-    events
-        .iter()
-        .filter(|event| event.kind == kind)
-        .filter_map(|event| event.subject.parse::<u64>().ok())
-        .max()
-}
-
-/// The highest offset a stream's ledger shows committed: its highest `commit` event, or below
-/// a `ready N` (a process starting at N) where the position it was read from is written with
-/// the commit or after it, which a SIGKILL between a commit and its `commit` event leaves as
-/// the only evidence. With the position at the broker before the commit, `ready N` proves
-/// nothing: the offsets below N may be lost.
-fn committed_through(events: &[Event], placement: Placement) -> Option<u64> {
-    let committed = highest_offset(events, "commit");
-    if placement == Placement::BrokerBeforeCommit {
-        return committed;
-    }
-    let resumed = highest_offset(events, "ready").and_then(|start| start.checked_sub(1));
-    committed.max(resumed)
+    let binary = recipe("stream_orders")?;
+    let (work, streams) = (&options.load.work, options.streams);
+    let command_line = Box::new(command_line);
+    Ok(Supervisor::new(binary, work, streams, command_line))
 }
 
 /// How long a stream's ledger must stand still, its last offset read, before the
 /// broker-before-commit control stops waiting for a commit of it that will never come.
 const LEDGER_STILL: Duration = Duration::from_secs(5);
 
-/// Every message of a stream from its start: (offset, body), `expected` of them.
-async fn read_stream(
-    environment: &Environment,
-    stream: &str,
-    expected: usize,
-) -> Result<Vec<(u64, String)>, BoxError> {
-    let mut consumer = environment
-        .consumer()
-        .offset(OffsetSpecification::First)
-        .build(stream)
-        .await?;
-    let mut messages = Vec::with_capacity(expected);
-    while messages.len() < expected {
-        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-            .await
-            .map_err(|_| format!("{stream}: {} of {expected} messages read", messages.len()))?
-            .ok_or("the stream's connection closed")??;
-        let body = delivery
-            .message()
-            .data()
-            .map(|data| String::from_utf8_lossy(data).into_owned())
-            .unwrap_or_default();
-        messages.push((delivery.offset(), body));
-    }
-    let _ = consumer.handle().close().await;
-    Ok(messages)
-}
-
-/// The run's accounting.
-#[derive(Default)]
-struct Accounting {
-    published: u64,
-    distinct_orders: u64,
-    applied: u64,
-    duplicates: u64,
-    duplicates_expected: u64,
-    outcome_mismatches: u64,
-    conflicts: u64,
-    kills: u64,
-    self_kills: u64,
-    planned_kills_missing: u64,
-    starts: u64,
-    unexpected_exits: u64,
-    lost: u64,
-    applied_twice: u64,
-    wrong_content: u64,
-    missing_conflicts: u64,
-    false_conflicts: u64,
-    total_mismatches: u64,
-    unsettled_offsets: u64,
-    positions_not_at_end: u64,
-    read_again: u64,
-    resume_ms: Vec<f64>,
-}
-
-impl Accounting {
-    fn print(&self) {
-        let rows = [
-            ("published (confirmed by the broker)", self.published),
-            ("distinct orders", self.distinct_orders),
-            ("effects applied", self.applied),
-            ("duplicates (true resends) settled", self.duplicates),
-            (
-                "duplicates the stream's order makes",
-                self.duplicates_expected,
-            ),
-            (
-                "offsets settled with another outcome",
-                self.outcome_mismatches,
-            ),
-            ("conflicts recorded", self.conflicts),
-            ("consumers SIGKILLed at random moments", self.kills),
-            ("consumers SIGKILLed at the commit point", self.self_kills),
-            (
-                "planned kills after a stream's last commit not done",
-                self.planned_kills_missing,
-            ),
-            ("consumer starts", self.starts),
-            ("consumer exits not caused by us", self.unexpected_exits),
-            ("lost", self.lost),
-            ("applied twice", self.applied_twice),
-            ("applied with content never published", self.wrong_content),
-            ("conflicting content not recorded", self.missing_conflicts),
-            ("recorded as a conflict without one", self.false_conflicts),
-            (
-                "streams whose total amount disagrees",
-                self.total_mismatches,
-            ),
-            ("offsets never settled by a commit", self.unsettled_offsets),
-            (
-                "stores whose position is not their stream's last offset",
-                self.positions_not_at_end,
-            ),
-            (
-                "read again after a restart beyond the last commit's group",
-                self.read_again,
-            ),
-        ];
-        for (label, value) in rows {
-            println!("  {label:<58} {value:>9}");
-        }
-        let mut resume = self.resume_ms.clone();
-        resume.sort_by(f64::total_cmp);
-        if !resume.is_empty() {
-            println!(
-                "  {:<58} {:>9}",
-                "resume after a SIGKILL (restart to subscribed), median ms",
-                format!("{:.0}", resume[resume.len() / 2])
-            );
-            println!(
-                "  {:<58} {:>9}",
-                "resume after a SIGKILL, max ms",
-                format!("{:.0}", resume[resume.len() - 1])
-            );
-        }
-    }
-
-    /// Every check of the store placement.
-    fn all_hold(&self) -> bool {
-        self.unexpected_exits == 0
-            && self.lost == 0
-            && self.applied_twice == 0
-            && self.wrong_content == 0
-            && self.missing_conflicts == 0
-            && self.false_conflicts == 0
-            && self.total_mismatches == 0
-            && self.unsettled_offsets == 0
-            && self.positions_not_at_end == 0
-            && self.planned_kills_missing == 0
-            && self.read_again == 0
-            && self.outcome_mismatches == 0
-    }
-}
-
-#[tokio::main]
-async fn main() {
-    match run().await {
-        Ok(true) => {}
-        Ok(false) => std::process::exit(1),
-        Err(error) => {
-            eprintln!("stream_e2e: {}", handler::chain(error.as_ref()));
-            std::process::exit(2);
-        }
-    }
+fn main() {
+    idemdb_e2e::main("stream_e2e", run());
 }
 
 async fn run() -> Result<bool, BoxError> {
     let options = parse_options()?;
+    let load = &options.load;
+    let (streams, placement, work) = (options.streams, options.placement, &load.work);
     let started = Instant::now();
-    let mut rng = Rng(options.seed);
-    let plan = plan(
-        options.orders,
-        options.resend_percent,
-        options.reused,
-        &mut rng,
-    );
-    if options.work.exists() {
-        std::fs::remove_dir_all(&options.work)?;
-    }
-    std::fs::create_dir_all(&options.work)?;
-    let environment = connect(options.port).await?;
-    for stream in 0..options.streams {
+    let (plan, mut rng) = load.plan();
+    fresh_folder(work)?;
+    let environment = reads::connect(options.port).await?;
+    for stream in 0..streams {
         let name = stream_name(stream);
         let _ = environment.delete_stream(&name).await;
         environment.stream_creator().create(&name).await?;
     }
-    let binary = std::env::current_exe()?.with_file_name("stream_orders");
-    if !binary.exists() {
-        return Err(format!(
-            "{} not found: build it with `cargo build --release --features tokio --examples`",
-            binary.display()
-        )
-        .into());
-    }
-    let streams = options.streams;
-    let placement = options.placement;
-    let mut planned_kills = vec![None; streams];
-    if options.kill_after_last_commit {
-        for (stream, planned) in planned_kills.iter_mut().enumerate() {
-            let count = plan
-                .messages
-                .iter()
-                .filter(|message| shard_of(&message.order_id, streams) == stream)
-                .count();
-            *planned = (count as u64).checked_sub(1);
-        }
-    }
-    let min_kills = options.min_kills;
-    let rate = options.rate;
-    let work = options.work.clone();
+    // Each stream's messages in publishing order. A stream is created empty and each publish
+    // takes one offset, so its last offset is its count less one: the planned kill's.
+    let bodies: Vec<Vec<String>> = (0..streams)
+        .map(|stream| {
+            let mine = plan.messages.iter();
+            let mine = mine.filter(|message| shard_of(&message.order_id, streams) == stream);
+            mine.map(|message| message.body.clone()).collect()
+        })
+        .collect();
+    let planned_kills: Vec<Option<u64>> = bodies
+        .iter()
+        .map(|mine| (mine.len() as u64).checked_sub(1))
+        .map(|last| last.filter(|_| options.kill_after_last_commit))
+        .collect();
+    let mut consumers = consumers(&options, planned_kills.clone())?;
     println!(
-        "stream_e2e: {} orders, {} messages at {}/s over {} streams, position {}, work dir {}",
-        options.orders,
+        "stream_e2e: {} orders, {} messages at {}/s over {streams} streams, position {}, work \
+         dir {}",
+        load.orders,
         plan.messages.len(),
-        rate,
-        streams,
+        load.rate,
         placement.label(),
         work.display()
     );
-    let mut fleet = Fleet {
-        binary,
-        options,
-        children: Children::new(streams),
-        starts: 0,
-        planned_kills,
-    };
-    for stream in 0..streams {
-        fleet.start(stream)?;
-    }
+    consumers.start_all()?;
 
     // One producer per stream, together at the requested rate, each publish confirmed.
     let mut producers = Vec::new();
-    for stream in 0..streams {
-        let messages: Vec<String> = plan
-            .messages
-            .iter()
-            .filter(|message| shard_of(&message.order_id, streams) == stream)
-            .map(|message| message.body.clone())
-            .collect();
+    for (stream, messages) in bodies.into_iter().enumerate() {
         let producer = environment
             .producer()
             .batch_delay(Duration::from_millis(1))
             .build(&stream_name(stream))
             .await?;
-        let interval = Duration::from_micros(1_000_000 * streams as u64 / rate);
+        let interval = Duration::from_micros(1_000_000 * streams as u64 / load.rate);
         producers.push(tokio::spawn(async move {
             let mut ticker = tokio::time::interval(interval);
             let mut confirmed = 0usize;
@@ -489,20 +204,19 @@ async fn run() -> Result<bool, BoxError> {
         }));
     }
 
-    // Kills at random moments while the producers publish (and until enough were made).
+    // Kills at random moments while the producers publish (and until enough were made), each
+    // with its time, from which the restarted consumer's resume is measured.
     let mut kills: Vec<(usize, u64)> = Vec::new();
     loop {
-        let pause = 100 + rng.below(700);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-        fleet.restart_exited()?;
-        if producers.iter().all(|p| p.is_finished()) && kills.len() >= min_kills {
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
+        consumers.restart_exited()?;
+        if producers.iter().all(|p| p.is_finished()) && kills.len() as u64 >= load.min_kills {
             break;
         }
         let stream = usize::try_from(rng.below(streams as u64))?;
         let at_ns = monotonic_ns();
-        if fleet.children.kill(stream)?.is_some() {
+        if consumers.kill_and_restart(stream)?.is_some() {
             kills.push((stream, at_ns));
-            fleet.start(stream)?;
         }
     }
     let mut published = Vec::new();
@@ -518,7 +232,7 @@ async fn run() -> Result<bool, BoxError> {
     // The reference: every stream read from its start.
     let mut reference = Vec::new();
     for (stream, &count) in published.iter().enumerate() {
-        reference.push(read_stream(&environment, &stream_name(stream), count).await?);
+        reference.push(reads::read_stream(&environment, &stream_name(stream), count).await?);
     }
     // Wait until each stream's consumers committed its last offset. With the position stored
     // at the broker before the commit, a consumer killed between the two never reads that
@@ -527,11 +241,11 @@ async fn run() -> Result<bool, BoxError> {
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut still_since: Vec<(usize, Instant)> = vec![(0, Instant::now()); reference.len()];
     loop {
-        fleet.restart_exited()?;
+        consumers.restart_exited()?;
         let mut behind = Vec::new();
         for (stream, messages) in reference.iter().enumerate() {
             let last = messages.last().map(|(offset, _)| *offset);
-            let events = read_ledger(&fleet.ledger(stream))?;
+            let events = ledger::read(&ledger_of(work, stream))?;
             let committed = committed_through(&events, placement);
             if last.is_none() || committed >= last {
                 continue;
@@ -554,264 +268,130 @@ async fn run() -> Result<bool, BoxError> {
             break;
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "{} stream(s) not consumed to the end in 300 s ({})",
-                behind.len(),
-                behind.join("; ")
-            )
-            .into());
+            let (count, behind) = (behind.len(), behind.join("; "));
+            let error = format!("{count} stream(s) not consumed to the end in 300 s ({behind})");
+            return Err(error.into());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    fleet.children.stop_gracefully()?;
-    let _ = environment.delete_stream("unused").await;
+    consumers.stop_gracefully()?;
 
-    let mut accounting = Accounting {
-        published: published.iter().map(|&count| count as u64).sum(),
-        distinct_orders: plan.contents.len() as u64,
-        kills: kills.len() as u64,
-        self_kills: fleet.children.self_kills as u64,
-        starts: fleet.starts as u64,
-        unexpected_exits: fleet.children.unexpected_exits as u64,
-        ..Accounting::default()
-    };
+    // Each store checked against its stream read back and its ledger.
+    let mut found = Reads::default();
+    let (mut positions_not_at_end, mut planned_kills_missing) = (0u64, 0u64);
+    let mut resume_ms = Vec::new();
     let mut stores = Vec::new();
     let mut dead_letters = Vec::new();
     for (stream, read_back) in reference.iter().enumerate() {
         let engine = open_stream_store(&work.join(format!("store-{stream}")))?;
-        let events = read_ledger(&fleet.ledger(stream))?;
-        check_reads(&engine, read_back, &events, &mut accounting)?;
+        let events = ledger::read(&ledger_of(work, stream))?;
+        reads::check_reads(&engine, read_back, &events, &mut found)?;
         let last = read_back.last().map(|(offset, _)| *offset);
         if placement == Placement::Store {
             // What the wait above took from the ledger, read from the store itself.
-            let stored = engine
-                .consumer(CONSUMER_ID)?
-                .positions()
-                .get(&stream_name(stream), 0)?
-                .map(|position| position.offset);
+            let positions = engine.consumer(CONSUMER_ID)?.positions();
+            let stored = positions.get(&stream_name(stream), 0)?;
+            let stored = stored.map(|position| position.offset);
             if stored != last {
-                accounting.positions_not_at_end += 1;
+                positions_not_at_end += 1;
                 eprintln!("POSITION: stream {stream}: stored {stored:?}, last offset {last:?}");
             }
         }
         // The planned kill done once, after the commit of the stream's last offset. (A random
         // SIGKILL landing between that commit and its `planned-kill` line, microseconds apart,
         // would leave it undone: the run then fails here rather than pass without the case.)
-        if fleet.planned_kills[stream].is_some() {
-            let done = events
+        if planned_kills[stream].is_some() {
+            let done: Vec<u64> = events
                 .iter()
                 .filter(|event| event.kind == "planned-kill")
                 .filter_map(|event| event.subject.parse::<u64>().ok())
-                .collect::<Vec<_>>();
+                .collect();
             if last.is_none() || done.len() != 1 || done.first().copied() != last {
-                accounting.planned_kills_missing += 1;
+                planned_kills_missing += 1;
                 eprintln!(
                     "PLANNED KILL: stream {stream}: done after {done:?}, last offset {last:?}"
                 );
             }
         }
-        dead_letters.extend(recorded_conflicts(&engine, read_back)?);
+        dead_letters.extend(reads::recorded_conflicts(&engine, read_back)?);
         // Each kill of this stream's consumer -> the restarted one subscribed.
         for &(_, at_ns) in kills.iter().filter(|(killed, _)| *killed == stream) {
-            if let Some(ready) = events
+            let ready = events
                 .iter()
-                .find(|event| event.kind == "ready" && event.at_ns > at_ns)
-            {
-                accounting
-                    .resume_ms
-                    .push((ready.at_ns - at_ns) as f64 / 1_000_000.0);
+                .find(|event| event.kind == "ready" && event.at_ns > at_ns);
+            if let Some(ready) = ready {
+                resume_ms.push((ready.at_ns - at_ns) as f64 / 1_000_000.0);
             }
         }
         stores.push((stream_name(stream), engine));
     }
-    accounting.conflicts = dead_letters.len() as u64;
-    let verdict = verify(&stores, &plan, &dead_letters)?;
-    accounting.applied = verdict.effects_applied;
-    accounting.lost = verdict.lost;
-    accounting.applied_twice = verdict.applied_twice;
-    accounting.wrong_content = verdict.wrong_content;
-    accounting.missing_conflicts = verdict.missing_conflicts;
-    accounting.false_conflicts = verdict.false_conflicts;
-    accounting.total_mismatches = verdict.total_mismatches;
+    let verdict = verdict::verify(&stores, &plan, &dead_letters)?;
 
     println!(
         "stream_e2e: accounting, position {} ({:.0} s from first publish to last check)",
         placement.label(),
         started.elapsed().as_secs_f64()
     );
-    accounting.print();
-    let passed = match placement {
-        Placement::Store => {
-            let passed = accounting.all_hold();
-            println!(
-                "stream_e2e: {}",
-                if passed {
-                    "PASSED: lost = 0, applied twice = 0, read again = 0"
-                } else {
-                    "FAILED"
-                }
-            );
-            passed
-        }
-        Placement::BrokerBeforeCommit => {
-            let caught = accounting.lost > 0;
-            println!(
-                "stream_e2e: negative control (offset stored at the broker before the commit): \
-                 {}",
-                if caught {
-                    "the check caught it: lost > 0"
-                } else {
-                    "NOT CAUGHT: lost = 0"
-                }
-            );
-            caught
-        }
-        Placement::BrokerAfterCommit => {
-            let caught = accounting.read_again > 0 && accounting.applied_twice == 0;
-            println!(
-                "stream_e2e: negative control (offset stored at the broker after the commit): \
-                 {}",
-                if caught {
-                    "the check caught it: read again > 0 (the markers kept applied twice = 0)"
-                } else {
-                    "NOT CAUGHT"
-                }
-            );
-            caught
-        }
-    };
-    Ok(passed)
-}
-
-async fn connect(port: u16) -> Result<Environment, BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match Environment::builder()
-            .host("127.0.0.1")
-            .port(port)
-            .build()
-            .await
-        {
-            Ok(environment) => return Ok(environment),
-            Err(error) if Instant::now() < deadline => {
-                eprintln!("stream_e2e: waiting for the broker's stream port ({error})");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(error) => return Err(error.into()),
-        }
+    let mut report = Report::new("stream_e2e");
+    report.figure(
+        "published (confirmed by the broker)",
+        published.iter().sum::<usize>(),
+    );
+    report.figure("distinct orders", plan.contents.len());
+    report.figure("effects applied", verdict.effects_applied);
+    report.figure("duplicates (true resends) settled", found.duplicates);
+    report.figure(
+        "duplicates the stream's order makes",
+        found.duplicates_expected,
+    );
+    report.zero(
+        "offsets settled with another outcome",
+        found.outcome_mismatches,
+    );
+    report.figure("conflicts recorded", dead_letters.len());
+    report.figure("consumers SIGKILLed at random moments", kills.len());
+    report.figure(
+        "consumers SIGKILLed at the commit point",
+        consumers.self_kills,
+    );
+    report.zero(
+        "planned kills after a stream's last commit not done",
+        planned_kills_missing,
+    );
+    report.figure("consumer starts", consumers.starts);
+    report.zero(
+        "consumer exits not caused by us",
+        consumers.unexpected_exits,
+    );
+    report.verdict(&verdict, "recorded", Some("streams"));
+    report.zero("offsets never settled by a commit", found.unsettled_offsets);
+    report.zero(
+        "stores whose position is not their stream's last offset",
+        positions_not_at_end,
+    );
+    report.zero(
+        "read again after a restart beyond the last commit's group",
+        found.read_again,
+    );
+    if let Some((median, max)) = median_max(&resume_ms) {
+        report.figure(
+            "resume after a SIGKILL (restart to subscribed), median ms",
+            format!("{median:.0}"),
+        );
+        report.figure("resume after a SIGKILL, max ms", format!("{max:.0}"));
     }
-}
-
-/// Checks one stream's offsets against the `reads` rows its consumers committed: each offset
-/// settled (by at least one commit), and no process reading an offset an earlier process had
-/// committed. Counts the duplicates settled.
-fn check_reads(
-    engine: &Engine,
-    reference: &[(u64, String)],
-    events: &[Event],
-    accounting: &mut Accounting,
-) -> Result<(), BoxError> {
-    let reads = engine.business_table("reads")?;
-    // Processes in the order they started.
-    let mut started: Vec<u32> = Vec::new();
-    for event in events.iter().filter(|event| event.kind == "ready") {
-        if !started.contains(&event.pid) {
-            started.push(event.pid);
-        }
-    }
-    let rank: HashMap<u32, usize> = started
-        .iter()
-        .enumerate()
-        .map(|(index, pid)| (*pid, index))
-        .collect();
-    // For each offset, the processes whose commit settled it, with the outcome; and the
-    // outcome the stream's order makes: an order's first message is fresh, a later one with
-    // its content a duplicate, with other content a conflict.
-    let mut committers: BTreeMap<u64, Vec<(u32, String)>> = BTreeMap::new();
-    let mut winners: HashMap<&str, &str> = HashMap::new();
-    for (offset, body) in reference {
-        let order_id = order_id_of(body).unwrap_or_default();
-        let expected = match winners.get(order_id) {
-            None => {
-                winners.insert(order_id, body);
-                "fresh"
-            }
-            Some(winner) if winner == body => "duplicate",
-            Some(_) => "conflict",
-        };
-        if expected == "duplicate" {
-            accounting.duplicates_expected += 1;
-        }
-        for pid in &started {
-            if let Some(outcome) = reads.get(read_key(*offset, *pid))? {
-                committers
-                    .entry(*offset)
-                    .or_default()
-                    .push((*pid, String::from_utf8_lossy(&outcome).into_owned()));
-            }
-        }
-        match committers.get(offset) {
-            None => accounting.unsettled_offsets += 1,
-            Some(by) => {
-                // The first commit's outcome (a later one, of a message read again, finds the
-                // first's record).
-                let first = by
-                    .iter()
-                    .min_by_key(|(pid, _)| rank.get(pid).copied().unwrap_or(usize::MAX))
-                    .map(|(_, outcome)| outcome.as_str());
-                if first == Some("duplicate") {
-                    accounting.duplicates += 1;
-                }
-                if first != Some(expected) {
-                    accounting.outcome_mismatches += 1;
-                    eprintln!(
-                        "OUTCOME: offset {offset} ({body}): {first:?}, the stream's order makes \
-                         {expected}"
-                    );
-                }
-            }
-        }
-    }
-    for event in events.iter().filter(|event| event.kind == "read") {
-        let offset: u64 = event.subject.parse()?;
-        let reader = rank.get(&event.pid).copied().unwrap_or(usize::MAX);
-        let committed_before = committers.get(&offset).is_some_and(|by| {
-            by.iter()
-                .any(|(pid, _)| *pid != event.pid && rank.get(pid).copied().unwrap_or(0) < reader)
-        });
-        if committed_before {
-            accounting.read_again += 1;
-        }
-    }
-    Ok(())
-}
-
-/// The conflicts a stream's consumers recorded, as the dead letters the shared check expects.
-fn recorded_conflicts(
-    engine: &Engine,
-    reference: &[(u64, String)],
-) -> Result<Vec<DeadLetter>, BoxError> {
-    let conflicts = engine.business_table("conflicts")?;
-    let orders = engine.business_table("orders")?;
-    let mut found = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for (_, body) in reference {
-        let Some(order_id) = order_id_of(body) else {
-            continue;
-        };
-        let fingerprint = Fingerprint::of(body.as_bytes());
-        let key = conflict_key(order_id, &fingerprint);
-        if !seen.insert(key.clone()) || conflicts.get(&key)?.is_none() {
-            continue;
-        }
-        let stored = orders
-            .get(order_id)?
-            .map(|winner| Fingerprint::of(&winner).to_string());
-        found.push(DeadLetter {
-            order_id: order_id.to_owned(),
-            received: fingerprint.to_string(),
-            stored,
-        });
-    }
-    Ok(found)
+    Ok(report.finish(match placement {
+        Placement::Store => Control::Run {
+            claim: "lost = 0, applied twice = 0, read again = 0",
+        },
+        Placement::BrokerBeforeCommit => Control::Negative {
+            caught: verdict.lost > 0,
+            flaw: "the position stored at the broker before the commit loses offsets (lost > 0)",
+        },
+        Placement::BrokerAfterCommit => Control::Negative {
+            caught: found.read_again > 0 && verdict.applied_twice == 0,
+            flaw: "the position stored at the broker after the commit reads committed offsets \
+                   again (read again > 0; the markers keep applied twice = 0)",
+        },
+    }))
 }
