@@ -174,7 +174,8 @@ pub async fn wait_quiet(
     }
 }
 
-/// Waits until `queues` have drained and the consumers are idle (`progress` still), then
+/// Waits until `queues` have drained and the consumers are idle (`progress` still), runs
+/// `when_quiet` (while the consumers still run: a checker scrapes their metrics there), then
 /// stops the consumers gracefully; starts them again and repeats until nothing came back to the
 /// queues (a message delivered to a stopping consumer goes back to its queue). The consumers
 /// are stopped on return.
@@ -183,6 +184,7 @@ pub async fn drain(
     queues: &[String],
     consumers: &mut Supervisor,
     mut progress: impl FnMut() -> Result<u64, BoxError>,
+    mut when_quiet: impl FnMut(),
 ) -> Result<(), BoxError> {
     for round in 0.. {
         wait_quiet(
@@ -192,6 +194,7 @@ pub async fn drain(
             &mut progress,
         )
         .await?;
+        when_quiet();
         consumers.stop_gracefully()?;
         if ready_messages(channel, queues).await? == 0 {
             break;

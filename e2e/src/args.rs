@@ -1,6 +1,7 @@
-//! The checkers' command lines: `--name value` options and bare `--flag`s, in any order. A
-//! checker asks for each option it knows, with its default; whatever is left is refused, so a
-//! misspelt option fails the run instead of being ignored.
+//! The checkers' command lines: `--name value` options and bare `--flag`s, in any order; an
+//! option given twice takes its last value (a script's defaults come first, the caller's
+//! arguments after them). A checker asks for each option it knows, with its default; whatever
+//! is left is refused, so a misspelt option fails the run instead of being ignored.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -25,33 +26,35 @@ impl Args {
         }
     }
 
-    /// The value after `--name`, parsed; `default` when the option is absent.
+    /// The value after the last `--name`, parsed; `default` when the option is absent. Every
+    /// `--name` and its value are taken.
     pub fn value<T>(&mut self, name: &str, default: T) -> Result<T, BoxError>
     where
         T: FromStr,
         T::Err: std::fmt::Display,
     {
         let flag = format!("--{name}");
-        let Some(at) = self.left.iter().position(|arg| *arg == flag) else {
+        let mut last = None;
+        while let Some(at) = self.left.iter().position(|arg| *arg == flag) {
+            if at + 1 >= self.left.len() {
+                return Err(format!("{flag} needs a value").into());
+            }
+            last = Some(self.left.remove(at + 1));
+            self.left.remove(at);
+        }
+        let Some(text) = last else {
             return Ok(default);
         };
-        if at + 1 >= self.left.len() {
-            return Err(format!("{flag} needs a value").into());
-        }
-        let text = self.left.remove(at + 1);
-        self.left.remove(at);
         text.parse()
             .map_err(|error| format!("{flag} {text}: {error}").into())
     }
 
-    /// Whether the bare `--name` was given.
+    /// Whether the bare `--name` was given (once or more; all are taken).
     pub fn flag(&mut self, name: &str) -> bool {
         let flag = format!("--{name}");
-        let given = self.left.iter().position(|arg| *arg == flag);
-        if let Some(at) = given {
-            self.left.remove(at);
-        }
-        given.is_some()
+        let before = self.left.len();
+        self.left.retain(|arg| *arg != flag);
+        self.left.len() < before
     }
 
     /// Refuses whatever no option took.
@@ -136,6 +139,16 @@ mod tests {
         assert!(given.flag("negative-control"));
         assert_eq!(given.value("rate", 400u64).unwrap(), 400);
         assert_eq!(given.value("seed", 1u64).unwrap(), 7);
+        given.finish().unwrap();
+    }
+
+    #[test]
+    fn an_option_given_twice_takes_its_last_value() {
+        let mut given =
+            args("--orders 3000 --negative-control --rate 400 --orders 100000 --negative-control");
+        assert_eq!(given.value("orders", 1usize).unwrap(), 100_000);
+        assert!(given.flag("negative-control"));
+        assert_eq!(given.value("rate", 1u64).unwrap(), 400);
         given.finish().unwrap();
     }
 

@@ -26,8 +26,10 @@ pub struct Event {
 
 /// Every line of the ledger at `path`, in file order; none if it does not exist yet.
 pub fn read(path: &Path) -> Result<Vec<Event>, BoxError> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(Vec::new());
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(format!("reading {}: {error}", path.display()).into()),
     };
     let malformed = |line: &str| format!("{}: malformed line {line:?}", path.display());
     let mut events = Vec::new();

@@ -254,7 +254,7 @@ async fn run() -> Result<bool, BoxError> {
     );
     let queues = [QUEUE.to_owned()];
     let progress = || ledger::bytes(&load.work, "ledger-");
-    amqp::drain(&channel, &queues, &mut consumers, progress).await?;
+    amqp::drain(&channel, &queues, &mut consumers, progress, || {}).await?;
 
     let applied = effects_table::read(&cluster.primary).await?;
     let dead_letters = amqp::drain_dead_letters(&channel).await?;
@@ -268,7 +268,7 @@ async fn run() -> Result<bool, BoxError> {
     consumers.start_all()?;
     let rate = load.rate.max(1000);
     amqp::publish(publisher, "", again, rate, republished.clone()).await?;
-    amqp::drain(&channel, &queues, &mut consumers, progress).await?;
+    amqp::drain(&channel, &queues, &mut consumers, progress, || {}).await?;
     let after = effects_table::read(&cluster.primary).await?;
     let late_dead_letters = amqp::drain_dead_letters(&channel).await?;
     connection.close(200, "done".into()).await?;

@@ -183,10 +183,14 @@ async fn run() -> Result<bool, BoxError> {
     // Drain, with a scrape of consumer 0's metrics once the queues are quiet.
     let queues: Vec<String> = (0..shards).map(queue_name).collect();
     let progress = || ledger::bytes(&load.work, "events-");
-    amqp::wait_quiet(&channel, &queues, || consumers.restart_exited(), progress).await?;
     let consumer_0 = SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
-    let metrics = prometheus::scrape(consumer_0).ok();
-    amqp::drain(&channel, &queues, &mut consumers, progress).await?;
+    let mut metrics = None;
+    let scrape = || {
+        if metrics.is_none() {
+            metrics = prometheus::scrape(consumer_0).ok();
+        }
+    };
+    amqp::drain(&channel, &queues, &mut consumers, progress, scrape).await?;
     let dead_letters = amqp::drain_dead_letters(&channel).await?;
     connection.close(200, "done".into()).await?;
 

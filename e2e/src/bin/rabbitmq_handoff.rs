@@ -325,14 +325,18 @@ async fn run() -> Result<bool, BoxError> {
     // Drain, with a scrape of a consumer's per-partition metrics once the queues are quiet.
     let queues: Vec<String> = (0..options.partitions).map(partition_queue).collect();
     let progress = || handoffs::deliveries_handled(&load.work);
-    amqp::wait_quiet(&channel, &queues, || consumers.restart_exited(), progress).await?;
-    let metrics = (0..fleet)
-        .filter_map(|c| {
-            let port = options.metrics_port_base + u16::try_from(c).unwrap_or(0);
-            prometheus::scrape(SocketAddr::from(([127, 0, 0, 1], port))).ok()
-        })
-        .find(|sample| sample.contains("partition=\""));
-    amqp::drain(&channel, &queues, &mut consumers, progress).await?;
+    let mut metrics = None;
+    let scrape = || {
+        if metrics.is_none() {
+            metrics = (0..fleet)
+                .filter_map(|c| {
+                    let port = options.metrics_port_base + u16::try_from(c).unwrap_or(0);
+                    prometheus::scrape(SocketAddr::from(([127, 0, 0, 1], port))).ok()
+                })
+                .find(|sample| sample.contains("partition=\""));
+        }
+    };
+    amqp::drain(&channel, &queues, &mut consumers, progress, scrape).await?;
     let dead_letters = amqp::drain_dead_letters(&channel).await?;
     connection.close(200, "done".into()).await?;
 
