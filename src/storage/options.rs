@@ -291,8 +291,8 @@ impl EngineBuilder {
         self
     }
 
-    /// Makes commits durable in a log of idemdb's own (`segments` files of `segment_bytes`
-    /// each, made once in `<store>/idemdb-log` and rewritten in place as a ring) instead of
+    /// Makes commits durable in a log of idemdb's own (up to `segments` files of
+    /// `segment_bytes` each in `<store>/idemdb-log`, rewritten in place as a ring) instead of
     /// RocksDB's write-ahead log, which the store's tables then do without. Default: off.
     /// Reopened without it, a store replays its log into RocksDB's WAL and removes it.
     ///
@@ -308,18 +308,23 @@ impl EngineBuilder {
     /// torn, and the operator tools' read-only open beside the application sees every
     /// acknowledged commit.
     ///
-    /// What it costs: the segments' bytes of disk, written (with zeros) and synced when the
-    /// log is made, at the first open with it; when the ring is full, the commit that needs
-    /// room flushes every table first (the records in the tables' files no longer need the
-    /// log). A batch larger than a segment is refused ([`Error::InvalidArgument`]: a segment
+    /// What it costs: the segments' bytes of disk, each written (with zeros) and synced when
+    /// it is made: [`COMMIT_LOG_SEGMENTS_MIN`] of them at the first open with the log; when
+    /// every segment holds commits the tables have not flushed, one more is made (before a
+    /// commit goes into it, by the commit that needs the room) while the ring has fewer than
+    /// `segments` and the disk has room for it and then for as many bytes again (what flushing
+    /// the ring's records writes, at most); once it has them all (or the disk has no such room),
+    /// the commit that needs room flushes every table first (the records in the tables' files
+    /// no longer need the log). A batch larger than a segment is refused ([`Error::InvalidArgument`]: a segment
     /// holds `segment_bytes` less 32 bytes of header, and a batch takes 24 bytes of record
     /// header besides its own encoding). Segments: [`COMMIT_LOG_SEGMENTS_MIN`]..=
     /// [`COMMIT_LOG_SEGMENTS_MAX`] of [`COMMIT_LOG_SEGMENT_BYTES_MIN`]..=
     /// [`COMMIT_LOG_SEGMENT_BYTES_MAX`] bytes ([`Error::LimitExceeded`] otherwise, at open); a
-    /// log larger than the free space of the store's file system is refused before anything
-    /// is written ([`Error::Storage`] of kind `NoSpace`). The shape is fixed when the log is made: a later
-    /// open with other numbers goes on with the log as it is (open once without the log, then
-    /// with it, to make it anew).
+    /// new log whose first segments are larger than the free space of the store's file system
+    /// is refused before anything is written ([`Error::Storage`] of kind `NoSpace`). The
+    /// segments' size is fixed when the log is made; a later open may let the ring grow to
+    /// more segments, not fewer: it keeps those it has (open once without the log, then with
+    /// it, to make it anew).
     ///
     /// ```
     /// use idemdb::{Durability, Engine, Fingerprint, Outcome};

@@ -142,3 +142,88 @@ fn a_log_left_half_made_by_a_crash_counts_as_free_space() {
     assert!(store.join("idemdb-log").is_dir());
     drop(engine);
 }
+
+/// A new commit log needs room for the segments it is made with, not for the most it may grow
+/// to: one whose first two segments do not fit is refused before anything is written; one
+/// whose most is far beyond the disk opens, and grows only while the disk keeps room for a
+/// flush of what the log holds. Commits then go on, flushing for room, and none is lost.
+#[test]
+fn a_new_log_needs_room_for_its_first_segments_and_grows_only_into_free_space() {
+    let Some(disk) = Tmpfs::mount(32) else {
+        eprintln!(
+            "skipped a_new_log_needs_room_for_its_first_segments_and_grows_only_into_free_space: \
+             mounting a tmpfs was refused (the test needs root or CAP_SYS_ADMIN)"
+        );
+        return;
+    };
+    let store = disk.path().join("store");
+    let builder = |segments: usize, segment_bytes: u64| {
+        Engine::builder(&store)
+            .durability(Durability::Sync)
+            // Large memtables: only a full ring flushes them.
+            .write_buffer_bytes(64 << 20)
+            .business_table(TableOptions::new("orders"))
+            .commit_log(segments, segment_bytes)
+    };
+    let refused = builder(1024, 16 << 20).open();
+    assert!(
+        matches!(
+            &refused,
+            Err(Error::Storage {
+                kind: StorageErrorKind::NoSpace,
+                ..
+            })
+        ),
+        "2 x 16 MiB on a 32 MiB disk: {refused:?}"
+    );
+    assert!(!store.join("idemdb-log").exists());
+    // At most 1,024 x 1 MiB (a GiB), made with two.
+    let segments = |store: &Path| {
+        std::fs::read_dir(store.join("idemdb-log"))
+            .unwrap()
+            .filter(|entry| {
+                !entry
+                    .as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".new")
+            })
+            .count() as u64
+    };
+    let engine = builder(1024, 1 << 20).open().unwrap();
+    assert_eq!(segments(&store), 2);
+    let free_at_open = disk.free_bytes();
+    let consumer = engine.consumer("c").unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    // 32 KiB a commit, 48 MiB in all: more than the disk. (Zeros: the table files are small.)
+    for n in 0..1536u32 {
+        let key = format!("m-{n}");
+        let Outcome::Fresh(mut claim) = consumer.begin(&key, Fingerprint::of(&key)).unwrap() else {
+            panic!("{key}: not fresh");
+        };
+        claim.put(&orders, &key, vec![0u8; 32 << 10]).unwrap();
+        claim
+            .commit(b"ok")
+            .unwrap_or_else(|error| panic!("commit {n}: {error:?}"));
+    }
+    let grown = segments(&store);
+    assert!(grown > 2, "the log grew: {grown} segments");
+    assert!(
+        grown << 20 <= free_at_open / 2 + (2 << 20),
+        "{grown} segments of 1 MiB with {free_at_open} bytes free at open: it left no room for a flush"
+    );
+    drop((consumer, orders, engine));
+    let engine = builder(1024, 1 << 20).open().unwrap();
+    let consumer = engine.consumer("c").unwrap();
+    for n in [0u32, 777, 1535] {
+        let key = format!("m-{n}");
+        assert!(
+            matches!(
+                consumer.begin(&key, Fingerprint::of(&key)).unwrap(),
+                Outcome::Duplicate { .. }
+            ),
+            "{key} after the reopen"
+        );
+    }
+}

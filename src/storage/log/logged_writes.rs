@@ -26,7 +26,7 @@ use std::sync::Arc;
 use rocksdb::{DB, WriteBatch};
 
 use crate::format::error::{Error, Result};
-use crate::storage::log::commit_log::{CommitLog, perform_writes};
+use crate::storage::log::commit_log::{CommitLog, LOG_SLOTS_FIRST, perform_writes};
 use crate::storage::log::replay::{
     LOG_DIR, LOG_LSN_KEY, default_table, no_wal, numbered, tables_lsn,
 };
@@ -106,6 +106,25 @@ struct State {
     turn_waiters: HashMap<u64, std::thread::Thread>,
 }
 
+/// Adds a slot to a full ring (`CommitLog::grow`) before anything is flushed for room: whether
+/// it did. A slot that cannot be made (a failing disk) is reported and the ring stays as it is:
+/// the flush that makes room without a new slot goes on, and meets the disk's error itself if
+/// the disk has one.
+fn grow(log: &mut CommitLog) -> bool {
+    match log.grow() {
+        Ok(grown) => {
+            if grown {
+                tracing::debug!(target: "idemdb", slots = log.slots(), "commit log grown");
+            }
+            grown
+        }
+        Err(error) => {
+            tracing::warn!(target: "idemdb", %error, "the commit log could not grow");
+            false
+        }
+    }
+}
+
 /// Releases `state`'s lock and parks the thread until it is unparked (or spuriously: callers
 /// check their condition again).
 fn park(state: &mut parking_lot::MutexGuard<'_, State>) {
@@ -141,10 +160,16 @@ impl LogWriter {
             (log, last)
         } else {
             (
-                CommitLog::create(&dir, segments, segment_bytes, tables + 1)?,
+                CommitLog::create(
+                    &dir,
+                    LOG_SLOTS_FIRST.min(segments),
+                    segment_bytes,
+                    tables + 1,
+                )?,
                 tables,
             )
         };
+        log.allow_growth_to(segments);
         if sync_each {
             // Every write is synced: direct writes make it durable in less time than the page
             // cache and an fdatasync (storage/log/commit_log/direct.rs).
@@ -263,7 +288,11 @@ impl LogWriter {
         let mut deferred = Vec::new();
         let mut own_left = Vec::new();
         while let Some((member, batch)) = members.pop_front() {
-            let appended = match state.log.append(batch.data()) {
+            let mut appended = state.log.append(batch.data());
+            if appended.as_ref().is_err_and(Error::is_retryable) && grow(&mut state.log) {
+                appended = state.log.append(batch.data());
+            }
+            let appended = match appended {
                 Err(full) if full.is_retryable() && !batches.is_empty() => {
                     // The ring is full with this group's own records among those it holds:
                     // this batch and the rest wait for the next group.

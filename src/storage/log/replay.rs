@@ -52,10 +52,11 @@ pub(crate) fn tables_lsn(db: &DB) -> Result<u64> {
     })
 }
 
-/// Refuses an open that would make a commit log of `segments` x `segment_bytes` in `store` (it
-/// has none yet) on a file system without that much free space: run before the store is
-/// opened for writing, so that the refusal changes nothing. A log the store has already is
-/// opened as it is and needs no space.
+/// Refuses an open that would make a commit log of up to `segments` x `segment_bytes` in
+/// `store` (it has none yet) on a file system without room for the segments it is made with
+/// (`LOG_SLOTS_FIRST`; it grows only where there is room): run before the store is opened for
+/// writing, so that the refusal changes nothing. A log the store has already is opened as it
+/// is and needs no space.
 pub(crate) fn check_new_log_fits(store: &Path, segments: usize, segment_bytes: u64) -> Result<()> {
     let dir = store.join(LOG_DIR);
     if dir.exists() {
@@ -69,7 +70,8 @@ pub(crate) fn check_new_log_fits(store: &Path, segments: usize, segment_bytes: u
     } else {
         0
     };
-    crate::storage::log::commit_log::check_space(&dir, segments, segment_bytes, left_over)
+    let first = crate::storage::log::commit_log::LOG_SLOTS_FIRST.min(segments);
+    crate::storage::log::commit_log::check_space(&dir, first, segment_bytes, left_over)
 }
 
 /// Replays a log left in `store` into RocksDB's WAL (each record a synced write) and removes

@@ -11,7 +11,12 @@
 //!
 //! Layout: `<dir>/segment-<slot>` for slots 0..N, each `segment_bytes` long. A slot holds one
 //! segment at a time; the segment's header says which (a number that only grows) and the LSN
-//! of its first record.
+//! of its first record. The ring is made with its first slots and grows a slot at a time, up to
+//! its most ([`CommitLog::allow_growth_to`]), when every slot holds records not yet stored
+//! elsewhere ([`CommitLog::grow`]): a new slot is made whole under another name, synced,
+//! renamed into place and its name synced before a record goes into it. The next segment goes
+//! into the slot holding the oldest one, so slot order is free and only the headers order the
+//! log.
 //!
 //! Direct writes ([`CommitLog::write_direct`], the engine's `Durability::Sync`): each group's
 //! records go out as whole 4 KiB blocks through a second descriptor opened with `O_DIRECT |
@@ -53,6 +58,10 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
+/// The slots a new log is made with: its first open writes these segments only; the ring grows
+/// toward the most it is given as its writes need ([`CommitLog::grow`]).
+pub(crate) const LOG_SLOTS_FIRST: usize = LOG_SLOTS_MIN;
+
 /// The block of direct writes: their offset, length and memory are multiples of it. 4 KiB
 /// covers the logical block of every common disk (512 B or 4 KiB).
 const DIRECT_BLOCK: usize = 4096;
@@ -73,6 +82,8 @@ pub(crate) struct CommitLog {
     slots: Vec<Slot>,
     /// The slot being written.
     active: usize,
+    /// The most slots the ring may grow to.
+    slots_max: usize,
     /// Where in the active slot the next record goes.
     write_at: u64,
     next_lsn: u64,
@@ -106,6 +117,35 @@ pub(crate) fn building_path(dir: &Path) -> PathBuf {
 
 fn slot_path(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("segment-{slot}"))
+}
+
+/// Where a slot is made before it is renamed into the ring ([`CommitLog::grow`]): a reader
+/// finds the slots by their names, so a half-made one must not have its final name.
+fn growing_path(dir: &Path, slot: usize) -> PathBuf {
+    dir.join(format!("segment-{slot}.new"))
+}
+
+/// Makes the segment file `path` (which must not exist): `bytes` of zeros, written (not only
+/// allocated, so that a later write over these blocks changes neither the size nor the
+/// allocation, and its sync has no metadata to journal) and synced.
+fn make_segment_file(path: &Path, bytes: u64) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|error| io_error("creating", path, &error))?;
+    let zeros = vec![0u8; (1 << 20).min(bytes as usize)];
+    let mut at = 0;
+    while at < bytes {
+        let chunk = (bytes - at).min(zeros.len() as u64) as usize;
+        file.write_all_at(&zeros[..chunk], at)
+            .map_err(|error| io_error("filling", path, &error))?;
+        at += chunk as u64;
+    }
+    file.sync_all()
+        .map_err(|error| io_error("syncing", path, &error))?;
+    Ok(file)
 }
 
 /// Refuses a log of `slots` segments of `segment_bytes` to be made as `dir` when its file
@@ -189,28 +229,9 @@ impl CommitLog {
         check_space(dir, slots, segment_bytes, 0)?;
         let dir = building.as_path();
         std::fs::create_dir(dir).map_err(|error| io_error("creating", dir, &error))?;
-        let zeros = vec![0u8; 1 << 20];
         let mut files = Vec::with_capacity(slots);
         for slot in 0..slots {
-            let path = slot_path(dir, slot);
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .map_err(|error| io_error("creating", &path, &error))?;
-            // Written, not only allocated: a later write over these blocks changes neither the
-            // size nor the allocation, so its sync has no metadata to journal.
-            let mut at = 0;
-            while at < segment_bytes {
-                let chunk = (segment_bytes - at).min(zeros.len() as u64) as usize;
-                file.write_all_at(&zeros[..chunk], at)
-                    .map_err(|error| io_error("filling", &path, &error))?;
-                at += chunk as u64;
-            }
-            file.sync_all()
-                .map_err(|error| io_error("syncing", &path, &error))?;
-            files.push(file);
+            files.push(make_segment_file(&slot_path(dir, slot), segment_bytes)?);
         }
         // The files' names (in the log's directory), and the directory's own name (in its
         // parent): a power cut forgets either until its directory is synced.
@@ -236,6 +257,7 @@ impl CommitLog {
                 })
                 .collect(),
             active: 0,
+            slots_max: slots,
             write_at: 0,
             next_lsn: first_lsn,
             next_segment: 0,
@@ -264,9 +286,16 @@ impl CommitLog {
         replay: impl FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<(CommitLog, Recovered)> {
         let chain = Chain::read(dir, from_lsn, Access::Write, replay)?;
+        // A slot a crash left half made: never named into the ring, it held no record.
+        let growing = growing_path(dir, chain.slots.len());
+        if growing.exists() {
+            std::fs::remove_file(&growing)
+                .map_err(|error| io_error("removing", &growing, &error))?;
+        }
         let mut log = CommitLog {
             dir: dir.to_path_buf(),
             segment_bytes: chain.segment_bytes,
+            slots_max: chain.slots.len(),
             slots: chain.slots,
             active: chain.active,
             write_at: chain.write_at,
@@ -284,7 +313,7 @@ impl CommitLog {
             // while table files written from it survived): those are released, and the next
             // record starts a segment of its own where the caller's records end.
             log.next_lsn = from_lsn;
-            let next = (log.active + 1) % log.slots.len();
+            let next = log.next_slot();
             log.start_segment(next);
         }
         Ok((
@@ -337,6 +366,76 @@ impl CommitLog {
         self.next_lsn
     }
 
+    /// How many slots the ring has.
+    pub(crate) fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow`]); never below the slots it
+    /// has.
+    pub(crate) fn allow_growth_to(&mut self, slots_max: usize) {
+        self.slots_max = slots_max.max(self.slots.len());
+    }
+
+    /// The slot the next segment goes into: one never used, else the one holding the oldest
+    /// segment (the first to be released). The active slot only when it is the only one.
+    fn next_slot(&self) -> usize {
+        let others = (0..self.slots.len()).filter(|&slot| slot != self.active);
+        others
+            .min_by_key(|&slot| self.slots[slot].header.map(|header| header.segment))
+            .unwrap_or(self.active)
+    }
+
+    /// Adds a slot to the ring, if it has fewer than its most and the file system has room for
+    /// one more segment and, after it, for as many bytes as the ring then holds (at most what a
+    /// flush of every record in it writes to table files: a log that took the last of the disk
+    /// would leave its records nowhere to go): whether it did. Made as [`CommitLog::create`]
+    /// makes its slots, under a
+    /// name a reader does not take for a slot, then renamed, and the directory synced: a
+    /// record written into a slot whose name a power cut could forget would be lost with it.
+    /// The next segment switch takes it.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the slot cannot be made (a full disk is not an error: `false`).
+    pub(crate) fn grow(&mut self) -> Result<bool> {
+        if self.slots.len() >= self.slots_max {
+            return Ok(false);
+        }
+        let slot = self.slots.len();
+        let (growing, path) = (growing_path(&self.dir, slot), slot_path(&self.dir, slot));
+        match check_space(&growing, slot + 2, self.segment_bytes, 0) {
+            Ok(()) => {}
+            Err(Error::Storage {
+                kind: crate::format::error::StorageErrorKind::NoSpace,
+                ..
+            }) => return Ok(false),
+            Err(error) => return Err(error),
+        }
+        if growing.exists() {
+            std::fs::remove_file(&growing)
+                .map_err(|error| io_error("removing", &growing, &error))?;
+        }
+        let file = make_segment_file(&growing, self.segment_bytes)?;
+        std::fs::rename(&growing, &path).map_err(|error| io_error("renaming", &growing, &error))?;
+        crate::storage::directory::sync_directory(&self.dir)
+            .map_err(|error| io_error("syncing", &self.dir, &error))?;
+        if let Some(direct) = &mut self.direct {
+            let flags = rustix::fs::OFlags::DIRECT | rustix::fs::OFlags::DSYNC;
+            let descriptor = OpenOptions::new()
+                .write(true)
+                .custom_flags(flags.bits().cast_signed())
+                .open(&path)
+                .map_err(|error| io_error("opening", &path, &error))?;
+            direct.files.push(Arc::new(descriptor));
+        }
+        self.slots.push(Slot {
+            file: Arc::new(file),
+            header: None,
+            end_lsn: 0,
+        });
+        Ok(true)
+    }
+
     /// Starts a new segment in `slot` at the next LSN: its header is the slot's first write.
     fn start_segment(&mut self, slot: usize) {
         let header = LogSegmentHeader {
@@ -370,7 +469,7 @@ impl CommitLog {
             )));
         }
         if self.write_at + needed > self.segment_bytes {
-            let next = (self.active + 1) % self.slots.len();
+            let next = self.next_slot();
             if self.slots[next].header.is_some() && self.slots[next].end_lsn > self.released_before
             {
                 return Err(Error::Storage {

@@ -192,3 +192,88 @@ fn every_synced_record_survives_power_cuts_at_any_write_with(direct: bool) {
         "some ends were a stale lap's record: {tally:?}"
     );
 }
+
+/// A ring that grows under power cuts: each cycle makes a new log of two slots that may grow to
+/// six, and appends and syncs until the power goes at a random write (while a slot is made,
+/// renamed, named in its directory, or written). Every record synced before the cut comes back.
+/// A slot whose name was not synced before records went into it loses them here.
+#[test]
+#[allow(clippy::print_stdout)] // the tally, or why it was skipped
+fn records_synced_into_grown_slots_survive_power_cuts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (backing, mnt) = (dir.path().join("disk"), dir.path().join("mnt"));
+    std::fs::create_dir(&backing).unwrap();
+    std::fs::create_dir(&mnt).unwrap();
+    match PowerCut::mount(&backing, &mnt) {
+        Ok(fs) => drop(fs.unmount()),
+        Err(error) => {
+            println!("commit log growth power cuts skipped: cannot mount FUSE here ({error})");
+            return;
+        }
+    }
+    let mut rng = Rng(0x96_0a7);
+    let (mut cuts, mut grown, mut recovered_in_grown) = (0, 0, 0);
+    for cycle in 0..60 {
+        let _ = std::fs::remove_dir_all(backing.join("log"));
+        let fs = PowerCut::mount(&backing, &mnt).unwrap();
+        let path = fs.path().join("log");
+        let Ok(mut log) = CommitLog::create(&path, 2, LOG_SEGMENT_BYTES_MIN, 1) else {
+            drop(fs.power_off(None));
+            continue;
+        };
+        log.allow_growth_to(6);
+        fs.arm(Event::Write(String::new()), rng.below(150) as u32);
+        let mut synced_through = 0;
+        loop {
+            let lsn = log.next_lsn();
+            let payload: Vec<u8> = (0..6_000).map(|i| (lsn as usize * 7 + i) as u8).collect();
+            match log.append(&payload) {
+                Ok(_) => {}
+                Err(error) if error.is_retryable() => match log.grow() {
+                    Ok(true) => {
+                        grown += 1;
+                        continue;
+                    }
+                    // Cut while the slot was made, or the ring is at its most.
+                    Ok(false) | Err(_) => break,
+                },
+                Err(error) => panic!("cycle {cycle}: {error}"),
+            }
+            match log.sync() {
+                Ok(()) => synced_through = lsn,
+                Err(_) => break,
+            }
+            if fs.is_cut() {
+                break;
+            }
+        }
+        let slots = log.slots();
+        drop(log);
+        cuts += 1;
+        let tear = (rng.below(2) == 0).then(|| rng.below(1 << 20));
+        fs.power_off(tear).unwrap();
+        let fs = PowerCut::mount(&backing, &mnt).unwrap();
+        let (log, recovered) = open_collecting(&fs.path().join("log"), 1)
+            .unwrap_or_else(|error| panic!("cycle {cycle}: the log does not reopen: {error}"));
+        let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
+        assert!(
+            lsns.len() as u64 >= synced_through,
+            "cycle {cycle}: synced through {synced_through} in {slots} slots, recovered {}",
+            lsns.len()
+        );
+        assert_eq!(
+            lsns,
+            (1..=lsns.len() as u64).collect::<Vec<_>>(),
+            "cycle {cycle}"
+        );
+        if slots > 2 && synced_through > 0 {
+            recovered_in_grown += 1;
+        }
+        drop(log);
+        fs.unmount().unwrap();
+    }
+    println!(
+        "commit log growth power cuts: {cuts} cuts, {grown} slots grown, {recovered_in_grown} cycles with grown slots recovered"
+    );
+    assert!(cuts >= 50 && grown > 20 && recovered_in_grown > 10);
+}

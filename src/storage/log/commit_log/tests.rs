@@ -264,3 +264,53 @@ fn bad_shapes_and_missing_records_are_typed_errors() {
     assert_eq!(collected.records, vec![(60, b"y".to_vec())]);
     assert!(open_collecting(&dir.path().join("none"), 0).is_err());
 }
+
+#[test]
+fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole() {
+    a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(false);
+    a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(true);
+}
+
+fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(direct: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let mut log = create(&path, 2, 1, direct);
+    log.allow_growth_to(4);
+    let (mut lsn, mut grown) = (1, 0);
+    // About six records a segment: four segments' worth, nothing released.
+    loop {
+        match log.append(&payload(lsn, 10_000)) {
+            Ok(written) => lsn = written + 1,
+            Err(error) if error.is_retryable() => {
+                if log.grow().unwrap() {
+                    grown += 1;
+                    continue;
+                }
+                break;
+            }
+            Err(error) => panic!("{error}"),
+        }
+        log.sync().unwrap();
+    }
+    assert_eq!(grown, 2, "grown from two slots to four");
+    assert_eq!(log.slots(), 4);
+    assert!(!log.grow().unwrap(), "no slot beyond the most");
+    drop(log);
+    // What a crash while growing further would leave: a half-made slot, under its own name.
+    std::fs::write(growing_path(&path, 4), [0u8; 100]).unwrap();
+    let (mut log, recovered) = reopen(&path, 1, direct);
+    let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
+    assert_eq!(lsns, (1..lsn).collect::<Vec<_>>(), "every record, in order");
+    assert_eq!(log.slots(), 4);
+    assert!(
+        !growing_path(&path, 4).exists(),
+        "the half-made slot is removed"
+    );
+    // Reopened, the ring grows no further unless allowed; released, it goes round.
+    assert!(!log.grow().unwrap());
+    log.release_through(lsn);
+    for _ in 0..20 {
+        lsn = log.append(&payload(lsn, 10_000)).unwrap() + 1;
+    }
+    log.sync().unwrap();
+}
