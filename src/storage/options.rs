@@ -315,9 +315,11 @@ impl EngineBuilder {
     /// `segments` and the disk has room for it and then for as many bytes again (what flushing
     /// the ring's records writes, at most); once it has them all (or the disk has no such room),
     /// the commit that needs room flushes every table first (the records in the tables' files
-    /// no longer need the log). A batch larger than a segment is refused ([`Error::InvalidArgument`]: a segment
-    /// holds `segment_bytes` less 32 bytes of header, and a batch takes 24 bytes of record
-    /// header besides its own encoding). Segments: [`COMMIT_LOG_SEGMENTS_MIN`]..=
+    /// no longer need the log). A commit larger than a segment gets a segment of its own size,
+    /// made for it (beyond `segments` if need be) and removed once the tables hold it; one
+    /// larger than the whole log is refused ([`Error::InvalidArgument`]: the log holds
+    /// `segments` x (`segment_bytes` less 32 bytes of header), and a commit takes 24 bytes of
+    /// record header besides its write batch's encoding). Segments: [`COMMIT_LOG_SEGMENTS_MIN`]..=
     /// [`COMMIT_LOG_SEGMENTS_MAX`] of [`COMMIT_LOG_SEGMENT_BYTES_MIN`]..=
     /// [`COMMIT_LOG_SEGMENT_BYTES_MAX`] bytes ([`Error::LimitExceeded`] otherwise, at open); a
     /// new log whose first segments are larger than the free space of the store's file system

@@ -579,8 +579,9 @@ fn a_commit_too_large_for_the_log_gives_its_read_position_back() {
                     .map(|position| position.offset)
             };
             path.commit(&engine, "m-10", 10, 10).unwrap();
-            // A value larger than a segment: refused, nothing written.
-            let refused = path.commit(&engine, "m-20", 100_000, 20);
+            // A value larger than the whole log (2 segments of 64 KiB): refused, nothing
+            // written.
+            let refused = path.commit(&engine, "m-20", 200_000, 20);
             match &refused {
                 Err(Error::InvalidArgument { reason }) => {
                     assert!(reason.contains("split the commit"), "{reason}")
@@ -720,4 +721,38 @@ fn a_new_log_is_made_with_two_segments_and_grows_as_commits_need() {
     let engine = logged_ring(&store, Durability::Sync, 2);
     assert_eq!(counter(&engine), 1400);
     assert_eq!(log_segments(&store), 6);
+}
+
+/// A commit larger than a segment (but not than the whole log) gets a segment of its own size,
+/// made for it; it replays after a reopen, and the segment is given back once a flush holds it.
+#[test]
+fn a_commit_larger_than_a_segment_gets_a_segment_of_its_own() {
+    for durability in [Durability::Sync, Durability::Buffered] {
+        let store = TestStore::new();
+        let engine = logged_ring(&store, durability, 4);
+        let c = engine.consumer("c").unwrap();
+        let orders = engine.business_table("orders").unwrap();
+        let Outcome::Fresh(mut claim) = c.begin("large", Fingerprint::of(b"large")).unwrap() else {
+            panic!("fresh expected");
+        };
+        claim.put(&orders, "large", vec![9u8; 150_000]).unwrap();
+        claim.commit(b"ok").unwrap();
+        assert_eq!(
+            log_segments(&store),
+            3,
+            "{durability:?}: two, and one for the commit"
+        );
+        commit_all(&engine, 0..10);
+        drop((c, orders, engine));
+        let engine = logged_ring(&store, durability, 4);
+        let orders = engine.business_table("orders").unwrap();
+        assert_eq!(orders.get("large").unwrap().map(|v| v.len()), Some(150_000));
+        assert_eq!(counter(&engine), 10, "{durability:?}");
+        engine.flush().unwrap();
+        assert_eq!(
+            log_segments(&store),
+            2,
+            "{durability:?}: given back after the flush"
+        );
+    }
 }

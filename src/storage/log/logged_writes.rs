@@ -70,7 +70,7 @@ pub(crate) struct DurableGroup {
     group: u64,
     /// Each batch with whose it is.
     batches: Vec<(Member, WriteBatch)>,
-    /// Batches the log refused (too large for a segment, or a full ring that a flush could
+    /// Batches the log refused (larger than the whole log, or a full ring that a flush could
     /// not free), with why.
     refused: Vec<(Member, Error)>,
     last_lsn: u64,
@@ -106,12 +106,13 @@ struct State {
     turn_waiters: HashMap<u64, std::thread::Thread>,
 }
 
-/// Adds a slot to a full ring (`CommitLog::grow`) before anything is flushed for room: whether
-/// it did. A slot that cannot be made (a failing disk) is reported and the ring stays as it is:
+/// Adds a slot to a full ring (`CommitLog::grow_for`, large enough for a record of
+/// `payload_bytes`) before anything is flushed for room: whether it did. A slot that cannot be made (a failing disk) is reported and the ring stays as it is:
 /// the flush that makes room without a new slot goes on, and meets the disk's error itself if
 /// the disk has one.
-fn grow(log: &mut CommitLog) -> bool {
-    match log.grow() {
+fn grow(log: &mut CommitLog, payload_bytes: usize) -> bool {
+    let record = (crate::format::commit_log::LOG_RECORD_HEADER_BYTES + payload_bytes) as u64;
+    match log.grow_for(record) {
         Ok(grown) => {
             if grown {
                 tracing::debug!(target: "idemdb", slots = log.slots(), "commit log grown");
@@ -122,6 +123,14 @@ fn grow(log: &mut CommitLog) -> bool {
             tracing::warn!(target: "idemdb", %error, "the commit log could not grow");
             false
         }
+    }
+}
+
+/// Gives back a slot made for one large record once the tables hold it (`CommitLog::trim`).
+/// One that cannot be removed is reported and kept: it is a free slot like any other.
+fn trim(log: &mut CommitLog) {
+    if let Err(error) = log.trim() {
+        tracing::warn!(target: "idemdb", %error, "the commit log kept a large slot");
     }
 }
 
@@ -289,7 +298,9 @@ impl LogWriter {
         let mut own_left = Vec::new();
         while let Some((member, batch)) = members.pop_front() {
             let mut appended = state.log.append(batch.data());
-            if appended.as_ref().is_err_and(Error::is_retryable) && grow(&mut state.log) {
+            if appended.as_ref().is_err_and(Error::is_retryable)
+                && grow(&mut state.log, batch.data().len())
+            {
                 appended = state.log.append(batch.data());
             }
             let appended = match appended {
@@ -315,6 +326,7 @@ impl LogWriter {
                     flush().and_then(|()| {
                         let written = state.written_lsn;
                         state.log.release_through(written + 1);
+                        trim(&mut state.log);
                         state.log.append(batch.data())
                     })
                 }
@@ -432,10 +444,9 @@ impl LogWriter {
     /// After every table was flushed (all of them together): the records up to the last
     /// written LSN are in table files; their segments may be reused.
     pub(crate) fn flushed(&self, written_before_flush: u64) {
-        self.state
-            .lock()
-            .log
-            .release_through(written_before_flush + 1);
+        let log = &mut self.state.lock().log;
+        log.release_through(written_before_flush + 1);
+        trim(log);
     }
 
     /// The LSN of the last batch written to the tables.

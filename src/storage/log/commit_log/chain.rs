@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use super::{Slot, io_error, slot_path};
 use crate::format::commit_log::{
-    LOG_RECORD_HEADER_BYTES, LOG_SEGMENT_HEADER_BYTES, LogEnd, LogSegmentHeader, read_log_records,
+    LOG_RECORD_HEADER_BYTES, LOG_SEGMENT_BYTES_MIN, LOG_SEGMENT_HEADER_BYTES, LogEnd,
+    LogSegmentHeader, read_log_records,
 };
 use crate::format::error::{Error, Result};
 
@@ -36,6 +37,8 @@ pub(super) enum Access {
 /// What reading a log from an LSN found: its slots, where its records end, and where the next
 /// append would go.
 pub(super) struct Chain {
+    /// The ring's segment size: its smallest slot's (a slot made for a larger record is
+    /// larger).
     pub(super) segment_bytes: u64,
     pub(super) slots: Vec<Slot>,
     /// Whether any segment was ever started.
@@ -76,15 +79,17 @@ impl Chain {
             let length = file
                 .seek(SeekFrom::End(0))
                 .map_err(|error| io_error("reading", &path, &error))?;
-            if *segment_bytes.get_or_insert(length) != length {
+            if length < LOG_SEGMENT_BYTES_MIN {
                 return Err(Error::invalid_argument(format!(
-                    "{} is {length} bytes, unlike the log's other segments",
+                    "{} is {length} bytes, less than a commit-log segment",
                     path.display()
                 )));
             }
+            segment_bytes = Some(segment_bytes.map_or(length, |bytes: u64| bytes.min(length)));
             let header = read_segment_header(&file, &path)?;
             slots.push(Slot {
                 file: Arc::new(file),
+                bytes: length,
                 header,
                 end_lsn: header.map_or(0, |header| header.first_lsn),
             });

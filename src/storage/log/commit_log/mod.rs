@@ -13,7 +13,7 @@
 //! segment at a time; the segment's header says which (a number that only grows) and the LSN
 //! of its first record. The ring is made with its first slots and grows a slot at a time, up to
 //! its most ([`CommitLog::allow_growth_to`]), when every slot holds records not yet stored
-//! elsewhere ([`CommitLog::grow`]): a new slot is made whole under another name, synced,
+//! elsewhere ([`CommitLog::grow_for`]): a new slot is made whole under another name, synced,
 //! renamed into place and its name synced before a record goes into it. The next segment goes
 //! into the slot holding the oldest one, so slot order is free and only the headers order the
 //! log.
@@ -59,7 +59,7 @@ thread_local! {
 }
 
 /// The slots a new log is made with: its first open writes these segments only; the ring grows
-/// toward the most it is given as its writes need ([`CommitLog::grow`]).
+/// toward the most it is given as its writes need ([`CommitLog::grow_for`]).
 pub(crate) const LOG_SLOTS_FIRST: usize = LOG_SLOTS_MIN;
 
 /// The block of direct writes: their offset, length and memory are multiples of it. 4 KiB
@@ -69,6 +69,9 @@ const DIRECT_BLOCK: usize = 4096;
 /// One slot of the ring.
 struct Slot {
     file: Arc<File>,
+    /// The slot's size: the log's segment size, or more for a record larger than a segment
+    /// ([`CommitLog::grow_for`]).
+    bytes: u64,
     /// The segment the slot holds, if any has been started in it.
     header: Option<LogSegmentHeader>,
     /// The LSN after the slot's last record (its first LSN while it is empty).
@@ -78,6 +81,7 @@ struct Slot {
 /// The open commit log.
 pub(crate) struct CommitLog {
     dir: PathBuf,
+    /// The size of the ring's slots (a slot made for a larger record is larger).
     segment_bytes: u64,
     slots: Vec<Slot>,
     /// The slot being written.
@@ -119,7 +123,7 @@ fn slot_path(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("segment-{slot}"))
 }
 
-/// Where a slot is made before it is renamed into the ring ([`CommitLog::grow`]): a reader
+/// Where a slot is made before it is renamed into the ring ([`CommitLog::grow_for`]): a reader
 /// finds the slots by their names, so a half-made one must not have its final name.
 fn growing_path(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("segment-{slot}.new"))
@@ -252,6 +256,7 @@ impl CommitLog {
                 .into_iter()
                 .map(|file| Slot {
                     file: Arc::new(file),
+                    bytes: segment_bytes,
                     header: None,
                     end_lsn: first_lsn,
                 })
@@ -313,7 +318,8 @@ impl CommitLog {
             // while table files written from it survived): those are released, and the next
             // record starts a segment of its own where the caller's records end.
             log.next_lsn = from_lsn;
-            let next = log.next_slot();
+            // Every record before `from_lsn` is released: every other slot is free.
+            let next = log.next_slot_for(0).unwrap_or(log.active);
             log.start_segment(next);
         }
         Ok((
@@ -366,44 +372,98 @@ impl CommitLog {
         self.next_lsn
     }
 
+    /// The largest record (with its header) the log takes: its most slots, each less its
+    /// header.
+    fn most_bytes(&self) -> u64 {
+        (self.slots_max as u64).saturating_mul(self.segment_bytes - LOG_SEGMENT_HEADER_BYTES as u64)
+    }
+
     /// How many slots the ring has.
     pub(crate) fn slots(&self) -> usize {
         self.slots.len()
     }
 
-    /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow`]); never below the slots it
+    /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow_for`]); never below the slots it
     /// has.
     pub(crate) fn allow_growth_to(&mut self, slots_max: usize) {
         self.slots_max = slots_max.max(self.slots.len());
     }
 
-    /// The slot the next segment goes into: one never used, else the one holding the oldest
-    /// segment (the first to be released). The active slot only when it is the only one.
-    fn next_slot(&self) -> usize {
-        let others = (0..self.slots.len()).filter(|&slot| slot != self.active);
-        others
-            .min_by_key(|&slot| self.slots[slot].header.map(|header| header.segment))
-            .unwrap_or(self.active)
+    /// The slot the next segment goes into when it starts with a record of `needed` bytes: a
+    /// free one (never used, or holding only released records) large enough, of the ring's
+    /// size if one is (a larger slot is kept for the records that need it, and given back once
+    /// free: [`CommitLog::trim`]), never used before used, the oldest segment first. `None`
+    /// when no slot is free and large enough.
+    fn next_slot_for(&self, needed: u64) -> Option<usize> {
+        (0..self.slots.len())
+            .filter(|&slot| slot != self.active)
+            .filter(|&slot| {
+                let held = &self.slots[slot];
+                let free = held.header.is_none() || held.end_lsn <= self.released_before;
+                free && held.bytes >= LOG_SEGMENT_HEADER_BYTES as u64 + needed
+            })
+            .min_by_key(|&slot| {
+                let held = &self.slots[slot];
+                (
+                    held.bytes > self.segment_bytes,
+                    held.header.map(|header| header.segment),
+                )
+            })
     }
 
-    /// Adds a slot to the ring, if it has fewer than its most and the file system has room for
-    /// one more segment and, after it, for as many bytes as the ring then holds (at most what a
-    /// flush of every record in it writes to table files: a log that took the last of the disk
-    /// would leave its records nowhere to go): whether it did. Made as [`CommitLog::create`]
-    /// makes its slots, under a
-    /// name a reader does not take for a slot, then renamed, and the directory synced: a
-    /// record written into a slot whose name a power cut could forget would be lost with it.
-    /// The next segment switch takes it.
+    /// Gives back the last slot while it is larger than the ring's segments (made for one large
+    /// record), free and not written: removed, and its name with it (a power cut that forgets
+    /// the removal leaves a free slot, which the next open keeps). Only the last: a reader takes
+    /// the slots by their numbers, up to the first missing one.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the file cannot be removed or the directory synced.
+    pub(crate) fn trim(&mut self) -> Result<()> {
+        while let Some(last) = self.slots.len().checked_sub(1) {
+            let held = &self.slots[last];
+            let free = held.header.is_none() || held.end_lsn <= self.released_before;
+            if !(last != self.active && free && held.bytes > self.segment_bytes) {
+                break;
+            }
+            let path = slot_path(&self.dir, last);
+            std::fs::remove_file(&path).map_err(|error| io_error("removing", &path, &error))?;
+            crate::storage::directory::sync_directory(&self.dir)
+                .map_err(|error| io_error("syncing", &self.dir, &error))?;
+            self.slots.pop();
+            if let Some(direct) = &mut self.direct {
+                direct.files.pop();
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds a slot large enough for a record of `needed` bytes to the ring, if it has fewer
+    /// than its most slots and the file system has room for the slot and, after it, for as
+    /// many bytes as the ring then holds (at most what a flush of every record in it writes to
+    /// table files: a log that took the last of the disk would leave its records nowhere to
+    /// go): whether it did. Made as [`CommitLog::create`] makes its slots, under a name a
+    /// reader does not take for a slot, then renamed, and the directory synced: a record
+    /// written into a slot whose name a power cut could forget would be lost with it. The next
+    /// segment switch takes it.
+    ///
+    /// A slot larger than the ring's segments (for a record that no segment holds) is made even
+    /// when the ring has its most slots (no slot could ever hold the record otherwise), and
+    /// given back once free ([`CommitLog::trim`]).
     ///
     /// # Errors
     /// [`Error::Storage`] if the slot cannot be made (a full disk is not an error: `false`).
-    pub(crate) fn grow(&mut self) -> Result<bool> {
-        if self.slots.len() >= self.slots_max {
+    pub(crate) fn grow_for(&mut self, needed: u64) -> Result<bool> {
+        let bytes = (LOG_SEGMENT_HEADER_BYTES as u64 + needed)
+            .next_multiple_of(DIRECT_BLOCK as u64)
+            .max(self.segment_bytes);
+        if self.slots.len() >= self.slots_max && bytes == self.segment_bytes {
             return Ok(false);
         }
         let slot = self.slots.len();
         let (growing, path) = (growing_path(&self.dir, slot), slot_path(&self.dir, slot));
-        match check_space(&growing, slot + 2, self.segment_bytes, 0) {
+        // Room for the slot, and then for as many bytes as the ring holds.
+        let ring: u64 = self.slots.iter().map(|held| held.bytes).sum();
+        match check_space(&growing, 1, bytes.saturating_mul(2).saturating_add(ring), 0) {
             Ok(()) => {}
             Err(Error::Storage {
                 kind: crate::format::error::StorageErrorKind::NoSpace,
@@ -415,7 +475,7 @@ impl CommitLog {
             std::fs::remove_file(&growing)
                 .map_err(|error| io_error("removing", &growing, &error))?;
         }
-        let file = make_segment_file(&growing, self.segment_bytes)?;
+        let file = make_segment_file(&growing, bytes)?;
         std::fs::rename(&growing, &path).map_err(|error| io_error("renaming", &growing, &error))?;
         crate::storage::directory::sync_directory(&self.dir)
             .map_err(|error| io_error("syncing", &self.dir, &error))?;
@@ -430,6 +490,7 @@ impl CommitLog {
         }
         self.slots.push(Slot {
             file: Arc::new(file),
+            bytes,
             header: None,
             end_lsn: 0,
         });
@@ -454,31 +515,31 @@ impl CommitLog {
     /// LSN.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a payload larger than a segment holds;
-    /// [`Error::Storage`] with kind `Retryable` when the ring has no segment to switch to
-    /// (every other one holds records not yet released): nothing is appended.
+    /// [`Error::InvalidArgument`] for a payload larger than the whole log may hold (its most
+    /// slots, each less its header);
+    /// [`Error::Storage`] with kind `Retryable` when the ring has no free slot to switch to
+    /// that holds the record (every other one holds records not yet released, or is too
+    /// small: [`CommitLog::grow_for`]): nothing is appended.
     pub(crate) fn append(&mut self, payload: &[u8]) -> Result<u64> {
         let needed = (LOG_RECORD_HEADER_BYTES + payload.len()) as u64;
-        let capacity = self.segment_bytes - LOG_SEGMENT_HEADER_BYTES as u64;
-        if payload.len() > LOG_RECORD_PAYLOAD_MAX || needed > capacity {
+        let most = self.most_bytes();
+        if payload.len() > LOG_RECORD_PAYLOAD_MAX || needed > most {
             return Err(Error::invalid_argument(format!(
                 "a batch of {} bytes is a log record of {needed} bytes (with its \
-                 {LOG_RECORD_HEADER_BYTES}-byte header), more than a commit-log segment holds \
-                 ({capacity} bytes after its own header); split the commit",
+                 {LOG_RECORD_HEADER_BYTES}-byte header), more than the whole commit log holds \
+                 ({most} bytes in its most segments, after their headers); split the commit",
                 payload.len()
             )));
         }
-        if self.write_at + needed > self.segment_bytes {
-            let next = self.next_slot();
-            if self.slots[next].header.is_some() && self.slots[next].end_lsn > self.released_before
-            {
+        if self.write_at + needed > self.slots[self.active].bytes {
+            let Some(next) = self.next_slot_for(needed) else {
                 return Err(Error::Storage {
                     kind: crate::format::error::StorageErrorKind::Retryable,
-                    detail: "the commit log is full: its oldest segment holds records not yet \
-                             stored elsewhere"
+                    detail: "the commit log is full: no segment free for the record (every \
+                             other one holds records not yet stored elsewhere)"
                         .to_owned(),
                 });
-            }
+            };
             self.start_segment(next);
         }
         let lsn = self.next_lsn;
@@ -580,7 +641,8 @@ impl CommitLog {
         if self.direct.is_some() {
             return Ok(true);
         }
-        if !self.segment_bytes.is_multiple_of(DIRECT_BLOCK as u64) {
+        let blocks = |bytes: u64| bytes.is_multiple_of(DIRECT_BLOCK as u64);
+        if !self.slots.iter().all(|held| blocks(held.bytes)) {
             return Ok(false);
         }
         self.sync()?;

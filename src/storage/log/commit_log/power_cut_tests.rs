@@ -229,7 +229,7 @@ fn records_synced_into_grown_slots_survive_power_cuts() {
             let payload: Vec<u8> = (0..6_000).map(|i| (lsn as usize * 7 + i) as u8).collect();
             match log.append(&payload) {
                 Ok(_) => {}
-                Err(error) if error.is_retryable() => match log.grow() {
+                Err(error) if error.is_retryable() => match log.grow_for(0) {
                     Ok(true) => {
                         grown += 1;
                         continue;

@@ -244,8 +244,9 @@ fn bad_shapes_and_missing_records_are_typed_errors() {
     assert!(CommitLog::create(&dir.path().join("b"), 2, 1024, 0).is_err());
     let path = dir.path().join("log");
     let mut log = CommitLog::create(&path, 2, SEGMENT, 50).unwrap();
+    // Larger than the whole log (its two segments).
     assert!(matches!(
-        log.append(&vec![0; SEGMENT as usize]),
+        log.append(&vec![0; 2 * SEGMENT as usize]),
         Err(Error::InvalidArgument { .. })
     ));
     log.append(b"x").unwrap();
@@ -282,7 +283,7 @@ fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(direct: boo
         match log.append(&payload(lsn, 10_000)) {
             Ok(written) => lsn = written + 1,
             Err(error) if error.is_retryable() => {
-                if log.grow().unwrap() {
+                if log.grow_for(0).unwrap() {
                     grown += 1;
                     continue;
                 }
@@ -294,7 +295,7 @@ fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(direct: boo
     }
     assert_eq!(grown, 2, "grown from two slots to four");
     assert_eq!(log.slots(), 4);
-    assert!(!log.grow().unwrap(), "no slot beyond the most");
+    assert!(!log.grow_for(0).unwrap(), "no slot beyond the most");
     drop(log);
     // What a crash while growing further would leave: a half-made slot, under its own name.
     std::fs::write(growing_path(&path, 4), [0u8; 100]).unwrap();
@@ -307,10 +308,63 @@ fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(direct: boo
         "the half-made slot is removed"
     );
     // Reopened, the ring grows no further unless allowed; released, it goes round.
-    assert!(!log.grow().unwrap());
+    assert!(!log.grow_for(0).unwrap());
     log.release_through(lsn);
     for _ in 0..20 {
         lsn = log.append(&payload(lsn, 10_000)).unwrap() + 1;
     }
     log.sync().unwrap();
+}
+
+#[test]
+fn a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free() {
+    a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free_with(false);
+    a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free_with(true);
+}
+
+fn a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free_with(direct: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let mut log = create(&path, 2, 1, direct);
+    log.allow_growth_to(3);
+    let large = payload(2, 2 * SEGMENT as usize);
+    log.append(&payload(1, 100)).unwrap();
+    // No slot holds it: refused retryably until one is made for it, past the ring's most if
+    // need be (the ring is 2 of 3 here; the large slot is the third).
+    let refused = log.append(&large);
+    assert!(
+        refused.as_ref().is_err_and(Error::is_retryable),
+        "{refused:?}"
+    );
+    assert!(
+        log.grow_for((LOG_RECORD_HEADER_BYTES + large.len()) as u64)
+            .unwrap()
+    );
+    assert_eq!(log.slots(), 3);
+    assert!(std::fs::metadata(slot_path(&path, 2)).unwrap().len() > 2 * SEGMENT);
+    assert_eq!(log.append(&large).unwrap(), 2);
+    // The next record that does not fit what is left of it goes into a slot of the ring's
+    // size.
+    assert_eq!(log.append(&payload(3, 8_000)).unwrap(), 3);
+    assert_ne!(log.active, 2);
+    log.sync().unwrap();
+    // Still held: kept. Released: given back, and its name with it.
+    log.trim().unwrap();
+    assert_eq!(log.slots(), 3);
+    drop(log);
+    let (mut log, recovered) = reopen(&path, 1, direct);
+    let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
+    assert_eq!(lsns, vec![1, 2, 3]);
+    assert_eq!(recovered.records[1].1, large);
+    assert_eq!(recovered.records[2].1, payload(3, 8_000));
+    log.release_through(3);
+    log.trim().unwrap();
+    assert_eq!(log.slots(), 2);
+    assert!(!slot_path(&path, 2).exists());
+    assert_eq!(log.append(&payload(4, 100)).unwrap(), 4);
+    log.sync().unwrap();
+    drop(log);
+    let (_, recovered) = reopen(&path, 3, direct);
+    let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
+    assert_eq!(lsns, vec![3, 4]);
 }
