@@ -309,13 +309,13 @@ impl EngineBuilder {
     /// acknowledged commit.
     ///
     /// What it costs: the segments' bytes of disk, each written (with zeros) and synced when
-    /// it is made: [`COMMIT_LOG_SEGMENTS_MIN`] of them at the first open with the log; when
-    /// every segment holds commits the tables have not flushed, one more is made (before a
-    /// commit goes into it, by the commit that needs the room) while the ring has fewer than
-    /// `segments` and the disk has room for it and then for as many bytes again (what flushing
-    /// the ring's records writes, at most); once it has them all (or the disk has no such room),
-    /// the commit that needs room flushes every table first (the records in the tables' files
-    /// no longer need the log). A commit larger than a segment gets a segment of its own size,
+    /// it is made: [`COMMIT_LOG_SEGMENTS_MIN`] of them at the first open with the log; when a
+    /// segment switch leaves no segment free, one more is made on a thread of its own (before
+    /// a commit goes into it; a commit that needs it sooner waits for it) while the ring has
+    /// fewer than `segments` and the disk has room for it and then for as many bytes again
+    /// (what flushing the ring's records writes, at most); once it has them all (or the disk
+    /// has no such room), the commit that needs room flushes every table first (the records in
+    /// the tables' files no longer need the log). A commit larger than a segment gets a segment of its own size,
     /// made for it (beyond `segments` if need be) and removed once the tables hold it; one
     /// larger than the whole log is refused ([`Error::InvalidArgument`]: the log holds
     /// `segments` x (`segment_bytes` less 32 bytes of header), and a commit takes 24 bytes of

@@ -41,6 +41,7 @@ use crate::format::error::{Error, Result};
 
 mod chain;
 mod direct;
+mod growth;
 #[cfg(test)]
 mod power_cut_tests;
 #[cfg(test)]
@@ -49,6 +50,7 @@ mod tests;
 use chain::{Access, Chain, read_segment_header};
 pub(crate) use direct::perform_writes;
 use direct::{Aligned, Direct, PendingWrite, Written, block_above, block_below, refuses_direct};
+use growth::{growing_path, make_segment_file};
 
 #[cfg(test)]
 thread_local! {
@@ -98,6 +100,8 @@ pub(crate) struct CommitLog {
     pending: Vec<(usize, u64, Vec<u8>)>,
     /// Set by [`CommitLog::write_direct`] where the file system takes direct writes.
     direct: Option<Direct>,
+    /// The slot being made ahead of need, if one is.
+    preparing: Option<growth::Preparing>,
 }
 
 /// What reopening found.
@@ -121,35 +125,6 @@ pub(crate) fn building_path(dir: &Path) -> PathBuf {
 
 fn slot_path(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("segment-{slot}"))
-}
-
-/// Where a slot is made before it is renamed into the ring ([`CommitLog::grow_for`]): a reader
-/// finds the slots by their names, so a half-made one must not have its final name.
-fn growing_path(dir: &Path, slot: usize) -> PathBuf {
-    dir.join(format!("segment-{slot}.new"))
-}
-
-/// Makes the segment file `path` (which must not exist): `bytes` of zeros, written (not only
-/// allocated, so that a later write over these blocks changes neither the size nor the
-/// allocation, and its sync has no metadata to journal) and synced.
-fn make_segment_file(path: &Path, bytes: u64) -> Result<File> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(|error| io_error("creating", path, &error))?;
-    let zeros = vec![0u8; (1 << 20).min(bytes as usize)];
-    let mut at = 0;
-    while at < bytes {
-        let chunk = (bytes - at).min(zeros.len() as u64) as usize;
-        file.write_all_at(&zeros[..chunk], at)
-            .map_err(|error| io_error("filling", path, &error))?;
-        at += chunk as u64;
-    }
-    file.sync_all()
-        .map_err(|error| io_error("syncing", path, &error))?;
-    Ok(file)
 }
 
 /// Refuses a log of `slots` segments of `segment_bytes` to be made as `dir` when its file
@@ -269,6 +244,7 @@ impl CommitLog {
             released_before: first_lsn,
             pending: Vec::new(),
             direct: None,
+            preparing: None,
         };
         log.start_segment(0);
         log.sync()?;
@@ -309,6 +285,7 @@ impl CommitLog {
             released_before: from_lsn,
             pending: Vec::new(),
             direct: None,
+            preparing: None,
         };
         if !chain.started {
             // No segment was ever started.
@@ -372,131 +349,6 @@ impl CommitLog {
         self.next_lsn
     }
 
-    /// The largest record (with its header) the log takes: its most slots, each less its
-    /// header.
-    fn most_bytes(&self) -> u64 {
-        (self.slots_max as u64).saturating_mul(self.segment_bytes - LOG_SEGMENT_HEADER_BYTES as u64)
-    }
-
-    /// How many slots the ring has.
-    pub(crate) fn slots(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow_for`]); never below the slots it
-    /// has.
-    pub(crate) fn allow_growth_to(&mut self, slots_max: usize) {
-        self.slots_max = slots_max.max(self.slots.len());
-    }
-
-    /// The slot the next segment goes into when it starts with a record of `needed` bytes: a
-    /// free one (never used, or holding only released records) large enough, of the ring's
-    /// size if one is (a larger slot is kept for the records that need it, and given back once
-    /// free: [`CommitLog::trim`]), never used before used, the oldest segment first. `None`
-    /// when no slot is free and large enough.
-    fn next_slot_for(&self, needed: u64) -> Option<usize> {
-        (0..self.slots.len())
-            .filter(|&slot| slot != self.active)
-            .filter(|&slot| {
-                let held = &self.slots[slot];
-                let free = held.header.is_none() || held.end_lsn <= self.released_before;
-                free && held.bytes >= LOG_SEGMENT_HEADER_BYTES as u64 + needed
-            })
-            .min_by_key(|&slot| {
-                let held = &self.slots[slot];
-                (
-                    held.bytes > self.segment_bytes,
-                    held.header.map(|header| header.segment),
-                )
-            })
-    }
-
-    /// Gives back the last slot while it is larger than the ring's segments (made for one large
-    /// record), free and not written: removed, and its name with it (a power cut that forgets
-    /// the removal leaves a free slot, which the next open keeps). Only the last: a reader takes
-    /// the slots by their numbers, up to the first missing one.
-    ///
-    /// # Errors
-    /// [`Error::Storage`] if the file cannot be removed or the directory synced.
-    pub(crate) fn trim(&mut self) -> Result<()> {
-        while let Some(last) = self.slots.len().checked_sub(1) {
-            let held = &self.slots[last];
-            let free = held.header.is_none() || held.end_lsn <= self.released_before;
-            if !(last != self.active && free && held.bytes > self.segment_bytes) {
-                break;
-            }
-            let path = slot_path(&self.dir, last);
-            std::fs::remove_file(&path).map_err(|error| io_error("removing", &path, &error))?;
-            crate::storage::directory::sync_directory(&self.dir)
-                .map_err(|error| io_error("syncing", &self.dir, &error))?;
-            self.slots.pop();
-            if let Some(direct) = &mut self.direct {
-                direct.files.pop();
-            }
-        }
-        Ok(())
-    }
-
-    /// Adds a slot large enough for a record of `needed` bytes to the ring, if it has fewer
-    /// than its most slots and the file system has room for the slot and, after it, for as
-    /// many bytes as the ring then holds (at most what a flush of every record in it writes to
-    /// table files: a log that took the last of the disk would leave its records nowhere to
-    /// go): whether it did. Made as [`CommitLog::create`] makes its slots, under a name a
-    /// reader does not take for a slot, then renamed, and the directory synced: a record
-    /// written into a slot whose name a power cut could forget would be lost with it. The next
-    /// segment switch takes it.
-    ///
-    /// A slot larger than the ring's segments (for a record that no segment holds) is made even
-    /// when the ring has its most slots (no slot could ever hold the record otherwise), and
-    /// given back once free ([`CommitLog::trim`]).
-    ///
-    /// # Errors
-    /// [`Error::Storage`] if the slot cannot be made (a full disk is not an error: `false`).
-    pub(crate) fn grow_for(&mut self, needed: u64) -> Result<bool> {
-        let bytes = (LOG_SEGMENT_HEADER_BYTES as u64 + needed)
-            .next_multiple_of(DIRECT_BLOCK as u64)
-            .max(self.segment_bytes);
-        if self.slots.len() >= self.slots_max && bytes == self.segment_bytes {
-            return Ok(false);
-        }
-        let slot = self.slots.len();
-        let (growing, path) = (growing_path(&self.dir, slot), slot_path(&self.dir, slot));
-        // Room for the slot, and then for as many bytes as the ring holds.
-        let ring: u64 = self.slots.iter().map(|held| held.bytes).sum();
-        match check_space(&growing, 1, bytes.saturating_mul(2).saturating_add(ring), 0) {
-            Ok(()) => {}
-            Err(Error::Storage {
-                kind: crate::format::error::StorageErrorKind::NoSpace,
-                ..
-            }) => return Ok(false),
-            Err(error) => return Err(error),
-        }
-        if growing.exists() {
-            std::fs::remove_file(&growing)
-                .map_err(|error| io_error("removing", &growing, &error))?;
-        }
-        let file = make_segment_file(&growing, bytes)?;
-        std::fs::rename(&growing, &path).map_err(|error| io_error("renaming", &growing, &error))?;
-        crate::storage::directory::sync_directory(&self.dir)
-            .map_err(|error| io_error("syncing", &self.dir, &error))?;
-        if let Some(direct) = &mut self.direct {
-            let flags = rustix::fs::OFlags::DIRECT | rustix::fs::OFlags::DSYNC;
-            let descriptor = OpenOptions::new()
-                .write(true)
-                .custom_flags(flags.bits().cast_signed())
-                .open(&path)
-                .map_err(|error| io_error("opening", &path, &error))?;
-            direct.files.push(Arc::new(descriptor));
-        }
-        self.slots.push(Slot {
-            file: Arc::new(file),
-            bytes,
-            header: None,
-            end_lsn: 0,
-        });
-        Ok(true)
-    }
-
     /// Starts a new segment in `slot` at the next LSN: its header is the slot's first write.
     fn start_segment(&mut self, slot: usize) {
         let header = LogSegmentHeader {
@@ -532,6 +384,7 @@ impl CommitLog {
             )));
         }
         if self.write_at + needed > self.slots[self.active].bytes {
+            self.adopt_prepared();
             let Some(next) = self.next_slot_for(needed) else {
                 return Err(Error::Storage {
                     kind: crate::format::error::StorageErrorKind::Retryable,
@@ -541,6 +394,7 @@ impl CommitLog {
                 });
             };
             self.start_segment(next);
+            self.prepare_ahead();
         }
         let lsn = self.next_lsn;
         let mut bytes = Vec::with_capacity(needed as usize);

@@ -277,14 +277,14 @@ fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(direct: boo
     let path = dir.path().join("log");
     let mut log = create(&path, 2, 1, direct);
     log.allow_growth_to(4);
-    let (mut lsn, mut grown) = (1, 0);
-    // About six records a segment: four segments' worth, nothing released.
+    let mut lsn = 1;
+    // About six records a segment: four segments' worth, nothing released. (A slot is made
+    // ahead of need, or when the ring is full.)
     loop {
         match log.append(&payload(lsn, 10_000)) {
             Ok(written) => lsn = written + 1,
             Err(error) if error.is_retryable() => {
                 if log.grow_for(0).unwrap() {
-                    grown += 1;
                     continue;
                 }
                 break;
@@ -293,8 +293,7 @@ fn a_ring_grows_to_its_most_before_it_is_full_and_reopens_whole_with(direct: boo
         }
         log.sync().unwrap();
     }
-    assert_eq!(grown, 2, "grown from two slots to four");
-    assert_eq!(log.slots(), 4);
+    assert_eq!(log.slots(), 4, "grown from two slots to four");
     assert!(!log.grow_for(0).unwrap(), "no slot beyond the most");
     drop(log);
     // What a crash while growing further would leave: a half-made slot, under its own name.
@@ -367,4 +366,41 @@ fn a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free_wi
     let (_, recovered) = reopen(&path, 3, direct);
     let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
     assert_eq!(lsns, vec![3, 4]);
+}
+
+/// When a switch leaves the ring without a free slot, the next one is made on a thread of its
+/// own: it is there before the ring is full, and the commit that finds the ring full takes it.
+#[test]
+fn the_next_slot_is_made_ahead_of_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let mut log = create(&path, 2, 1, false);
+    log.allow_growth_to(3);
+    let mut lsn = 1;
+    // Into the second slot: no free slot left behind it.
+    while log.active == 0 {
+        lsn = log.append(&payload(lsn, 10_000)).unwrap() + 1;
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !slot_path(&path, 2).exists() {
+        assert!(std::time::Instant::now() < deadline, "no slot made ahead");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(log.slots(), 2, "made, not yet taken");
+    // The ring fills; the switch takes the slot made ahead without growing on its own.
+    loop {
+        match log.append(&payload(lsn, 10_000)) {
+            Ok(written) => lsn = written + 1,
+            Err(error) => panic!("{error}"),
+        }
+        if log.active == 2 {
+            break;
+        }
+    }
+    assert_eq!(log.slots(), 3);
+    assert!(!log.grow_for(0).unwrap(), "at its most");
+    log.sync().unwrap();
+    drop(log);
+    let (_, recovered) = reopen(&path, 1, false);
+    assert_eq!(recovered.records.len() as u64, lsn - 1);
 }
