@@ -315,11 +315,14 @@ impl EngineBuilder {
     /// fewer than `segments` and the disk has room for it and then for as many bytes again
     /// (what flushing the ring's records writes, at most); once it has them all (or the disk
     /// has no such room), the commit that needs room flushes every table first (the records in
-    /// the tables' files no longer need the log). A commit larger than a segment gets a segment of its own size,
-    /// made for it (beyond `segments` if need be) and removed once the tables hold it; one
-    /// larger than the whole log is refused ([`Error::InvalidArgument`]: the log holds
-    /// `segments` x (`segment_bytes` less 32 bytes of header), and a commit takes 24 bytes of
-    /// record header besides its write batch's encoding). Segments: [`COMMIT_LOG_SEGMENTS_MIN`]..=
+    /// the tables' files no longer need the log). A commit larger than a segment gets a free
+    /// segment enlarged to its size (or, with none free, one more segment, beyond `segments`
+    /// if need be), which takes no commit after it and is cut back (or removed) once the
+    /// tables hold it; such commits take at most as much again as the ring's most before the
+    /// tables are flushed for them. One larger than the whole log is refused
+    /// ([`Error::InvalidArgument`]: the log holds `segments` x (`segment_bytes` less 32 bytes
+    /// of header), and a commit takes 24 bytes of record header besides its write batch's
+    /// encoding). Segments: [`COMMIT_LOG_SEGMENTS_MIN`]..=
     /// [`COMMIT_LOG_SEGMENTS_MAX`] of [`COMMIT_LOG_SEGMENT_BYTES_MIN`]..=
     /// [`COMMIT_LOG_SEGMENT_BYTES_MAX`] bytes ([`Error::LimitExceeded`] otherwise, at open); a
     /// new log whose first segments are larger than the free space of the store's file system

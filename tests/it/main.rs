@@ -8,6 +8,7 @@ mod batch;
 mod checkpoint;
 mod claim;
 mod commit_log;
+mod commit_log_growth;
 mod corrupt;
 mod durability;
 mod entity;

@@ -327,7 +327,16 @@ impl LogWriter {
                         let written = state.written_lsn;
                         state.log.release_through(written + 1);
                         trim(&mut state.log);
-                        state.log.append(batch.data())
+                        // Every slot is free now; a record larger than a segment still needs
+                        // one enlarged.
+                        let appended = state.log.append(batch.data());
+                        if appended.as_ref().is_err_and(Error::is_retryable)
+                            && grow(&mut state.log, batch.data().len())
+                        {
+                            state.log.append(batch.data())
+                        } else {
+                            appended
+                        }
                     })
                 }
                 other => other,

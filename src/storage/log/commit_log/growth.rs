@@ -28,17 +28,22 @@ pub(super) fn make_segment_file(path: &Path, bytes: u64) -> Result<File> {
         .create_new(true)
         .open(path)
         .map_err(|error| io_error("creating", path, &error))?;
-    let zeros = vec![0u8; (1 << 20).min(bytes as usize)];
-    let mut at = 0;
-    while at < bytes {
-        let chunk = (bytes - at).min(zeros.len() as u64) as usize;
+    fill_with_zeros(&file, path, 0, bytes)?;
+    Ok(file)
+}
+
+/// Writes zeros over `from..to` of `file` (at `path`) and syncs it, its size with it.
+fn fill_with_zeros(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
+    let zeros = vec![0u8; (1 << 20).min(to.saturating_sub(from) as usize)];
+    let mut at = from;
+    while at < to {
+        let chunk = (to - at).min(zeros.len() as u64) as usize;
         file.write_all_at(&zeros[..chunk], at)
             .map_err(|error| io_error("filling", path, &error))?;
         at += chunk as u64;
     }
     file.sync_all()
-        .map_err(|error| io_error("syncing", path, &error))?;
-    Ok(file)
+        .map_err(|error| io_error("syncing", path, &error))
 }
 
 impl CommitLog {
@@ -81,14 +86,28 @@ impl CommitLog {
             })
     }
 
-    /// Gives back the last slot while it is larger than the ring's segments (made for one large
-    /// record), free and not written: removed, and its name with it (a power cut that forgets
-    /// the removal leaves a free slot, which the next open keeps). Only the last: a reader takes
-    /// the slots by their numbers, up to the first missing one.
+    /// Gives back what large records took once the tables hold them: every free slot larger
+    /// than the ring's segments is cut back to their size (the active one too once closed: a
+    /// large record's slot takes no record after it), and a slot made beyond the ring's most
+    /// is removed while it is the last one, free and not active (a reader takes the slots by
+    /// number, up to the first missing one). A power cut that forgets a cut or a removal
+    /// leaves a free slot, larger or one more, which the next open keeps.
     ///
     /// # Errors
-    /// [`Error::Storage`] if the file cannot be removed or the directory synced.
+    /// [`Error::Storage`] if a file cannot be cut, removed or synced.
     pub(crate) fn trim(&mut self) -> Result<()> {
+        for slot in 0..self.slots.len() {
+            let held = &self.slots[slot];
+            let free = held.header.is_none() || held.end_lsn <= self.released_before;
+            let closed = slot != self.active || self.write_at >= held.bytes;
+            if free && closed && held.bytes > self.segment_bytes {
+                self.resize(slot, self.segment_bytes)?;
+                if slot == self.active {
+                    // Still closed: the next record starts a segment elsewhere.
+                    self.write_at = self.segment_bytes;
+                }
+            }
+        }
         // A slot being made is named after the last one: it stays until that one is taken.
         if self.preparing.is_some() {
             return Ok(());
@@ -96,7 +115,7 @@ impl CommitLog {
         while let Some(last) = self.slots.len().checked_sub(1) {
             let held = &self.slots[last];
             let free = held.header.is_none() || held.end_lsn <= self.released_before;
-            if !(last != self.active && free && held.bytes > self.segment_bytes) {
+            if !(last >= self.slots_max && last != self.active && free) {
                 break;
             }
             let path = slot_path(&self.dir, last);
@@ -111,6 +130,23 @@ impl CommitLog {
         Ok(())
     }
 
+    /// Makes free slot `slot` `bytes` long: grown with zeros, or cut; synced, its size with it.
+    /// A power cut midway leaves it at one of the two sizes or between, still free.
+    fn resize(&mut self, slot: usize, bytes: u64) -> Result<()> {
+        let path = slot_path(&self.dir, slot);
+        let held = &self.slots[slot];
+        if bytes > held.bytes {
+            fill_with_zeros(&held.file, &path, held.bytes, bytes)?;
+        } else {
+            held.file
+                .set_len(bytes)
+                .and_then(|()| held.file.sync_all())
+                .map_err(|error| io_error("cutting", &path, &error))?;
+        }
+        self.slots[slot].bytes = bytes;
+        Ok(())
+    }
+
     /// Adds a slot large enough for a record of `needed` bytes to the ring, if it has fewer
     /// than its most slots and the file system has room for the slot and, after it, for as
     /// many bytes as the ring then holds (at most what a flush of every record in it writes to
@@ -120,9 +156,11 @@ impl CommitLog {
     /// written into a slot whose name a power cut could forget would be lost with it. The next
     /// segment switch takes it.
     ///
-    /// A slot larger than the ring's segments (for a record that no segment holds) is made even
-    /// when the ring has its most slots (no slot could ever hold the record otherwise), and
-    /// given back once free ([`CommitLog::trim`]).
+    /// For a record that no segment holds, a free slot is enlarged in place; without one, a
+    /// slot of its size is made, even when the ring has its most slots (one more at most).
+    /// Either is given back once free ([`CommitLog::trim`]). Large records take no more than
+    /// the ring's most (`segments` x `segment_bytes`) on top of it: past that, `false`, and the
+    /// caller's flush frees and cuts back the slots they hold.
     ///
     /// # Errors
     /// [`Error::Storage`] if the slot cannot be made (a full disk is not an error: `false`).
@@ -141,10 +179,49 @@ impl CommitLog {
                 return Ok(true);
             }
         }
-        if self.slots.len() >= self.slots_max && bytes == self.segment_bytes {
+        let ring: u64 = self.slots.iter().map(|held| held.bytes).sum();
+        // What large records may take on top of the ring's most: as much again (and the one
+        // slot beyond its most). Past it, the records holding the enlarged slots are flushed
+        // first, and the slots cut back: then any record the log takes fits.
+        let budget = (self.slots_max as u64).saturating_mul(self.segment_bytes);
+        let limit = budget.saturating_mul(2).saturating_add(self.segment_bytes);
+        let within = |extra: u64| ring.saturating_add(extra) <= limit;
+        if bytes > self.segment_bytes {
+            // A free slot enlarged in place (the largest free one): the ring keeps its slots,
+            // and the slot is cut back once the tables hold the record (`trim`).
+            let free = (0..self.slots.len())
+                .filter(|&slot| slot != self.active)
+                .filter(|&slot| {
+                    let held = &self.slots[slot];
+                    held.header.is_none() || held.end_lsn <= self.released_before
+                })
+                .max_by_key(|&slot| self.slots[slot].bytes);
+            if let Some(slot) = free {
+                let extra = bytes.saturating_sub(self.slots[slot].bytes);
+                if !within(extra) {
+                    return Ok(false);
+                }
+                let path = slot_path(&self.dir, slot);
+                match check_space(&path, 1, extra.saturating_mul(2).saturating_add(ring), 0) {
+                    Ok(()) => {}
+                    Err(Error::Storage {
+                        kind: crate::format::error::StorageErrorKind::NoSpace,
+                        ..
+                    }) => return Ok(false),
+                    Err(error) => return Err(error),
+                }
+                self.resize(slot, bytes)?;
+                return Ok(true);
+            }
+        }
+        // At its most, the ring takes one slot more for a large record, no second: the
+        // records that hold the others are flushed first, and their slots enlarged.
+        if self.slots.len() > self.slots_max
+            || (self.slots.len() == self.slots_max && bytes == self.segment_bytes)
+            || (bytes > self.segment_bytes && !within(bytes))
+        {
             return Ok(false);
         }
-        let ring: u64 = self.slots.iter().map(|held| held.bytes).sum();
         match make_slot(&self.dir, self.slots.len(), bytes, ring)? {
             Some(slot) => self.adopt(slot)?,
             None => return Ok(false),

@@ -287,6 +287,11 @@ impl CommitLog {
             direct: None,
             preparing: None,
         };
+        if log.slots[log.active].bytes > log.segment_bytes {
+            // A slot enlarged for a large record takes nothing after it (`append`), across a
+            // reopen too: the next record switches, and the slot can be cut back.
+            log.write_at = log.slots[log.active].bytes;
+        }
         if !chain.started {
             // No segment was ever started.
             log.start_segment(0);
@@ -409,6 +414,11 @@ impl CommitLog {
             _ => self.pending.push((self.active, self.write_at, bytes)),
         }
         self.write_at += needed;
+        if self.slots[self.active].bytes > self.segment_bytes {
+            // A slot enlarged for a large record takes nothing after it: the next record
+            // switches, and the slot is cut back once the tables hold this one (`trim`).
+            self.write_at = self.slots[self.active].bytes;
+        }
         self.next_lsn += 1;
         self.slots[self.active].end_lsn = self.next_lsn;
         Ok(lsn)
@@ -518,7 +528,12 @@ impl CommitLog {
         // open for direct I/O and still refuse these writes.
         let (slot, end) = (self.active, self.write_at);
         let path = slot_path(&self.dir, slot);
-        let tail_at = block_below(end);
+        // A closed slot (one enlarged for a large record) ends at its size: its last block.
+        let tail_at = if end >= self.slots[slot].bytes {
+            block_below(end - 1)
+        } else {
+            block_below(end)
+        };
         let mut block = Aligned::zeroed(DIRECT_BLOCK);
         self.slots[slot]
             .file

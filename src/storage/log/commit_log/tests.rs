@@ -328,8 +328,7 @@ fn a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free_wi
     log.allow_growth_to(3);
     let large = payload(2, 2 * SEGMENT as usize);
     log.append(&payload(1, 100)).unwrap();
-    // No slot holds it: refused retryably until one is made for it, past the ring's most if
-    // need be (the ring is 2 of 3 here; the large slot is the third).
+    // No slot holds it: refused retryably until a free slot is enlarged for it.
     let refused = log.append(&large);
     assert!(
         refused.as_ref().is_err_and(Error::is_retryable),
@@ -339,27 +338,37 @@ fn a_record_larger_than_a_segment_gets_a_slot_of_its_own_given_back_once_free_wi
         log.grow_for((LOG_RECORD_HEADER_BYTES + large.len()) as u64)
             .unwrap()
     );
-    assert_eq!(log.slots(), 3);
-    assert!(std::fs::metadata(slot_path(&path, 2)).unwrap().len() > 2 * SEGMENT);
+    assert_eq!(log.slots(), 2, "enlarged in place, not added");
+    assert!(std::fs::metadata(slot_path(&path, 1)).unwrap().len() > 2 * SEGMENT);
     assert_eq!(log.append(&large).unwrap(), 2);
-    // The next record that does not fit what is left of it goes into a slot of the ring's
-    // size.
-    assert_eq!(log.append(&payload(3, 8_000)).unwrap(), 3);
-    assert_ne!(log.active, 2);
+    assert_eq!(log.active, 1);
+    // The large slot takes nothing after its record; the first slot is not free yet, so the
+    // next record needs the ring to grow.
+    let refused = log.append(&payload(3, 100));
+    assert!(
+        refused.as_ref().is_err_and(Error::is_retryable),
+        "{refused:?}"
+    );
+    assert!(log.grow_for(0).unwrap());
+    assert_eq!(log.append(&payload(3, 100)).unwrap(), 3);
+    assert_eq!(log.active, 2);
     log.sync().unwrap();
-    // Still held: kept. Released: given back, and its name with it.
+    // Still held: kept as it is.
     log.trim().unwrap();
-    assert_eq!(log.slots(), 3);
+    assert!(std::fs::metadata(slot_path(&path, 1)).unwrap().len() > 2 * SEGMENT);
     drop(log);
     let (mut log, recovered) = reopen(&path, 1, direct);
     let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
     assert_eq!(lsns, vec![1, 2, 3]);
     assert_eq!(recovered.records[1].1, large);
-    assert_eq!(recovered.records[2].1, payload(3, 8_000));
+    // Released: cut back to the ring's size.
     log.release_through(3);
     log.trim().unwrap();
-    assert_eq!(log.slots(), 2);
-    assert!(!slot_path(&path, 2).exists());
+    assert_eq!(
+        std::fs::metadata(slot_path(&path, 1)).unwrap().len(),
+        SEGMENT
+    );
+    assert_eq!(log.slots(), 3);
     assert_eq!(log.append(&payload(4, 100)).unwrap(), 4);
     log.sync().unwrap();
     drop(log);
