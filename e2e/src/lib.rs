@@ -72,6 +72,17 @@ where
     }
 }
 
+/// The first scrape of a consumer's metrics endpoint (on 127.0.0.1, at one of `ports`) that
+/// holds `wanted`, if any answers.
+pub fn scrape_first(ports: impl IntoIterator<Item = u16>, wanted: &str) -> Option<String> {
+    ports
+        .into_iter()
+        .filter_map(|port| {
+            prometheus::scrape(std::net::SocketAddr::from(([127, 0, 0, 1], port))).ok()
+        })
+        .find(|sample| sample.contains(wanted))
+}
+
 /// Empties (or creates) a run's work folder.
 pub fn fresh_folder(path: &std::path::Path) -> Result<(), BoxError> {
     if path.exists() {

@@ -13,7 +13,6 @@
 //! `--kill-after-commit-per-mille N` (consumers SIGKILL themselves between a commit and its
 //! ack), `--metrics-port-base PORT`, `--work DIR`, `--seed N`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -23,7 +22,7 @@ use idemdb_e2e::args::{Args, Workload, check};
 use idemdb_e2e::orders::{DEAD_LETTER_QUEUE, EXCHANGE, open_store, queue_name, shard_of};
 use idemdb_e2e::report::{Control, Report};
 use idemdb_e2e::supervisor::{Supervisor, recipe};
-use idemdb_e2e::{BoxError, fresh_folder, ledger, prometheus, verdict};
+use idemdb_e2e::{BoxError, fresh_folder, ledger, verdict};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Channel, ExchangeKind};
@@ -183,11 +182,10 @@ async fn run() -> Result<bool, BoxError> {
     // Drain, with a scrape of consumer 0's metrics once the queues are quiet.
     let queues: Vec<String> = (0..shards).map(queue_name).collect();
     let progress = || ledger::bytes(&load.work, "events-");
-    let consumer_0 = SocketAddr::from(([127, 0, 0, 1], options.metrics_port_base));
     let mut metrics = None;
     let scrape = || {
         if metrics.is_none() {
-            metrics = prometheus::scrape(consumer_0).ok();
+            metrics = idemdb_e2e::scrape_first([options.metrics_port_base], "");
         }
     };
     amqp::drain(&channel, &queues, &mut consumers, progress, scrape).await?;

@@ -32,7 +32,6 @@
 //! `--checkpoint-every-ms MS` (0: none), `--negative-control`, `--metrics-port-base PORT`,
 //! `--work DIR`, `--seed N`.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,7 +46,7 @@ use idemdb_e2e::orders::{
 };
 use idemdb_e2e::report::{Control, Report};
 use idemdb_e2e::supervisor::{Supervisor, recipe};
-use idemdb_e2e::{BoxError, backups, fresh_folder, prometheus, verdict};
+use idemdb_e2e::{BoxError, backups, fresh_folder, verdict};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Channel, ExchangeKind};
@@ -326,14 +325,10 @@ async fn run() -> Result<bool, BoxError> {
     let queues: Vec<String> = (0..options.partitions).map(partition_queue).collect();
     let progress = || handoffs::deliveries_handled(&load.work);
     let mut metrics = None;
+    let ports = (0..fleet).map(|c| options.metrics_port_base + u16::try_from(c).unwrap_or(0));
     let scrape = || {
         if metrics.is_none() {
-            metrics = (0..fleet)
-                .filter_map(|c| {
-                    let port = options.metrics_port_base + u16::try_from(c).unwrap_or(0);
-                    prometheus::scrape(SocketAddr::from(([127, 0, 0, 1], port))).ok()
-                })
-                .find(|sample| sample.contains("partition=\""));
+            metrics = idemdb_e2e::scrape_first(ports.clone(), "partition=\"");
         }
     };
     amqp::drain(&channel, &queues, &mut consumers, progress, scrape).await?;
