@@ -27,7 +27,7 @@ fn logged_ring(store: &TestStore, durability: Durability, segments: usize) -> En
 }
 
 /// Commits `keys` on consumer `c`, each adding 1 to the `n` counter and writing its order.
-fn commit_all(engine: &Engine, keys: std::ops::Range<u32>) {
+pub(crate) fn commit_all(engine: &Engine, keys: std::ops::Range<u32>) {
     let c = engine.consumer("c").unwrap();
     let orders = engine.business_table("orders").unwrap();
     let counters = engine.business_table("counters").unwrap();
@@ -52,7 +52,7 @@ fn rocksdb_wal_bytes(store: &TestStore) -> u64 {
         .sum()
 }
 
-fn counter(engine: &Engine) -> u64 {
+pub(crate) fn counter(engine: &Engine) -> u64 {
     let counters = engine.business_table("counters").unwrap();
     counters
         .get("n")

@@ -9,8 +9,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use idemdb::{COMMIT_LOG_SEGMENTS_MIN, Durability, Engine, Error, Fingerprint, Outcome, merge_ops};
+use idemdb::{COMMIT_LOG_SEGMENTS_MIN, Durability, Engine, Error, Fingerprint, Outcome};
 
+use crate::commit_log::{commit_all, counter};
 use crate::util::TestStore;
 
 const SEGMENT: u64 = 64 << 10;
@@ -40,25 +41,6 @@ fn logged_at(
         .unwrap_or_else(|error| panic!("{segments} x {bytes}: {error:?}"))
 }
 
-/// Commits `keys` on consumer `c`, each adding 1 to the `n` counter and writing a 300-byte
-/// order (about 400 bytes of log a commit).
-fn commit_small(engine: &Engine, keys: std::ops::Range<u32>) {
-    let c = engine.consumer("c").unwrap();
-    let orders = engine.business_table("orders").unwrap();
-    let counters = engine.business_table("counters").unwrap();
-    for key in keys {
-        let key = format!("m-{key}");
-        let Outcome::Fresh(mut claim) = c.begin(&key, Fingerprint::of(&key)).unwrap() else {
-            panic!("{key}: not fresh")
-        };
-        claim.put(&orders, &key, [7u8; 300]).unwrap();
-        claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
-        claim
-            .commit(b"ok")
-            .unwrap_or_else(|error| panic!("{key}: {error:?}"));
-    }
-}
-
 /// Commits `key` with an order of `value_bytes` bytes and 1 added to the `n` counter.
 fn commit_large(engine: &Engine, key: &str, value_bytes: usize) -> idemdb::Result<()> {
     let c = engine.consumer("c").unwrap();
@@ -70,16 +52,6 @@ fn commit_large(engine: &Engine, key: &str, value_bytes: usize) -> idemdb::Resul
     claim.put(&orders, key, vec![9u8; value_bytes]).unwrap();
     claim.merge(&counters, "n", 1u64.to_be_bytes()).unwrap();
     claim.commit(b"ok").map(drop)
-}
-
-fn counter(engine: &Engine) -> u64 {
-    engine
-        .business_table("counters")
-        .unwrap()
-        .get("n")
-        .unwrap()
-        .and_then(|value| merge_ops::read_u64(&value))
-        .unwrap_or(0)
 }
 
 fn order_len(engine: &Engine, key: &str) -> Option<usize> {
@@ -195,7 +167,7 @@ fn the_ring_grows_a_segment_at_a_time_up_to_its_most() {
         let engine = logged(&store, durability, most, SEGMENT);
         let mut seen = vec![segments(&store)];
         for key in 0..2_500 {
-            commit_small(&engine, key..key + 1);
+            commit_all(&engine, key..key + 1);
             let now = segments(&store);
             let last = *seen.last().unwrap();
             assert!(
@@ -228,7 +200,7 @@ fn the_next_segment_is_made_ahead_of_need() {
     let engine = logged(&store, Durability::Sync, 6, SEGMENT);
     assert_eq!(segments(&store), 2);
     // About 400 bytes a commit: 200 commits fill the first segment and go into the second.
-    commit_small(&engine, 0..200);
+    commit_all(&engine, 0..200);
     assert_eq!(
         wait_for_segments(&store, 3),
         3,
@@ -246,13 +218,13 @@ fn reopens_with_more_and_fewer_segments() {
     for durability in [Durability::Sync, Durability::Buffered] {
         let store = TestStore::new();
         let engine = logged(&store, durability, 3, SEGMENT);
-        commit_small(&engine, 0..1_000);
+        commit_all(&engine, 0..1_000);
         assert_eq!(segments(&store), 3, "{durability:?}");
         drop(engine);
         let engine = logged(&store, durability, 6, SEGMENT);
         assert_eq!(segments(&store), 3, "{durability:?}: kept at reopen");
         assert_eq!(counter(&engine), 1_000, "{durability:?}");
-        commit_small(&engine, 1_000..3_000);
+        commit_all(&engine, 1_000..3_000);
         assert_eq!(segments(&store), 6, "{durability:?}: grew to the new most");
         drop(engine);
         let engine = logged(&store, durability, 2, SEGMENT);
@@ -262,7 +234,7 @@ fn reopens_with_more_and_fewer_segments() {
             6,
             "{durability:?}: kept with a smaller most"
         );
-        commit_small(&engine, 3_000..5_000);
+        commit_all(&engine, 3_000..5_000);
         assert_eq!(
             segments(&store),
             6,
@@ -283,7 +255,7 @@ fn a_reopen_with_another_segment_size_keeps_the_logs_size() {
     for durability in [Durability::Sync, Durability::Buffered] {
         let store = TestStore::new();
         let engine = logged(&store, durability, 4, SEGMENT);
-        commit_small(&engine, 0..300);
+        commit_all(&engine, 0..300);
         drop(engine);
         let engine = logged(&store, durability, 4, 4 * SEGMENT);
         assert_eq!(counter(&engine), 300, "{durability:?}");
@@ -295,7 +267,7 @@ fn a_reopen_with_another_segment_size_keeps_the_logs_size() {
         // Larger than the log's segments, smaller than the ones asked for.
         commit_large(&engine, "large-1", 100_000)
             .unwrap_or_else(|error| panic!("{durability:?}: {error:?}"));
-        commit_small(&engine, 300..1_200);
+        commit_all(&engine, 300..1_200);
         drop(engine);
         let engine = logged(
             &store,
@@ -338,7 +310,7 @@ fn a_large_commit_right_after_open_gets_its_own_segment() {
         );
         commit_large(&engine, "large-2", 200_000)
             .unwrap_or_else(|error| panic!("{durability:?}: {error:?}"));
-        commit_small(&engine, 0..20);
+        commit_all(&engine, 0..20);
         drop(engine);
         let engine = logged(&store, durability, 4, SEGMENT);
         assert_eq!(
@@ -369,7 +341,7 @@ fn a_flush_in_the_running_engine_removes_a_large_commits_segment() {
             let store = TestStore::new();
             let engine = logged(&store, durability, 4, SEGMENT);
             commit_large(&engine, "large-1", 120_000).unwrap();
-            commit_small(&engine, 0..small_after);
+            commit_all(&engine, 0..small_after);
             if small_after < 1_000 {
                 // (A thousand small commits fill the ring, whose own flush gives it back.)
                 assert!(segment_sizes(&store).iter().any(|(_, b)| *b > SEGMENT));
@@ -401,7 +373,7 @@ fn many_large_commits_in_a_row_are_all_taken() {
             let bytes = 70_000 + (n % 5) * 40_000; // 70 KB to 230 KB: all under the whole log
             commit_large(&engine, &format!("large-{n}"), bytes)
                 .unwrap_or_else(|error| panic!("{durability:?}: large-{n}: {error:?}"));
-            commit_small(&engine, n as u32 * 3..n as u32 * 3 + 3);
+            commit_all(&engine, n as u32 * 3..n as u32 * 3 + 3);
         }
         drop(engine);
         let engine = logged(&store, durability, most, SEGMENT);
@@ -428,7 +400,7 @@ fn a_flush_after_a_reopen_removes_every_large_commits_segment() {
         let engine = logged(&store, durability, most, SEGMENT);
         for n in 0..40 {
             commit_large(&engine, &format!("large-{n}"), 70_000 + (n % 5) * 40_000).unwrap();
-            commit_small(&engine, n as u32 * 3..n as u32 * 3 + 3);
+            commit_all(&engine, n as u32 * 3..n as u32 * 3 + 3);
         }
         drop(engine);
         let engine = logged(&store, durability, most, SEGMENT);
@@ -491,7 +463,7 @@ fn a_large_claim_batch() {
     for durability in [Durability::Sync, Durability::Buffered] {
         let store = TestStore::new();
         let engine = logged(&store, durability, 4, SEGMENT);
-        commit_small(&engine, 0..10);
+        commit_all(&engine, 0..10);
         let batch_commit = |prefix: &str, value_bytes: usize| {
             let c = engine.consumer("c").unwrap();
             let orders = engine.business_table("orders").unwrap();
@@ -523,7 +495,7 @@ fn a_large_claim_batch() {
             );
             assert_eq!(order_len(&engine, &format!("huge-{i}")), None);
         }
-        commit_small(&engine, 10..20);
+        commit_all(&engine, 10..20);
         drop((c, engine));
         let engine = logged(&store, durability, 4, SEGMENT);
         for i in 0..3 {
@@ -611,17 +583,17 @@ fn a_checkpoint_after_growth_and_a_large_commit_opens_whole() {
     for durability in [Durability::Sync, Durability::Buffered] {
         let store = TestStore::new();
         let engine = logged(&store, durability, 5, SEGMENT);
-        commit_small(&engine, 0..600);
+        commit_all(&engine, 0..600);
         assert!(segments(&store) > 2, "{durability:?}: the ring grew");
         commit_large(&engine, "large-1", 150_000).unwrap();
-        commit_small(&engine, 600..650);
+        commit_all(&engine, 600..650);
         let copy = store.dir.path().join("copy");
         engine.checkpoint(&copy).unwrap();
-        commit_small(&engine, 650..700);
+        commit_all(&engine, 650..700);
         let copy_engine = logged_at(&store, &copy, durability, 5, SEGMENT);
         assert_eq!(counter(&copy_engine), 651, "{durability:?}");
         assert_eq!(order_len(&copy_engine, "large-1"), Some(150_000));
-        commit_small(&copy_engine, 700..900);
+        commit_all(&copy_engine, 700..900);
         drop(copy_engine);
         let copy_engine = logged_at(&store, &copy, durability, 2, SEGMENT);
         assert_eq!(counter(&copy_engine), 851, "{durability:?}");
@@ -646,7 +618,7 @@ fn a_read_only_open_beside_a_grown_log_and_a_large_commit() {
         let store = TestStore::new();
         let engine = logged(&store, durability, 6, SEGMENT);
         let c = Target::Consumer(b"c".to_vec());
-        commit_small(&engine, 0..700);
+        commit_all(&engine, 0..700);
         assert!(segments(&store) > 3, "{durability:?}: the ring grew");
         let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
         for key in small_keys(0..700).step_by(7).chain(["m-699".to_owned()]) {
@@ -657,7 +629,7 @@ fn a_read_only_open_beside_a_grown_log_and_a_large_commit() {
         }
         drop(reader);
         commit_large(&engine, "large-1", 150_000).unwrap();
-        commit_small(&engine, 700..710);
+        commit_all(&engine, 700..710);
         let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
         for key in ["m-0", "m-699", "large-1", "m-700", "m-709"] {
             assert!(
@@ -667,7 +639,7 @@ fn a_read_only_open_beside_a_grown_log_and_a_large_commit() {
         }
         drop(reader);
         engine.flush().unwrap();
-        commit_small(&engine, 710..720);
+        commit_all(&engine, 710..720);
         let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
         for key in ["m-0", "large-1", "m-719"] {
             assert!(
@@ -690,7 +662,7 @@ fn a_grown_log_turned_off_and_on_again() {
     for durability in [Durability::Sync, Durability::Buffered] {
         let store = TestStore::new();
         let engine = logged(&store, durability, 6, SEGMENT);
-        commit_small(&engine, 0..900);
+        commit_all(&engine, 0..900);
         commit_large(&engine, "large-1", 200_000).unwrap();
         assert!(segments(&store) > 3, "{durability:?}");
         drop(engine);
@@ -698,7 +670,7 @@ fn a_grown_log_turned_off_and_on_again() {
         assert!(!store.dir.path().join("idemdb-log").exists());
         assert_eq!(counter(&engine), 901, "{durability:?}");
         assert_eq!(order_len(&engine, "large-1"), Some(200_000));
-        commit_small(&engine, 900..950);
+        commit_all(&engine, 900..950);
         drop(engine);
         let engine = logged(&store, durability, 6, 2 * SEGMENT);
         assert_eq!(
@@ -711,7 +683,7 @@ fn a_grown_log_turned_off_and_on_again() {
         );
         assert_eq!(counter(&engine), 951, "{durability:?}");
         commit_large(&engine, "large-2", 300_000).unwrap();
-        commit_small(&engine, 950..2_000);
+        commit_all(&engine, 950..2_000);
         assert!(segments(&store) > 2, "{durability:?}");
         drop(engine);
         let engine = logged(&store, durability, 6, 2 * SEGMENT);
@@ -780,7 +752,7 @@ fn a_commit_at_the_whole_logs_size() {
             // bytes, not kilobytes: the documented room is the room there is.
             assert!(overhead < 512, "{durability:?} {most}: {overhead}");
             // The same on a log with records in it (and a reopened one).
-            commit_small(&engine, 0..100);
+            commit_all(&engine, 0..100);
             let (key, ok) = try_value(taken);
             assert!(
                 ok,
@@ -847,7 +819,7 @@ fn a_small_disk_bounds_the_new_log_and_its_growth() {
     assert_eq!(segment_sizes_at(&path).len(), 2);
     let free_at_open = disk.free_bytes();
     for n in 0..60u32 {
-        commit_small(&engine, n * 100..n * 100 + 100);
+        commit_all(&engine, n * 100..n * 100 + 100);
         if n % 10 == 0 {
             commit_large(&engine, &format!("large-{n}"), 1_500_000)
                 .unwrap_or_else(|error| panic!("large-{n}: {error:?}"));

@@ -58,6 +58,12 @@ impl CommitLog {
         self.slots.len()
     }
 
+    /// Whether `slot` may take a new segment: never used, or holding only released records.
+    fn is_free(&self, slot: usize) -> bool {
+        let held = &self.slots[slot];
+        held.header.is_none() || held.end_lsn <= self.released_before
+    }
+
     /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow_for`]); never below the slots it
     /// has.
     pub(crate) fn allow_growth_to(&mut self, slots_max: usize) {
@@ -73,9 +79,8 @@ impl CommitLog {
         (0..self.slots.len())
             .filter(|&slot| slot != self.active)
             .filter(|&slot| {
-                let held = &self.slots[slot];
-                let free = held.header.is_none() || held.end_lsn <= self.released_before;
-                free && held.bytes >= LOG_SEGMENT_HEADER_BYTES as u64 + needed
+                self.is_free(slot)
+                    && self.slots[slot].bytes >= LOG_SEGMENT_HEADER_BYTES as u64 + needed
             })
             .min_by_key(|&slot| {
                 let held = &self.slots[slot];
@@ -98,9 +103,8 @@ impl CommitLog {
     pub(crate) fn trim(&mut self) -> Result<()> {
         for slot in 0..self.slots.len() {
             let held = &self.slots[slot];
-            let free = held.header.is_none() || held.end_lsn <= self.released_before;
             let closed = slot != self.active || self.write_at >= held.bytes;
-            if free && closed && held.bytes > self.segment_bytes {
+            if self.is_free(slot) && closed && held.bytes > self.segment_bytes {
                 self.resize(slot, self.segment_bytes)?;
                 if slot == self.active {
                     // Still closed: the next record starts a segment elsewhere.
@@ -113,9 +117,7 @@ impl CommitLog {
             return Ok(());
         }
         while let Some(last) = self.slots.len().checked_sub(1) {
-            let held = &self.slots[last];
-            let free = held.header.is_none() || held.end_lsn <= self.released_before;
-            if !(last >= self.slots_max && last != self.active && free) {
+            if !(last >= self.slots_max && last != self.active && self.is_free(last)) {
                 break;
             }
             let path = slot_path(&self.dir, last);
@@ -190,25 +192,12 @@ impl CommitLog {
             // A free slot enlarged in place (the largest free one): the ring keeps its slots,
             // and the slot is cut back once the tables hold the record (`trim`).
             let free = (0..self.slots.len())
-                .filter(|&slot| slot != self.active)
-                .filter(|&slot| {
-                    let held = &self.slots[slot];
-                    held.header.is_none() || held.end_lsn <= self.released_before
-                })
+                .filter(|&slot| slot != self.active && self.is_free(slot))
                 .max_by_key(|&slot| self.slots[slot].bytes);
             if let Some(slot) = free {
                 let extra = bytes.saturating_sub(self.slots[slot].bytes);
-                if !within(extra) {
+                if !within(extra) || !has_room(&slot_path(&self.dir, slot), extra, ring)? {
                     return Ok(false);
-                }
-                let path = slot_path(&self.dir, slot);
-                match check_space(&path, 1, extra.saturating_mul(2).saturating_add(ring), 0) {
-                    Ok(()) => {}
-                    Err(Error::Storage {
-                        kind: crate::format::error::StorageErrorKind::NoSpace,
-                        ..
-                    }) => return Ok(false),
-                    Err(error) => return Err(error),
                 }
                 self.resize(slot, bytes)?;
                 return Ok(true);
@@ -341,20 +330,28 @@ impl Drop for Preparing {
     }
 }
 
+/// Whether the file system of the log's file `path` has room for `extra` more bytes of slots
+/// and, after them, for as many bytes as the ring (`ring` bytes before them) then holds: what
+/// a flush of every record in it writes to table files, at most.
+fn has_room(path: &Path, extra: u64, ring: u64) -> Result<bool> {
+    match check_space(path, 1, extra.saturating_mul(2).saturating_add(ring), 0) {
+        Ok(()) => Ok(true),
+        Err(Error::Storage {
+            kind: crate::format::error::StorageErrorKind::NoSpace,
+            ..
+        }) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
 /// Makes slot `slot` of `bytes` in the log `dir` (holding `ring` bytes of slots): under a name a
 /// reader does not take for a slot, then renamed, and the directory synced, so that a power
 /// cut never forgets the name of a slot records went into. `None` when the file system lacks
 /// room for the slot and, after it, for as many bytes as the ring then holds.
 fn make_slot(dir: &Path, slot: usize, bytes: u64, ring: u64) -> Result<Option<Made>> {
     let (growing, path) = (growing_path(dir, slot), slot_path(dir, slot));
-    // Room for the slot, and then for as many bytes as the ring holds.
-    match check_space(&growing, 1, bytes.saturating_mul(2).saturating_add(ring), 0) {
-        Ok(()) => {}
-        Err(Error::Storage {
-            kind: crate::format::error::StorageErrorKind::NoSpace,
-            ..
-        }) => return Ok(None),
-        Err(error) => return Err(error),
+    if !has_room(&growing, bytes, ring)? {
+        return Ok(None);
     }
     if growing.exists() {
         std::fs::remove_file(&growing).map_err(|error| io_error("removing", &growing, &error))?;

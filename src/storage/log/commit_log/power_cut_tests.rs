@@ -20,6 +20,27 @@ impl Rng {
     }
 }
 
+/// A folder for a power-cut file system (its backing directory and mount point) where FUSE
+/// mounts (it needs root, or fusermount3, and the kernel's fuse module); `None`, with why,
+/// where it does not: the test `what` is skipped.
+#[allow(clippy::print_stdout)] // why the test is skipped
+fn power_cut_disk(
+    what: &str,
+) -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
+    let dir = tempfile::tempdir().unwrap();
+    let (backing, mnt) = (dir.path().join("disk"), dir.path().join("mnt"));
+    std::fs::create_dir(&backing).unwrap();
+    std::fs::create_dir(&mnt).unwrap();
+    match PowerCut::mount(&backing, &mnt) {
+        Ok(fs) => drop(fs.unmount()),
+        Err(error) => {
+            println!("{what} skipped: cannot mount FUSE here ({error})");
+            return None;
+        }
+    }
+    Some((dir, backing, mnt))
+}
+
 /// What the cycles counted.
 #[derive(Debug, Default)]
 struct Tally {
@@ -39,18 +60,9 @@ fn every_synced_record_survives_power_cuts_at_any_write() {
 
 #[allow(clippy::print_stdout)] // the tally, or why it was skipped
 fn every_synced_record_survives_power_cuts_at_any_write_with(direct: bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let (backing, mnt) = (dir.path().join("disk"), dir.path().join("mnt"));
-    std::fs::create_dir(&backing).unwrap();
-    std::fs::create_dir(&mnt).unwrap();
-    // The FUSE mount needs root (or fusermount3) and the kernel's fuse module.
-    match PowerCut::mount(&backing, &mnt) {
-        Ok(fs) => drop(fs.unmount()),
-        Err(error) => {
-            println!("commit log power cuts skipped: cannot mount FUSE here ({error})");
-            return;
-        }
-    }
+    let Some((_dir, backing, mnt)) = power_cut_disk("commit log power cuts") else {
+        return;
+    };
     let mut rng = Rng(0x1de3_5eed);
     let mut appended: HashMap<u64, Vec<u8>> = HashMap::new();
     // Stored elsewhere (as table files would hold them): records before this LSN.
@@ -200,17 +212,9 @@ fn every_synced_record_survives_power_cuts_at_any_write_with(direct: bool) {
 #[test]
 #[allow(clippy::print_stdout)] // the tally, or why it was skipped
 fn records_synced_into_grown_slots_survive_power_cuts() {
-    let dir = tempfile::tempdir().unwrap();
-    let (backing, mnt) = (dir.path().join("disk"), dir.path().join("mnt"));
-    std::fs::create_dir(&backing).unwrap();
-    std::fs::create_dir(&mnt).unwrap();
-    match PowerCut::mount(&backing, &mnt) {
-        Ok(fs) => drop(fs.unmount()),
-        Err(error) => {
-            println!("commit log growth power cuts skipped: cannot mount FUSE here ({error})");
-            return;
-        }
-    }
+    let Some((_dir, backing, mnt)) = power_cut_disk("commit log growth power cuts") else {
+        return;
+    };
     let mut rng = Rng(0x96_0a7);
     let (mut cuts, mut grown, mut recovered_in_grown) = (0, 0, 0);
     for cycle in 0..60 {
