@@ -330,6 +330,29 @@ impl Consumer {
         crate::operations::position::Positions::new(self.inner.clone(), self.prefix.clone())
     }
 
+    /// A pipeline through which this thread keeps up to `depth` commits (claims' or
+    /// batches') in flight and hears of each, with its tag, in the order handed over, once it
+    /// is durable: see [`crate::Pipeline`]. Commits of this engine's other consumers may go
+    /// through it too.
+    ///
+    /// # Errors
+    /// [`Error::LimitExceeded`] unless `depth` is 1..=[`crate::PIPELINE_DEPTH_MAX`].
+    pub fn pipeline<T>(&self, depth: usize) -> Result<crate::operations::pipeline::Pipeline<T>> {
+        crate::operations::pipeline::Pipeline::new(depth)
+    }
+
+    /// [`Consumer::pipeline`] for async code (feature `tokio`): see [`crate::AsyncPipeline`].
+    ///
+    /// # Errors
+    /// As [`Consumer::pipeline`].
+    #[cfg(feature = "tokio")]
+    pub fn async_pipeline<T>(
+        &self,
+        depth: usize,
+    ) -> Result<crate::operations::pipeline::AsyncPipeline<T>> {
+        crate::operations::pipeline::AsyncPipeline::new(depth)
+    }
+
     /// The consumer id.
     #[must_use]
     pub fn id(&self) -> &str {

@@ -62,7 +62,7 @@ impl EngineBuilder {
     pub fn open(self) -> Result<Engine> {
         self.validate()?;
         if self.open_mode == OpenMode::Application {
-            if let (Some((segments, segment_bytes)), false) = (self.commit_log, self.path.exists())
+            if let (Some((segments, segment_bytes)), false) = (self.log_shape(), self.path.exists())
             {
                 // Before the directory is made: a refusal for the log's size creates nothing.
                 // (An existing store is checked once it is locked and its metadata read, so

@@ -499,6 +499,10 @@ pub use operations::claim::{Claim, Expiry, Outcome};
 pub use operations::lease::{
     ExternalClaim, FailurePolicy, InProgressEntry, LeaseTicket, Resolution,
 };
+#[cfg(all(feature = "engine", feature = "tokio"))]
+pub use operations::pipeline::AsyncPipeline;
+#[cfg(feature = "engine")]
+pub use operations::pipeline::{Durable, PIPELINE_DEPTH_MAX, Pipeline, Settled};
 #[cfg(feature = "engine")]
 pub use operations::position::Positions;
 #[cfg(feature = "engine")]
@@ -511,16 +515,16 @@ pub use storage::business_table::BusinessTable;
 #[cfg(feature = "engine")]
 pub use storage::fault::{Fault, FaultInjector, IoPoint};
 #[cfg(feature = "tokio")]
-pub use storage::log::committer::{BatchCommitFuture, CommitFuture};
+pub use storage::log::commit_future::{BatchCommitFuture, CommitFuture};
 #[cfg(feature = "engine")]
 pub use storage::observe::{ConsumerStats, Stats};
 #[cfg(feature = "engine")]
 pub use storage::options::{
     BLOCK_CACHE_BYTES_DEFAULT, BLOCK_CACHE_BYTES_MAX, BLOCK_CACHE_BYTES_MIN,
-    COMMIT_LOG_SEGMENT_BYTES_MAX, COMMIT_LOG_SEGMENT_BYTES_MIN, COMMIT_LOG_SEGMENTS_MAX,
-    COMMIT_LOG_SEGMENTS_MIN, Durability, EngineBuilder, METRICS_LABEL_VALUE_BYTES_MAX,
-    METRICS_LABELS_MAX, PERIODIC_COMPACTION_S_DEFAULT, PERIODIC_COMPACTION_S_MAX,
-    PERIODIC_COMPACTION_S_MIN, RETENTION_MS_DEFAULT, RETENTION_MS_MAX, RETENTION_MS_MIN,
-    TABLE_NAME_BYTES_MAX, TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn, TableOptions,
-    WRITE_BUFFER_BYTES_DEFAULT, WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
+    COMMIT_LOG_SEGMENT_BYTES_DEFAULT, COMMIT_LOG_SEGMENT_BYTES_MAX, COMMIT_LOG_SEGMENT_BYTES_MIN,
+    COMMIT_LOG_SEGMENTS_MAX, COMMIT_LOG_SEGMENTS_MIN, Durability, EngineBuilder,
+    METRICS_LABEL_VALUE_BYTES_MAX, METRICS_LABELS_MAX, PERIODIC_COMPACTION_S_DEFAULT,
+    PERIODIC_COMPACTION_S_MAX, PERIODIC_COMPACTION_S_MIN, RETENTION_MS_DEFAULT, RETENTION_MS_MAX,
+    RETENTION_MS_MIN, TABLE_NAME_BYTES_MAX, TABLE_NAME_BYTES_MIN, TABLES_MAX, TableMergeFn,
+    TableOptions, WRITE_BUFFER_BYTES_DEFAULT, WRITE_BUFFER_BYTES_MAX, WRITE_BUFFER_BYTES_MIN,
 };

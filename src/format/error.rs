@@ -47,6 +47,8 @@ pub enum Limit {
     CommitLogSegments,
     /// [`crate::COMMIT_LOG_SEGMENT_BYTES_MIN`] ..= [`crate::COMMIT_LOG_SEGMENT_BYTES_MAX`].
     CommitLogSegmentBytes,
+    /// 1 ..= [`crate::PIPELINE_DEPTH_MAX`].
+    PipelineDepth,
 }
 
 /// What RocksDB reported, reduced to what a caller can act on.
@@ -225,6 +227,20 @@ pub enum Error {
         stored: u64,
         /// The offset this commit staged.
         staged: u64,
+    },
+
+    /// A commit of a pipeline ([`crate::Pipeline`]) that came after one that failed: a
+    /// pipeline acknowledges nothing past a failure, so that no acknowledgement (a broker's
+    /// cumulative one above all) covers the failed message. This one was not committed if it
+    /// was handed over after the failure was known, and may have been otherwise (its
+    /// redelivery is then a duplicate): leave its message unacknowledged and take the next
+    /// messages through a new pipeline.
+    #[error(
+        "a commit before this one in its pipeline failed ({earlier}); this one is not acknowledged"
+    )]
+    PipelineBroken {
+        /// The error of the commit that failed first, in words.
+        earlier: String,
     },
 
     /// An earlier write failed in a way that leaves its durability unknown (a failed WAL write or

@@ -393,13 +393,32 @@ impl ClaimBatch {
     /// # Errors
     /// The future resolves to the errors of [`ClaimBatch::commit`].
     pub fn commit_async<R: AsRef<[u8]>>(
+        self,
+        result_of: impl FnMut(usize) -> R,
+    ) -> crate::storage::log::commit_future::BatchCommitFuture {
+        let (reply, receiver) = tokio::sync::oneshot::channel();
+        self.submit(result_of, move |answer| {
+            // The caller may have dropped the future; the commit stands either way.
+            let _ = reply.send(answer);
+        });
+        crate::storage::log::commit_future::BatchCommitFuture::waiting(receiver)
+    }
+}
+
+impl ClaimBatch {
+    /// Commits like [`ClaimBatch::commit`] and tells `reply` the outcome: from the engine's
+    /// committer thread with [`crate::Durability::Sync`], before returning with `Buffered` or
+    /// when the commit fails its checks. What [`ClaimBatch::commit_async`] and
+    /// [`crate::Pipeline`] share.
+    pub(crate) fn submit<R: AsRef<[u8]>>(
         mut self,
         result_of: impl FnMut(usize) -> R,
-    ) -> crate::storage::log::committer::BatchCommitFuture {
-        use crate::storage::log::committer::{BatchCommitFuture, Job};
+        reply: impl FnOnce(Result<Vec<Option<Committed>>>) + Send + 'static,
+    ) {
+        use crate::storage::log::committer::Job;
         let storage = self.inner.clone();
         if !storage.syncs_each_write() {
-            return BatchCommitFuture::ready(self.commit(result_of));
+            return reply(self.commit(result_of));
         }
         let started = std::time::Instant::now();
         let prepared = storage
@@ -407,13 +426,12 @@ impl ClaimBatch {
             .and_then(|committer| Ok((committer, self.prepare(result_of)?)));
         let (committer, (batch, committed, positions)) = match prepared {
             Ok(prepared) => prepared,
-            Err(error) => return BatchCommitFuture::ready(Err(error)),
+            Err(error) => return reply(Err(error)),
         };
         if batch.is_empty() {
             // No claim left to commit and no position: nothing to write or wait for.
-            return BatchCommitFuture::ready(Ok(committed));
+            return reply(Ok(committed));
         }
-        let (reply, receiver) = tokio::sync::oneshot::channel();
         let claims = std::mem::take(&mut self.claims);
         committer.submit(Job {
             batch,
@@ -432,10 +450,8 @@ impl ClaimBatch {
                 }
                 // The keys are released before the caller hears of it.
                 drop(claims);
-                // The caller may have dropped the future; the commit stands either way.
-                let _ = reply.send(written.map(|()| committed));
+                reply(written.map(|()| committed));
             }),
         });
-        BatchCommitFuture::waiting(receiver)
     }
 }

@@ -311,7 +311,6 @@ impl Claim {
     }
 
     /// The engine this claim belongs to.
-    #[cfg(feature = "tokio")]
     pub(crate) fn inner(&self) -> &Arc<Storage> {
         &self.inner
     }
@@ -554,36 +553,55 @@ impl Claim {
     /// The future resolves to the errors of [`Claim::commit`]. In a group whose write fails,
     /// every claim gets the same error.
     pub fn commit_async(
-        mut self,
+        self,
         result: impl AsRef<[u8]>,
-    ) -> crate::storage::log::committer::CommitFuture {
-        use crate::storage::log::committer::{CommitFuture, Job};
+    ) -> crate::storage::log::commit_future::CommitFuture {
+        let (reply, receiver) = tokio::sync::oneshot::channel();
+        self.submit(result.as_ref(), move |answer| {
+            // The caller may have dropped the future; the commit stands either way.
+            let _ = reply.send(answer);
+        });
+        crate::storage::log::commit_future::CommitFuture::waiting(receiver)
+    }
+}
+
+impl Claim {
+    /// Commits like [`Claim::commit`] and tells `reply` the outcome: from the engine's committer
+    /// thread with [`crate::Durability::Sync`] (the calling thread goes on at once), before
+    /// returning with `Buffered` (nothing waits for a disk) or when the commit fails its checks.
+    /// The key stays claimed until the commit is visible; `reply` hears of it after the key is
+    /// released. What [`Claim::commit_async`] and [`crate::Pipeline`] share.
+    pub(crate) fn submit(
+        mut self,
+        result: &[u8],
+        reply: impl FnOnce(Result<Committed>) + Send + 'static,
+    ) {
+        use crate::storage::log::committer::Job;
         let storage = self.inner().clone();
         if !storage.syncs_each_write() {
-            return CommitFuture::ready(self.commit(result));
+            return reply(self.commit(result));
         }
         let started = Instant::now();
         let committer = match storage.committer() {
             Ok(committer) => committer,
-            Err(error) => return CommitFuture::ready(Err(error)),
+            Err(error) => return reply(Err(error)),
         };
-        let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
+        let mut batch = batch_for(self.commit_bytes(result.len()));
         // Nothing is appended on error, and the claim is released as `commit` would.
-        let (committed, positions) =
-            match self
-                .append_commit(&mut batch, result.as_ref())
-                .and_then(|committed| {
-                    let now_ms = committed.committed_at_ms;
-                    let positions = std::mem::take(&mut self.positions);
-                    Ok((
-                        committed,
-                        positions.append_to(&storage, &mut batch, now_ms)?,
-                    ))
-                }) {
-                Ok(prepared) => prepared,
-                Err(error) => return CommitFuture::ready(Err(error)),
-            };
-        let (reply, receiver) = tokio::sync::oneshot::channel();
+        let prepared = self
+            .append_commit(&mut batch, result)
+            .and_then(|committed| {
+                let now_ms = committed.committed_at_ms;
+                let positions = std::mem::take(&mut self.positions);
+                Ok((
+                    committed,
+                    positions.append_to(&storage, &mut batch, now_ms)?,
+                ))
+            });
+        let (committed, positions) = match prepared {
+            Ok(prepared) => prepared,
+            Err(error) => return reply(Err(error)),
+        };
         committer.submit(Job {
             batch,
             claims: 1,
@@ -597,10 +615,8 @@ impl Claim {
                 }
                 // The key is released before the caller hears of it.
                 drop(self);
-                // The caller may have dropped the future; the commit stands either way.
-                let _ = reply.send(written.map(|()| committed));
+                reply(written.map(|()| committed));
             }),
         });
-        CommitFuture::waiting(receiver)
     }
 }

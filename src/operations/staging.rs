@@ -237,3 +237,21 @@ impl Staged {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default commit log takes any single claim's commit (a claim at its limits must not
+    /// be refused for the log's size where RocksDB's WAL would take it).
+    #[test]
+    fn the_default_log_takes_the_largest_claim() {
+        // Staged bytes count the result too; each write adds at most 32 bytes of batch encoding
+        // (its tag, table and lengths); 1 MiB for the marker and the headers.
+        let largest = STAGED_BYTES_MAX + STAGED_WRITES_MAX * 32 + (1 << 20);
+        assert!(
+            largest as u64 <= crate::storage::options::LARGEST_CLAIM_COMMIT_BYTES,
+            "{largest}"
+        );
+    }
+}

@@ -46,6 +46,9 @@ pub const COMMIT_LOG_SEGMENTS_MAX: usize = 1024;
 pub const COMMIT_LOG_SEGMENT_BYTES_MIN: u64 = crate::format::commit_log::LOG_SEGMENT_BYTES_MIN;
 /// The largest commit-log segment, in bytes (4 GiB).
 pub const COMMIT_LOG_SEGMENT_BYTES_MAX: u64 = 4 << 30;
+/// The default commit log's segment, in bytes (4 MiB): a new store's first open writes two
+/// ([`EngineBuilder::commit_log`]).
+pub const COMMIT_LOG_SEGMENT_BYTES_DEFAULT: u64 = 4 << 20;
 /// The most labels [`EngineBuilder::metrics_label`] adds to an engine's metrics.
 pub const METRICS_LABELS_MAX: usize = 8;
 /// The longest value of a label [`EngineBuilder::metrics_label`] adds, in bytes.
@@ -175,8 +178,25 @@ pub struct EngineBuilder {
     pub(crate) metrics_labels: Vec<(String, String)>,
     /// [`OpenMode::Admin`] only for the operator tools' open (`crate::admin`).
     pub(crate) open_mode: OpenMode,
-    /// The commit log: (segments, bytes per segment), or off.
-    pub(crate) commit_log: Option<(usize, u64)>,
+    /// The durable path: the commit log of the default shape or of the caller's, or RocksDB's
+    /// WAL.
+    pub(crate) commit_log: LogChoice,
+}
+
+/// More than the largest single claim's commit takes in the log: its staged writes and result
+/// at their limit (256 MiB), with the batch's encoding and headers around them
+/// (`operations::staging` checks it against its limits in a test).
+pub(crate) const LARGEST_CLAIM_COMMIT_BYTES: u64 = 320 << 20;
+
+/// What the builder was told of the commit log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LogChoice {
+    /// The default: the log, shaped by [`EngineBuilder::default_log_shape`].
+    Default,
+    /// The log, with (most segments, bytes per segment).
+    Shape(usize, u64),
+    /// RocksDB's WAL ([`EngineBuilder::without_commit_log`]).
+    Off,
 }
 
 impl EngineBuilder {
@@ -195,7 +215,7 @@ impl EngineBuilder {
             fault_injector: None,
             metrics_labels: Vec::new(),
             open_mode: OpenMode::Application,
-            commit_log: None,
+            commit_log: LogChoice::Default,
         }
     }
 
@@ -291,10 +311,15 @@ impl EngineBuilder {
         self
     }
 
-    /// Makes commits durable in a log of idemdb's own (up to `segments` files of
-    /// `segment_bytes` each in `<store>/idemdb-log`, rewritten in place as a ring) instead of
-    /// RocksDB's write-ahead log, which the store's tables then do without. Default: off.
-    /// Reopened without it, a store replays its log into RocksDB's WAL and removes it.
+    /// Shapes the commit log: up to `segments` files of `segment_bytes` each in
+    /// `<store>/idemdb-log`, rewritten in place as a ring. Commits are made durable there
+    /// instead of RocksDB's write-ahead log, which the store's tables then do without. The log
+    /// is the default; without this call its segments are [`COMMIT_LOG_SEGMENT_BYTES_DEFAULT`]
+    /// and it may grow to as many as hold every table's write buffer
+    /// ([`EngineBuilder::write_buffer_bytes`]) twice over, and to at least 320 MiB, so that
+    /// any single claim's commit fits (with 64 MiB buffers and no declared table: 96 segments,
+    /// 384 MiB). [`EngineBuilder::without_commit_log`] opts out: RocksDB's WAL, into which a
+    /// store replays its log and removes it.
     ///
     /// Why: a sync of a file rewritten in place writes data only, where RocksDB's growing WAL
     /// also journals its new size; with `Durability::Sync` the records go out as direct writes
@@ -354,8 +379,58 @@ impl EngineBuilder {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn commit_log(mut self, segments: usize, segment_bytes: u64) -> EngineBuilder {
-        self.commit_log = Some((segments, segment_bytes));
+        self.commit_log = LogChoice::Shape(segments, segment_bytes);
         self
+    }
+
+    /// Makes commits durable in RocksDB's write-ahead log instead of the commit log
+    /// ([`EngineBuilder::commit_log`], the default): for file systems or operators that need
+    /// RocksDB's own WAL (its tools, its replication, a file system where rewriting a file in
+    /// place is not cheaper than appending to it). A store that has a commit log replays it
+    /// into RocksDB's WAL at this open and removes it; a later open without this call makes a
+    /// new one. The guarantees are the same on either path.
+    ///
+    /// ```
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = idemdb::Engine::builder(dir.path()).without_commit_log().open()?;
+    /// # drop(engine);
+    /// assert!(!dir.path().join("idemdb-log").exists());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn without_commit_log(mut self) -> EngineBuilder {
+        self.commit_log = LogChoice::Off;
+        self
+    }
+
+    /// The commit log this open runs with, (most segments, bytes per segment), or `None` for
+    /// RocksDB's WAL.
+    pub(crate) fn log_shape(&self) -> Option<(usize, u64)> {
+        match self.commit_log {
+            LogChoice::Default => Some(self.default_log_shape()),
+            LogChoice::Shape(segments, segment_bytes) => Some((segments, segment_bytes)),
+            LogChoice::Off => None,
+        }
+    }
+
+    /// The default log: segments of [`COMMIT_LOG_SEGMENT_BYTES_DEFAULT`], at most as many as
+    /// hold every table's write buffer twice over (the tables flush together once one of them
+    /// fills its buffer, so the log rarely fills first; twice for the buffers being flushed
+    /// while the next fill), and never fewer than take the largest single claim's commit (its
+    /// staged writes and its result at their limits), so that no commit RocksDB's WAL takes
+    /// is refused for the log's size.
+    pub(crate) fn default_log_shape(&self) -> (usize, u64) {
+        // The records, versions and positions tables, and those declared.
+        let tables = 3 + self.business_tables.len() + self.entity_tables.len();
+        let buffers = 2 * (self.write_buffer_bytes as u64) * tables as u64;
+        let room = COMMIT_LOG_SEGMENT_BYTES_DEFAULT
+            - crate::format::commit_log::LOG_SEGMENT_HEADER_BYTES as u64;
+        let segments = buffers.max(LARGEST_CLAIM_COMMIT_BYTES).div_ceil(room);
+        (
+            usize::try_from(segments)
+                .unwrap_or(usize::MAX)
+                .clamp(COMMIT_LOG_SEGMENTS_MIN, COMMIT_LOG_SEGMENTS_MAX),
+            COMMIT_LOG_SEGMENT_BYTES_DEFAULT,
+        )
     }
 
     /// Installs a fault injector: before each of its I/O calls the engine asks it whether to
@@ -370,7 +445,7 @@ impl EngineBuilder {
         if self.path.as_os_str().is_empty() {
             return Err(Error::invalid_option("the store path is empty"));
         }
-        if let Some((segments, segment_bytes)) = self.commit_log {
+        if let LogChoice::Shape(segments, segment_bytes) = self.commit_log {
             check_limit_u64(
                 Limit::CommitLogSegments,
                 u64::try_from(segments).unwrap_or(u64::MAX),

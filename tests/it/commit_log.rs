@@ -273,7 +273,7 @@ fn a_store_turns_the_log_off_and_on_again() {
     commit_all(&engine, 0..100);
     drop(engine);
     // Without the log: its records go into RocksDB's WAL, and the log goes.
-    let engine = store.builder().open().unwrap();
+    let engine = store.builder().without_commit_log().open().unwrap();
     assert_eq!(counter(&engine), 100);
     assert!(!store.dir.path().join("idemdb-log").exists());
     commit_all(&engine, 100..150);
@@ -288,7 +288,7 @@ fn a_store_turns_the_log_off_and_on_again() {
         .unwrap();
     drop(admin);
     assert!(!store.dir.path().join("idemdb-log").exists());
-    let engine = store.builder().open().unwrap();
+    let engine = store.builder().without_commit_log().open().unwrap();
     assert_eq!(counter(&engine), 200);
     assert_all_duplicates(&engine, 0..200);
 }
@@ -654,7 +654,10 @@ fn an_open_refused_for_the_logs_size_changes_nothing() {
     // A store with a commit still in RocksDB's WAL (buffered: no flush at close).
     let store = TestStore::new();
     let path = disk.path().join("store");
-    commit_all(&store.builder_at(&path).open().unwrap(), 0..1);
+    commit_all(
+        &store.builder_at(&path).without_commit_log().open().unwrap(),
+        0..1,
+    );
     let before = listing(&path);
     assert!(
         before

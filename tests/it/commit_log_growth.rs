@@ -666,7 +666,12 @@ fn a_grown_log_turned_off_and_on_again() {
         commit_large(&engine, "large-1", 200_000).unwrap();
         assert!(segments(&store) > 3, "{durability:?}");
         drop(engine);
-        let engine = store.builder().durability(durability).open().unwrap();
+        let engine = store
+            .builder()
+            .durability(durability)
+            .without_commit_log()
+            .open()
+            .unwrap();
         assert!(!store.dir.path().join("idemdb-log").exists());
         assert_eq!(counter(&engine), 901, "{durability:?}");
         assert_eq!(order_len(&engine, "large-1"), Some(200_000));

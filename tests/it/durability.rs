@@ -56,9 +56,24 @@ fn committed_records_and_business_writes_survive_reopen() {
     }
 }
 
+/// On the default path (the commit log) and on RocksDB's WAL.
 #[test]
 fn flush_writes_every_table_to_table_files_and_keeps_the_data() {
+    for wal in [false, true] {
+        flush_writes_every_table(wal);
+    }
+}
+
+fn flush_writes_every_table(wal: bool) {
     let store = TestStore::new();
+    let builder = || {
+        let builder = store.builder();
+        if wal {
+            builder.without_commit_log()
+        } else {
+            builder
+        }
+    };
     let table_files = |dir: &std::path::Path| {
         std::fs::read_dir(dir)
             .unwrap()
@@ -69,7 +84,7 @@ fn flush_writes_every_table_to_table_files_and_keeps_the_data() {
             .count()
     };
     {
-        let engine = store.builder().open().unwrap();
+        let engine = builder().open().unwrap();
         let consumer = engine.consumer("billing").unwrap();
         let orders = engine.business_table("orders").unwrap();
         let Outcome::Fresh(mut claim) = consumer.begin("order-1", Fingerprint::of("a")).unwrap()
@@ -81,10 +96,11 @@ fn flush_writes_every_table_to_table_files_and_keeps_the_data() {
         // Only the store's metadata, flushed when it was written; the rest is in memtables.
         assert_eq!(table_files(store.dir.path()), 1, "all still in memtables");
         engine.flush().unwrap();
-        // One file each for the record and the business write besides.
-        assert_eq!(table_files(store.dir.path()), 3);
+        // One file each for the record and the business write besides, and on the commit log
+        // one for the log position the tables hold (in the default table).
+        assert_eq!(table_files(store.dir.path()), if wal { 3 } else { 4 });
     }
-    let engine = store.builder().open().unwrap();
+    let engine = builder().open().unwrap();
     let orders = engine.business_table("orders").unwrap();
     assert_eq!(
         orders.get("order-1").unwrap().as_deref(),

@@ -23,6 +23,7 @@ mod model;
 mod model_core;
 mod observe;
 mod open;
+mod pipeline;
 mod positions;
 mod race;
 #[path = "../support/tmpfs.rs"]

@@ -4,16 +4,24 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Every file of `dir` with its bytes: a backup must come out of a restore as it went in.
+/// Every file of `dir` and of its folders (the commit log's), by its path under `dir`, with
+/// its bytes: a backup must come out of a restore as it went in.
 pub fn contents(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            (name, std::fs::read(entry.path()).unwrap())
-        })
-        .collect()
+    let mut files = BTreeMap::new();
+    add_contents(dir, "", &mut files);
+    files
+}
+
+fn add_contents(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let entry = entry.unwrap();
+        let name = format!("{prefix}{}", entry.file_name().to_string_lossy());
+        if entry.file_type().unwrap().is_dir() {
+            add_contents(&entry.path(), &format!("{name}/"), files);
+        } else {
+            files.insert(name, std::fs::read(entry.path()).unwrap());
+        }
+    }
 }
 
 /// The names in `dir`, sorted: what a refused command must not have added to.

@@ -1,6 +1,6 @@
-//! Async commits (feature `tokio`): [`crate::Claim::commit_async`] and [`crate::ClaimBatch::commit_async`]
-//! hand their prepared write batch to the engine's committer thread and return a future that
-//! thread completes.
+//! The engine's committer thread: commits handed to it ([`crate::Claim::commit_async`] and
+//! [`crate::ClaimBatch::commit_async`] with feature `tokio`, a [`crate::Pipeline`]'s) are written
+//! as groups, and each commit's finish function is told its outcome.
 //!
 //! Why a thread of our own rather than `spawn_blocking` per message: a durable commit spends
 //! almost all its time in the WAL's fsync. One thread that takes every batch waiting for it,
@@ -17,17 +17,12 @@
 //! does. Claims in one group never share a key (each holds its key's latch until its commit is
 //! visible).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use crossbeam::channel::{Receiver, Sender, TryRecvError};
 use rocksdb::WriteBatch;
-use tokio::sync::oneshot;
 
 use crate::format::error::{Error, Result};
-use crate::format::record::Committed;
 
 /// Most claims one group writes. Bounds the latency a claim can wait behind others in one batch.
 pub(crate) const GROUP_CLAIMS_MAX: usize = 1024;
@@ -76,7 +71,7 @@ pub(crate) struct Job {
     pub(crate) finish: FinishFn,
 }
 
-fn committer_error(detail: &str) -> Error {
+pub(crate) fn committer_error(detail: &str) -> Error {
     Error::Storage {
         kind: crate::format::error::StorageErrorKind::Other,
         detail: detail.into(),
@@ -230,106 +225,6 @@ fn finish_group(group: DurableJobs) {
             .remove(&number)
             .unwrap_or_else(|| Err(committer_error("the write did not answer for a commit")));
         finish(outcome);
-    }
-}
-
-/// The future of [`crate::Claim::commit_async`]: resolves to what [`crate::Claim::commit`] would have
-/// returned.
-///
-/// Dropping it does not cancel the commit: the claim was handed over and is written with its
-/// group all the same.
-#[must_use = "the commit's outcome is only known by awaiting the future"]
-#[derive(Debug)]
-pub struct CommitFuture {
-    state: State<Committed>,
-}
-
-/// The future of [`crate::ClaimBatch::commit_async`]: resolves to what [`crate::ClaimBatch::commit`] would
-/// have returned. Dropping it does not cancel the commit.
-#[must_use = "the commit's outcome is only known by awaiting the future"]
-#[derive(Debug)]
-pub struct BatchCommitFuture {
-    state: State<Vec<Option<Committed>>>,
-}
-
-#[derive(Debug)]
-enum State<T> {
-    /// Settled without the committer (a buffered commit, or one that failed its checks).
-    Ready(Option<Result<T>>),
-    Waiting(oneshot::Receiver<Result<T>>),
-}
-
-impl<T> State<T> {
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<T>> {
-        match self {
-            State::Ready(answer) => Poll::Ready(
-                answer
-                    .take()
-                    .expect("a commit future is not polled after it completed"),
-            ),
-            State::Waiting(receiver) => Pin::new(receiver).poll(cx).map(|answer| {
-                // The sender is only dropped unanswered if the committer thread died, which
-                // only a panic in it can do.
-                answer.unwrap_or_else(|_| {
-                    Err(committer_error(
-                        "the committer thread stopped before answering",
-                    ))
-                })
-            }),
-        }
-    }
-}
-
-impl Future for CommitFuture {
-    type Output = Result<Committed>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Committed>> {
-        self.state.poll(cx)
-    }
-}
-
-impl Future for BatchCommitFuture {
-    type Output = Result<Vec<Option<Committed>>>;
-
-    fn poll(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Vec<Option<Committed>>>> {
-        self.state.poll(cx)
-    }
-}
-
-impl CommitFuture {
-    /// A future already settled, without the committer.
-    pub(crate) fn ready(answer: Result<Committed>) -> CommitFuture {
-        CommitFuture {
-            state: State::Ready(Some(answer)),
-        }
-    }
-
-    /// A future the committer will settle through `receiver`'s sender.
-    pub(crate) fn waiting(receiver: oneshot::Receiver<Result<Committed>>) -> CommitFuture {
-        CommitFuture {
-            state: State::Waiting(receiver),
-        }
-    }
-}
-
-impl BatchCommitFuture {
-    /// A future already settled, without the committer.
-    pub(crate) fn ready(answer: Result<Vec<Option<Committed>>>) -> BatchCommitFuture {
-        BatchCommitFuture {
-            state: State::Ready(Some(answer)),
-        }
-    }
-
-    /// A future the committer will settle through `receiver`'s sender.
-    pub(crate) fn waiting(
-        receiver: oneshot::Receiver<Result<Vec<Option<Committed>>>>,
-    ) -> BatchCommitFuture {
-        BatchCommitFuture {
-            state: State::Waiting(receiver),
-        }
     }
 }
 

@@ -5,8 +5,9 @@
 //! themselves (`wal_file.rs`). [`crate::storage::store::Storage::write`] chooses between the
 //! log and RocksDB's own WAL; nothing here knows of a claim.
 
-pub(crate) mod commit_log;
 #[cfg(feature = "tokio")]
+pub(crate) mod commit_future;
+pub(crate) mod commit_log;
 pub(crate) mod committer;
 pub(crate) mod logged_writes;
 pub(crate) mod reader_wal;

@@ -46,10 +46,8 @@ pub(crate) struct Storage {
     pub(crate) admission_floor: bool,
     write_options: WriteOptions,
     /// Whether every write fsyncs the WAL ([`Durability::Sync`]).
-    #[cfg(feature = "tokio")]
     sync_writes: bool,
     /// The async commits' committer thread, started by the first one.
-    #[cfg(feature = "tokio")]
     committer: crate::storage::log::committer::CommitterSlot,
     /// Set by a write whose durability is unknown; every later write is refused.
     poisoned: AtomicBool,
@@ -193,13 +191,11 @@ impl Storage {
     }
 
     /// Whether each write fsyncs the WAL before it returns ([`Durability::Sync`]).
-    #[cfg(feature = "tokio")]
     pub(crate) fn syncs_each_write(&self) -> bool {
         self.sync_writes
     }
 
     /// The committer of async commits, started on first use.
-    #[cfg(feature = "tokio")]
     pub(crate) fn committer(&self) -> Result<&crate::storage::log::committer::Committer> {
         // With the commit log a second thread applies each group to the tables while the first
         // writes and syncs the next one's records; RocksDB's own WAL has no such halves.

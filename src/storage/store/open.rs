@@ -46,7 +46,7 @@ impl Storage {
             crate::storage::store_meta::begin_creation(&builder.path)?;
         }
         let db = open_db(builder)?;
-        let log = match (builder.commit_log, builder.open_mode) {
+        let log = match (builder.log_shape(), builder.open_mode) {
             (Some((segments, segment_bytes)), OpenMode::Application) => {
                 Some(crate::storage::log::logged_writes::LogWriter::open(
                     &builder.path,
@@ -83,9 +83,7 @@ impl Storage {
             retention_ms: builder.retention_ms,
             admission_floor: builder.admission_floor,
             write_options,
-            #[cfg(feature = "tokio")]
             sync_writes: builder.durability == Durability::Sync,
-            #[cfg(feature = "tokio")]
             committer: crate::storage::log::committer::CommitterSlot::default(),
             poisoned: AtomicBool::new(false),
             fault_injector: builder.fault_injector.clone(),
@@ -135,7 +133,7 @@ fn check_before_open(builder: &EngineBuilder, stored: Option<StoredMeta>) -> Res
     // A log this open would make must fit the disk: refused here, the WAL is neither replayed
     // nor flushed, and a new store is not begun.
     if let (Some((segments, segment_bytes)), OpenMode::Application) =
-        (builder.commit_log, builder.open_mode)
+        (builder.log_shape(), builder.open_mode)
     {
         crate::storage::log::replay::check_new_log_fits(path, segments, segment_bytes)?;
     }
@@ -195,7 +193,7 @@ fn open_db(builder: &EngineBuilder) -> Result<DB> {
         descriptors.push(ColumnFamilyDescriptor::new(name.as_str(), options));
     }
     let db_options = match mode {
-        OpenMode::Application if builder.commit_log.is_some() => {
+        OpenMode::Application if builder.log_shape().is_some() => {
             // The tables without RocksDB's WAL: they flush all together, so that their files
             // hold exactly the batches up to the LSN they record, and a close leaves the
             // memtables to the commit log's replay.

@@ -136,7 +136,6 @@ impl AcceptedPositions {
 
     /// Settles by the write's outcome: [`AcceptedPositions::written`] if it succeeded, given
     /// back if it failed (the async commits, which hear of it in the committer's thread).
-    #[cfg(feature = "tokio")]
     pub(crate) fn settle(self, outcome: &Result<()>) {
         if outcome.is_ok() {
             self.written();

@@ -8,7 +8,6 @@ use rocksdb::{WriteBatch, WriteOptions};
 use super::Storage;
 use crate::format::error::{Error, Result};
 use crate::storage::fault::{Fault, IoPoint};
-#[cfg(feature = "tokio")]
 use crate::storage::log::committer::StagedWrite;
 
 impl Storage {
@@ -28,7 +27,8 @@ impl Storage {
                 batch,
                 |call| self.io_result(IoPoint::Write, call),
                 || self.flush_every_table(),
-            )?;
+            )
+            .inspect_err(|error| self.poison_after_log(error))?;
             self.write_batches.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -40,7 +40,6 @@ impl Storage {
     /// of one group, and those the ring had no room for are returned, for the next call (the
     /// committer can start it while [`Storage::complete_write`] applies this group to the
     /// tables); without the log they are joined into one write batch and written whole.
-    #[cfg(feature = "tokio")]
     pub(crate) fn write_durable(
         &self,
         batches: Vec<(usize, WriteBatch)>,
@@ -70,7 +69,6 @@ impl Storage {
     }
 
     /// The second half of [`Storage::write_durable`]: each batch's outcome, by its number.
-    #[cfg(feature = "tokio")]
     pub(crate) fn complete_write(&self, staged: StagedWrite) -> Vec<(usize, Result<()>)> {
         match staged {
             StagedWrite::Done(numbers, outcome) => numbers
@@ -80,6 +78,11 @@ impl Storage {
             StagedWrite::Logged(group) => {
                 let log = self.log.as_ref().expect("a logged write has the log");
                 let outcomes = log.apply(self.db(), group);
+                for (_, outcome) in &outcomes {
+                    if let Err(error) = outcome {
+                        self.poison_after_log(error);
+                    }
+                }
                 let written = outcomes
                     .iter()
                     .filter(|(_, outcome)| outcome.is_ok())
@@ -104,6 +107,16 @@ impl Storage {
         })?;
         self.write_batches.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Poisons the engine after a failed write through the commit log, as a failed write to
+    /// RocksDB's WAL does: a storage failure of the log or of the tables behind it (a flush
+    /// that found the disk full, say) leaves the commit's fate to the next open's replay. A
+    /// refusal that wrote nothing (a commit too large for the log, one to retry) does not.
+    fn poison_after_log(&self, error: &Error) {
+        if matches!(error, Error::Storage { .. }) && !error.is_retryable() {
+            self.poisoned.store(true, Ordering::Release);
+        }
     }
 
     /// Runs one RocksDB call at `point` through [`Storage::io_result`].
@@ -156,7 +169,6 @@ impl Storage {
     }
 }
 
-#[cfg(feature = "tokio")]
 impl crate::storage::log::committer::BatchWriter for Storage {
     fn write_durable(
         &self,
