@@ -128,3 +128,126 @@ fn records_held_as_install_operands_by_an_older_engine_read_and_are_replaced_as_
     drop((consumer, engine));
     check(&store.open());
 }
+
+/// The clock of the fixture's writer (`tests/fixtures/make_wal_store.rs`).
+const FIXTURE_NOW_MS: u64 = 1_800_000_000_000;
+
+/// A store written on RocksDB's WAL by the release before the commit log became the default
+/// (`tests/fixtures/wal-store-976bea9.tar.gz`: records with results, a lease in progress and a
+/// released one, read positions, business rows and a merged total, an entity, two consumers;
+/// half flushed, half in the WAL) opens on the default path, moves to the commit log and
+/// answers every key as before, again after a reopen on the log, and once more after a reopen
+/// with the opt-out, which replays the log into RocksDB's WAL and removes it.
+#[test]
+fn a_store_written_on_the_wal_by_the_release_before_opens_on_the_default_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/wal-store-976bea9.tar.gz");
+    let untar = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&fixture)
+        .arg("-C")
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(untar.success());
+    let path = dir.path().join("store");
+    let log = path.join("idemdb-log");
+    assert!(!log.exists());
+    let builder = || {
+        idemdb::Engine::builder(&path)
+            .clock(idemdb::MockClock::new(FIXTURE_NOW_MS))
+            .business_table(idemdb::TableOptions::new("orders"))
+            .business_table(
+                idemdb::TableOptions::new("totals")
+                    .associative_merge_operator("add_u64", idemdb::merge_ops::add_u64),
+            )
+            .entity_table("accounts")
+    };
+    for open in ["default", "default again", "without the log"] {
+        let engine = if open == "without the log" {
+            builder().without_commit_log().open().unwrap()
+        } else {
+            builder().open().unwrap()
+        };
+        assert_eq!(log.exists(), open != "without the log", "{open}");
+        answers_as_written(&engine, open);
+    }
+}
+
+/// Every key of the fixture, as its writer left it.
+fn answers_as_written(engine: &idemdb::Engine, open: &str) {
+    let billing = engine.consumer("billing").unwrap();
+    let orders = engine.business_table("orders").unwrap();
+    let totals = engine.business_table("totals").unwrap();
+    for n in 0..200_u64 {
+        let key = format!("order-{n:04}");
+        match billing
+            .begin(&key, Fingerprint::of(key.as_bytes()))
+            .unwrap()
+        {
+            Outcome::Duplicate { result, .. } => {
+                assert_eq!(
+                    &result[..],
+                    format!("result-{n}").as_bytes(),
+                    "{open}: {key}"
+                );
+            }
+            other => panic!("{open}: {key}: {other:?}"),
+        }
+        assert_eq!(
+            orders.get(&key).unwrap().as_deref(),
+            Some(format!("row-{n}").as_bytes()),
+            "{open}: {key}"
+        );
+    }
+    let sum: u64 = (0..200).sum();
+    assert_eq!(
+        totals.get("sum").unwrap().as_deref(),
+        Some(&sum.to_be_bytes()[..]),
+        "{open}"
+    );
+    let positions = billing.positions();
+    for partition in 0..4_u32 {
+        let position = positions.get("orders", partition).unwrap().expect("stored");
+        assert_eq!(position.offset, 196 + u64::from(partition), "{open}");
+    }
+    assert!(
+        matches!(
+            billing
+                .begin("leased-1", Fingerprint::of(b"leased-1"))
+                .unwrap(),
+            Outcome::InProgress { .. }
+        ),
+        "{open}: the lease stands"
+    );
+    assert!(
+        matches!(
+            billing
+                .begin("released-1", Fingerprint::of(b"released-1"))
+                .unwrap(),
+            Outcome::Fresh(_)
+        ),
+        "{open}: the released key is free"
+    );
+    let accounts = engine.entity_table("accounts").unwrap();
+    assert!(matches!(
+        accounts
+            .begin("account-7", Fingerprint::of(b"account-7"))
+            .unwrap(),
+        Outcome::Duplicate { .. }
+    ));
+    let shipping = engine.consumer("shipping").unwrap();
+    assert!(matches!(
+        shipping
+            .begin("order-0000", Fingerprint::of(b"other"))
+            .unwrap(),
+        Outcome::Duplicate { .. }
+    ));
+    assert!(matches!(
+        shipping
+            .begin("order-0000", Fingerprint::of(b"order-0000"))
+            .unwrap(),
+        Outcome::Conflict { .. }
+    ));
+}
