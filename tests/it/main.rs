@@ -10,6 +10,7 @@ mod claim;
 mod commit_log;
 mod commit_log_growth;
 mod corrupt;
+mod default_log;
 mod durability;
 mod entity;
 mod fault;
