@@ -1,15 +1,17 @@
 //! The idempotent consumer, the part to copy: each worker claims an order, stages its effects
-//! on the claim and commits them with the marker in one batch; a redelivery of a committed
-//! order is a duplicate. The workers crash on purpose now and then.
+//! on the claim and commits them with the marker in one batch, through a pipeline that keeps a
+//! few commits in flight and acknowledges each delivery once its commit (and every one before
+//! it) is durable; a redelivery of a committed order is a duplicate. The workers crash on
+//! purpose now and then.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use idemdb::{Engine, Fingerprint, Outcome, TableOptions, merge_ops};
+use idemdb::{Durable, Engine, Fingerprint, Outcome, Settled, TableOptions, merge_ops};
 
 use crate::Args;
-use crate::broker::{Broker, Rng};
+use crate::broker::{Broker, Delivery, Rng};
 
 /// One worker crash before commit per this many fresh claims.
 const CRASH_BEFORE_COMMIT_EVERY: u64 = 5_000;
@@ -51,6 +53,17 @@ pub(crate) fn open(args: &Args, dir: &std::path::Path) -> idemdb::Result<Engine>
         .open()
 }
 
+/// Commits one worker keeps in flight: it claims the next deliveries while the engine makes
+/// the earlier ones durable.
+const PIPELINE_DEPTH: usize = 4;
+
+/// What a worker does with a delivery once its entry in the pipeline settles.
+enum Then {
+    Ack,
+    /// A crash after the commit, before the ack: the redelivery must be a duplicate.
+    CrashBeforeAck,
+}
+
 /// One worker: takes deliveries until the queue is drained or the process "crashes".
 fn work(
     engine: &Engine,
@@ -62,14 +75,24 @@ fn work(
     let consumer = engine.consumer("order-service")?;
     let orders = engine.business_table("orders")?;
     let effects = engine.business_table("effects")?;
+    let mut pipeline = consumer.pipeline::<(Delivery, Then)>(PIPELINE_DEPTH)?;
     let mut rng = Rng(seed);
     while broker.unacked.load(Ordering::SeqCst) > 0 {
+        settle(&mut pipeline.settled(), broker, counts)?;
         let Ok(delivery) = broker.deliveries.recv_timeout(Duration::from_millis(5)) else {
             continue;
         };
         if crash.load(Ordering::SeqCst) {
-            // The process died with this delivery unacknowledged: the broker redelivers it.
+            // The process died with this delivery and those in its pipeline unacknowledged:
+            // the broker redelivers them all (commits in flight stand: their redeliveries are
+            // duplicates).
             broker.redeliver(delivery);
+            for settled in pipeline.wait() {
+                if let Durable::Claim(_) = settled.outcome? {
+                    counts.committed.fetch_add(1, Ordering::Relaxed);
+                }
+                broker.redeliver(settled.tag.0);
+            }
             return Ok(());
         }
         counts.deliveries.fetch_add(1, Ordering::Relaxed);
@@ -88,33 +111,57 @@ fn work(
                     broker.redeliver(delivery);
                     continue;
                 }
-                claim.commit(format!("accepted {key}"))?;
-                counts.committed.fetch_add(1, Ordering::Relaxed);
-                if rng.below(CRASH_BEFORE_ACK_EVERY) == 0 {
-                    // Crash after commit, before ack: the redelivery must be a duplicate.
-                    counts.crash_before_ack.fetch_add(1, Ordering::Relaxed);
-                    broker.redeliver(delivery);
-                    continue;
-                }
-                broker.ack();
+                let then = if rng.below(CRASH_BEFORE_ACK_EVERY) == 0 {
+                    Then::CrashBeforeAck
+                } else {
+                    Then::Ack
+                };
+                // Acknowledged once durable, after every delivery before it.
+                pipeline.commit(claim, format!("accepted {key}"), (delivery, then));
             }
             Outcome::Duplicate { .. } => {
                 counts.duplicate.fetch_add(1, Ordering::Relaxed);
-                broker.ack();
+                pipeline.pass((delivery, Then::Ack));
             }
             Outcome::InProgress { .. } => {
-                // Another worker holds this order right now: nack, the broker redelivers.
+                // Another worker (or a commit in flight) holds this order right now: nack, the
+                // broker redelivers.
                 counts.in_progress.fetch_add(1, Ordering::Relaxed);
                 broker.redeliver(delivery);
             }
             Outcome::Conflict { .. } => {
                 counts.conflict.fetch_add(1, Ordering::Relaxed);
-                broker.ack();
+                pipeline.pass((delivery, Then::Ack));
             }
             // The demo's messages carry no production time or version, so neither the admission
             // floor nor the ordering guard can apply.
             Outcome::TooLate { .. } | Outcome::Stale { .. } => {
                 unreachable!("no admission floor or ordering guard in this demo")
+            }
+        }
+    }
+    settle(&mut pipeline.wait(), broker, counts)
+}
+
+/// Acknowledges the deliveries whose entries settled, in order.
+fn settle(
+    settled: &mut Vec<Settled<(Delivery, Then)>>,
+    broker: &Broker,
+    counts: &Counts,
+) -> idemdb::Result<()> {
+    for Settled {
+        tag: (delivery, then),
+        outcome,
+    } in settled.drain(..)
+    {
+        if let Durable::Claim(_) = outcome? {
+            counts.committed.fetch_add(1, Ordering::Relaxed);
+        }
+        match then {
+            Then::Ack => broker.ack(),
+            Then::CrashBeforeAck => {
+                counts.crash_before_ack.fetch_add(1, Ordering::Relaxed);
+                broker.redeliver(delivery);
             }
         }
     }
