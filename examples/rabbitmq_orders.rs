@@ -169,25 +169,33 @@ async fn run() -> Result<(), BoxError> {
         options.dir.display()
     );
 
-    // Up to `prefetch` deliveries in flight at once, each in its own task.
-    let mut tasks = tokio::task::JoinSet::new();
+    // One task takes the deliveries in order and keeps up to `prefetch` commits in flight
+    // through a pipeline: each delivery is acked once its commit is durable, in the order
+    // they came, while the next ones are claimed.
+    let mut pipeline = handler
+        .consumer
+        .async_pipeline(usize::from(options.prefetch))?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         tokio::select! {
             delivery = deliveries.next() => {
                 let Some(delivery) = delivery else { break };
-                let delivery = delivery?;
-                let handler = handler.clone();
-                tasks.spawn(async move { handler.handle(delivery).await });
+                if let Some(staged) = handler.start(delivery?).await? {
+                    pipeline.commit(staged.claim, b"accepted", staged.then).await;
+                }
             }
-            Some(done) = tasks.join_next(), if !tasks.is_empty() => done??,
+            Some(settled) = pipeline.next_settled(), if !pipeline.is_empty() => {
+                handler.finish(settled.tag, settled.outcome.map(|_| ())).await?;
+            }
             _ = terminate.recv() => break,
         }
     }
     // A graceful stop: finish what is in flight; whatever was delivered but not yet started
     // goes back to the queue when the channel closes.
-    while let Some(done) = tasks.join_next().await {
-        done??;
+    for settled in pipeline.wait().await {
+        handler
+            .finish(settled.tag, settled.outcome.map(|_| ()))
+            .await?;
     }
     consuming.close(200, "stopping".into()).await?;
     connection.close(200, "stopping".into()).await?;

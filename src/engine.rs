@@ -21,7 +21,9 @@ use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{self, StoredMeta};
 
 /// The embedded dedup store. Cheap to clone (an `Arc`); every handle keeps the store open, and it
-/// closes when the last clone and handle are dropped.
+/// closes when the last clone and handle are dropped, and the last commit handed to the
+/// committer (by a [`crate::Pipeline`] or `commit_async`, whose pipeline or future may be gone)
+/// is written.
 ///
 /// ```
 /// use idemdb::{Engine, Fingerprint, Outcome};

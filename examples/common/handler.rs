@@ -4,7 +4,8 @@
 //! For each delivery:
 //!
 //! - `Fresh`: stage the business writes on the claim (the order row, a per-order effect counter,
-//!   the running total), commit them with the marker in one durable batch, then ack.
+//!   the running total), commit them with the marker in one durable batch, then ack (`start`
+//!   stages, the caller commits, through a pipeline or `commit_async`, and `finish` acks).
 //! - `Duplicate`: ack without effect (the broker redelivered, or the producer resent).
 //! - `Conflict` (same order id, other content): publish to the dead-letter queue with both
 //!   fingerprints in headers, wait for the broker's confirm, then ack.
@@ -67,7 +68,23 @@ impl Handler {
         xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), self.seed) % bound
     }
 
+    /// Handles one delivery to the end: a fresh claim is committed here (`commit_async`), then
+    /// acked. What `rabbitmq_partitions` runs, one task per delivery.
     pub async fn handle(&self, delivery: lapin::message::Delivery) -> Result<(), BoxError> {
+        if let Some(staged) = self.start(delivery).await? {
+            let outcome = staged.claim.commit_async(b"accepted").await.map(|_| ());
+            self.finish(staged.then, outcome).await?;
+        }
+        Ok(())
+    }
+
+    /// Handles one delivery up to its commit: every outcome but a fresh claim is settled here
+    /// (acked, nacked or dead-lettered); a fresh claim comes back with its writes staged, for
+    /// the caller to commit (directly, or through a pipeline) and then to [`Handler::finish`].
+    pub async fn start(
+        &self,
+        delivery: lapin::message::Delivery,
+    ) -> Result<Option<Staged>, BoxError> {
         let order_id = order_id(&delivery);
         if delivery.redelivered {
             // Evidence that the kills bite: the broker hands over what a dead consumer held.
@@ -81,13 +98,13 @@ impl Handler {
                 dead_letter(&self.publisher, &delivery, &order_id, None, fingerprint).await?;
                 self.event("invalid", &order_id);
                 delivery.ack(BasicAckOptions::default()).await?;
-                return Ok(());
+                return Ok(None);
             }
             Err(error) if error.is_retryable() => {
                 // The store is busy for a moment: let the broker redeliver.
                 self.event("retry", &order_id);
                 delivery.nack(requeue()).await?;
-                return Ok(());
+                return Ok(None);
             }
             // Anything else (a poisoned engine, corruption) needs a restart: stop, and the
             // broker hands what this process held to the next one.
@@ -100,7 +117,7 @@ impl Handler {
                     drop(claim);
                     self.event("transient", &order_id);
                     delivery.nack(requeue()).await?;
-                    return Ok(());
+                    return Ok(None);
                 }
                 let amount = parse_amount(&delivery.data).unwrap_or(0);
                 claim.put(&self.orders, &order_id, &delivery.data)?;
@@ -111,31 +128,19 @@ impl Handler {
                     // The broker has given this delivery to another consumer: write nothing.
                     drop(claim);
                     self.event("withheld", &order_id);
-                    return Ok(());
+                    return Ok(None);
                 }
                 // Logged before the commit is handed over: a commit still runs if this task is
                 // aborted, and must be accounted for then too.
                 self.event("submit", &order_id);
-                // Durable (fsynced, grouped with concurrent commits) before the ack.
-                match claim.commit_async(b"accepted").await {
-                    Ok(_) => {}
-                    Err(error) if error.is_retryable() => {
-                        // Nothing was written: the redelivery is claimed afresh.
-                        self.event("retry", &order_id);
-                        delivery.nack(requeue()).await?;
-                        return Ok(());
-                    }
-                    Err(error) => return Err(error.into()),
-                }
-                if let Some(ledger) = &self.ledger {
-                    ledger.event_since("fresh", &order_id, self.partition, began_ns);
-                }
-                if self.draw(1000) < self.kill_after_commit_per_mille {
-                    self.event("self-kill", &order_id);
-                    // SAFETY: raising a signal on our own process.
-                    unsafe { libc::raise(libc::SIGKILL) };
-                }
-                delivery.ack(BasicAckOptions::default()).await?;
+                return Ok(Some(Staged {
+                    claim,
+                    then: Committing {
+                        delivery,
+                        order_id,
+                        began_ns,
+                    },
+                }));
             }
             Outcome::Duplicate { .. } => {
                 self.event("duplicate", &order_id);
@@ -150,6 +155,7 @@ impl Handler {
                 delivery.ack(BasicAckOptions::default()).await?;
             }
             Outcome::InProgress { .. } => {
+                // Another delivery of the order is being processed (here, a commit in flight).
                 self.event("in_progress", &order_id);
                 delivery.nack(requeue()).await?;
             }
@@ -159,8 +165,60 @@ impl Handler {
                 delivery.ack(BasicAckOptions::default()).await?;
             }
         }
+        Ok(None)
+    }
+
+    /// Settles a delivery whose commit has its outcome: acked once durable (fsynced, grouped
+    /// with other commits); nacked if nothing may have been written (a retryable error, or a
+    /// pipeline that an earlier failure broke: a commit that did land makes the redelivery a
+    /// duplicate); any other error is returned.
+    pub async fn finish(
+        &self,
+        committing: Committing,
+        outcome: Result<(), idemdb::Error>,
+    ) -> Result<(), BoxError> {
+        let Committing {
+            delivery,
+            order_id,
+            began_ns,
+        } = committing;
+        match outcome {
+            Ok(()) => {}
+            Err(error)
+                if error.is_retryable()
+                    || matches!(error, idemdb::Error::PipelineBroken { .. }) =>
+            {
+                self.event("retry", &order_id);
+                delivery.nack(requeue()).await?;
+                return Ok(());
+            }
+            Err(error) => return Err(error.into()),
+        }
+        if let Some(ledger) = &self.ledger {
+            ledger.event_since("fresh", &order_id, self.partition, began_ns);
+        }
+        if self.draw(1000) < self.kill_after_commit_per_mille {
+            self.event("self-kill", &order_id);
+            // SAFETY: raising a signal on our own process.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
+        delivery.ack(BasicAckOptions::default()).await?;
         Ok(())
     }
+}
+
+/// A fresh claim with its writes staged, and what settles its delivery once committed.
+pub struct Staged {
+    pub claim: idemdb::Claim,
+    pub then: Committing,
+}
+
+/// A delivery whose claim is being committed.
+pub struct Committing {
+    pub delivery: lapin::message::Delivery,
+    order_id: String,
+    /// When its claim was staged, for the ledger's commit latency.
+    began_ns: u64,
 }
 
 /// Publishes the delivery to the dead-letter queue through `publisher` (a channel in confirm

@@ -1,6 +1,7 @@
 //! One group of messages read together, claimed as one batch: fresh orders stage their
 //! effects on their claims, conflicts a row of `conflicts`, and every message its row of
-//! `reads`. The caller stages the position and commits.
+//! `reads`. The caller stages the position and commits (through a pipeline: the next group is
+//! claimed while this one's commit is made durable).
 
 use idemdb::{BatchOutcome, ClaimBatch, Consumer, Engine, Fingerprint, Message, Outcome};
 
@@ -34,12 +35,13 @@ impl Tables {
 }
 
 /// Claims `group` as one batch and stages its writes; nothing is written until the batch
-/// commits.
+/// commits. `None` when a message of the group is held by a commit still in flight (a resend
+/// of an order in an earlier group): the caller waits for its commits and claims again.
 pub(crate) fn claim_group(
     consumer: &Consumer,
     tables: &Tables,
     group: &[Read],
-) -> Result<ClaimBatch, BoxError> {
+) -> Result<Option<ClaimBatch>, BoxError> {
     let pid = std::process::id();
     let mut messages = Vec::with_capacity(group.len());
     for read in group {
@@ -64,7 +66,8 @@ pub(crate) fn claim_group(
             BatchOutcome::ConflictInBatch { .. } => "conflict",
             BatchOutcome::Settled(Outcome::Duplicate { .. }) => "duplicate",
             BatchOutcome::Settled(Outcome::Conflict { .. }) => "conflict",
-            // One process reads the stream, and it claims one group at a time.
+            BatchOutcome::Settled(Outcome::InProgress { .. }) => return Ok(None),
+            // One process reads the stream.
             BatchOutcome::Settled(other) => {
                 return Err(format!("offset {}: unexpected {other:?}", read.offset).into());
             }
@@ -87,7 +90,7 @@ pub(crate) fn claim_group(
         }
         batch.put(&tables.reads, read_key(read.offset, pid), outcome)?;
     }
-    Ok(batch)
+    Ok(Some(batch))
 }
 
 /// A delivery's offset and body.

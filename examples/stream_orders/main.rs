@@ -50,12 +50,15 @@ mod orders;
 mod streams;
 use args::Flags;
 use group::{Tables, claim_group, read_of};
+use idemdb::Settled;
 use ledger::Ledger;
 use orders::{BoxError, chain};
 use streams::{BROKER_REFERENCE, CONSUMER_ID, Placement, open_stream_store};
 
 /// The most messages committed as one group.
 const GROUP_MESSAGES_MAX: usize = 64;
+/// The most groups whose commits are in flight at once.
+const PIPELINE_DEPTH: usize = 4;
 /// How long a group waits for one more message before it is committed.
 const GROUP_WAIT: Duration = Duration::from_millis(3);
 
@@ -150,12 +153,21 @@ async fn run() -> Result<(), BoxError> {
         ledger.event("ready", &from, None);
     }
 
+    // Groups committed with their position through a pipeline: up to PIPELINE_DEPTH in flight
+    // (the store placement; the broker placements commit one at a time, in their order with
+    // the broker's offset).
+    let mut pipeline = consumer.async_pipeline::<u64>(PIPELINE_DEPTH)?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         // A group: the first message waited for (or a SIGTERM: stop between groups), then
         // whatever follows within GROUP_WAIT, up to GROUP_MESSAGES_MAX.
         let first = tokio::select! {
             delivery = stream.next() => delivery,
+            // A group's commit settles while the stream is quiet.
+            Some(settled) = pipeline.next_settled(), if !pipeline.is_empty() => {
+                committed(settled, &options, &mut draws, ledger.as_ref())?;
+                continue;
+            }
             _ = terminate.recv() => break,
         };
         let Some(first) = first else {
@@ -181,32 +193,74 @@ async fn run() -> Result<(), BoxError> {
             .is_some_and(|offset| last >= offset)
             .then_some(last);
 
-        let mut batch = claim_group(&consumer, &tables, &group)?;
         let per_mille = options.kill_at_commit_per_mille;
-        let mut kill = || kill_point(&mut draws, per_mille, planned_kill, ledger.as_ref());
-
+        let batch = loop {
+            match claim_group(&consumer, &tables, &group)? {
+                Some(batch) => break batch,
+                // A resend of an order whose commit is in flight: once it is durable, the
+                // message is a duplicate.
+                None => {
+                    for settled in pipeline.wait().await {
+                        committed(settled, &options, &mut draws, ledger.as_ref())?;
+                    }
+                }
+            }
+        };
         match options.placement {
             Placement::Store => {
+                let mut batch = batch;
                 batch.stage_position(&options.stream, 0, last)?;
-                batch.commit(|_| b"applied")?;
-                kill();
+                // Durable with its position in the background; the next group is read and
+                // claimed meanwhile.
+                pipeline.commit_batch(batch, |_| b"applied", last).await;
+                for settled in pipeline.settled() {
+                    committed(settled, &options, &mut draws, ledger.as_ref())?;
+                }
             }
             Placement::BrokerBeforeCommit => {
                 stream.store_offset(last).await?;
-                kill();
+                kill_point(&mut draws, per_mille, planned_kill, ledger.as_ref());
                 batch.commit(|_| b"applied")?;
+                if let Some(ledger) = &ledger {
+                    ledger.event("commit", &last.to_string(), None);
+                }
             }
             Placement::BrokerAfterCommit => {
                 batch.commit(|_| b"applied")?;
-                kill();
+                kill_point(&mut draws, per_mille, planned_kill, ledger.as_ref());
                 stream.store_offset(last).await?;
+                if let Some(ledger) = &ledger {
+                    ledger.event("commit", &last.to_string(), None);
+                }
             }
         }
-        if let Some(ledger) = &ledger {
-            ledger.event("commit", &last.to_string(), None);
-        }
+    }
+    for settled in pipeline.wait().await {
+        committed(settled, &options, &mut draws, ledger.as_ref())?;
     }
     let _ = stream.handle().close().await;
+    Ok(())
+}
+
+/// A group's commit (tagged with its last offset) settled: durable with its position, or the
+/// error that stops the process (it restarts from the stored position). The crash point of
+/// the store placement is here, right after the commit.
+fn committed(
+    settled: Settled<u64>,
+    options: &Options,
+    draws: &mut u64,
+    ledger: Option<&Ledger>,
+) -> Result<(), BoxError> {
+    settled.outcome?;
+    let last = settled.tag;
+    let planned = options
+        .kill_at_commit_of
+        .is_some_and(|offset| last >= offset)
+        .then_some(last);
+    kill_point(draws, options.kill_at_commit_per_mille, planned, ledger);
+    if let Some(ledger) = ledger {
+        ledger.event("commit", &last.to_string(), None);
+    }
     Ok(())
 }
 

@@ -107,9 +107,14 @@ impl<T> Entries<T> {
         }
     }
 
+    /// Whether the front entry is answered.
+    fn front_answered(&self) -> bool {
+        matches!(self.entries.front(), Some((_, Some(_))))
+    }
+
     /// The front entry, if it is answered.
     fn pop_settled(&mut self) -> Option<Settled<T>> {
-        if !matches!(self.entries.front(), Some((_, Some(_)))) {
+        if !self.front_answered() {
             return None;
         }
         let (tag, answer) = self.entries.pop_front()?;
@@ -149,7 +154,10 @@ impl<T> Entries<T> {
 ///
 /// With [`crate::Durability::Buffered`] each commit is made in the call (nothing waits for a
 /// disk) and settles at once. Dropping a pipeline does not cancel its commits: they stand, and
-/// their messages (not acknowledged) come back as duplicates.
+/// their messages (not acknowledged) come back as duplicates. Until they are written they keep
+/// the store open, as its handles do: a store reopened right after its last handle and a
+/// pipeline with commits in flight were dropped may still be [`Error::AlreadyOpen`] for a few
+/// milliseconds ([`Pipeline::wait`] first, to close it at once).
 ///
 /// ```
 /// use idemdb::{Durable, Engine, Fingerprint, Outcome};
@@ -212,6 +220,7 @@ impl<T> Pipeline<T> {
             // The pipeline may be gone; the commit stands either way.
             let _ = sender.send((number, answer.map(Durable::Claim)));
         });
+        self.take_answers();
     }
 
     /// Commits `batch` ([`ClaimBatch::commit`], `result_of` giving each claim's result by its
@@ -232,6 +241,7 @@ impl<T> Pipeline<T> {
         batch.submit(result_of, move |answer| {
             let _ = sender.send((number, answer.map(Durable::Batch)));
         });
+        self.take_answers();
     }
 
     /// An entry with nothing to commit (a duplicate's message, say): it settles, as
@@ -242,10 +252,24 @@ impl<T> Pipeline<T> {
 
     /// The entries settled by now, in the order handed over, without waiting.
     pub fn settled(&mut self) -> Vec<Settled<T>> {
+        self.take_answers();
+        self.entries.drain_settled()
+    }
+
+    /// Records the answers already sent (a buffered commit's, made in the call, among them).
+    fn take_answers(&mut self) {
         while let Ok(answer) = self.answers.try_recv() {
             self.entries.answer(answer);
         }
-        self.entries.drain_settled()
+    }
+
+    /// Waits for the oldest entry not yet returned to settle, and returns it; `None` when the
+    /// pipeline holds no entry.
+    pub fn next_settled(&mut self) -> Option<Settled<T>> {
+        while !self.entries.front_answered() && self.entries.in_flight > 0 {
+            self.receive();
+        }
+        self.entries.pop_settled()
     }
 
     /// Waits for every commit in flight; every entry not yet returned, in order.
@@ -254,6 +278,18 @@ impl<T> Pipeline<T> {
             self.receive();
         }
         self.settled()
+    }
+
+    /// How many entries are not returned yet (in flight, or settled and not taken).
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.entries.entries.len()
+    }
+
+    /// Whether every entry handed over has been returned.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.entries.entries.is_empty()
     }
 
     /// How many commits are in flight (handed over and not answered).
@@ -344,6 +380,7 @@ impl<T> AsyncPipeline<T> {
         claim.submit(result.as_ref(), move |answer| {
             let _ = sender.send((number, answer.map(Durable::Claim)));
         });
+        self.take_answers();
     }
 
     /// [`Pipeline::commit_batch`], awaiting room instead of blocking.
@@ -363,6 +400,7 @@ impl<T> AsyncPipeline<T> {
         batch.submit(result_of, move |answer| {
             let _ = sender.send((number, answer.map(Durable::Batch)));
         });
+        self.take_answers();
     }
 
     /// [`Pipeline::pass`].
@@ -372,10 +410,23 @@ impl<T> AsyncPipeline<T> {
 
     /// [`Pipeline::settled`].
     pub fn settled(&mut self) -> Vec<Settled<T>> {
+        self.take_answers();
+        self.entries.drain_settled()
+    }
+
+    fn take_answers(&mut self) {
         while let Ok(answer) = self.answers.try_recv() {
             self.entries.answer(answer);
         }
-        self.entries.drain_settled()
+    }
+
+    /// [`Pipeline::next_settled`], awaited. Cancel-safe (in a `tokio::select!`, say): an
+    /// answer received before the cancellation is kept.
+    pub async fn next_settled(&mut self) -> Option<Settled<T>> {
+        while !self.entries.front_answered() && self.entries.in_flight > 0 {
+            self.receive().await;
+        }
+        self.entries.pop_settled()
     }
 
     /// [`Pipeline::wait`], awaited.
@@ -384,6 +435,18 @@ impl<T> AsyncPipeline<T> {
             self.receive().await;
         }
         self.settled()
+    }
+
+    /// [`Pipeline::len`].
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.entries.entries.len()
+    }
+
+    /// [`Pipeline::is_empty`].
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.entries.entries.is_empty()
     }
 
     /// [`Pipeline::in_flight`].

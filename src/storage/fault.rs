@@ -10,7 +10,8 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum IoPoint {
-    /// A write batch (a commit, a batch commit, a lease step) going to the WAL and memtables.
+    /// A write batch (a commit, a batch commit, a lease step) going to the commit log (or
+    /// RocksDB's WAL, with [`crate::EngineBuilder::without_commit_log`]) and the memtables.
     Write,
     /// [`crate::Engine::flush_wal`]'s fsync of the WAL.
     SyncWal,

@@ -25,6 +25,7 @@ mod model_core;
 mod observe;
 mod open;
 mod pipeline;
+mod pipeline_docs;
 mod positions;
 mod race;
 #[path = "../support/tmpfs.rs"]

@@ -233,6 +233,19 @@ fn batches_and_claims_of_a_sync_engine_settle_with_their_results() {
     assert_eq!(record.result().map(|r| &r[..]), Some(&b"r-7"[..]));
 }
 
+/// A buffered engine's commit is made in the call: nothing of it is in flight afterwards.
+#[test]
+fn a_buffered_commit_is_not_in_flight_once_handed_over() {
+    let store = TestStore::new();
+    let engine = store.open();
+    let consumer = engine.consumer("c").unwrap();
+    let mut pipeline = consumer.pipeline::<u32>(1).unwrap();
+    pipeline.commit(fresh(&engine, "a"), b"1", 1);
+    assert_eq!(pipeline.in_flight(), 0);
+    assert_eq!(pipeline.len(), 1);
+    assert_eq!(tags(&pipeline.settled()), [1]);
+}
+
 #[test]
 fn a_depth_outside_its_bounds_is_refused() {
     let store = TestStore::new();
@@ -265,9 +278,14 @@ fn the_async_pipeline_settles_in_order_too() {
         pipeline.commit(fresh(&slow, "a"), b"1", 1).await;
         pipeline.commit(fresh(&quick, "b"), b"2", 2).await;
         assert!(pipeline.settled().is_empty());
+        assert_eq!(pipeline.len(), 2);
         held.release(Fault::None);
-        let settled = pipeline.wait().await;
-        assert_eq!(tags(&settled), [1, 2]);
-        assert!(settled.iter().all(|s| s.outcome.is_ok()));
+        let first = pipeline.next_settled().await.expect("the first entry");
+        let second = pipeline.next_settled().await.expect("the second entry");
+        assert_eq!(tags(&[first.clone(), second.clone()]), [1, 2]);
+        assert!(first.outcome.is_ok() && second.outcome.is_ok());
+        assert!(pipeline.is_empty());
+        assert!(pipeline.next_settled().await.is_none());
+        assert!(pipeline.wait().await.is_empty());
     });
 }
