@@ -44,8 +44,10 @@
 //! effect done twice under one epoch (its in-progress record was lost). If it passes, the
 //! harness could not see a durability bug, and the test fails.
 //!
-//! `IDEMDB_CRASH_COMMIT_LOG=1` runs every open with the commit log
-//! (`EngineBuilder::commit_log`) instead of RocksDB's WAL.
+//! Every open is on the default durable path (the commit log, its default shape) unless
+//! `IDEMDB_CRASH_COMMIT_LOG=1` (the commit log with 3 segments of 256 KiB: the ring goes round
+//! and flushes make room) or `IDEMDB_CRASH_WAL=1` (RocksDB's WAL, the opt-out:
+//! `EngineBuilder::without_commit_log`; power cuts then also cut at its WAL file switches).
 //!
 //! `IDEMDB_CRASH_SEED` sets the seed. Power cuts need root and FUSE; where mounting is refused
 //! they are skipped with a message (`IDEMDB_CRASH_REQUIRE_FUSE=1` makes that a failure).
@@ -130,7 +132,15 @@ fn builder(store: &Path, durability: Durability) -> idemdb::EngineBuilder {
     if std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some() {
         return builder.commit_log(3, 256 << 10);
     }
+    if on_rocksdb_wal() {
+        return builder.without_commit_log();
+    }
     builder
+}
+
+/// `IDEMDB_CRASH_WAL=1`: every open on RocksDB's WAL (the opt-out) instead of the commit log.
+fn on_rocksdb_wal() -> bool {
+    std::env::var_os("IDEMDB_CRASH_WAL").is_some()
 }
 
 /// The mutation check's engine: every write and WAL sync reports success without an fsync.
@@ -1147,9 +1157,7 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                 let places = CUT_PLACES.len() as u64;
                 let mut place = CUT_PLACES[((cycle + cycle / places) % places) as usize];
                 // The commit log's stores create no WAL files to cut at: cut at its segments.
-                if place == CutAt::WalSwitch
-                    && std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some()
-                {
+                if place == CutAt::WalSwitch && !on_rocksdb_wal() {
                     place = CutAt::LogSegment;
                 }
                 match place {

@@ -22,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::contenders::{Kind, Ports, Spec};
 use crate::report::{charts, machine};
 use crate::workloads::{Generator, Sample};
-use crate::workloads::{pg_expiry, profile, scale, tuning};
+use crate::workloads::{footprint, pg_expiry, profile, scale, tuning};
 
 #[derive(Parser)]
 #[command(about = "Runs one dedup workload against idemdb and its peers, side by side")]
@@ -45,6 +45,9 @@ enum Command {
     ReadOptions(tuning::ReadArgs),
     /// Commit latency of the PostgreSQL backend while millions of expired records are removed.
     PgExpiry(pg_expiry::PgExpiryArgs),
+    /// The default durable path's footprint: a new store's first open (time, bytes), and the
+    /// log after a burst and a quiet spell.
+    Footprint(footprint::FootprintArgs),
     /// One embedded contender's deliveries on this thread, for callgrind (scripts/profile.sh).
     Profile(profile::ProfileArgs),
     /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
@@ -109,6 +112,7 @@ fn main() -> Result<()> {
             report::write_pg_expiry(&args.out, &args, &runs)?;
         }
         Command::Profile(args) => profile::run(&args)?,
+        Command::Footprint(args) => footprint::run(&args)?,
         Command::All(args) => {
             let results = peers(&args)?;
             report::write_peers(&args.out, &results, "peers")?;

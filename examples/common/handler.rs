@@ -5,7 +5,7 @@
 //!
 //! - `Fresh`: stage the business writes on the claim (the order row, a per-order effect counter,
 //!   the running total), commit them with the marker in one durable batch, then ack (`start`
-//!   stages, the caller commits, through a pipeline or `commit_async`, and `finish` acks).
+//!   stages, the caller commits through its pipeline, and `finish` acks once it settles).
 //! - `Duplicate`: ack without effect (the broker redelivered, or the producer resent).
 //! - `Conflict` (same order id, other content): publish to the dead-letter queue with both
 //!   fingerprints in headers, wait for the broker's confirm, then ack.
@@ -68,19 +68,9 @@ impl Handler {
         xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), self.seed) % bound
     }
 
-    /// Handles one delivery to the end: a fresh claim is committed here (`commit_async`), then
-    /// acked. What `rabbitmq_partitions` runs, one task per delivery.
-    pub async fn handle(&self, delivery: lapin::message::Delivery) -> Result<(), BoxError> {
-        if let Some(staged) = self.start(delivery).await? {
-            let outcome = staged.claim.commit_async(b"accepted").await.map(|_| ());
-            self.finish(staged.then, outcome).await?;
-        }
-        Ok(())
-    }
-
     /// Handles one delivery up to its commit: every outcome but a fresh claim is settled here
     /// (acked, nacked or dead-lettered); a fresh claim comes back with its writes staged, for
-    /// the caller to commit (directly, or through a pipeline) and then to [`Handler::finish`].
+    /// the caller to commit through its pipeline and then to [`Handler::finish`].
     pub async fn start(
         &self,
         delivery: lapin::message::Delivery,

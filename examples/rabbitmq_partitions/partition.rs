@@ -11,7 +11,7 @@ use lapin::Channel;
 use tokio::sync::watch;
 
 use crate::Shared;
-use crate::handler::{BoxError, Handler};
+use crate::handler::{BoxError, Committing, Handler};
 use crate::orders::open_partition_store;
 
 /// One partition queue's subscription: idle while another process is its active consumer;
@@ -30,7 +30,9 @@ pub(crate) async fn own_partition(
     // The store and the handler of its deliveries, from the first delivery on.
     let mut owned: Option<(idemdb::Engine, Arc<Handler>)> = None;
     let mut waiting = Vec::new();
-    let mut tasks = tokio::task::JoinSet::new();
+    // The commits in flight of the store's deliveries, acked in order once durable (a pipeline
+    // of the prefetch's depth), from the store's opening on.
+    let mut pipeline: Option<idemdb::AsyncPipeline<Committing>> = None;
     let mut checkpoint_tick = shared.options.checkpoint_every.map(|every| {
         let mut tick = tokio::time::interval(every);
         // A standby that becomes the owner backs up once, not once per tick it missed.
@@ -52,12 +54,19 @@ pub(crate) async fn own_partition(
                         break Ok(());
                     }
                 };
-                match &owned {
-                    Some((_, handler)) => {
-                        let handler = handler.clone();
-                        tasks.spawn(async move { handler.handle(delivery).await });
+                match (&owned, pipeline.as_mut()) {
+                    (Some((_, handler)), Some(pipeline)) => {
+                        match handler.start(delivery).await {
+                            Ok(Some(staged)) => {
+                                pipeline.commit(staged.claim, b"accepted", staged.then).await;
+                            }
+                            Ok(None) => {}
+                            // A failed ack means the channel is gone; anything else (a poisoned
+                            // store) ends the session as well: the broker hands the partition on.
+                            Err(error) => break Err(error),
+                        }
                     }
-                    None => {
+                    _ => {
                         // The broker made this process the partition's active consumer: the
                         // store is opened below, outside this `select!`.
                         if waiting.is_empty() {
@@ -67,15 +76,12 @@ pub(crate) async fn own_partition(
                     }
                 }
             }
-            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                match done {
-                    Ok(Ok(())) => {}
-                    Ok(Err(error)) => {
-                        // A failed ack means the channel is gone; anything else (a poisoned
-                        // store) ends the session as well: the broker hands the partition on.
-                        break Err(error);
-                    }
-                    Err(join) => break Err(join.into()),
+            Some(settled) = async { pipeline.as_mut().expect("guarded").next_settled().await },
+                if pipeline.as_ref().is_some_and(|pipeline| !pipeline.is_empty()) =>
+            {
+                let handler = owned.as_ref().map(|(_, handler)| handler.clone()).expect("guarded");
+                if let Err(error) = handler.finish(settled.tag, settled.outcome.map(|_| ())).await {
+                    break Err(error);
                 }
             }
             _ = async { checkpoint_tick.as_mut().expect("guarded").tick().await },
@@ -102,29 +108,54 @@ pub(crate) async fn own_partition(
                 Ok(handler) => Arc::new(handler),
                 Err(error) => break Err(error),
             };
+            let mut commits = match handler
+                .consumer
+                .async_pipeline(usize::from(shared.options.prefetch))
+            {
+                Ok(commits) => commits,
+                Err(error) => break Err(error.into()),
+            };
+            let mut failed = None;
             for delivery in waiting.drain(..) {
-                let handler = handler.clone();
-                tasks.spawn(async move { handler.handle(delivery).await });
+                match handler.start(delivery).await {
+                    Ok(Some(staged)) => {
+                        commits.commit(staged.claim, b"accepted", staged.then).await
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        failed = Some(error);
+                        break;
+                    }
+                }
             }
+            pipeline = Some(commits);
             owned = Some((engine, handler));
+            if let Some(error) = failed {
+                break Err(error);
+            }
         }
     };
-    if connected.load(Ordering::Acquire) && result.is_ok() {
-        // A graceful stop: let the deliveries in flight finish (commit and ack).
-        while let Some(done) = tasks.join_next().await {
-            if let Ok(Err(error)) = done {
-                eprintln!("rabbitmq_partitions: partition {partition}: {error}");
+    if let (Some(mut commits), Some((_, handler))) = (pipeline.take(), &owned) {
+        // The commits in flight are written whatever happens (they were handed over); the
+        // store closes once they are.
+        let settled = commits.wait().await;
+        if connected.load(Ordering::Acquire) && result.is_ok() {
+            // A graceful stop: ack what is durable.
+            for settled in settled {
+                if let Err(error) = handler
+                    .finish(settled.tag, settled.outcome.map(|_| ()))
+                    .await
+                {
+                    eprintln!("rabbitmq_partitions: partition {partition}: {error}");
+                }
             }
         }
-    } else {
-        // The broker has given these deliveries to another consumer: cut them short. A claim
-        // dropped before its commit writes nothing.
-        tasks.abort_all();
-        while tasks.join_next().await.is_some() {}
+        // Otherwise the broker has given these deliveries to another consumer: no ack (their
+        // redeliveries there are duplicates).
     }
     drop(waiting);
     if let Some(owned) = owned.take() {
-        // The last handles of the store (the tasks above are gone): dropping them closes the
+        // The last handles of the store (its pipeline is drained): dropping them closes the
         // store and releases its lock, once a commit already handed to the committer thread
         // has been written.
         drop(owned);

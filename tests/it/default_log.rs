@@ -97,3 +97,36 @@ fn sixty_four_partition_stores_take_at_most_16_mib_of_disk_each() {
         assert!(consumer.get("order-199").unwrap().is_some());
     }
 }
+
+/// RocksDB flushes the tables on its own once a memtable fills; the segments whose records its
+/// files then hold are reused, so the ring stays near the memtables' size instead of growing to
+/// its most (the default's most here: 80 segments, 320 MiB) before a flush of its own.
+#[test]
+fn the_ring_reuses_the_segments_the_tables_flushed_on_their_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::builder(dir.path())
+        .durability(Durability::Buffered)
+        .write_buffer_bytes(1 << 20)
+        .open()
+        .unwrap();
+    let consumer = engine.consumer("orders").unwrap();
+    let result = [0x5a_u8; 1024];
+    // 40 MiB of results: 10 segments' worth, 40 memtables'.
+    for n in 0..40_000 {
+        let key = format!("order-{n}");
+        let Outcome::Fresh(claim) = consumer.begin(&key, Fingerprint::of(&key)).unwrap() else {
+            panic!("fresh expected");
+        };
+        claim.commit(result).unwrap();
+    }
+    let slots = segments(dir.path()).len();
+    eprintln!("40 MiB committed: {slots} segments");
+    assert!(slots <= 4, "the ring grew to {slots} segments");
+    drop(consumer);
+    drop(engine);
+    let engine = Engine::builder(dir.path()).open().unwrap();
+    let consumer = engine.consumer("orders").unwrap();
+    for key in ["order-0", "order-39999"] {
+        assert!(consumer.get(key).unwrap().is_some(), "{key}");
+    }
+}

@@ -21,7 +21,15 @@ use crate::workloads::{Session, Shape, WARM_UP_THREAD};
 /// What runs: a store and its settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
+    /// idemdb as a user opens it: the default durable path (the commit log).
     Idemdb(Durability),
+    /// idemdb on RocksDB's WAL (`EngineBuilder::without_commit_log`).
+    IdemdbWal(Durability),
+    /// idemdb's default path, `Durability::Sync`, batches through the library's pipeline
+    /// (`Consumer::pipeline`), up to `depth` in flight.
+    IdemdbLibraryPipeline {
+        depth: usize,
+    },
     /// idemdb, `Durability::Sync`, with the commit log instead of RocksDB's WAL
     /// (`EngineBuilder::commit_log`: 4 segments of 64 MiB).
     IdemdbCommitLog,
@@ -121,16 +129,22 @@ pub fn all() -> Vec<Spec> {
     use Durability::{Buffered, Sync};
     let mut specs = vec![
         // No fsync: the engine's own cost.
-        Spec::new("idemdb buffered, 1 thread", Kind::Idemdb(Buffered), 1, 1, 1),
         Spec::new(
-            "idemdb buffered, 2 threads",
+            "idemdb default buffered, 1 thread",
+            Kind::Idemdb(Buffered),
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "idemdb default buffered, 2 threads",
             Kind::Idemdb(Buffered),
             2,
             1,
             1,
         ),
         Spec::new(
-            "idemdb buffered, batch 64",
+            "idemdb default buffered, batch 64",
             Kind::Idemdb(Buffered),
             1,
             64,
@@ -261,7 +275,55 @@ pub fn all() -> Vec<Spec> {
             1,
             1,
         ),
-        Spec::new("idemdb sync, batch 64", Kind::Idemdb(Sync), 1, 64, 1),
+        Spec::new(
+            "idemdb default sync, batch 64, library pipeline 4",
+            Kind::IdemdbLibraryPipeline { depth: 4 },
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb default sync, batch 64, library pipeline 8",
+            Kind::IdemdbLibraryPipeline { depth: 8 },
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb default sync, batch 64",
+            Kind::Idemdb(Sync),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync on RocksDB's WAL, batch 64",
+            Kind::IdemdbWal(Sync),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync on RocksDB's WAL, 1 thread",
+            Kind::IdemdbWal(Sync),
+            1,
+            1,
+            1,
+        ),
+        Spec::new(
+            "idemdb sync on RocksDB's WAL, 32 threads",
+            Kind::IdemdbWal(Sync),
+            32,
+            1,
+            1,
+        ),
+        Spec::new(
+            "idemdb buffered on RocksDB's WAL, batch 64",
+            Kind::IdemdbWal(Buffered),
+            1,
+            64,
+            1,
+        ),
         Spec::new(
             "idemdb sync + commit log, batch 64",
             Kind::IdemdbCommitLog,
@@ -312,7 +374,7 @@ pub fn all() -> Vec<Spec> {
             1,
         ),
         Spec::new(
-            "idemdb sync, batch 64, 2 in flight",
+            "idemdb default sync, batch 64, 2 in flight",
             Kind::IdemdbPipelined { depth: 2 },
             1,
             64,
@@ -379,7 +441,7 @@ pub fn all() -> Vec<Spec> {
         ),
     ];
     for threads in SWEEP_THREADS {
-        specs.push(sweep("idemdb sync", Kind::Idemdb(Sync), threads));
+        specs.push(sweep("idemdb default sync", Kind::Idemdb(Sync), threads));
         specs.push(sweep(
             "postgres sync on",
             Kind::Postgres {
@@ -544,6 +606,20 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 warm_up(|| store.session(), || store.flush())?;
             }
             Prepared::sharing(store, threads, Idemdb::session)
+        }
+        Kind::IdemdbWal(durability) => {
+            let store = Idemdb::open_wal(dir, durability)?;
+            if durability == Durability::Sync {
+                warm_up(|| store.session(), || store.flush())?;
+            }
+            Prepared::sharing(store, threads, Idemdb::session)
+        }
+        Kind::IdemdbLibraryPipeline { depth } => {
+            let store = Idemdb::open(dir, Durability::Sync)?;
+            warm_up(|| store.session(), || store.flush())?;
+            Prepared::sharing(store, threads, move |store: &Idemdb| {
+                store.library_pipeline_session(depth)
+            })
         }
         Kind::IdemdbCommitLog => {
             let store = Idemdb::open_with_commit_log(dir)?;

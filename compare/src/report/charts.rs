@@ -52,13 +52,13 @@ pub fn peers(out_dir: &Path, run: &PeersRun) -> Result<()> {
 /// Per-call latency CDF of single-message contenders, from each one's middle round.
 fn latency_cdf(path: &Path, run: &PeersRun) -> Result<()> {
     let wanted = [
-        "idemdb buffered, 1 thread",
+        "idemdb default buffered, 1 thread",
         "rocksdb get+write under lock, 1 thread",
         "rocksdb TransactionDB, 2 threads",
         "redis no persistence, 50 clients",
         "sqlite NORMAL, 1 row/txn",
         "postgres sync off, 8 clients",
-        "idemdb sync, 1 thread",
+        "idemdb default sync, 1 thread",
     ];
     let series: Vec<(&str, Vec<(f64, f64)>)> = wanted
         .iter()
@@ -130,7 +130,7 @@ type KindFilter = fn(Kind) -> bool;
 /// Durable single-message throughput by producer count: idemdb, PostgreSQL, Redis.
 fn durable_threads(path: &Path, run: &PeersRun) -> Result<()> {
     let families: [(&str, KindFilter); 3] = [
-        ("idemdb sync", |k| {
+        ("idemdb default sync", |k| {
             matches!(k, Kind::Idemdb(idemdb::Durability::Sync))
         }),
         ("postgres synchronous_commit on", |k| {

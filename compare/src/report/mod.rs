@@ -40,10 +40,12 @@ pub fn summarize(measured: &Measured) -> Summary {
 /// Whether a contender's acknowledgement means the write survives a power loss.
 fn durable(kind: Kind) -> bool {
     match kind {
-        Kind::Idemdb(durability) | Kind::Raw(durability, _) | Kind::Transaction(durability) => {
-            durability == Durability::Sync
-        }
+        Kind::Idemdb(durability)
+        | Kind::IdemdbWal(durability)
+        | Kind::Raw(durability, _)
+        | Kind::Transaction(durability) => durability == Durability::Sync,
         Kind::IdemdbPipelined { .. }
+        | Kind::IdemdbLibraryPipeline { .. }
         | Kind::IdemdbCommitLog
         | Kind::IdemdbCommitLogPipelined { .. } => true,
         Kind::IdemdbDuplicates { .. } => false,
@@ -123,10 +125,10 @@ impl Figure {
 
 /// The ratio targets: (id, idemdb's contender, the peer, figure, goal, whether the ratio must
 /// be at least the goal rather than at most).
-const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
+const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 51] = [
     (
         "P1",
-        "idemdb buffered, batch 64",
+        "idemdb default buffered, batch 64",
         "rocksdb blind put, batch 64",
         Figure::Throughput,
         0.8,
@@ -134,7 +136,15 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P3",
-        "idemdb sync, 1 thread",
+        "idemdb default sync, 1 thread",
+        "fdatasync 4 KiB",
+        Figure::P50,
+        1.10,
+        false,
+    ),
+    (
+        "P3",
+        "idemdb sync on RocksDB's WAL, 1 thread",
         "fdatasync 4 KiB",
         Figure::P50,
         1.15,
@@ -150,7 +160,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P3",
-        "idemdb sync, 1 thread",
+        "idemdb default sync, 1 thread",
         "fdatasync append 200 B",
         Figure::P50,
         1.15,
@@ -158,7 +168,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P4",
-        "idemdb sync, 32 threads",
+        "idemdb default sync, 32 threads",
         "redis fsync always, 50 clients",
         Figure::Throughput,
         1.5,
@@ -166,7 +176,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P4",
-        "idemdb sync, 32 threads",
+        "idemdb default sync, 32 threads",
         "postgres sync on, 32 clients",
         Figure::Throughput,
         3.0,
@@ -190,7 +200,23 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P5",
-        "idemdb sync, batch 64",
+        "idemdb default sync, batch 64, library pipeline 4",
+        "sqlite FULL, 64 rows/txn",
+        Figure::Throughput,
+        2.0,
+        true,
+    ),
+    (
+        "P5",
+        "idemdb default sync, batch 64, library pipeline 4",
+        "postgres sync on, 8 clients, 64 rows/txn",
+        Figure::Throughput,
+        2.0,
+        true,
+    ),
+    (
+        "P5",
+        "idemdb default sync, batch 64",
         "sqlite FULL, 64 rows/txn",
         Figure::Throughput,
         1.5,
@@ -198,7 +224,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P5",
-        "idemdb sync, batch 64",
+        "idemdb default sync, batch 64",
         "postgres sync on, 8 clients, 64 rows/txn",
         Figure::Throughput,
         1.5,
@@ -206,7 +232,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P5",
-        "idemdb sync, batch 64, 2 in flight",
+        "idemdb default sync, batch 64, 2 in flight",
         "sqlite FULL, 64 rows/txn",
         Figure::Throughput,
         1.5,
@@ -214,7 +240,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P5",
-        "idemdb sync, batch 64, 2 in flight",
+        "idemdb default sync, batch 64, 2 in flight",
         "postgres sync on, 8 clients, 64 rows/txn",
         Figure::Throughput,
         1.5,
@@ -238,7 +264,15 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     ),
     (
         "P9",
-        "idemdb sync, batch 64",
+        "idemdb default sync, batch 64, library pipeline 4",
+        "rocksdb blind put sync, batch 64",
+        Figure::Throughput,
+        1.8,
+        true,
+    ),
+    (
+        "P9",
+        "idemdb default sync, batch 64",
         "rocksdb blind put sync, batch 64",
         Figure::Throughput,
         1.5,
@@ -509,7 +543,7 @@ const RATIO_TARGETS: [(&str, &str, &str, Figure, f64, bool); 47] = [
     (
         "P6",
         "idemdb duplicates, 1 thread",
-        "idemdb buffered, 1 thread",
+        "idemdb default buffered, 1 thread",
         Figure::Throughput,
         2.0,
         true,
@@ -530,10 +564,13 @@ pub fn targets(run: &PeersRun) -> Vec<Target> {
         }
     }
     // P2 allows up to 2 threads: the better of idemdb's 1- and 2-thread runs.
-    let best_single = ["idemdb buffered, 1 thread", "idemdb buffered, 2 threads"]
-        .into_iter()
-        .filter_map(|name| find(run, name).map(|summary| (name, summary)))
-        .max_by(|a, b| a.1.per_second.total_cmp(&b.1.per_second));
+    let best_single = [
+        "idemdb default buffered, 1 thread",
+        "idemdb default buffered, 2 threads",
+    ]
+    .into_iter()
+    .filter_map(|name| find(run, name).map(|summary| (name, summary)))
+    .max_by(|a, b| a.1.per_second.total_cmp(&b.1.per_second));
     if let Some((name, idemdb)) = best_single {
         for (peer, goal) in [
             ("redis no persistence, 50 clients", 1.5),
@@ -550,7 +587,7 @@ pub fn targets(run: &PeersRun) -> Vec<Target> {
             }
         }
     }
-    if let Some(single) = find(run, "idemdb buffered, 1 thread") {
+    if let Some(single) = find(run, "idemdb default buffered, 1 thread") {
         out.push(Target {
             id: "P6",
             what: "claim+commit p99 (us), idemdb buffered, 1 thread".to_owned(),

@@ -6,6 +6,7 @@
 //! (PostgreSQL commits while expired records are removed), `profile` (one contender under a
 //! profiler).
 
+pub mod footprint;
 pub mod pg_expiry;
 pub mod profile;
 pub mod scale;

@@ -28,7 +28,7 @@ use rocksdb::{DB, WriteBatch};
 use crate::format::error::{Error, Result};
 use crate::storage::log::commit_log::{CommitLog, LOG_SLOTS_FIRST, perform_writes};
 use crate::storage::log::replay::{
-    LOG_DIR, LOG_LSN_KEY, default_table, no_wal, numbered, tables_lsn,
+    LOG_DIR, LOG_LSN_KEY, default_table, no_wal, numbered, persisted_lsn, tables_lsn,
 };
 
 /// Writes a durable group to the tables (their memtables; they have no WAL of their own).
@@ -274,7 +274,7 @@ impl LogWriter {
                 state = self.state.lock();
                 continue;
             }
-            let (group, _) = self.lead(&mut state, Vec::new(), &io, &flush);
+            let (group, _) = self.lead(&mut state, db, Vec::new(), &io, &flush);
             drop(state);
             // The caller's own outcome is among the members'.
             let _ = self.apply(db, group);
@@ -294,6 +294,7 @@ impl LogWriter {
     /// next one. Groups are applied in the order they were led.
     pub(crate) fn write_durable(
         &self,
+        db: &DB,
         batches: Vec<(usize, WriteBatch)>,
         io: impl Fn(&dyn Fn(bool) -> Result<()>) -> Result<()>,
         flush: impl Fn() -> Result<()>,
@@ -303,7 +304,7 @@ impl LogWriter {
             state.lead_waiters.push(std::thread::current());
             park(&mut state);
         }
-        self.lead(&mut state, batches, &io, &flush)
+        self.lead(&mut state, db, batches, &io, &flush)
     }
 
     /// Leads a group: `own` (a caller's batches, not queued) and every batch queued get their
@@ -314,11 +315,27 @@ impl LogWriter {
     fn lead(
         &self,
         state: &mut parking_lot::MutexGuard<'_, State>,
+        db: &DB,
         own: Vec<(usize, WriteBatch)>,
         io: &LogIo<'_>,
         flush: &dyn Fn() -> Result<()>,
     ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
         state.leading = true;
+        if state.log.free_slots() <= 1 {
+            // RocksDB flushes the tables on its own once a memtable fills: the segments whose
+            // records its files hold are free again, and the ring need not grow for them.
+            // Asked before the switch that takes the last free slot, which would start making
+            // one more (not before every group: a read, while slots are free, for nothing).
+            match persisted_lsn(db) {
+                Ok(persisted) => {
+                    state.log.release_through(persisted + 1);
+                    trim(&mut state.log);
+                }
+                Err(error) => {
+                    tracing::warn!(target: "idemdb", %error, "the tables' flushed LSN unread");
+                }
+            }
+        }
         let group = state.next_group;
         state.next_group += 1;
         let mut members = own

@@ -52,6 +52,27 @@ pub(crate) fn tables_lsn(db: &DB) -> Result<u64> {
     })
 }
 
+/// The LSN the tables' files hold: [`tables_lsn`] read without the memtables (the tables
+/// write no WAL of their own, so RocksDB's persisted tier skips them). Every table flushes
+/// together (atomic flush), so every batch up to it is in table files.
+pub(crate) fn persisted_lsn(db: &DB) -> Result<u64> {
+    let mut options = rocksdb::ReadOptions::default();
+    options.set_read_tier(rocksdb::ReadTier::Persisted);
+    Ok(
+        match db.get_pinned_cf_opt(default_table(db), LOG_LSN_KEY, &options)? {
+            Some(value) => {
+                u64::from_be_bytes(value.as_ref().try_into().map_err(|_| Error::Corrupt {
+                    key: LOG_LSN_KEY.to_vec(),
+                    reason: crate::format::error::DecodeError::Invalid {
+                        reason: "the commit log's LSN is not 8 bytes",
+                    },
+                })?)
+            }
+            None => 0,
+        },
+    )
+}
+
 /// Refuses an open that would make a commit log of up to `segments` x `segment_bytes` in
 /// `store` (it has none yet) on a file system without room for the segments it is made with
 /// (`LOG_SLOTS_FIRST`; it grows only where there is room): run before the store is opened for

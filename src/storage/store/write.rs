@@ -51,6 +51,7 @@ impl Storage {
         match &self.log {
             Some(log) => {
                 let (group, left) = log.write_durable(
+                    self.db(),
                     batches,
                     |call| self.io_result(IoPoint::Write, call),
                     || self.flush_every_table(),

@@ -64,6 +64,13 @@ impl CommitLog {
         held.header.is_none() || held.end_lsn <= self.released_before
     }
 
+    /// How many slots a segment switch could take now (free, not the active one).
+    pub(crate) fn free_slots(&self) -> usize {
+        (0..self.slots.len())
+            .filter(|&slot| slot != self.active && self.is_free(slot))
+            .count()
+    }
+
     /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow_for`]); never below the slots it
     /// has.
     pub(crate) fn allow_growth_to(&mut self, slots_max: usize) {
