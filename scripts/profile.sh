@@ -24,9 +24,9 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
 contenders=(
-    "idemdb buffered, batch 64"
+    "idemdb default buffered, batch 64"
     "rocksdb blind put, batch 64"
-    "idemdb buffered, 1 thread"
+    "idemdb default buffered, 1 thread"
     "rocksdb get+write under lock, 1 thread"
     "idemdb duplicates, 1 thread"
 )

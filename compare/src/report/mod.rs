@@ -590,7 +590,7 @@ pub fn targets(run: &PeersRun) -> Vec<Target> {
     if let Some(single) = find(run, "idemdb default buffered, 1 thread") {
         out.push(Target {
             id: "P6",
-            what: "claim+commit p99 (us), idemdb buffered, 1 thread".to_owned(),
+            what: "claim+commit p99 (us), idemdb default buffered, 1 thread".to_owned(),
             measured: single.p99_us,
             goal: 10.0,
             at_least: false,
