@@ -137,13 +137,47 @@ impl<T> Entries<T> {
         std::iter::from_fn(|| self.pop_settled()).collect()
     }
 
-    /// The answer an entry handed over now gets without being committed: a broken pipeline's.
-    fn refusal(&self) -> Option<Result<Durable>> {
-        self.failed.as_ref().map(|earlier| {
-            Err(Error::PipelineBroken {
-                earlier: earlier.clone(),
-            })
-        })
+    /// An entry handed over after a failure is known: settled at once as broken, not
+    /// committed (`None`); else its tag back, for a commit.
+    fn unless_broken(&mut self, tag: T) -> Option<T> {
+        let Some(earlier) = &self.failed else {
+            return Some(tag);
+        };
+        let refusal = Err(Error::PipelineBroken {
+            earlier: earlier.clone(),
+        });
+        self.push(tag, Some(refusal));
+        None
+    }
+
+    /// Adds an entry for a commit about to be handed over, and the function that answers for
+    /// it through `sender` (the pipeline may be gone by then; the commit stands either way).
+    fn reply(
+        &mut self,
+        tag: T,
+        sender: &impl AnswerSender,
+    ) -> impl FnOnce(Result<Durable>) + Send + 'static {
+        let number = self.push(tag, None);
+        let sender = sender.clone();
+        move |answer| sender.answer((number, answer))
+    }
+}
+
+/// The sending end of a flavour's channel of answers.
+trait AnswerSender: Clone + Send + 'static {
+    fn answer(&self, answer: Answer);
+}
+
+impl AnswerSender for crossbeam::channel::Sender<Answer> {
+    fn answer(&self, answer: Answer) {
+        let _ = self.send(answer);
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl AnswerSender for tokio::sync::mpsc::UnboundedSender<Answer> {
+    fn answer(&self, answer: Answer) {
+        let _ = self.send(answer);
     }
 }
 
@@ -209,16 +243,13 @@ impl<T> Pipeline<T> {
     /// with `tag`. After a failure, the claim is not committed (it is dropped, which releases
     /// it) and its entry settles as [`Error::PipelineBroken`].
     pub fn commit(&mut self, claim: Claim, result: impl AsRef<[u8]>, tag: T) {
-        if let Some(refusal) = self.entries.refusal() {
-            self.entries.push(tag, Some(refusal));
+        let Some(tag) = self.entries.unless_broken(tag) else {
             return;
-        }
+        };
         self.wait_for_room();
-        let number = self.entries.push(tag, None);
-        let sender = self.sender.clone();
+        let reply = self.entries.reply(tag, &self.sender);
         claim.submit(result.as_ref(), move |answer| {
-            // The pipeline may be gone; the commit stands either way.
-            let _ = sender.send((number, answer.map(Durable::Claim)));
+            reply(answer.map(Durable::Claim));
         });
         self.take_answers();
     }
@@ -231,16 +262,12 @@ impl<T> Pipeline<T> {
         result_of: impl FnMut(usize) -> R,
         tag: T,
     ) {
-        if let Some(refusal) = self.entries.refusal() {
-            self.entries.push(tag, Some(refusal));
+        let Some(tag) = self.entries.unless_broken(tag) else {
             return;
-        }
+        };
         self.wait_for_room();
-        let number = self.entries.push(tag, None);
-        let sender = self.sender.clone();
-        batch.submit(result_of, move |answer| {
-            let _ = sender.send((number, answer.map(Durable::Batch)));
-        });
+        let reply = self.entries.reply(tag, &self.sender);
+        batch.submit(result_of, move |answer| reply(answer.map(Durable::Batch)));
         self.take_answers();
     }
 
@@ -370,15 +397,13 @@ impl<T> AsyncPipeline<T> {
 
     /// [`Pipeline::commit`], awaiting room instead of blocking.
     pub async fn commit(&mut self, claim: Claim, result: impl AsRef<[u8]>, tag: T) {
-        if let Some(refusal) = self.entries.refusal() {
-            self.entries.push(tag, Some(refusal));
+        let Some(tag) = self.entries.unless_broken(tag) else {
             return;
-        }
+        };
         self.wait_for_room().await;
-        let number = self.entries.push(tag, None);
-        let sender = self.sender.clone();
+        let reply = self.entries.reply(tag, &self.sender);
         claim.submit(result.as_ref(), move |answer| {
-            let _ = sender.send((number, answer.map(Durable::Claim)));
+            reply(answer.map(Durable::Claim));
         });
         self.take_answers();
     }
@@ -390,16 +415,12 @@ impl<T> AsyncPipeline<T> {
         result_of: impl FnMut(usize) -> R,
         tag: T,
     ) {
-        if let Some(refusal) = self.entries.refusal() {
-            self.entries.push(tag, Some(refusal));
+        let Some(tag) = self.entries.unless_broken(tag) else {
             return;
-        }
+        };
         self.wait_for_room().await;
-        let number = self.entries.push(tag, None);
-        let sender = self.sender.clone();
-        batch.submit(result_of, move |answer| {
-            let _ = sender.send((number, answer.map(Durable::Batch)));
-        });
+        let reply = self.entries.reply(tag, &self.sender);
+        batch.submit(result_of, move |answer| reply(answer.map(Durable::Batch)));
         self.take_answers();
     }
 
@@ -519,11 +540,11 @@ mod tests {
         let second = entries.push(2, None);
         entries.answer((second, committed()));
         entries.answer((first, Err(Error::KeyBusy)));
-        assert!(
-            entries.refusal().is_some(),
+        assert_eq!(
+            entries.unless_broken(3),
+            None,
             "later entries are not committed"
         );
-        entries.push(3, entries.refusal());
         entries.push(4, Some(committed()));
         let settled = entries.drain_settled();
         assert_eq!(

@@ -627,18 +627,7 @@ fn an_open_refused_for_the_logs_size_changes_nothing() {
             .commit_log(idemdb::COMMIT_LOG_SEGMENTS_MAX, 64 << 20)
             .open()
     };
-    let listing = |path: &std::path::Path| {
-        let mut entries: Vec<(String, u64)> = std::fs::read_dir(path)
-            .unwrap()
-            .map(|entry| {
-                let entry = entry.unwrap();
-                let name = entry.file_name().to_string_lossy().into_owned();
-                (name, entry.metadata().unwrap().len())
-            })
-            .collect();
-        entries.sort();
-        entries
-    };
+    let listing = crate::files::lengths;
     let no_space = |opened: idemdb::Result<Engine>| {
         assert!(
             matches!(

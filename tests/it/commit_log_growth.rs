@@ -82,23 +82,10 @@ fn small_keys(keys: std::ops::Range<u32>) -> impl Iterator<Item = String> {
 
 /// The sizes of the log's segment files (not the ones being made, `.new`), by name.
 fn segment_sizes_at(path: &Path) -> Vec<(String, u64)> {
-    let mut sizes: Vec<(String, u64)> = std::fs::read_dir(path.join("idemdb-log"))
-        .unwrap()
-        .map(|entry| entry.unwrap())
-        .filter(|entry| {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with("segment-") && !name.ends_with(".new")
-        })
-        .map(|entry| {
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                entry.metadata().unwrap().len(),
-            )
-        })
-        .collect();
-    sizes.sort();
-    sizes
+    crate::files::lengths(&path.join("idemdb-log"))
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("segment-") && !name.ends_with(".new"))
+        .collect()
 }
 
 fn segment_sizes(store: &TestStore) -> Vec<(String, u64)> {

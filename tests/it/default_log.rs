@@ -24,16 +24,7 @@ fn allocated_bytes(dir: &Path) -> u64 {
 }
 
 fn segments(store: &Path) -> Vec<(String, u64)> {
-    let mut segments: Vec<(String, u64)> = std::fs::read_dir(store.join("idemdb-log"))
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            (name, entry.metadata().unwrap().len())
-        })
-        .collect();
-    segments.sort();
-    segments
+    crate::files::lengths(&store.join("idemdb-log"))
 }
 
 #[test]

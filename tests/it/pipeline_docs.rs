@@ -50,18 +50,9 @@ fn broken(outcome: &idemdb::Result<Durable>) -> bool {
     matches!(outcome, Err(Error::PipelineBroken { .. }))
 }
 
-/// Regular files directly in `<store>/idemdb-log`: (name, length).
+/// The files in `<store>/idemdb-log` (it holds no folder): (name, length).
 fn log_files(store: &Path) -> Vec<(String, u64)> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(store.join("idemdb-log")).expect("idemdb-log") {
-        let entry = entry.unwrap();
-        let meta = entry.metadata().unwrap();
-        if meta.is_file() {
-            files.push((entry.file_name().to_string_lossy().into_owned(), meta.len()));
-        }
-    }
-    files.sort();
-    files
+    crate::files::lengths(&store.join("idemdb-log"))
 }
 
 /// Blocks every `IoPoint::Write` while armed and closed; counts the calls it held.

@@ -24,6 +24,21 @@ fn add_contents(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>)
     }
 }
 
+/// The names in `dir` with their lengths in bytes, sorted by name.
+#[allow(dead_code)] // not every test binary lists lengths
+pub fn lengths(dir: &Path) -> Vec<(String, u64)> {
+    let mut lengths: Vec<(String, u64)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            (name, entry.metadata().unwrap().len())
+        })
+        .collect();
+    lengths.sort();
+    lengths
+}
+
 /// The names in `dir`, sorted: what a refused command must not have added to.
 pub fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)

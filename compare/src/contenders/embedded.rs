@@ -151,6 +151,22 @@ impl IdemdbSession {
         }
         Ok((batch, held))
     }
+
+    /// Delivers again the held deliveries that waited for batches up to `through` (now
+    /// durable): each must be a duplicate.
+    fn redeliver_held(&self, held: &mut Vec<(u64, Delivery)>, through: u64) -> Result<()> {
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            held.drain(..).partition(|(after, _)| *after <= through);
+        *held = waiting;
+        for (_, delivery) in ready {
+            let fingerprint = Fingerprint::of(delivery.value());
+            match self.consumer.begin(delivery.key, fingerprint)? {
+                Outcome::Duplicate { .. } => {}
+                other => bail!("a redelivered message got {other:?}, not a duplicate"),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// idemdb's durable batches with up to `depth` in flight: each call claims its batch and hands
@@ -179,17 +195,7 @@ impl PipelinedSession {
             return Ok(());
         };
         self.runtime.block_on(oldest)?;
-        let (ready, waiting): (Vec<_>, Vec<_>) =
-            self.held.drain(..).partition(|(after, _)| *after <= call);
-        self.held = waiting;
-        for (_, delivery) in ready {
-            let fingerprint = Fingerprint::of(delivery.value());
-            match self.session.consumer.begin(delivery.key, fingerprint)? {
-                Outcome::Duplicate { .. } => {}
-                other => bail!("a redelivered message got {other:?}, not a duplicate"),
-            }
-        }
-        Ok(())
+        self.session.redeliver_held(&mut self.held, call)
     }
 }
 
@@ -247,17 +253,7 @@ impl LibraryPipelineSession {
         for settled in settled {
             settled.outcome?;
         }
-        let (ready, waiting): (Vec<_>, Vec<_>) =
-            self.held.drain(..).partition(|(after, _)| *after <= newest);
-        self.held = waiting;
-        for (_, delivery) in ready {
-            let fingerprint = Fingerprint::of(delivery.value());
-            match self.session.consumer.begin(delivery.key, fingerprint)? {
-                Outcome::Duplicate { .. } => {}
-                other => bail!("a redelivered message got {other:?}, not a duplicate"),
-            }
-        }
-        Ok(())
+        self.session.redeliver_held(&mut self.held, newest)
     }
 }
 

@@ -39,17 +39,7 @@ pub(crate) fn numbered(db: &DB, payload: &[u8], lsn: u64) -> WriteBatch {
 
 /// The LSN of the last batch the tables hold (memtables included), 0 for none.
 pub(crate) fn tables_lsn(db: &DB) -> Result<u64> {
-    Ok(match db.get_pinned_cf(default_table(db), LOG_LSN_KEY)? {
-        Some(value) => {
-            u64::from_be_bytes(value.as_ref().try_into().map_err(|_| Error::Corrupt {
-                key: LOG_LSN_KEY.to_vec(),
-                reason: crate::format::error::DecodeError::Invalid {
-                    reason: "the commit log's LSN is not 8 bytes",
-                },
-            })?)
-        }
-        None => 0,
-    })
+    lsn_at(db, &rocksdb::ReadOptions::default())
 }
 
 /// The LSN the tables' files hold: [`tables_lsn`] read without the memtables (the tables
@@ -58,8 +48,13 @@ pub(crate) fn tables_lsn(db: &DB) -> Result<u64> {
 pub(crate) fn persisted_lsn(db: &DB) -> Result<u64> {
     let mut options = rocksdb::ReadOptions::default();
     options.set_read_tier(rocksdb::ReadTier::Persisted);
+    lsn_at(db, &options)
+}
+
+/// The LSN key read with `options`, 0 when absent.
+fn lsn_at(db: &DB, options: &rocksdb::ReadOptions) -> Result<u64> {
     Ok(
-        match db.get_pinned_cf_opt(default_table(db), LOG_LSN_KEY, &options)? {
+        match db.get_pinned_cf_opt(default_table(db), LOG_LSN_KEY, options)? {
             Some(value) => {
                 u64::from_be_bytes(value.as_ref().try_into().map_err(|_| Error::Corrupt {
                     key: LOG_LSN_KEY.to_vec(),
