@@ -321,21 +321,6 @@ impl LogWriter {
         flush: &dyn Fn() -> Result<()>,
     ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
         state.leading = true;
-        if state.log.free_slots() <= 1 {
-            // RocksDB flushes the tables on its own once a memtable fills: the segments whose
-            // records its files hold are free again, and the ring need not grow for them.
-            // Asked before the switch that takes the last free slot, which would start making
-            // one more (not before every group: a read, while slots are free, for nothing).
-            match persisted_lsn(db) {
-                Ok(persisted) => {
-                    state.log.release_through(persisted + 1);
-                    trim(&mut state.log);
-                }
-                Err(error) => {
-                    tracing::warn!(target: "idemdb", %error, "the tables' flushed LSN unread");
-                }
-            }
-        }
         let group = state.next_group;
         state.next_group += 1;
         let mut members = own
@@ -347,6 +332,28 @@ impl LogWriter {
                     .map(|(waiter, batch)| (Member::Queued(waiter), batch)),
             )
             .collect::<std::collections::VecDeque<_>>();
+        let bytes = members
+            .iter()
+            .map(|(_, batch)| {
+                (crate::format::commit_log::LOG_RECORD_HEADER_BYTES + batch.data().len()) as u64
+            })
+            .sum();
+        if state.log.switch_would_fill(bytes) {
+            // RocksDB flushes the tables on its own once a memtable fills: the segments whose
+            // records its files hold are free again, and the ring need not grow for them.
+            // Asked before the switch that takes the last free slot, which would start making
+            // one more (not before every group: a read, while the segment has room, for
+            // nothing).
+            match persisted_lsn(db) {
+                Ok(persisted) => {
+                    state.log.release_through(persisted + 1);
+                    trim(&mut state.log);
+                }
+                Err(error) => {
+                    tracing::warn!(target: "idemdb", %error, "the tables' flushed LSN unread");
+                }
+            }
+        }
         let mut batches = Vec::with_capacity(members.len());
         let mut refused = Vec::new();
         let mut deferred = Vec::new();

@@ -64,11 +64,14 @@ impl CommitLog {
         held.header.is_none() || held.end_lsn <= self.released_before
     }
 
-    /// How many slots a segment switch could take now (free, not the active one).
-    pub(crate) fn free_slots(&self) -> usize {
-        (0..self.slots.len())
-            .filter(|&slot| slot != self.active && self.is_free(slot))
-            .count()
+    /// Whether appending `bytes` of records switches segments into the ring's last free slot,
+    /// or finds none: then the next switch would start making one more slot.
+    pub(crate) fn switch_would_fill(&self, bytes: u64) -> bool {
+        self.write_at + bytes > self.slots[self.active].bytes
+            && (0..self.slots.len())
+                .filter(|&slot| slot != self.active && self.is_free(slot))
+                .count()
+                <= 1
     }
 
     /// Lets the ring grow to `slots_max` slots ([`CommitLog::grow_for`]); never below the slots it
