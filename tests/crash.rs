@@ -45,8 +45,10 @@
 //! harness could not see a durability bug, and the test fails.
 //!
 //! Every open is on the default durable path (the commit log, its default shape) unless
-//! `IDEMDB_CRASH_COMMIT_LOG=1` (the commit log with 3 segments of 256 KiB: the ring goes round
-//! and flushes make room) or `IDEMDB_CRASH_WAL=1` (RocksDB's WAL, the opt-out:
+//! `IDEMDB_CRASH_COMMIT_LOG=1` (a small ring, up to 8 segments of 64 KiB: transactional claims
+//! stage 32 KiB of padding, so the ring grows between the children's flushes, and the children
+//! pause now and then, long enough for it to give the segments back; power cuts then also cut
+//! at the ring's growth and at its shrink) or `IDEMDB_CRASH_WAL=1` (RocksDB's WAL, the opt-out:
 //! `EngineBuilder::without_commit_log`; power cuts then also cut at its WAL file switches).
 //!
 //! `IDEMDB_CRASH_SEED` sets the seed. Power cuts need root and FUSE; where mounting is refused
@@ -127,16 +129,36 @@ fn builder(store: &Path, durability: Durability) -> idemdb::EngineBuilder {
         .business_table(
             TableOptions::new("counters").associative_merge_operator("add_u64", merge_ops::add_u64),
         );
-    // IDEMDB_CRASH_COMMIT_LOG=1: every open (children and checks) with the commit
-    // log, small segments so that the ring goes round and flushes make room.
-    if std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some() {
-        return builder.commit_log(3, 256 << 10);
+    // IDEMDB_CRASH_COMMIT_LOG=1: every open (children and checks) with a small ring that
+    // grows between flushes (the children stage padding) and shrinks back when they pause.
+    if small_ring() {
+        return builder
+            .commit_log(RING_SEGMENTS, RING_SEGMENT_BYTES)
+            .commit_log_shrink_after(RING_QUIET);
     }
     if on_rocksdb_wal() {
         return builder.without_commit_log();
     }
     builder
 }
+
+/// `IDEMDB_CRASH_COMMIT_LOG=1`: the commit log as a small ring that grows and shrinks.
+fn small_ring() -> bool {
+    std::env::var_os("IDEMDB_CRASH_COMMIT_LOG").is_some()
+}
+
+/// The small ring: at most this many segments of the smallest size, given back after this
+/// long without a write.
+const RING_SEGMENTS: usize = 8;
+const RING_SEGMENT_BYTES: u64 = 64 << 10;
+const RING_QUIET: Duration = Duration::from_millis(30);
+/// Padding a transactional claim stages in the small-ring profile: the deliveries between two
+/// flushes then fill more than the ring's two first segments.
+const RING_PADDING: usize = 32 << 10;
+/// Deliveries between two pauses of a small-ring child, each long enough for the ring to
+/// shrink.
+const RING_PAUSE_EVERY: usize = 40;
+const RING_PAUSE: Duration = Duration::from_millis(150);
 
 /// `IDEMDB_CRASH_WAL=1`: every open on RocksDB's WAL (the opt-out) instead of the commit log.
 fn on_rocksdb_wal() -> bool {
@@ -321,6 +343,10 @@ fn child() {
             mark("flush");
             engine.flush().expect("flush");
         }
+        if small_ring() && handled % RING_PAUSE_EVERY == RING_PAUSE_EVERY - 1 {
+            // Quiet: the ring gives back what it grew.
+            std::thread::sleep(RING_PAUSE);
+        }
         if phases.is_some() && handled % COMPACT_EVERY == COMPACT_EVERY - 1 {
             mark("compact");
             engine.compact().expect("compact");
@@ -351,6 +377,10 @@ fn child() {
                     Outcome::Fresh(mut claim) => {
                         claim.put(&rows, key(id), b"t").expect("put");
                         claim.merge(&counters, key(id), one).expect("merge");
+                        if small_ring() {
+                            let padding = vec![(id % 251) as u8; RING_PADDING];
+                            claim.put(&rows, format!("pad/{id}"), padding).expect("put");
+                        }
                         claim.commit(b"done").expect("commit");
                         if point.as_deref() == Some(POINTS[0]) {
                             stop_at(POINTS[0]);
@@ -543,6 +573,12 @@ enum CutAt {
     /// With the commit log: at or just after the first write to its second segment file, a
     /// segment switch (a reuse of the file, after the first lap).
     LogSegment,
+    /// With the small ring: at or just after the creation of a segment the ring grows by
+    /// (while it is filled, renamed into place and its name synced, or first written).
+    RingGrowth,
+    /// With the small ring: at or just after the removal of a segment the ring gives back
+    /// (the other removals, the directory's sync, the next writes).
+    RingShrink,
 }
 
 const CUT_PLACES: [CutAt; 6] = [
@@ -1154,8 +1190,12 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                 let fs = PowerCut::mount(&disk, &mnt).expect("mount the power-cut file system");
                 // Shifted by one every round of places, so that `Sync` (even) and `Buffered`
                 // (odd) cycles both meet every place.
-                let places = CUT_PLACES.len() as u64;
-                let mut place = CUT_PLACES[((cycle + cycle / places) % places) as usize];
+                // The small ring adds its growth and shrink to the places.
+                let ring_places = [CutAt::RingGrowth, CutAt::RingShrink];
+                let extra = if small_ring() { &ring_places[..] } else { &[] };
+                let all: Vec<CutAt> = CUT_PLACES.iter().chain(extra).copied().collect();
+                let places = all.len() as u64;
+                let mut place = all[((cycle + cycle / places) % places) as usize];
                 // The commit log's stores create no WAL files to cut at: cut at its segments.
                 if place == CutAt::WalSwitch && !on_rocksdb_wal() {
                     place = CutAt::LogSegment;
@@ -1172,6 +1212,12 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                     CutAt::WalSwitch => fs.arm(Event::Create(".log".into()), rng.below(6) as u32),
                     CutAt::LogSegment => {
                         fs.arm(Event::Write("segment-1".into()), rng.below(6) as u32);
+                    }
+                    CutAt::RingGrowth => {
+                        fs.arm(Event::Create("segment-".into()), rng.below(8) as u32);
+                    }
+                    CutAt::RingShrink => {
+                        fs.arm(Event::Remove("segment-".into()), rng.below(6) as u32);
                     }
                     CutAt::Random | CutAt::AfterCommit | CutAt::AfterAck => {}
                 }
@@ -1200,9 +1246,12 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
                 let reached = match place {
                     CutAt::Random => true,
                     CutAt::AfterCommit | CutAt::AfterAck => run.at_point,
-                    CutAt::Flush | CutAt::Compaction | CutAt::WalSwitch | CutAt::LogSegment => {
-                        run.cut_by_fs
-                    }
+                    CutAt::Flush
+                    | CutAt::Compaction
+                    | CutAt::WalSwitch
+                    | CutAt::LogSegment
+                    | CutAt::RingGrowth
+                    | CutAt::RingShrink => run.cut_by_fs,
                 };
                 let tear = (rng.below(3) == 0).then(|| rng.next());
                 let cut = fs.power_off(tear).expect("power off");

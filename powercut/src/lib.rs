@@ -48,6 +48,9 @@ pub enum Event {
     Rename(String),
     /// A write to a file whose name ends with this suffix.
     Write(String),
+    /// A file removed (unlinked) whose name contains this string: a program giving back
+    /// files it no longer needs.
+    Remove(String),
 }
 
 /// What [`PowerCut::power_off`] did.
@@ -267,6 +270,7 @@ enum Op<'a> {
     Create(&'a OsStr),
     Rename(&'a OsStr, &'a OsStr),
     Write(Ino),
+    Remove(&'a OsStr),
     Other,
 }
 
@@ -297,6 +301,9 @@ impl Fs {
                 (Event::Rename(suffix), Op::Rename(from, to)) => {
                     from.to_string_lossy().ends_with(suffix.as_str())
                         && to.to_string_lossy().ends_with(suffix.as_str())
+                }
+                (Event::Remove(part), Op::Remove(name)) => {
+                    name.to_string_lossy().contains(part.as_str())
                 }
                 (Event::Write(suffix), Op::Write(ino)) => state
                     .model
@@ -470,7 +477,7 @@ impl fuser::Filesystem for Fs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let Some(mut state) = self.mutating(Op::Other) else {
+        let Some(mut state) = self.mutating(Op::Remove(name)) else {
             return reply.error(Errno::EIO);
         };
         reply_empty(state.model.remove(parent.0, name, false), reply);

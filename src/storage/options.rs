@@ -49,6 +49,9 @@ pub const COMMIT_LOG_SEGMENT_BYTES_MAX: u64 = 4 << 30;
 /// The default commit log's segment, in bytes (4 MiB): a new store's first open writes two
 /// ([`EngineBuilder::commit_log`]).
 pub const COMMIT_LOG_SEGMENT_BYTES_DEFAULT: u64 = 4 << 20;
+/// How long a store writes nothing before its commit log gives back the segments a burst
+/// added (10 s; [`EngineBuilder::commit_log_shrink_after`]).
+pub const COMMIT_LOG_SHRINK_AFTER_DEFAULT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The most labels [`EngineBuilder::metrics_label`] adds to an engine's metrics.
 pub const METRICS_LABELS_MAX: usize = 8;
 /// The longest value of a label [`EngineBuilder::metrics_label`] adds, in bytes.
@@ -181,6 +184,9 @@ pub struct EngineBuilder {
     /// The durable path: the commit log of the default shape or of the caller's, or RocksDB's
     /// WAL.
     pub(crate) commit_log: LogChoice,
+    /// How long the store writes nothing before the log's grown segments are given back
+    /// (`Duration::MAX`: never).
+    pub(crate) commit_log_shrink_after: std::time::Duration,
 }
 
 /// More than the largest single claim's commit takes in the log: its staged writes and result
@@ -216,6 +222,7 @@ impl EngineBuilder {
             metrics_labels: Vec::new(),
             open_mode: OpenMode::Application,
             commit_log: LogChoice::Default,
+            commit_log_shrink_after: COMMIT_LOG_SHRINK_AFTER_DEFAULT,
         }
     }
 
@@ -402,6 +409,37 @@ impl EngineBuilder {
         self
     }
 
+    /// Gives back the commit log's grown segments once the store has written nothing for
+    /// `quiet` (default [`COMMIT_LOG_SHRINK_AFTER_DEFAULT`], 10 s): the ring returns to the two
+    /// segments of a new log, so that a store whose burst grew it does not keep that disk
+    /// space while idle. `Duration::MAX` keeps them (a store whose bursts come back soon saves
+    /// making them again).
+    ///
+    /// How: when a write grows the ring, the store starts a thread that wakes once per `quiet`;
+    /// after a whole period without a write it flushes every table (their files then hold
+    /// every commit, so no segment is needed for recovery), moves the log's end into one of
+    /// the first two segments, removes the others and syncs the directory. A commit that comes
+    /// meanwhile puts it off to the next quiet period; the thread ends once the ring is back to
+    /// two segments, so idle stores run none. The flush writes the memtables' contents to
+    /// table files a little earlier than RocksDB would have.
+    ///
+    /// A zero `quiet` is refused at open ([`Error::InvalidOption`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = idemdb::Engine::builder(dir.path())
+    ///     .commit_log_shrink_after(Duration::from_secs(60))
+    ///     .open()?;
+    /// # drop(engine);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn commit_log_shrink_after(mut self, quiet: std::time::Duration) -> EngineBuilder {
+        self.commit_log_shrink_after = quiet;
+        self
+    }
+
     /// The commit log this open runs with, (most segments, bytes per segment), or `None` for
     /// RocksDB's WAL.
     pub(crate) fn log_shape(&self) -> Option<(usize, u64)> {
@@ -444,6 +482,12 @@ impl EngineBuilder {
     pub(crate) fn validate(&self) -> Result<()> {
         if self.path.as_os_str().is_empty() {
             return Err(Error::invalid_option("the store path is empty"));
+        }
+        if self.commit_log_shrink_after.is_zero() {
+            return Err(Error::invalid_option(
+                "commit_log_shrink_after must be longer than zero (Duration::MAX keeps the \
+                 segments)",
+            ));
         }
         if let LogChoice::Shape(segments, segment_bytes) = self.commit_log {
             check_limit_u64(

@@ -831,3 +831,87 @@ fn a_small_disk_bounds_the_new_log_and_its_growth() {
     assert_eq!(counter(&engine), 6_000 + 6);
     assert_eq!(order_len(&engine, "large-50"), Some(1_500_000));
 }
+
+/// Read-only opens beside an engine whose ring grows in bursts and shrinks in the pauses
+/// between them (the shrinker moves the log's end and removes segments while a reader may be
+/// reading them): each open sees every commit acknowledged before it, and the ring did shrink
+/// and grow again while they read.
+#[test]
+fn read_only_opens_beside_a_ring_that_grows_and_shrinks() {
+    use idemdb::admin::{Store, Target};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let store = TestStore::new();
+    let engine = store
+        .builder()
+        .durability(Durability::Buffered)
+        .commit_log(8, SEGMENT)
+        .commit_log_shrink_after(Duration::from_millis(10))
+        .open()
+        .unwrap();
+    let acknowledged = Arc::new(AtomicU32::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (shrinks, growths) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let writer = {
+        let (engine, acknowledged, stop) = (engine.clone(), acknowledged.clone(), stop.clone());
+        let (shrinks, growths, dir) = (
+            shrinks.clone(),
+            growths.clone(),
+            store.dir.path().to_owned(),
+        );
+        std::thread::spawn(move || {
+            let count = || std::fs::read_dir(dir.join("idemdb-log")).unwrap().count();
+            let mut next = 0;
+            while !stop.load(Ordering::Relaxed) {
+                // A burst: about four segments' worth.
+                let before = count();
+                commit_all(&engine, next..next + 600);
+                next += 600;
+                acknowledged.store(next, Ordering::Release);
+                if count() > before.max(2) {
+                    growths.fetch_add(1, Ordering::Relaxed);
+                }
+                // A pause: the ring goes back to two segments.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while count() > 2 && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                if count() == 2 {
+                    shrinks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let c = Target::Consumer(b"c".to_vec());
+    let mut opens = 0;
+    while opens < 60 || shrinks.load(Ordering::Relaxed) < 5 {
+        let before = acknowledged.load(Ordering::Acquire);
+        if before == 0 {
+            std::thread::yield_now();
+            continue;
+        }
+        let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
+        for key in [0, before / 2, before - 1] {
+            let key = format!("m-{key}");
+            assert!(
+                reader.get(&c, key.as_bytes()).unwrap().is_some(),
+                "open {opens}: {key} (of {before} acknowledged) not seen"
+            );
+        }
+        opens += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    let (shrunk, grown) = (
+        shrinks.load(Ordering::Relaxed),
+        growths.load(Ordering::Relaxed),
+    );
+    eprintln!("{opens} read-only opens; the ring grew {grown} and shrank {shrunk} times");
+    assert!(grown >= 5 && shrunk >= 5);
+    let written = acknowledged.load(Ordering::Acquire);
+    drop(engine);
+    assert_eq!(
+        counter(&logged(&store, Durability::Buffered, 8, SEGMENT)),
+        u64::from(written)
+    );
+}

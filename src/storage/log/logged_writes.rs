@@ -120,6 +120,9 @@ pub(crate) struct DurableGroup {
 /// The commit log and its group commit.
 pub(crate) struct LogWriter {
     state: parking_lot::Mutex<State>,
+    /// Set when a group grew the ring; taken by the store, which starts its shrinker
+    /// ([`LogWriter::take_growth`]).
+    grew: std::sync::atomic::AtomicBool,
     /// Every write fsyncs the log ([`crate::Durability::Sync`]).
     sync_each: bool,
 }
@@ -218,6 +221,7 @@ impl LogWriter {
             )
         };
         log.allow_growth_to(segments);
+        let log_slots = log.slots();
         if sync_each {
             // Every write is synced: direct writes make it durable in less time than the page
             // cache and an fdatasync (storage/log/commit_log/direct.rs).
@@ -236,6 +240,8 @@ impl LogWriter {
                 lead_waiters: Vec::new(),
                 turn_waiters: HashMap::new(),
             }),
+            // A ring an earlier open grew is given back too, once this one is quiet.
+            grew: std::sync::atomic::AtomicBool::new(log_slots > LOG_SLOTS_FIRST),
             sync_each,
         })
     }
@@ -321,6 +327,7 @@ impl LogWriter {
         flush: &dyn Fn() -> Result<()>,
     ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
         state.leading = true;
+        let slots_before = state.log.slots();
         let group = state.next_group;
         state.next_group += 1;
         let mut members = own
@@ -412,6 +419,9 @@ impl LogWriter {
             // Ahead of what was queued meanwhile: they were queued first.
             deferred.append(&mut state.queue);
             state.queue = deferred;
+        }
+        if state.log.slots() > slots_before {
+            self.grew.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         let writes = state.log.take_writes();
         let last_lsn = state.log.next_lsn() - 1;
@@ -523,6 +533,36 @@ impl LogWriter {
     /// The LSN of the last batch written to the tables.
     pub(crate) fn written_lsn(&self) -> u64 {
         self.state.lock().written_lsn
+    }
+
+    /// The LSN the next record gets: unchanged while nothing is written.
+    pub(crate) fn next_lsn(&self) -> u64 {
+        self.state.lock().log.next_lsn()
+    }
+
+    /// Whether a group grew the ring since the last call (one cheap load while it did not).
+    pub(crate) fn take_growth(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.grew.load(Ordering::Relaxed) && self.grew.swap(false, Ordering::Relaxed)
+    }
+
+    /// Gives back the ring's grown segments (`CommitLog::shrink`) if nothing was appended
+    /// since the log's next LSN was `seen` and no group is under way (led, or durable and not
+    /// yet applied): whether the ring is back to its first segments. A store that failed a
+    /// write keeps its ring as it is.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the shrink's header write, removal or sync fails.
+    pub(crate) fn shrink_if_quiet(&self, seen: u64) -> Result<bool> {
+        let mut state = self.state.lock();
+        let busy = state.leading
+            || !state.queue.is_empty()
+            || state.applied_groups != state.next_group
+            || state.failed.is_some();
+        if busy || state.log.next_lsn() != seen {
+            return Ok(false);
+        }
+        state.log.shrink(LOG_SLOTS_FIRST)
     }
 }
 

@@ -39,6 +39,11 @@ pub(crate) const RECORDS_MARKER: usize = 0;
 /// engine and every handle, claim and batch hold it through an `Arc`; the store closes when
 /// the last one is dropped.
 pub(crate) struct Storage {
+    /// The thread that gives back the commit log's grown segments once the store is quiet,
+    /// while one runs: first, so that it is stopped before the database closes.
+    shrinker: parking_lot::Mutex<Option<crate::storage::log::quiet_shrink::Shrinker>>,
+    /// How long the store must write nothing before the shrinker gives segments back.
+    shrink_after: std::time::Duration,
     open: OpenDb,
     pub(crate) path: PathBuf,
     pub(crate) clock: Arc<dyn Clock>,
@@ -74,7 +79,7 @@ pub(crate) struct Storage {
     pub(crate) business: Vec<TableOptions>,
     /// The commit log, when the builder asked for it
     /// (`EngineBuilder::commit_log`): the durable path instead of RocksDB's WAL.
-    log: Option<crate::storage::log::logged_writes::LogWriter>,
+    log: Option<Arc<crate::storage::log::logged_writes::LogWriter>>,
     /// The directory lock, last so that it is released after RocksDB has closed the store.
     _store_lock: StoreLock,
 }
@@ -84,7 +89,8 @@ self_cell::self_cell!(
     /// once: rust-rocksdb finds a handle by searching its map of table names, which the
     /// instruction profile counted at about 210 instructions a lookup, three lookups a claim.
     struct OpenDb {
-        owner: DB,
+        // Shared with the shrinker thread, which flushes the tables of a quiet store.
+        owner: Arc<DB>,
         #[covariant]
         dependent: TableHandles,
     }
@@ -217,11 +223,8 @@ impl Storage {
     /// Flushes every table at once (one atomic flush with the commit log): what the tables
     /// then hold on disk is every batch written before the call.
     fn flush_every_table(&self) -> Result<()> {
-        let tables: Vec<&ColumnFamily> =
-            self.table_names().into_iter().map(|t| self.cf(t)).collect();
         self.io(IoPoint::Flush, |_| {
-            self.db()
-                .flush_cfs_opt(&tables, &rocksdb::FlushOptions::default())
+            flush_all(self.db(), &self.table_names())
         })
     }
 
@@ -313,6 +316,18 @@ impl Storage {
     pub(crate) fn write_batches(&self) -> u64 {
         self.write_batches.load(Ordering::Relaxed)
     }
+}
+
+/// Flushes the tables named `tables` of `db` at once (one atomic flush with the commit log).
+pub(crate) fn flush_all(db: &DB, tables: &[&str]) -> std::result::Result<(), rocksdb::Error> {
+    let handles: Vec<&ColumnFamily> = tables
+        .iter()
+        .map(|table| {
+            db.cf_handle(table)
+                .expect("table declared at open is present")
+        })
+        .collect();
+    db.flush_cfs_opt(&handles, &rocksdb::FlushOptions::default())
 }
 
 impl Storage {

@@ -3,6 +3,7 @@
 //! metadata an accepted open writes.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use rocksdb::{Cache, ColumnFamilyDescriptor, DB, WriteBatch, WriteOptions};
@@ -47,15 +48,15 @@ impl Storage {
         }
         let db = open_db(builder)?;
         let log = match (builder.log_shape(), builder.open_mode) {
-            (Some((segments, segment_bytes)), OpenMode::Application) => {
-                Some(crate::storage::log::logged_writes::LogWriter::open(
+            (Some((segments, segment_bytes)), OpenMode::Application) => Some(Arc::new(
+                crate::storage::log::logged_writes::LogWriter::open(
                     &builder.path,
                     &db,
                     segments,
                     segment_bytes,
                     builder.durability == Durability::Sync,
-                )?)
-            }
+                )?,
+            )),
             // Without the log (or by an operator tool): a log left by an earlier open goes
             // into RocksDB's WAL first, then away.
             _ => {
@@ -73,10 +74,12 @@ impl Storage {
                 latches: Latches::new(),
             })
             .collect();
-        let open = OpenDb::new(db, |db| {
+        let open = OpenDb::new(Arc::new(db), |db| {
             TableHandles::of(db, &markers, &builder.business_tables)
         });
         let storage = Storage {
+            shrinker: parking_lot::Mutex::new(None),
+            shrink_after: builder.commit_log_shrink_after,
             open,
             path: builder.path.clone(),
             clock: builder.clock.clone(),
@@ -100,6 +103,9 @@ impl Storage {
             _store_lock: lock,
         };
         storage.write_meta(meta_to_write)?;
+        if let Some(log) = &storage.log {
+            storage.watch_log_growth(log);
+        }
         Ok(storage)
     }
 }

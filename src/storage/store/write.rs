@@ -1,7 +1,9 @@
 //! The one write path: RocksDB's WAL or the commit log, the fault seam in front of every
 //! write and sync, and the poisoning of the engine by a write whose durability is unknown.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use rocksdb::{WriteBatch, WriteOptions};
 
@@ -9,6 +11,8 @@ use super::Storage;
 use crate::format::error::{Error, Result};
 use crate::storage::fault::{Fault, IoPoint};
 use crate::storage::log::committer::StagedWrite;
+use crate::storage::log::logged_writes::LogWriter;
+use crate::storage::log::quiet_shrink::Shrinker;
 
 impl Storage {
     pub(crate) fn check_not_poisoned(&self) -> Result<()> {
@@ -30,6 +34,7 @@ impl Storage {
             )
             .inspect_err(|error| self.poison_after_log(error))?;
             self.write_batches.fetch_add(1, Ordering::Relaxed);
+            self.watch_log_growth(log);
             return Ok(());
         }
         self.write_without_log(batch)
@@ -90,7 +95,35 @@ impl Storage {
                     .count();
                 self.write_batches
                     .fetch_add(written as u64, Ordering::Relaxed);
+                self.watch_log_growth(log);
                 outcomes
+            }
+        }
+    }
+
+    /// Starts the shrinker (`storage/log/quiet_shrink.rs`) when the commit log grew past its
+    /// first segments (by a write, or before this open) and none runs: it gives them back once
+    /// the store is quiet. A shrinker that cannot start is reported; the ring keeps its
+    /// segments.
+    pub(super) fn watch_log_growth(&self, log: &Arc<LogWriter>) {
+        if !log.take_growth() || self.shrink_after == Duration::MAX {
+            return;
+        }
+        let mut shrinker = self.shrinker.lock();
+        if shrinker.as_ref().is_some_and(Shrinker::is_running) {
+            return;
+        }
+        let tables: Vec<String> = self.table_names().into_iter().map(str::to_owned).collect();
+        let db = self.open.borrow_owner().clone();
+        let flush = move || {
+            let names: Vec<&str> = tables.iter().map(String::as_str).collect();
+            Ok(super::flush_all(&db, &names)?)
+        };
+        match Shrinker::start(log.clone(), Box::new(flush), self.shrink_after) {
+            // The finished one before it, if any, is joined as it is dropped.
+            Ok(started) => *shrinker = Some(started),
+            Err(error) => {
+                tracing::warn!(target: "idemdb", %error, "no thread to shrink the commit log");
             }
         }
     }

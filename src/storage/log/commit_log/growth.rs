@@ -1,6 +1,7 @@
 //! The ring's size: a new log's first slots, a slot added when every slot holds records not
 //! yet stored elsewhere ([`CommitLog::grow_for`]), a slot of its own for a record larger than a
-//! segment, and the large slot given back once free ([`CommitLog::trim`]). Which slot the next
+//! segment, and the large slot given back once free ([`CommitLog::trim`]); the slots a burst
+//! added given back once the store is quiet ([`CommitLog::shrink`]). Which slot the next
 //! segment goes into ([`CommitLog::next_slot_for`]).
 
 use std::fs::{File, OpenOptions};
@@ -140,6 +141,67 @@ impl CommitLog {
             }
         }
         Ok(())
+    }
+
+    /// Gives back every slot from `keep` up (`keep` at least [`LOG_SLOTS_MIN`]) once no record
+    /// the ring holds is still needed: the ring a quiet store returns to after a burst grew it.
+    /// Whether the ring now has at most `keep` slots; `false`, changing nothing, while any
+    /// record is appended and unwritten or not yet released (the tables' files must hold
+    /// every record first: a removed slot takes its records with it), while no slot below
+    /// `keep` is free, or while a slot is being made ahead of need.
+    ///
+    /// Order, for power cuts: when the segment being written is in a slot to give back, a new
+    /// segment is started below `keep` and its header written and synced first, so that the
+    /// log's end never lies in a removed slot; then the slots are removed from the last one
+    /// down and the directory synced. A cut that forgets some removals leaves slots that hold
+    /// only released segments (older than the new one, so no reader follows them), free like
+    /// any other; one that forgets the new header leaves a log that ends before the tables'
+    /// LSN, which an open takes as every record released.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the header cannot be written or a slot removed (the ring then
+    /// keeps the slots not yet removed).
+    pub(crate) fn shrink(&mut self, keep: usize) -> Result<bool> {
+        let keep = keep.max(super::LOG_SLOTS_MIN);
+        if self.slots.len() <= keep {
+            return Ok(true);
+        }
+        if let Some(preparing) = &self.preparing
+            && preparing
+                .thread
+                .as_ref()
+                .is_some_and(|thread| !thread.is_finished())
+        {
+            return Ok(false);
+        }
+        self.adopt_prepared();
+        // The slots given back, and the one written (its records go nowhere else), must hold
+        // released records only.
+        let needed = (keep..self.slots.len())
+            .chain([self.active])
+            .any(|slot| !self.is_free(slot));
+        if needed || !self.pending.is_empty() {
+            return Ok(false);
+        }
+        if self.active >= keep {
+            let Some(below) = (0..keep).find(|&slot| self.is_free(slot)) else {
+                return Ok(false);
+            };
+            self.start_segment(below);
+            self.sync()?;
+        }
+        while self.slots.len() > keep {
+            let last = self.slots.len() - 1;
+            let path = slot_path(&self.dir, last);
+            std::fs::remove_file(&path).map_err(|error| io_error("removing", &path, &error))?;
+            self.slots.pop();
+            if let Some(direct) = &mut self.direct {
+                direct.files.pop();
+            }
+        }
+        crate::storage::directory::sync_directory(&self.dir)
+            .map_err(|error| io_error("syncing", &self.dir, &error))?;
+        Ok(true)
     }
 
     /// Makes free slot `slot` `bytes` long: grown with zeros, or cut; synced, its size with it.

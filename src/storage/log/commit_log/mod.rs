@@ -331,7 +331,8 @@ impl CommitLog {
     }
 
     /// Whether every segment in `headers` (from [`CommitLog::read_beside_writer`]) still holds
-    /// the same segment: if so, no record read from them was overwritten during the read.
+    /// the same segment (and was not removed): if so, no record read from them was overwritten
+    /// during the read.
     ///
     /// # Errors
     /// [`Error::Storage`] if a header cannot be read.
@@ -341,7 +342,12 @@ impl CommitLog {
     ) -> Result<bool> {
         for (slot, header) in headers {
             let path = slot_path(dir, *slot);
-            let file = File::open(&path).map_err(|error| io_error("opening", &path, &error))?;
+            let file = match File::open(&path) {
+                Ok(file) => file,
+                // Given back by the owner's shrink (`CommitLog::shrink`) since.
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+                Err(error) => return Err(io_error("opening", &path, &error)),
+            };
             if read_segment_header(&file, &path)? != Some(*header) {
                 return Ok(false);
             }

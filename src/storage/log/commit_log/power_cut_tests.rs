@@ -279,3 +279,109 @@ fn records_synced_into_grown_slots_survive_power_cuts() {
     );
     assert!(cuts >= 50 && grown > 20 && recovered_in_grown > 10);
 }
+
+/// A ring that grows and shrinks under power cuts: each cycle appends and syncs into a log
+/// that may grow to six slots, and now and then the "tables" take the records through some
+/// synced LSN (released) and the ring is asked to shrink back to two; the power goes at a
+/// random operation (a write, a slot made or removed, a sync of a file or of the directory).
+/// Reopened from the first LSN the tables lack, every synced record after it comes back, in
+/// order. A shrink that removed a slot still holding records the tables lack loses them here.
+#[test]
+#[allow(clippy::print_stdout)] // the tally, or why it was skipped
+fn records_survive_power_cuts_while_the_ring_grows_and_shrinks() {
+    let Some((_dir, backing, mnt)) = power_cut_disk("commit log shrink power cuts") else {
+        return;
+    };
+    let mut rng = Rng(0x5_4121);
+    let (mut cuts, mut shrinks, mut refused, mut grown) = (0, 0, 0, 0);
+    for cycle in 0..60 {
+        let _ = std::fs::remove_dir_all(backing.join("log"));
+        let fs = PowerCut::mount(&backing, &mnt).unwrap();
+        let path = fs.path().join("log");
+        let Ok(mut log) = CommitLog::create(&path, 2, LOG_SEGMENT_BYTES_MIN, 1) else {
+            drop(fs.power_off(None));
+            continue;
+        };
+        log.allow_growth_to(6);
+        fs.arm(Event::Write(String::new()), 20 + rng.below(400) as u32);
+        // The tables hold every record before `held`.
+        let (mut synced_through, mut held) = (0, 1);
+        loop {
+            let lsn = log.next_lsn();
+            let payload: Vec<u8> = (0..6_000).map(|i| (lsn as usize * 7 + i) as u8).collect();
+            let slots = log.slots();
+            let appended = log.append(&payload);
+            grown += log.slots().saturating_sub(slots);
+            match appended {
+                Ok(_) => {}
+                Err(error) if error.is_retryable() => match log.grow_for(0) {
+                    Ok(true) => {
+                        grown += 1;
+                        continue;
+                    }
+                    // At its most: the tables take everything synced (as a flush would).
+                    Ok(false) => {
+                        held = synced_through + 1;
+                        log.release_through(held);
+                        continue;
+                    }
+                    Err(_) => break,
+                },
+                Err(error) => panic!("cycle {cycle}: {error}"),
+            }
+            match log.sync() {
+                Ok(()) => synced_through = lsn,
+                Err(_) => break,
+            }
+            if rng.below(12) == 0 {
+                // A flush of the tables: through a synced LSN, often the last one.
+                held = if rng.below(2) == 0 {
+                    synced_through + 1
+                } else {
+                    held + rng.below(synced_through + 2 - held)
+                };
+                log.release_through(held);
+                let slots = log.slots();
+                match log.shrink(2) {
+                    Ok(true) if slots > 2 => shrinks += 1,
+                    Ok(true) => {}
+                    Ok(false) => refused += 1,
+                    Err(_) => break,
+                }
+            }
+            if fs.is_cut() {
+                break;
+            }
+        }
+        drop(log);
+        cuts += 1;
+        let tear = (rng.below(2) == 0).then(|| rng.below(1 << 20));
+        fs.power_off(tear).unwrap();
+        let fs = PowerCut::mount(&backing, &mnt).unwrap();
+        let (log, recovered) = open_collecting(&fs.path().join("log"), held)
+            .unwrap_or_else(|error| panic!("cycle {cycle}: the log does not reopen: {error}"));
+        let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
+        let wanted: Vec<u64> = (held..=synced_through).collect();
+        assert!(
+            lsns.len() >= wanted.len() && lsns[..wanted.len()] == wanted[..],
+            "cycle {cycle}: the tables hold through {}, synced through {synced_through}; \
+             recovered {:?}..{:?} ({} records)",
+            held - 1,
+            lsns.first(),
+            lsns.last(),
+            lsns.len()
+        );
+        assert_eq!(
+            lsns,
+            (held..held + lsns.len() as u64).collect::<Vec<_>>(),
+            "cycle {cycle}"
+        );
+        drop(log);
+        fs.unmount().unwrap();
+    }
+    println!(
+        "commit log shrink power cuts: {cuts} cuts, {grown} slots grown, {shrinks} shrinks, \
+         {refused} refused"
+    );
+    assert!(cuts >= 50 && grown > 20 && shrinks > 20 && refused > 5);
+}

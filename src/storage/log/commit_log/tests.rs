@@ -413,3 +413,75 @@ fn the_next_slot_is_made_ahead_of_need() {
     let (_, recovered) = reopen(&path, 1, false);
     assert_eq!(recovered.records.len() as u64, lsn - 1);
 }
+
+#[test]
+fn a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released() {
+    a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(false);
+    a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(true);
+}
+
+fn a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(direct: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let mut log = create(&path, 2, 1, direct);
+    log.allow_growth_to(6);
+    let mut lsn = 1;
+    // Five segments' worth, nothing released: the ring grows to six slots.
+    for _ in 0..30 {
+        let appended = log.append(&payload(lsn, 10_000));
+        if appended.as_ref().is_err_and(Error::is_retryable) {
+            assert!(log.grow_for(0).unwrap());
+        }
+        lsn = appended
+            .or_else(|_| log.append(&payload(lsn, 10_000)))
+            .unwrap()
+            + 1;
+        log.sync().unwrap();
+    }
+    let grown = log.slots();
+    assert!(grown >= 5, "grown to {grown} slots");
+    // Unreleased records, or records appended and not yet written: nothing is given back.
+    log.release_through(lsn - 3);
+    assert!(!log.shrink(2).unwrap());
+    assert!(log.slots() >= grown, "a slot given back");
+    log.release_through(lsn);
+    lsn = log.append(&payload(lsn, 100)).unwrap() + 1;
+    assert!(
+        !log.shrink(2).unwrap(),
+        "an appended record not yet written"
+    );
+    log.sync().unwrap();
+    log.release_through(lsn);
+    // Every record released: back to two slots, the log's end in one of them.
+    assert!(log.shrink(2).unwrap());
+    assert_eq!(log.slots(), 2);
+    assert!(!slot_path(&path, 2).exists());
+    // It takes records again, and grows again when they need it.
+    let first_after = lsn;
+    for _ in 0..20 {
+        let appended = log.append(&payload(lsn, 10_000));
+        if appended.as_ref().is_err_and(Error::is_retryable) {
+            assert!(log.grow_for(0).unwrap());
+        }
+        lsn = appended
+            .or_else(|_| log.append(&payload(lsn, 10_000)))
+            .unwrap()
+            + 1;
+    }
+    log.sync().unwrap();
+    assert!(log.slots() > 2);
+    drop(log);
+    let (log, recovered) = reopen(&path, first_after, direct);
+    let lsns: Vec<u64> = recovered.records.iter().map(|(lsn, _)| *lsn).collect();
+    assert_eq!(lsns, (first_after..lsn).collect::<Vec<_>>());
+    drop(log);
+    // A shrunk log reopened from its end holds nothing to replay, and takes the next record
+    // at the tables' LSN.
+    let (mut log, _) = reopen(&path, lsn, direct);
+    log.release_through(lsn);
+    assert!(log.shrink(2).unwrap());
+    drop(log);
+    let (mut log, recovered) = reopen(&path, lsn, direct);
+    assert!(recovered.records.is_empty());
+    assert_eq!(log.append(&payload(lsn, 100)).unwrap(), lsn);
+}
