@@ -22,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::contenders::{Kind, Ports, Spec};
 use crate::report::{charts, machine};
 use crate::workloads::{Generator, Sample};
-use crate::workloads::{footprint, pg_expiry, profile, scale, tuning};
+use crate::workloads::{footprint, neighbour, pg_expiry, profile, scale, tuning};
 
 #[derive(Parser)]
 #[command(about = "Runs one dedup workload against idemdb and its peers, side by side")]
@@ -48,6 +48,12 @@ enum Command {
     /// The default durable path's footprint: a new store's first open (time, bytes), and the
     /// log after a burst and a quiet spell.
     Footprint(footprint::FootprintArgs),
+    /// A durable commit's latency from one thread while another process writes to the same
+    /// file system (P13), on the default path and on RocksDB's WAL.
+    Neighbour(neighbour::NeighbourArgs),
+    /// The load of one neighbour (started by `neighbour`); writes until it is killed.
+    #[command(hide = true)]
+    NeighbourLoad(neighbour::LoadArgs),
     /// One embedded contender's deliveries on this thread, for callgrind (scripts/profile.sh).
     Profile(profile::ProfileArgs),
     /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
@@ -113,6 +119,8 @@ fn main() -> Result<()> {
         }
         Command::Profile(args) => profile::run(&args)?,
         Command::Footprint(args) => footprint::run(&args)?,
+        Command::Neighbour(args) => neighbour::run(&args)?,
+        Command::NeighbourLoad(args) => neighbour::load(&args)?,
         Command::All(args) => {
             let results = peers(&args)?;
             report::write_peers(&args.out, &results, "peers")?;

@@ -3,10 +3,12 @@
 //!
 //! The runs beside it, each a workload of its own: `scale` (the store as it grows, and over many
 //! retention periods), `tuning` (RocksDB options on idemdb's access patterns), `pg_expiry`
-//! (PostgreSQL commits while expired records are removed), `profile` (one contender under a
+//! (PostgreSQL commits while expired records are removed), `neighbour` (durable commits
+//! while another process writes to the same file system), `profile` (one contender under a
 //! profiler).
 
 pub mod footprint;
+pub mod neighbour;
 pub mod pg_expiry;
 pub mod profile;
 pub mod scale;
