@@ -32,7 +32,8 @@
 //! ([`EngineBuilder::retention`]; entity records never expire by default), and a compaction
 //! filter reclaims their space later. [`Durability::Sync`] (the default) makes a commit durable
 //! before it returns, in idemdb's own commit log (rewritten in place; a new store writes 8 MiB
-//! of it, and it grows with the write rate: [`EngineBuilder::commit_log`]), or in RocksDB's WAL
+//! of it, and it grows with the write rate and shrinks back once the store is quiet:
+//! [`EngineBuilder::commit_log`], [`EngineBuilder::commit_log_shrink_after`]), or in RocksDB's WAL
 //! with [`EngineBuilder::without_commit_log`].
 //!
 //! # What it is not

@@ -1278,6 +1278,17 @@ fn parent(cycles: u64, seed: u64, ending: Ending) -> Report {
             }
         }
         report.cycles += 1;
+        if matches!(ending, Ending::PowerCut { .. }) {
+            // The store as the cut left it, before the check's open replays (and may flush or
+            // shrink) it: a failure keeps this copy as its evidence.
+            let as_cut = dir.path().join("store-as-cut");
+            let _ = std::fs::remove_dir_all(&as_cut);
+            let _ = std::process::Command::new("cp")
+                .arg("-a")
+                .arg(&store)
+                .arg(&as_cut)
+                .status();
+        }
         check(
             &store,
             &ledger,

@@ -415,10 +415,13 @@ impl EngineBuilder {
     /// space while idle. `Duration::MAX` keeps them (a store whose bursts come back soon saves
     /// making them again).
     ///
-    /// How: when a write grows the ring, the store starts a thread that wakes once per `quiet`;
-    /// after a whole period without a write it flushes every table (their files then hold
-    /// every commit, so no segment is needed for recovery), moves the log's end into one of
-    /// the first two segments, removes the others and syncs the directory. A commit that comes
+    /// How: when a write grows the ring (more segments, one made ahead of need, or one enlarged
+    /// for a large commit), or an open finds it grown, the store starts a thread that wakes
+    /// once per `quiet` (wall-clock time, whatever the engine's clock); after a whole period
+    /// without a write it flushes every table (their files then hold every commit, so no
+    /// segment is needed for recovery), moves the log's end into one of the first two
+    /// segments, removes the others, cuts an enlarged one back, and syncs the directory. A
+    /// commit that comes
     /// meanwhile puts it off to the next quiet period; the thread ends once the ring is back to
     /// two segments, so idle stores run none. The flush writes the memtables' contents to
     /// table files a little earlier than RocksDB would have.

@@ -28,6 +28,7 @@ mod pipeline;
 mod pipeline_docs;
 mod positions;
 mod race;
+mod shrink_docs;
 #[path = "../support/tmpfs.rs"]
 mod tmpfs;
 mod ttl;

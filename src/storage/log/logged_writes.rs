@@ -120,7 +120,7 @@ pub(crate) struct DurableGroup {
 /// The commit log and its group commit.
 pub(crate) struct LogWriter {
     state: parking_lot::Mutex<State>,
-    /// Set when a group grew the ring; taken by the store, which starts its shrinker
+    /// Set when the ring grew with no shrinker running; taken by the store, which starts one
     /// ([`LogWriter::take_growth`]).
     grew: std::sync::atomic::AtomicBool,
     /// Every write fsyncs the log ([`crate::Durability::Sync`]).
@@ -146,6 +146,10 @@ struct State {
     lead_waiters: Vec<std::thread::Thread>,
     /// Leaders waiting for the groups before theirs to be applied, by group.
     turn_waiters: HashMap<u64, std::thread::Thread>,
+    /// A shrinker runs (or was asked for): set when the ring grows beyond its first slots,
+    /// cleared by the shrinker under this lock as it ends, so that a growth after that moment
+    /// asks for a new one ([`LogWriter::take_growth`]).
+    shrinker: bool,
 }
 
 /// Adds a slot to a full ring (`CommitLog::grow_for`, large enough for a record of
@@ -221,7 +225,8 @@ impl LogWriter {
             )
         };
         log.allow_growth_to(segments);
-        let log_slots = log.slots();
+        // A ring an earlier open grew is given back too, once this one is quiet.
+        let grown = log.grown_beyond(LOG_SLOTS_FIRST);
         if sync_each {
             // Every write is synced: direct writes make it durable in less time than the page
             // cache and an fdatasync (storage/log/commit_log/direct.rs).
@@ -239,9 +244,9 @@ impl LogWriter {
                 written_lsn,
                 lead_waiters: Vec::new(),
                 turn_waiters: HashMap::new(),
+                shrinker: grown,
             }),
-            // A ring an earlier open grew is given back too, once this one is quiet.
-            grew: std::sync::atomic::AtomicBool::new(log_slots > LOG_SLOTS_FIRST),
+            grew: std::sync::atomic::AtomicBool::new(grown),
             sync_each,
         })
     }
@@ -327,7 +332,6 @@ impl LogWriter {
         flush: &dyn Fn() -> Result<()>,
     ) -> (DurableGroup, Vec<(usize, WriteBatch)>) {
         state.leading = true;
-        let slots_before = state.log.slots();
         let group = state.next_group;
         state.next_group += 1;
         let mut members = own
@@ -420,9 +424,7 @@ impl LogWriter {
             deferred.append(&mut state.queue);
             state.queue = deferred;
         }
-        if state.log.slots() > slots_before {
-            self.grew.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.ask_for_shrinker(state);
         let writes = state.log.take_writes();
         let last_lsn = state.log.next_lsn() - 1;
         // The log first (durable with Sync), without the lock: the next group queues meanwhile.
@@ -540,16 +542,32 @@ impl LogWriter {
         self.state.lock().log.next_lsn()
     }
 
-    /// Whether a group grew the ring since the last call (one cheap load while it did not).
+    /// Asks the store for a shrinker when the ring has grown beyond its first slots (more
+    /// slots, one being made, or one enlarged for a large record) and none runs.
+    fn ask_for_shrinker(&self, state: &mut State) {
+        if !state.shrinker && state.log.grown_beyond(LOG_SLOTS_FIRST) {
+            state.shrinker = true;
+            self.grew.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the store must start a shrinker: the ring grew while none ran (one cheap load
+    /// while it did not). The one before, if any, has ended or is ending.
     pub(crate) fn take_growth(&self) -> bool {
         use std::sync::atomic::Ordering;
         self.grew.load(Ordering::Relaxed) && self.grew.swap(false, Ordering::Relaxed)
     }
 
+    /// The shrinker ends without having given the segments back (a failure, reported): the
+    /// next growth asks for another.
+    pub(crate) fn shrinker_ended(&self) {
+        self.state.lock().shrinker = false;
+    }
+
     /// Gives back the ring's grown segments (`CommitLog::shrink`) if nothing was appended
     /// since the log's next LSN was `seen` and no group is under way (led, or durable and not
-    /// yet applied): whether the ring is back to its first segments. A store that failed a
-    /// write keeps its ring as it is.
+    /// yet applied): whether the ring is back to its first segments (the shrinker then ends).
+    /// A store that failed a write keeps its ring as it is.
     ///
     /// # Errors
     /// [`Error::Storage`] if the shrink's header write, removal or sync fails.
@@ -562,7 +580,12 @@ impl LogWriter {
         if busy || state.log.next_lsn() != seen {
             return Ok(false);
         }
-        state.log.shrink(LOG_SLOTS_FIRST)
+        let shrunk = state.log.shrink(LOG_SLOTS_FIRST);
+        if let Ok(true) = shrunk {
+            // The shrinker ends: a growth from now on asks for a new one.
+            state.shrinker = false;
+        }
+        shrunk
     }
 }
 

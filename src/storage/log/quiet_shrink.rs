@@ -3,8 +3,12 @@
 //! store's log returns to the size of a new one (its first segments) instead of
 //! keeping its largest size for good.
 //!
-//! It runs only while the ring has grown: the store starts it when a write grew the ring
-//! (`Storage::watch_log_growth`), and it ends once the ring is back to its first segments.
+//! It runs only while the ring has grown (more slots, one being made ahead of need, or one
+//! enlarged for a large record): the store starts it when a write grew the ring or an open
+//! found it grown (`Storage::watch_log_growth`), and it ends once the ring is back to its
+//! first segments; the log decides both under its lock, so a growth just after a shrinker
+//! decided to end asks for a new one. The period is wall-clock time, whatever the engine's
+//! clock.
 //! A partitioned process with many idle stores runs none. It holds the database (for a flush)
 //! and the log, not the store: the store stops and joins it before its database closes, so
 //! dropping the last handle still closes the store at once.
@@ -72,14 +76,6 @@ impl Shrinker {
             thread: Some(thread),
         })
     }
-
-    /// Whether the thread is still running (it ends once the ring is back to its first
-    /// segments, or after a failure it reported).
-    pub(crate) fn is_running(&self) -> bool {
-        self.thread
-            .as_ref()
-            .is_some_and(|thread| !thread.is_finished())
-    }
 }
 
 impl Drop for Shrinker {
@@ -109,6 +105,7 @@ fn run(log: &LogWriter, flush: &FlushTables, period: Duration, stop: &Stop) {
         let written = log.written_lsn();
         if let Err(error) = flush() {
             tracing::warn!(target: "idemdb", %error, "the commit log keeps its segments: the flush failed");
+            log.shrinker_ended();
             return;
         }
         log.flushed(written);
@@ -120,6 +117,7 @@ fn run(log: &LogWriter, flush: &FlushTables, period: Duration, stop: &Stop) {
             Ok(false) => {}
             Err(error) => {
                 tracing::warn!(target: "idemdb", %error, "the commit log keeps its segments");
+                log.shrinker_ended();
                 return;
             }
         }

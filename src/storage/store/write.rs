@@ -109,10 +109,9 @@ impl Storage {
         if !log.take_growth() || self.shrink_after == Duration::MAX {
             return;
         }
+        // The one before, if any, has ended or is ending (the log asks for a shrinker only
+        // once the last one decided to end): it is joined as it is replaced.
         let mut shrinker = self.shrinker.lock();
-        if shrinker.as_ref().is_some_and(Shrinker::is_running) {
-            return;
-        }
         let tables: Vec<String> = self.table_names().into_iter().map(str::to_owned).collect();
         let db = self.open.borrow_owner().clone();
         let flush = move || {
@@ -120,10 +119,10 @@ impl Storage {
             Ok(super::flush_all(&db, &names)?)
         };
         match Shrinker::start(log.clone(), Box::new(flush), self.shrink_after) {
-            // The finished one before it, if any, is joined as it is dropped.
             Ok(started) => *shrinker = Some(started),
             Err(error) => {
                 tracing::warn!(target: "idemdb", %error, "no thread to shrink the commit log");
+                log.shrinker_ended();
             }
         }
     }

@@ -143,12 +143,14 @@ impl CommitLog {
         Ok(())
     }
 
-    /// Gives back every slot from `keep` up (`keep` at least [`LOG_SLOTS_MIN`]) once no record
-    /// the ring holds is still needed: the ring a quiet store returns to after a burst grew it.
-    /// Whether the ring now has at most `keep` slots; `false`, changing nothing, while any
-    /// record is appended and unwritten or not yet released (the tables' files must hold
-    /// every record first: a removed slot takes its records with it), while no slot below
-    /// `keep` is free, or while a slot is being made ahead of need.
+    /// Gives back every slot from `keep` up (`keep` at least [`LOG_SLOTS_MIN`]), a slot made
+    /// ahead of need among them, and cuts back the free slots enlarged for large records, once
+    /// no record the ring holds is still needed: the ring a quiet store returns to after a
+    /// burst grew it. Whether the ring is now `keep` slots of its segment size
+    /// ([`CommitLog::grown_beyond`]); `false`, removing nothing, while any record is appended
+    /// and unwritten or not yet released (the tables' files must hold every record first: a
+    /// removed slot takes its records with it), while no slot below `keep` is free, or while a
+    /// slot is being made ahead of need.
     ///
     /// Order, for power cuts: when the segment being written is in a slot to give back, a new
     /// segment is started below `keep` and its header written and synced first, so that the
@@ -163,9 +165,7 @@ impl CommitLog {
     /// keeps the slots not yet removed).
     pub(crate) fn shrink(&mut self, keep: usize) -> Result<bool> {
         let keep = keep.max(super::LOG_SLOTS_MIN);
-        if self.slots.len() <= keep {
-            return Ok(true);
-        }
+        // A slot being made ahead of need is given back too, once made.
         if let Some(preparing) = &self.preparing
             && preparing
                 .thread
@@ -175,33 +175,48 @@ impl CommitLog {
             return Ok(false);
         }
         self.adopt_prepared();
-        // The slots given back, and the one written (its records go nowhere else), must hold
-        // released records only.
-        let needed = (keep..self.slots.len())
-            .chain([self.active])
-            .any(|slot| !self.is_free(slot));
-        if needed || !self.pending.is_empty() {
-            return Ok(false);
-        }
-        if self.active >= keep {
-            let Some(below) = (0..keep).find(|&slot| self.is_free(slot)) else {
+        if self.slots.len() > keep {
+            // The slots given back, and the one written (its records go nowhere else), must
+            // hold released records only.
+            let needed = (keep..self.slots.len())
+                .chain([self.active])
+                .any(|slot| !self.is_free(slot));
+            if needed || !self.pending.is_empty() {
                 return Ok(false);
-            };
-            self.start_segment(below);
-            self.sync()?;
-        }
-        while self.slots.len() > keep {
-            let last = self.slots.len() - 1;
-            let path = slot_path(&self.dir, last);
-            std::fs::remove_file(&path).map_err(|error| io_error("removing", &path, &error))?;
-            self.slots.pop();
-            if let Some(direct) = &mut self.direct {
-                direct.files.pop();
             }
+            if self.active >= keep {
+                let Some(below) = (0..keep).find(|&slot| self.is_free(slot)) else {
+                    return Ok(false);
+                };
+                self.start_segment(below);
+                self.sync()?;
+            }
+            while self.slots.len() > keep {
+                let last = self.slots.len() - 1;
+                let path = slot_path(&self.dir, last);
+                std::fs::remove_file(&path).map_err(|error| io_error("removing", &path, &error))?;
+                self.slots.pop();
+                if let Some(direct) = &mut self.direct {
+                    direct.files.pop();
+                }
+            }
+            crate::storage::directory::sync_directory(&self.dir)
+                .map_err(|error| io_error("syncing", &self.dir, &error))?;
         }
-        crate::storage::directory::sync_directory(&self.dir)
-            .map_err(|error| io_error("syncing", &self.dir, &error))?;
-        Ok(true)
+        // A slot enlarged for a large record, once free, is cut back too.
+        self.trim()?;
+        Ok(!self.grown_beyond(keep))
+    }
+
+    /// Whether the ring holds more than `keep` slots of its segment size: more slots, one
+    /// being made ahead of need, or one enlarged for a large record.
+    pub(crate) fn grown_beyond(&self, keep: usize) -> bool {
+        self.slots.len() > keep
+            || self.preparing.is_some()
+            || self
+                .slots
+                .iter()
+                .any(|held| held.bytes > self.segment_bytes)
     }
 
     /// Makes free slot `slot` `bytes` long: grown with zeros, or cut; synced, its size with it.

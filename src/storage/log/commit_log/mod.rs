@@ -266,7 +266,8 @@ impl CommitLog {
         from_lsn: u64,
         replay: impl FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<(CommitLog, Recovered)> {
-        let chain = Chain::read(dir, from_lsn, Access::Write, replay)?;
+        let mut chain = Chain::read(dir, from_lsn, Access::Write, replay)?;
+        forget_orphans(dir, &mut chain)?;
         // A slot a crash left half made: never named into the ring, it held no record.
         let growing = growing_path(dir, chain.slots.len());
         if growing.exists() {
@@ -575,6 +576,40 @@ impl CommitLog {
     pub(crate) fn release_through(&mut self, lsn: u64) {
         self.released_before = self.released_before.max(lsn);
     }
+}
+
+/// Wipes the header of every segment newer than the last one the log's records reach (an
+/// orphan), so that no later read takes it for the log's continuation.
+///
+/// How an orphan comes to be: a writer switches into a new segment and writes its header and
+/// records there while the previous segment's last records are not yet durable; a power cut
+/// then keeps the new segment's header (a disk may persist a later write and not an earlier
+/// one) and loses those records. The log now ends before the orphan's first LSN, the next
+/// writer appends from there, under the same LSNs, and its next segment gets a number above the
+/// orphan's. A reader ordering segments by number meets the orphan first, finds it does not
+/// continue the log, and stopped there: every record of the next writer's later segments was
+/// lost (found by the crash harness's small ring, a Buffered child's torn last write). The
+/// wipe is synced before anything is appended: the next writer's segments must never sit
+/// behind an orphan that a later open still sees.
+fn forget_orphans(dir: &Path, chain: &mut Chain) -> Result<()> {
+    let Some(&(_, last)) = chain.read_headers.last() else {
+        return Ok(());
+    };
+    for (slot, held) in chain.slots.iter_mut().enumerate() {
+        if held
+            .header
+            .is_some_and(|header| header.segment > last.segment)
+        {
+            let path = slot_path(dir, slot);
+            held.file
+                .write_all_at(&[0u8; LOG_SEGMENT_HEADER_BYTES], 0)
+                .and_then(|()| held.file.sync_data())
+                .map_err(|error| io_error("wiping an orphan segment in", &path, &error))?;
+            held.header = None;
+            held.end_lsn = 0;
+        }
+    }
+    Ok(())
 }
 
 /// Tests' reopening: the records replayed, collected, and why the log ends.

@@ -485,3 +485,83 @@ fn a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(d
     assert!(recovered.records.is_empty());
     assert_eq!(log.append(&payload(lsn, 100)).unwrap(), lsn);
 }
+
+#[test]
+fn an_orphan_segment_left_by_a_lost_tail_is_not_taken_for_the_log() {
+    for direct in [false, true] {
+        // The next writer's switch at the orphan's first LSN, and one record later.
+        for switch_after in [0, 1] {
+            an_orphan_segment_left_by_a_lost_tail_is_not_taken_for_the_log_with(
+                direct,
+                switch_after,
+            );
+        }
+    }
+}
+
+/// A writer fills slot 0 with records 1..=6 and switches into slot 1 for record 7; a power cut
+/// keeps slot 1's header and record (the later write) and loses record 6 (the earlier one).
+/// The next writer appends from 6 again, under the same LSNs, and switches to a new segment:
+/// every record it synced comes back, its own and not the orphan's.
+fn an_orphan_segment_left_by_a_lost_tail_is_not_taken_for_the_log_with(
+    direct: bool,
+    switch_after: u64,
+) {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let mut log = create(&path, 4, 1, direct);
+    for lsn in 1..=7 {
+        assert_eq!(log.append(&payload(lsn, 10_000)).unwrap(), lsn);
+    }
+    log.sync().unwrap();
+    assert_eq!(log.active, 1, "record 7 switched into slot 1");
+    drop(log);
+    // The lost tail: record 6 gone from slot 0 (zeros where it was).
+    let record = (LOG_RECORD_HEADER_BYTES + 10_000) as u64;
+    let slot0 = std::fs::OpenOptions::new()
+        .write(true)
+        .open(slot_path(&path, 0))
+        .unwrap();
+    slot0
+        .write_all_at(
+            &vec![0u8; record as usize],
+            LOG_SEGMENT_HEADER_BYTES as u64 + 5 * record,
+        )
+        .unwrap();
+    drop(slot0);
+    let (mut log, recovered) = reopen(&path, 1, direct);
+    assert_eq!(recovered.records.len(), 5);
+    assert_eq!(log.next_lsn(), 6);
+    // The next writer: other payloads under the same LSNs, a switch at 7 (or 8).
+    let theirs = |lsn: u64| payload(lsn + 100, 200);
+    let mut lsn = 6;
+    for _ in 0..=switch_after {
+        assert_eq!(log.append(&theirs(lsn)).unwrap(), lsn);
+        lsn += 1;
+    }
+    let large = |lsn: u64| payload(lsn + 200, 20_000);
+    assert_eq!(log.append(&large(lsn)).unwrap(), lsn);
+    assert_ne!(log.active, 0, "switched out of slot 0");
+    log.sync().unwrap();
+    drop(log);
+    let (_, recovered) = reopen(&path, 1, direct);
+    let expected: Vec<(u64, Vec<u8>)> = (1..=5)
+        .map(|l| (l, payload(l, 10_000)))
+        .chain((6..lsn).map(|l| (l, theirs(l))))
+        .chain([(lsn, large(lsn))])
+        .collect();
+    assert_eq!(
+        recovered
+            .records
+            .iter()
+            .map(|(l, _)| *l)
+            .collect::<Vec<_>>(),
+        expected.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+        "direct {direct}, switch after {switch_after}"
+    );
+    assert!(
+        recovered.records == expected,
+        "direct {direct}, switch after {switch_after}: the orphan's record taken for the log's"
+    );
+}
