@@ -16,3 +16,4 @@ pub(crate) mod rocksdb_options;
 pub(crate) mod store;
 pub(crate) mod store_lock;
 pub(crate) mod store_meta;
+pub(crate) mod unstalled_write;

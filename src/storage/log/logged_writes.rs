@@ -31,43 +31,13 @@ use crate::storage::log::replay::{
     LOG_DIR, LOG_LSN_KEY, default_table, no_wal, numbered, persisted_lsn, tables_lsn,
 };
 
-/// Writes a durable group to the tables (their memtables; they have no WAL of their own).
-///
-/// Why not one blocking write: RocksDB holds writes back while its flushes or compactions are
-/// behind, and stops them while a background error stands; a flush that failed for a full
-/// disk is such an error, and RocksDB then waits for space to come back. On its own WAL a
-/// commit meets the full disk in its own write and fails with `NoSpace`; here the commit is
-/// already in the log (rewritten in place, it needs no new space), so a blocking write would
-/// wait for as long as the disk stays full. So the write does not wait inside RocksDB: held
-/// back, it is tried again after a millisecond, unless a background error is the reason (a
-/// flush then reports it), which fails the write and so poisons the engine; the log keeps the
-/// commit for the next open.
+/// Writes a durable group to the tables (their memtables; they have no WAL of their own),
+/// never waiting inside RocksDB (`storage/unstalled_write.rs`): the commit is in the log
+/// already, and needs no new space of its own.
 fn write_to_tables(db: &DB, group: WriteBatch) -> Result<()> {
     let mut options = no_wal();
     options.set_no_slowdown(true);
-    let mut attempt = group;
-    loop {
-        // A write held back is not applied, and takes its batch with it: the bytes are kept
-        // for another attempt (a copy of the group's bytes, small beside their insertion).
-        let again = WriteBatch::from_data(attempt.data());
-        match db.write_opt(attempt, &options) {
-            Ok(()) => return Ok(()),
-            Err(error) if error.kind() == rocksdb::ErrorKind::Incomplete => {
-                let background_errors = db
-                    .property_int_value(rocksdb::properties::BACKGROUND_ERRORS)?
-                    .unwrap_or(0);
-                if background_errors > 0 {
-                    // Fails with the standing error, or makes room for the write.
-                    let mut flush = rocksdb::FlushOptions::default();
-                    flush.set_wait(true);
-                    db.flush_opt(&flush)?;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(1));
-                attempt = again;
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
+    crate::storage::unstalled_write::write_unstalled(db, group, &options)
 }
 
 /// The fault seam around the log's writes: runs the call it is given (whose argument says

@@ -67,6 +67,8 @@ impl Storage {
         let mut write_options = WriteOptions::default();
         write_options.set_sync(builder.durability == Durability::Sync);
         write_options.disable_wal(false);
+        // Writes never wait inside RocksDB (`storage/unstalled_write.rs`).
+        write_options.set_no_slowdown(true);
         let markers: Vec<MarkerTable> = std::iter::once(RECORDS_TABLE.to_owned())
             .chain(builder.entity_tables.iter().cloned())
             .map(|name| MarkerTable {

@@ -13,6 +13,7 @@ use crate::storage::fault::{Fault, IoPoint};
 use crate::storage::log::committer::StagedWrite;
 use crate::storage::log::logged_writes::LogWriter;
 use crate::storage::log::quiet_shrink::Shrinker;
+use crate::storage::unstalled_write::write_unstalled;
 
 impl Storage {
     pub(crate) fn check_not_poisoned(&self) -> Result<()> {
@@ -129,13 +130,14 @@ impl Storage {
 
     /// A write through RocksDB's WAL (no commit log).
     fn write_without_log(&self, batch: WriteBatch) -> Result<()> {
-        self.io(IoPoint::Write, |synced| {
+        self.io_result(IoPoint::Write, |synced| {
             if synced {
-                self.db().write_opt(batch, &self.write_options)
+                write_unstalled(self.db(), batch, &self.write_options)
             } else {
                 let mut unsynced = WriteOptions::default();
                 unsynced.set_sync(false);
-                self.db().write_opt(batch, &unsynced)
+                unsynced.set_no_slowdown(true);
+                write_unstalled(self.db(), batch, &unsynced)
             }
         })?;
         self.write_batches.fetch_add(1, Ordering::Relaxed);
