@@ -117,7 +117,7 @@ if ! dpkg -s fuse3 >/dev/null 2>&1; then
 fi
 echo "== the power-cut file system forgets what it must (powercut/)"
 cargo test --release -p idemdb-powercut
-echo "== the crash harness with a commit log of 3 small segments: the ring goes round (SIGKILLs, power cuts)"
+echo "== the crash harness with a small commit-log ring that grows and shrinks (SIGKILLs, power cuts at growth and shrink)"
 IDEMDB_CRASH_COMMIT_LOG=1 IDEMDB_CRASH_CYCLES=30 IDEMDB_CRASH_CUTS=20 \
     cargo test --release --all-features --test crash
 echo "== the crash harness on RocksDB's WAL, the opt-out (SIGKILLs, power cuts)"
