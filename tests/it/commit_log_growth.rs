@@ -37,6 +37,9 @@ fn logged_at(
         .builder_at(path)
         .durability(durability)
         .commit_log(segments, bytes)
+        // The ring's growth, not its shrink (tests/it/default_log.rs, shrink_docs.rs): a
+        // loaded machine's pause must not give segments back under these counts.
+        .commit_log_shrink_after(Duration::MAX)
         .open()
         .unwrap_or_else(|error| panic!("{segments} x {bytes}: {error:?}"))
 }
