@@ -165,16 +165,12 @@ impl CommitLog {
     /// keeps the slots not yet removed).
     pub(crate) fn shrink(&mut self, keep: usize) -> Result<bool> {
         let keep = keep.max(super::LOG_SLOTS_MIN);
-        // A slot being made ahead of need is given back too, once made.
-        if let Some(preparing) = &self.preparing
-            && preparing
-                .thread
-                .as_ref()
-                .is_some_and(|thread| !thread.is_finished())
-        {
+        // A slot being made ahead of need is given back too, once made (taken into the ring
+        // here; one still under way puts the shrink off).
+        self.adopt_prepared();
+        if self.preparing.is_some() {
             return Ok(false);
         }
-        self.adopt_prepared();
         if self.slots.len() > keep {
             // The slots given back, and the one written (its records go nowhere else), must
             // hold released records only.

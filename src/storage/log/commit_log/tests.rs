@@ -414,6 +414,18 @@ fn the_next_slot_is_made_ahead_of_need() {
     assert_eq!(recovered.records.len() as u64, lsn - 1);
 }
 
+/// Appends `payload`, growing the ring by a slot first when it is full: the record's LSN.
+fn append_growing(log: &mut CommitLog, payload: &[u8]) -> u64 {
+    match log.append(payload) {
+        Ok(lsn) => lsn,
+        Err(error) if error.is_retryable() => {
+            assert!(log.grow_for(0).unwrap(), "the ring grows");
+            log.append(payload).unwrap()
+        }
+        Err(error) => panic!("{error}"),
+    }
+}
+
 #[test]
 fn a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released() {
     a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(false);
@@ -428,14 +440,7 @@ fn a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(d
     let mut lsn = 1;
     // Five segments' worth, nothing released: the ring grows to six slots.
     for _ in 0..30 {
-        let appended = log.append(&payload(lsn, 10_000));
-        if appended.as_ref().is_err_and(Error::is_retryable) {
-            assert!(log.grow_for(0).unwrap());
-        }
-        lsn = appended
-            .or_else(|_| log.append(&payload(lsn, 10_000)))
-            .unwrap()
-            + 1;
+        lsn = append_growing(&mut log, &payload(lsn, 10_000)) + 1;
         log.sync().unwrap();
     }
     let grown = log.slots();
@@ -459,14 +464,7 @@ fn a_shrink_gives_back_the_grown_slots_only_once_every_record_is_released_with(d
     // It takes records again, and grows again when they need it.
     let first_after = lsn;
     for _ in 0..20 {
-        let appended = log.append(&payload(lsn, 10_000));
-        if appended.as_ref().is_err_and(Error::is_retryable) {
-            assert!(log.grow_for(0).unwrap());
-        }
-        lsn = appended
-            .or_else(|_| log.append(&payload(lsn, 10_000)))
-            .unwrap()
-            + 1;
+        lsn = append_growing(&mut log, &payload(lsn, 10_000)) + 1;
     }
     log.sync().unwrap();
     assert!(log.slots() > 2);
