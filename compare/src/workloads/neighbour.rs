@@ -13,7 +13,10 @@
 //! - `small-fsyncs`: 16 KiB files written, synced and renamed into place, one after another (a
 //!   build, a second database's commits);
 //! - `second-store`: a second idemdb store taking batches of 1 KiB results as fast as it can
-//!   (its flushes and compactions).
+//!   (its flushes and compactions);
+//! - `second-store-idle-cpu`: the same at the scheduler's idle priority (`SCHED_IDLE`), its
+//!   disk use unchanged: the control that tells whether `second-store` hurts through the CPU
+//!   (two cores, both busy with it) or through the disk.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,19 +30,23 @@ use crate::contenders::{self, Ports};
 use crate::report::machine::Machine;
 use crate::workloads::{self, Generator, Sample};
 
-/// The contenders measured: one thread, each commit synced, on each durable path.
-const CONTENDERS: [&str; 2] = [
+/// The contenders measured: one thread, each commit synced, on each durable path; and the
+/// disk's floor (a 4 KiB direct write, as the commit log writes, in place, with its flush), the
+/// control that tells a neighbour that slows the disk itself from one that slows idemdb.
+const CONTENDERS: [&str; 3] = [
     "idemdb default sync, 1 thread",
     "idemdb sync on RocksDB's WAL, 1 thread",
+    "direct write 4 KiB",
 ];
 
 /// The loads, by the name `neighbour-load` takes; "quiet" runs none.
-const LOADS: [&str; 5] = [
+const LOADS: [&str; 6] = [
     "quiet",
     "big-writes",
     "big-writes-fsync",
     "small-fsyncs",
     "second-store",
+    "second-store-idle-cpu",
 ];
 
 #[derive(Args, Clone)]
@@ -63,7 +70,8 @@ pub struct NeighbourArgs {
 
 #[derive(Args, Clone)]
 pub struct LoadArgs {
-    /// One of `big-writes`, `big-writes-fsync`, `small-fsyncs`, `second-store`.
+    /// One of `big-writes`, `big-writes-fsync`, `small-fsyncs`, `second-store`,
+    /// `second-store-idle-cpu`.
     #[arg(long)]
     pub kind: String,
     /// The folder the load writes in (made, and left for the caller to remove).
@@ -201,6 +209,10 @@ pub fn load(args: &LoadArgs) -> Result<()> {
         "big-writes-fsync" => big_writes(&args.dir, Some(64 << 20)),
         "small-fsyncs" => small_fsyncs(&args.dir),
         "second-store" => second_store(&args.dir),
+        "second-store-idle-cpu" => {
+            idle_cpu()?;
+            second_store(&args.dir)
+        }
         other => anyhow::bail!("no neighbour load named {other:?}"),
     }
 }
@@ -233,6 +245,19 @@ fn small_fsyncs(dir: &Path) -> Result<()> {
         file.write_all(&body)?;
         file.sync_all()?;
         std::fs::rename(&staged, dir.join(format!("file-{}", n % 64)))?;
+    }
+    Ok(())
+}
+
+/// Puts this thread, and every thread it starts from now on (RocksDB's background threads
+/// among them), at the scheduler's idle priority: it runs only when no other thread wants the
+/// CPU. Its I/O priority is left as it is.
+fn idle_cpu() -> Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param for the call's duration; pid 0 is this thread.
+    let status = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    if status != 0 {
+        return Err(std::io::Error::last_os_error()).context("setting SCHED_IDLE");
     }
     Ok(())
 }
