@@ -25,6 +25,7 @@ cargo clippy --release --all-features --all-targets -- -D warnings
 cargo clippy --release -p idemdb-powercut --all-targets -- -D warnings
 cargo clippy --release -p idemdb-postgres --all-targets -- -D warnings
 cargo clippy --release -p idemdb-e2e --all-targets -- -D warnings
+cargo clippy --release -p idemdb-http --all-targets -- -D warnings
 echo "== the PostgreSQL backend builds without RocksDB"
 if cargo tree -p idemdb-postgres -e normal | grep -q librocksdb; then
     echo "idemdb-postgres depends on RocksDB" >&2
@@ -36,7 +37,7 @@ echo "== format-only build (no RocksDB)"
 cargo clippy --release --lib --no-default-features -- -D warnings
 echo "== docs (broken links are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --all-features --no-deps
-RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-postgres -p idemdb-powercut --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-postgres -p idemdb-powercut -p idemdb-http --no-deps
 
 echo "== loom: every interleaving of the claim latch (2-3 threads)"
 (cd loom && RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/../loom-target" \
@@ -100,6 +101,8 @@ echo "== the Kafka recipe compiles (recipes/kafka; not run: no Kafka broker here
 cargo clippy --release -p idemdb-kafka-recipe -- -D warnings
 cargo build --release -p idemdb-kafka-recipe
 
+echo "== HTTP idempotency keys: the tower layer, every row of its behaviour table (http/)"
+cargo test --release -p idemdb-http
 echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
 if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
     apt_install "the PostgreSQL backend's tests start a private server" postgresql ||

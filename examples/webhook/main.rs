@@ -1,4 +1,5 @@
-//! An HTTP webhook receiver that deduplicates deliveries by their `Idempotency-Key` header.
+//! An HTTP webhook receiver that deduplicates deliveries by their `Idempotency-Key` header,
+//! with the `idemdb-http` layer.
 //!
 //! ```text
 //! source scripts/setup.sh && cargo run --release --features tokio --example webhook -- [--port N] [--dir PATH]
@@ -7,57 +8,25 @@
 //! It listens on 127.0.0.1 only (default port 18080) and keeps its store in `--dir` (default
 //! `idemdb-webhook` in the system's temporary directory), so a restart still replays.
 //!
-//! `POST /payments` takes a payment (any body: JSON or plain text) and an `Idempotency-Key`
-//! header. The first delivery of a key is processed: a row in the `payments` table and one more
-//! on the `totals` counter, staged on an idemdb claim and committed in one write batch together
-//! with the response (status and body) as the claim's result. Every later delivery of the key
-//! gets an answer without a second effect:
+//! `POST /payments` takes a payment (any body) and an `Idempotency-Key` header. The first
+//! delivery of a key runs the handler: a row in the `payments` table and one more on the
+//! `totals` counter, staged on the request's claim and committed in one write batch with the
+//! response (`201 Created`). Every later delivery of the key is answered by the layer without a
+//! second effect: the stored response with `Idempotent-Replayed: true`; `422` for the key
+//! reused with another body; `409` with `Retry-After` while the first is in progress; `400` for
+//! a missing or malformed key; `503` when the store fails, storing nothing. The table of every
+//! answer is in the `idemdb-http` crate's documentation and in the guide's chapter "HTTP
+//! idempotency keys". `GET /payments/count` reads the counter, to see that retries had no
+//! effect.
 //!
-//! | delivery | answer |
-//! |---|---|
-//! | first (the key is new) | `201 Created`, processed; the response is stored |
-//! | retry, same body, after the first completed | the stored status and body, plus `Idempotent-Replayed: true` |
-//! | same key, different body | `422 Unprocessable Content` (RFC 9110's name for hyper's "Unprocessable Entity"): the key was reused for another payload |
-//! | retry while the first is still being processed | `409 Conflict` with `Retry-After: 1` |
-//! | no `Idempotency-Key`, an empty one, one over 1024 bytes, or two of them | `400 Bad Request` |
-//! | the store fails | `503 Service Unavailable` (`500` for a corrupt record); nothing is stored |
-//!
-//! The status codes are the ones the IETF httpapi draft "The Idempotency-Key HTTP Header Field"
-//! (draft-ietf-httpapi-idempotency-key-header) chose: 400 for a missing key, 422 for a key
-//! reused with a different payload, 409 for a request made while the first with the same key is
-//! still being processed. The key may be sent as the draft's structured-field string
-//! (`Idempotency-Key: "8e03978e"`) or bare (`Idempotency-Key: 8e03978e`); both name the same key.
-//! `GET /payments/count` reads the counter, to see that retries had no effect.
-//!
-//! How the answers come about, and what to keep when adapting this:
-//!
-//! - **In progress is the claim's latch.** The handler holds its [`idemdb::Claim`] across the
-//!   `.await`s of processing; while it does, the key is latched in this process and every other
-//!   `begin` of it is `InProgress` (a 409). The latch is in memory, and one process owns a store
-//!   (a second open is `AlreadyOpen`): run one receiver per store, and shard keys across
-//!   receivers if one is not enough.
-//! - **Cancellation writes nothing.** If the handler's future is dropped before it commits (the
-//!   client disconnects, and hyper drops the request's future), the claim is dropped with it: no
-//!   staged write lands and the key is free again, so the client's retry is processed afresh.
-//!   Once `commit_async` has been called the commit goes ahead without the handler; a retry then
-//!   replays its response.
-//! - **Only successes are stored.** A failure (a storage error, a 5xx) drops the claim, so a
-//!   retry with the same key runs again, which is what a client retrying a 5xx expects. Store a
-//!   final 4xx the same way as the 201 if the business logic can reject a payment for good.
-//! - **The commit does not block the runtime.** [`idemdb::Claim::commit_async`] hands the write
-//!   batch (and its fsync) to the engine's committer thread, which writes concurrent commits as
-//!   one group. `begin` runs inline: it is a point read, without a write or an fsync.
-//! - **Scope of a key.** One consumer (`webhook`) holds the keys of the one endpoint, and the
-//!   fingerprint covers the body only (the method and path are fixed). A service with several
-//!   endpoints uses a consumer per endpoint; one with several clients puts the authenticated
-//!   client's id in front of the key, or one client could replay another's response.
-//! - **Expiry.** Keys are remembered for [`RETENTION`]; a retry after that is processed again.
-//!   Publish it to clients, as the draft asks.
+//! What to keep when adapting this: the principal ([`SENDER`] here, one sender; the
+//! authenticated client in a service with several), the retention ([`RETENTION`]: publish it
+//! to clients), and writes staged on the [`idemdb_http::IdempotentRequest`] rather than made
+//! directly, so that they commit with the response.
 
 #[path = "../common/args.rs"]
 mod args;
 mod payments;
-mod responses;
 #[cfg(test)]
 mod tests;
 
@@ -74,6 +43,8 @@ use payments::router;
 
 /// The consumer under which the endpoint's idempotency keys are recorded.
 const CONSUMER_ID: &str = "webhook";
+/// The principal the keys are scoped by: this receiver has one sender.
+const SENDER: &str = "payment-provider";
 /// The port used without `--port`: not a common default, so it rarely collides.
 const PORT_DEFAULT: u16 = 18080;
 /// How long a key is remembered. Longer than any client keeps retrying a delivery.

@@ -1,28 +1,20 @@
-//! The endpoints: `POST /payments` claims the delivery's idempotency key and processes the
-//! payment once; `GET /payments/count` reads the counter. The answers are in `responses.rs`.
+//! The endpoints: `POST /payments` behind `idemdb_http::IdempotencyLayer`, which claims each
+//! delivery's idempotency key and stores the response with the payment; `GET /payments/count`
+//! reads the counter.
 
 use std::sync::Arc;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::header::RETRY_AFTER;
-use axum::http::{HeaderMap, HeaderName, StatusCode};
-use axum::response::Response;
+use axum::http::{HeaderValue, StatusCode, header::CONTENT_TYPE};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use idemdb::{
-    BusinessTable, Claim, Consumer, Engine, Error, Fingerprint, MESSAGE_KEY_BYTES_MAX, Outcome,
-    merge_ops,
-};
+use axum::{Extension, Router};
+use idemdb::{BusinessTable, Engine, merge_ops};
+use idemdb_http::{IdempotencyLayer, IdempotentRequest, Principal};
 use tokio::sync::Notify;
 
-use crate::responses::{RETRY_AFTER_S, StoredResponse, error, json, storage_failure};
-use crate::{CONSUMER_ID, PAYMENTS_COUNTER, PAYMENTS_TABLE, TOTALS_TABLE};
-
-/// The request header naming the delivery (draft-ietf-httpapi-idempotency-key-header).
-const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-// The 400 answer to an overlong key quotes the limit as a constant string.
-const _: () = assert!(MESSAGE_KEY_BYTES_MAX == 1024);
+use crate::{CONSUMER_ID, PAYMENTS_COUNTER, PAYMENTS_TABLE, SENDER, TOTALS_TABLE};
 
 /// A hook that holds every fresh request between taking its claim and processing it, until
 /// released: the tests use it to have a retry arrive while the first delivery is in progress,
@@ -38,7 +30,6 @@ pub(crate) struct ProcessingGate {
 /// What every handler needs; cheap to clone (handles are `Arc`s).
 #[derive(Clone)]
 struct AppState {
-    consumer: Consumer,
     payments: BusinessTable,
     totals: BusinessTable,
     gate: Option<Arc<ProcessingGate>>,
@@ -47,97 +38,54 @@ struct AppState {
 /// The webhook's routes over `engine`, which must have been opened by [`open_engine`](crate::open_engine).
 pub(crate) fn router(engine: &Engine, gate: Option<Arc<ProcessingGate>>) -> idemdb::Result<Router> {
     let state = AppState {
-        consumer: engine.consumer(CONSUMER_ID)?,
         payments: engine.business_table(PAYMENTS_TABLE)?,
         totals: engine.business_table(TOTALS_TABLE)?,
         gate,
     };
+    // One sender posts to this receiver (a payment provider, authenticated in front of it by
+    // its signature): its keys need no scoping by caller, and the constant principal says so.
+    // A service with several clients gives each its own principal.
+    let sender = Principal::new(SENDER).expect("a constant principal of 1..=255 bytes");
+    let idempotent =
+        IdempotencyLayer::new(engine.consumer(CONSUMER_ID)?, move |_| Some(sender.clone()));
     Ok(Router::new()
-        .route("/payments", post(create_payment))
+        .route("/payments", post(create_payment).layer(idempotent))
         .route("/payments/count", get(payment_count))
         .with_state(state))
 }
 
-/// `POST /payments`: processes a delivery once per idempotency key; see the header of `main.rs`.
+/// `POST /payments`: runs once per idempotency key (the layer answers retries); its writes are
+/// staged on the request's claim and committed with the response.
 async fn create_payment(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Extension(request): Extension<IdempotentRequest>,
     body: Bytes,
 ) -> Response {
-    let key = match idempotency_key(&headers) {
-        Ok(key) => key,
-        Err(message) => return error(StatusCode::BAD_REQUEST, message),
-    };
-    let outcome = match state.consumer.begin(key, Fingerprint::of(&body)) {
-        Ok(outcome) => outcome,
-        // The only limit `begin` checks is the key's length (1..=MESSAGE_KEY_BYTES_MAX).
-        Err(Error::LimitExceeded { .. }) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "the Idempotency-Key must be 1 to 1024 bytes long",
-            );
-        }
-        Err(failure) => return storage_failure(&failure),
-    };
-    match outcome {
-        Outcome::Fresh(mut claim) => {
-            if let Some(gate) = &state.gate {
-                gate.reached.notify_one();
-                gate.release.notified().await;
-            }
-            let response = match process(&state, &mut claim, &body) {
-                Ok(response) => response,
-                // Dropping the claim releases the key and writes nothing: a retry runs again.
-                Err(failure) => return storage_failure(&failure),
-            };
-            match claim.commit_async(response.encode()).await {
-                Ok(_) => response.into_response(false),
-                Err(failure) => storage_failure(&failure),
-            }
-        }
-        Outcome::Duplicate { result, .. } => match StoredResponse::decode(&result) {
-            Some(stored) => stored.into_response(true),
-            None => error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the response stored for this Idempotency-Key does not decode",
-            ),
-        },
-        Outcome::Conflict { .. } => error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "this Idempotency-Key was already used for a different request body; \
-             use a new key for a new payment",
-        ),
-        Outcome::InProgress { .. } => {
-            let mut response = error(
-                StatusCode::CONFLICT,
-                "a request with this Idempotency-Key is still being processed; retry later",
-            );
-            response.headers_mut().insert(RETRY_AFTER, RETRY_AFTER_S);
-            response
-        }
-        // Only a `Message` with a production time or an entity version can get these, and this
-        // handler passes neither; answer rather than panic if that ever changes.
-        Outcome::TooLate { .. } | Outcome::Stale { .. } => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "unexpected idempotency outcome",
-        ),
+    if let Some(gate) = &state.gate {
+        gate.reached.notify_one();
+        gate.release.notified().await;
     }
-}
-
-/// The business logic: stages the payment's effects on the claim (nothing is written until the
-/// claim commits) and returns the response to store with them.
-fn process(state: &AppState, claim: &mut Claim, body: &Bytes) -> idemdb::Result<StoredResponse> {
     // The same for every attempt at this key, also after a restart: had a commit failed after
     // a downstream call, the retry would make that call again under the same id.
-    let payment_id = claim.derive_key("payment");
-    claim.put(&state.payments, &payment_id, body)?;
-    claim.merge(&state.totals, PAYMENTS_COUNTER, 1u64.to_be_bytes())?;
-    Ok(StoredResponse {
-        status: StatusCode::CREATED,
-        body: Bytes::from(format!(
-            "{{\"payment_id\":\"{payment_id}\",\"status\":\"accepted\"}}"
-        )),
-    })
+    let staged = request.derive_key("payment").and_then(|payment_id| {
+        request.put(&state.payments, &payment_id, &body)?;
+        request.merge(&state.totals, PAYMENTS_COUNTER, 1u64.to_be_bytes())?;
+        Ok(payment_id)
+    });
+    match staged {
+        Ok(payment_id) => json(
+            StatusCode::CREATED,
+            format!("{{\"payment_id\":\"{payment_id}\",\"status\":\"accepted\"}}"),
+        ),
+        // A 5xx is never stored: the staged writes are dropped and a retry runs again.
+        Err(failure) => {
+            eprintln!("webhook: staging failed: {failure}");
+            json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{\"error\":\"the payment could not be recorded; retry\"}",
+            )
+        }
+    }
 }
 
 /// `GET /payments/count`: how many payments were processed (retries do not count).
@@ -147,24 +95,21 @@ async fn payment_count(State(state): State<AppState>) -> Response {
             let count = value.as_deref().and_then(merge_ops::read_u64).unwrap_or(0);
             json(StatusCode::OK, format!("{{\"payments\":{count}}}"))
         }
-        Err(failure) => storage_failure(&failure),
+        Err(failure) => {
+            eprintln!("webhook: store failure: {failure}");
+            json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{\"error\":\"the store is unavailable\"}",
+            )
+        }
     }
 }
 
-/// The delivery's idempotency key: the header's bytes, without the double quotes of the draft's
-/// structured-field string form. Empty or overlong keys are left for `begin` to refuse.
-fn idempotency_key(headers: &HeaderMap) -> Result<&[u8], &'static str> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
-    let Some(value) = values.next() else {
-        return Err("the Idempotency-Key header is required");
-    };
-    if values.next().is_some() {
-        // Which one the client meant is a guess; guessing wrong would replay another payment.
-        return Err("send exactly one Idempotency-Key header");
-    }
-    let raw = value.as_bytes();
-    Ok(match raw {
-        [b'"', inner @ .., b'"'] => inner,
-        _ => raw,
-    })
+fn json(status: StatusCode, body: impl Into<Bytes>) -> Response {
+    (
+        status,
+        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        body.into(),
+    )
+        .into_response()
 }

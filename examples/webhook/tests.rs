@@ -7,7 +7,7 @@ mod client;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use idemdb::MESSAGE_KEY_BYTES_MAX;
+use idemdb_http::KEY_BYTES_MAX;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -65,7 +65,7 @@ async fn same_key_with_another_body_is_422_without_effect() {
     let other = post(server.address, "delivery-1", r#"{"amount":9999}"#).await;
     assert_eq!(other.status, 422, "{other:?}");
     assert!(!other.replayed());
-    assert!(other.body.contains("different request body"), "{other:?}");
+    assert!(other.body.contains("different request"), "{other:?}");
     assert_eq!(payments_processed(&engine), 1);
 
     // The conflict changed nothing: the original body still replays.
@@ -152,12 +152,13 @@ async fn missing_or_unusable_key_is_400() {
     let engine = open_engine(dir.path()).expect("open");
     let server = Server::start(&engine, None).await;
 
-    let too_long = "k".repeat(MESSAGE_KEY_BYTES_MAX + 1);
-    let longest = "k".repeat(MESSAGE_KEY_BYTES_MAX);
-    let cases: [(&[&str], &str); 4] = [
+    let too_long = "k".repeat(KEY_BYTES_MAX + 1);
+    let longest = "k".repeat(KEY_BYTES_MAX);
+    let cases: [(&[&str], &str); 5] = [
         (&[], "required"),
-        (&["\"\""], "1 to 1024 bytes"),
-        (&[too_long.as_str()], "1 to 1024 bytes"),
+        (&["\"\""], "1 to 255 visible ASCII"),
+        (&[too_long.as_str()], "1 to 255 visible ASCII"),
+        (&["two words"], "1 to 255 visible ASCII"),
         (&["delivery-1", "delivery-2"], "exactly one"),
     ];
     for (keys, reason) in cases {

@@ -1,0 +1,413 @@
+//! [`IdempotencyLayer`] and the service it wraps around a handler: what the layer decides
+//! before the handler runs (the key, the principal, the claim) and after (store the response
+//! with the handler's writes, or drop both).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, LOCATION};
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idemdb::{Consumer, Fingerprint, Outcome};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::handle::{Held, IdempotentRequest, ReleaseOnDrop};
+use crate::key::{KeyProblem, Principal, request_key, scoped_key};
+use crate::rejection::Rejection;
+use crate::stored::StoredResponse;
+
+/// The response header marking a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The default limit of a request body the layer reads (to fingerprint it): 1 MiB.
+pub const REQUEST_BODY_BYTES_DEFAULT: usize = 1 << 20;
+/// The default limit of a response the layer stores: 1 MiB.
+pub const RESPONSE_BODY_BYTES_DEFAULT: usize = 1 << 20;
+/// The default `Retry-After` of a `409` (and of a retryable `503`): 1 s.
+pub const RETRY_AFTER_DEFAULT: Duration = Duration::from_secs(1);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
+type FingerprintFn = dyn Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync;
+type StoreFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// What every request of a layer shares.
+#[derive(Clone)]
+struct Policy {
+    consumer: Consumer,
+    principal: Arc<PrincipalFn>,
+    key_required: bool,
+    request_limit: usize,
+    response_limit: usize,
+    store: Arc<StoreFn>,
+    kept_headers: Vec<HeaderName>,
+    fingerprint: Arc<FingerprintFn>,
+    retry_after_s: u64,
+    /// The lease path: each fresh request takes a durable lease of this length, as this holder.
+    lease: Option<(Duration, Arc<[u8]>)>,
+}
+
+/// A tower layer that makes the routes under it idempotent by the `Idempotency-Key` request
+/// header: a request's handler runs once per (principal, key), and every retry is answered
+/// with the response it stored, byte for byte. What the handler stages on its
+/// [`IdempotentRequest`] commits in one write batch with that response. The crate's docs have
+/// the whole behaviour.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    policy: Arc<Policy>,
+}
+
+impl IdempotencyLayer {
+    /// A layer whose keys are claimed by `consumer` (one consumer per endpoint, or per set of
+    /// endpoints sharing keys; its engine's retention is how long a response is kept), scoped
+    /// by the principal `principal` finds for each request: typically the authenticated
+    /// tenant or API client from a request extension an earlier layer put there. A request
+    /// without one is refused with `401` ([`Rejection::NoPrincipal`]). A service that truly has
+    /// one caller gives a constant principal, which is a decision made here, in sight.
+    pub fn new(
+        consumer: Consumer,
+        principal: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        IdempotencyLayer {
+            policy: Arc::new(Policy {
+                consumer,
+                principal: Arc::new(principal),
+                key_required: true,
+                request_limit: REQUEST_BODY_BYTES_DEFAULT,
+                response_limit: RESPONSE_BODY_BYTES_DEFAULT,
+                store: Arc::new(|status: StatusCode| status.is_success()),
+                kept_headers: vec![CONTENT_TYPE, LOCATION],
+                fingerprint: Arc::new(fingerprint_of_request),
+                retry_after_s: RETRY_AFTER_DEFAULT.as_secs(),
+                lease: None,
+            }),
+        }
+    }
+
+    fn with(mut self, change: impl FnOnce(&mut Policy)) -> IdempotencyLayer {
+        change(Arc::make_mut(&mut self.policy));
+        self
+    }
+
+    /// Lets requests without an `Idempotency-Key` through to the handler, untouched and
+    /// without an [`IdempotentRequest`] (by default they are refused with `400`).
+    #[must_use]
+    pub fn key_optional(self) -> IdempotencyLayer {
+        self.with(|policy| policy.key_required = false)
+    }
+
+    /// The most bytes of a request body the layer reads (it fingerprints the body before the
+    /// handler runs); a larger body is refused with `413`. Default
+    /// [`REQUEST_BODY_BYTES_DEFAULT`].
+    #[must_use]
+    pub fn request_body_limit(self, bytes: usize) -> IdempotencyLayer {
+        self.with(|policy| policy.request_limit = bytes)
+    }
+
+    /// The most bytes of a response body the layer stores. A larger response of a status it
+    /// stores is not sent: the handler's writes are dropped, the key is freed and the client
+    /// gets `500` ([`Rejection::ResponseTooLarge`]). Default [`RESPONSE_BODY_BYTES_DEFAULT`];
+    /// at most `idemdb::RESULT_BYTES_MAX` minus the status and kept headers.
+    #[must_use]
+    pub fn response_body_limit(self, bytes: usize) -> IdempotencyLayer {
+        self.with(|policy| policy.response_limit = bytes)
+    }
+
+    /// Which statuses are stored (with the handler's writes) besides the default, the `2xx`
+    /// ones: for instance the `4xx` a request will get again however often it is retried
+    /// (`|status| status.is_success() || status == StatusCode::PAYMENT_REQUIRED`). A response
+    /// not stored drops the handler's writes and frees the key, so a retry runs the handler
+    /// again. A `5xx` is never stored, whatever `store` says.
+    #[must_use]
+    pub fn store_when(
+        self,
+        store: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.with(|policy| policy.store = Arc::new(store))
+    }
+
+    /// The response headers stored and replayed with the status and body (every value of
+    /// each). Default: `content-type` and `location`. Headers describing the connection or
+    /// the moment (`date`, `set-cookie` of a session) are usually better left out.
+    #[must_use]
+    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> IdempotencyLayer {
+        let names = names.into_iter().collect();
+        self.with(|policy| policy.kept_headers = names)
+    }
+
+    /// How a request is told apart from another sent with the same key (a reused key gets
+    /// `422`). Default: the method, the path, the query and the body.
+    #[must_use]
+    pub fn fingerprint(
+        self,
+        fingerprint: impl Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.with(|policy| policy.fingerprint = Arc::new(fingerprint))
+    }
+
+    /// The `Retry-After` of a `409` (a retry while the first request is in progress), whole
+    /// seconds. Default [`RETRY_AFTER_DEFAULT`].
+    #[must_use]
+    pub fn retry_after(self, after: Duration) -> IdempotencyLayer {
+        self.with(|policy| policy.retry_after_s = after.as_secs())
+    }
+
+    /// The lease path, for handlers with effects outside the write batch (a payment provider's
+    /// call): a fresh request takes a durable lease of `lease` as `holder` (this process's
+    /// name, kept with the lease for operators) before its handler runs. A retry meanwhile
+    /// gets `409`, from this process or any other opening the store after a restart. Once the
+    /// lease runs out, a retry takes the key over under a new epoch and runs the handler
+    /// again: downstream calls made with [`IdempotentRequest::derive_key`] repeat with the
+    /// same key, so a downstream service that deduplicates does the work once. The request
+    /// that outlived its lease cannot store its response: it gets `503`
+    /// ([`Rejection::LeaseLost`]). A dropped request releases its lease. Each lease costs two
+    /// synced writes (taking it, completing it) against the batch path's one.
+    #[must_use]
+    pub fn with_lease(self, lease: Duration, holder: impl AsRef<[u8]>) -> IdempotencyLayer {
+        let holder: Arc<[u8]> = holder.as_ref().into();
+        self.with(|policy| policy.lease = Some((lease, holder)))
+    }
+}
+
+/// The default fingerprint: xxh3-128 over the method, the path, the query (each with its
+/// length, so that no two requests meet by moving bytes between them) and the body.
+fn fingerprint_of_request(parts: &Parts, body: &[u8]) -> Fingerprint {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for part in [
+        parts.method.as_str(),
+        parts.uri.path(),
+        parts.uri.query().unwrap_or(""),
+    ] {
+        hasher.update(&(part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    hasher.update(body);
+    Fingerprint::from_u128(hasher.digest128())
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency {
+            inner,
+            policy: self.policy.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps around `S`.
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    policy: Arc<Policy>,
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body + From<Bytes> + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<ResBody>, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The clone that was polled ready serves this call; the fresh clone waits for the next
+        // poll_ready.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let policy = self.policy.clone();
+        Box::pin(serve(policy, inner, request))
+    }
+}
+
+/// One request, start to end.
+async fn serve<S, ReqBody, ResBody>(
+    policy: Arc<Policy>,
+    mut inner: S,
+    request: Request<ReqBody>,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ReqBody: Body + From<Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body + From<Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    let reject = |rejection: Rejection| Ok(rejection.into_response(policy.retry_after_s));
+    let (mut parts, body) = request.into_parts();
+    let key = match request_key(&parts.headers) {
+        Ok(Some(key)) => key,
+        Ok(None) if !policy.key_required => {
+            return inner.call(Request::from_parts(parts, body)).await;
+        }
+        Ok(None) => return reject(Rejection::KeyMissing),
+        Err(KeyProblem::Repeated) => return reject(Rejection::KeyRepeated),
+        Err(KeyProblem::Malformed) => return reject(Rejection::KeyMalformed),
+    };
+    let Some(principal) = (policy.principal)(&parts) else {
+        return reject(Rejection::NoPrincipal);
+    };
+    let body = match Limited::new(body, policy.request_limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return reject(Rejection::RequestTooLarge);
+        }
+        Err(_) => return reject(Rejection::RequestBodyUnreadable),
+    };
+    let fingerprint = (policy.fingerprint)(&parts, &body);
+    let outcome = match begin(&policy, scoped_key(&principal, &key), fingerprint).await {
+        Ok(outcome) => outcome,
+        Err(error) => return reject(store_failure(&error)),
+    };
+    let handle = match outcome {
+        Outcome::Fresh(held) => IdempotentRequest::new(held),
+        Outcome::Duplicate { result, .. } => {
+            return match StoredResponse::decode(&result) {
+                Some(stored) => Ok(replay(stored)),
+                None => reject(Rejection::StoredResponseCorrupt),
+            };
+        }
+        Outcome::Conflict { .. } => return reject(Rejection::KeyReused),
+        Outcome::InProgress { .. } => return reject(Rejection::InProgress),
+        // Only messages with a production time or an entity version get the other outcomes,
+        // and the layer claims with neither.
+        _ => return reject(Rejection::StoreUnavailable { retryable: false }),
+    };
+    // From here until the claim is taken back, a dropped future frees a lease.
+    let guard = ReleaseOnDrop(handle.clone());
+    parts.extensions.insert(handle.clone());
+    let response = inner
+        .call(Request::from_parts(parts, ReqBody::from(body)))
+        .await?;
+    // Taken back before the guard goes: the guard frees only a claim still in the handle.
+    let held = handle.take();
+    drop(guard);
+    let Some(held) = held else {
+        // Only this function takes it, once.
+        return reject(Rejection::StoreUnavailable { retryable: false });
+    };
+    let status = response.status();
+    if status.is_server_error() || !(policy.store)(status) {
+        free(held).await;
+        return Ok(response);
+    }
+    let (parts, body) = response.into_parts();
+    let body = match Limited::new(body, policy.response_limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) => {
+            free(held).await;
+            return reject(if error.is::<LengthLimitError>() {
+                Rejection::ResponseTooLarge
+            } else {
+                Rejection::ResponseBodyFailed
+            });
+        }
+    };
+    let stored = StoredResponse::new(status, &parts.headers, &policy.kept_headers, body.clone());
+    let Some(encoded) = stored.encode() else {
+        free(held).await;
+        return reject(Rejection::ResponseTooLarge);
+    };
+    match commit(held, encoded).await {
+        Ok(()) => Ok(Response::from_parts(parts, ResBody::from(body))),
+        Err(idemdb::Error::LeaseLost { .. }) => reject(Rejection::LeaseLost),
+        Err(idemdb::Error::LimitExceeded { .. }) => reject(Rejection::ResponseTooLarge),
+        Err(error) => reject(store_failure(&error)),
+    }
+}
+
+/// Claims the request's key: a latched claim (a point read) on the batch path, a durable lease
+/// (a synced write, off the runtime's thread) on the lease path.
+async fn begin(
+    policy: &Policy,
+    key: Vec<u8>,
+    fingerprint: Fingerprint,
+) -> idemdb::Result<Outcome<Held>> {
+    let Some((lease, holder)) = &policy.lease else {
+        return Ok(policy
+            .consumer
+            .begin(key, fingerprint)?
+            .map_fresh(Held::Batch));
+    };
+    let (consumer, lease, holder) = (policy.consumer.clone(), *lease, holder.clone());
+    blocking(move || consumer.begin_external(key, fingerprint, lease, &holder))
+        .await
+        .map(|outcome| outcome.map_fresh(Held::Lease))
+}
+
+/// Commits the claim with `stored` as its result: the handler's writes and the response land
+/// together.
+async fn commit(held: Held, stored: Vec<u8>) -> idemdb::Result<()> {
+    match held {
+        Held::Batch(claim) => claim.commit_async(stored).await.map(drop),
+        Held::Lease(claim) => blocking(move || claim.complete(stored)).await.map(drop),
+    }
+}
+
+/// Drops the handler's writes and frees the key.
+async fn free(held: Held) {
+    match held {
+        Held::Batch(claim) => claim.abort(),
+        Held::Lease(claim) => {
+            if let Err(error) = blocking(move || claim.release()).await {
+                // The lease runs out on its own; a retry meanwhile gets 409.
+                tracing::warn!(target: "idemdb_http", %error, "a lease was not released");
+            }
+        }
+    }
+}
+
+/// Runs a synced write on tokio's blocking threads; inline without a runtime.
+async fn blocking<R: Send + 'static>(
+    call: impl FnOnce() -> idemdb::Result<R> + Send + 'static,
+) -> idemdb::Result<R> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => runtime.spawn_blocking(call).await.unwrap_or_else(|_| {
+            Err(idemdb::Error::Storage {
+                kind: idemdb::StorageErrorKind::Other,
+                detail: "a blocking store call panicked".into(),
+            })
+        }),
+        Err(_) => call(),
+    }
+}
+
+/// A stored response, replayed: its status, kept headers and body, marked as a replay.
+fn replay<B: From<Bytes>>(stored: StoredResponse) -> Response<B> {
+    let mut response = Response::new(B::from(stored.body));
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        headers.append(name, value);
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+/// What a failed store call answers. Nothing was committed.
+fn store_failure(error: &idemdb::Error) -> Rejection {
+    tracing::warn!(target: "idemdb_http", %error, "the store failed a request");
+    Rejection::StoreUnavailable {
+        retryable: error.is_retryable(),
+    }
+}

@@ -1,0 +1,103 @@
+//! HTTP idempotency keys for tower services (axum, tonic, hyper-util), on idemdb: a retry of a
+//! request either replays the response its first attempt stored or runs the handler for the
+//! first time, never both, and **the handler's writes and its stored response commit in one
+//! write batch**. A crash between the two cannot leave effects without a response to replay,
+//! or a response without its effects.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum::{Extension, Router, body::Bytes, http::StatusCode, routing::post};
+//! use idemdb::{Engine, TableOptions};
+//! use idemdb_http::{IdempotencyLayer, IdempotentRequest, Principal};
+//! # use tower::ServiceExt;
+//!
+//! let dir = tempfile::tempdir()?;
+//! let engine = Engine::builder(dir.path())
+//!     .business_table(TableOptions::new("payments"))
+//!     .open()?;
+//! let payments = engine.business_table("payments")?;
+//!
+//! // Keys are scoped by the caller: here an `X-Tenant` header an authenticating layer in
+//! // front has checked. A request without one is refused with 401.
+//! let layer = IdempotencyLayer::new(engine.consumer("payments")?, |request| {
+//!     let tenant = request.headers.get("x-tenant")?;
+//!     Principal::new(tenant.as_bytes()).ok()
+//! });
+//!
+//! let app = Router::new()
+//!     .route(
+//!         "/payments",
+//!         post(move |Extension(request): Extension<IdempotentRequest>, body: Bytes| async move {
+//!             // Staged on the request's claim: written with the response below, or not at all.
+//!             let id = request.derive_key("payment").map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+//!             request.put(&payments, &id, &body).map_err(|_| StatusCode::BAD_REQUEST)?;
+//!             Ok::<_, StatusCode>((StatusCode::CREATED, id))
+//!         }),
+//!     )
+//!     .layer(layer);
+//!
+//! let send = || {
+//!     axum::http::Request::post("/payments")
+//!         .header("x-tenant", "acme")
+//!         .header("idempotency-key", "\"8e03978e\"")
+//!         .body(axum::body::Body::from("{\"amount\": 100}"))
+//!         .unwrap()
+//! };
+//! let first = app.clone().oneshot(send()).await?;
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! let retry = app.oneshot(send()).await?; // the handler does not run again
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What a request gets
+//!
+//! The statuses are those of the IETF httpapi draft "The Idempotency-Key HTTP Header Field";
+//! the layer's own answers are [`Rejection`]s, sent as RFC 9457 problems.
+//!
+//! | request | answer |
+//! |---|---|
+//! | first with its key | the handler runs; a `2xx` response (and any status [`IdempotencyLayer::store_when`] adds) is stored with the handler's writes, in one batch |
+//! | retry after the first completed, same request | the stored status, kept headers ([`IdempotencyLayer::replay_headers`]) and body, byte for byte, with `Idempotent-Replayed: true`; the handler does not run |
+//! | same key, another request (method, path, query or body; [`IdempotencyLayer::fingerprint`]) | `422` |
+//! | retry while the first is being processed | `409` with `Retry-After` |
+//! | no key on a route that requires one (the default) | `400`; with [`IdempotencyLayer::key_optional`] the request passes through untouched |
+//! | two keys, an empty one, one over [`KEY_BYTES_MAX`] bytes or not visible ASCII | `400` |
+//! | no principal for the request | `401` |
+//! | request body over [`IdempotencyLayer::request_body_limit`] | `413`; the handler does not run |
+//! | the handler answers `5xx`, or a status not stored | the response goes out; nothing is stored, the handler's writes are dropped and the key is free: a retry runs the handler again |
+//! | the handler's future is dropped (client gone, timeout, panic) | nothing is stored and the key is free |
+//! | a response to store over [`IdempotencyLayer::response_body_limit`] | `500` instead of it; nothing is stored and the key is free |
+//! | the store fails | `503` (with `Retry-After` when transient); nothing is stored |
+//! | on the lease path, the handler outlives its lease | `503` with `Retry-After`; a retry gets the response of the request that took over |
+//!
+//! **The key is scoped by a principal.** [`IdempotencyLayer::new`] takes the function that finds
+//! a request's [`Principal`] (the authenticated tenant or client): the same key from two
+//! principals names two requests, so one client is never answered with another's response.
+//!
+//! **Retention.** A stored response is kept for the engine's retention
+//! (`EngineBuilder::retention`, 7 days by default) and expires exactly then, whether or not
+//! compaction has removed it yet: a retry after that runs the handler again. Tell clients, as
+//! the draft asks (in the API's documentation).
+//!
+//! **In progress is the claim's latch** on the batch path: the key is held in this process while
+//! the handler runs. One process owns a store; shard keys across processes, or use the lease
+//! path ([`IdempotencyLayer::with_lease`]) for handlers with effects outside the batch, whose
+//! lease also holds the key across a restart of the process.
+
+mod handle;
+mod key;
+mod layer;
+mod rejection;
+mod stored;
+
+pub use handle::{IdempotentRequest, StageError};
+pub use key::{IDEMPOTENCY_KEY, InvalidPrincipal, KEY_BYTES_MAX, PRINCIPAL_BYTES_MAX, Principal};
+pub use layer::{
+    IDEMPOTENT_REPLAYED, Idempotency, IdempotencyLayer, REQUEST_BODY_BYTES_DEFAULT,
+    RESPONSE_BODY_BYTES_DEFAULT, RETRY_AFTER_DEFAULT,
+};
+pub use rejection::Rejection;
