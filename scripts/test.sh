@@ -17,6 +17,7 @@ if [ -x "$cycles" ]; then
     "$cycles" src
     "$cycles" postgres/src
     "$cycles" e2e/src
+    "$cycles" http/src
 else
     echo "== module cycles skipped ($cycles not found beside the checkout)"
 fi
