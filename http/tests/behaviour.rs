@@ -1,4 +1,5 @@
-//! The layer's behaviour, row by row of the crate docs' table, through an axum router.
+//! The layer's behaviour, row by row of the crate docs' table: an axum router behind the layer,
+//! served on 127.0.0.1, and hyper's HTTP/1 client, one connection per request.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,10 +11,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
 use http_body_util::BodyExt;
-use idemdb::{BusinessTable, Engine, MockClock, TableOptions};
+use hyper_util::rt::TokioIo;
+use idemdb::{BusinessTable, Engine, MockClock, TableOptions, merge_ops};
 use idemdb_http::{IdempotencyLayer, IdempotentRequest, Principal, StageError};
 use tokio::sync::Notify;
-use tower::ServiceExt;
 
 /// The store, the handler's counters and the router under test.
 struct App {
@@ -22,7 +23,43 @@ struct App {
     store: Option<(Engine, BusinessTable)>,
     clock: MockClock,
     state: Arc<State>,
-    router: Router,
+    server: Option<Server>,
+}
+
+/// The router served on a port of 127.0.0.1 the system chose.
+struct Server {
+    address: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    fn start(router: Router) -> Server {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let address = listener.local_addr().unwrap();
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+        Server {
+            address,
+            stop,
+            task,
+        }
+    }
+
+    /// Stops serving and waits until the router (and the store handles it holds) is gone.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap();
+    }
 }
 
 /// What the handler shares with the test.
@@ -45,6 +82,9 @@ fn open(dir: &std::path::Path, clock: &MockClock) -> Engine {
         .clock(clock.clone())
         .retention(Duration::from_secs(3600))
         .business_table(TableOptions::new("payments"))
+        .business_table(
+            TableOptions::new("effects").associative_merge_operator("add_u64", merge_ops::add_u64),
+        )
         .open()
         .unwrap()
 }
@@ -59,14 +99,14 @@ impl App {
         let clock = MockClock::new(START_MS);
         let engine = open(dir.path(), &clock);
         let state = Arc::new(State::default());
-        let router = router(&engine, &state, configure);
+        let server = Some(Server::start(router(&engine, &state, configure)));
         let payments = engine.business_table("payments").unwrap();
         App {
             dir,
             store: Some((engine, payments)),
             clock,
             state,
-            router,
+            server,
         }
     }
 
@@ -84,15 +124,40 @@ impl App {
     }
 
     async fn send(&self, request: Request<Body>) -> Reply {
-        Reply::of(self.router.clone().oneshot(request).await.unwrap()).await
+        self.try_send(request)
+            .await
+            .expect("the server closed the connection")
     }
 
-    /// Drops the router and the engine, and opens the store again behind a new router.
-    fn reopen(&mut self, configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) {
-        self.router = Router::new();
+    /// Sends `request` on a new connection: `None` if the server closed it without an answer.
+    async fn try_send(&self, request: Request<Body>) -> Option<Reply> {
+        let address = self.server.as_ref().unwrap().address;
+        let (mut parts, body) = request.into_parts();
+        parts
+            .headers
+            .insert("host", HeaderValue::from_static("localhost"));
+        let body = body.collect().await.unwrap().to_bytes();
+        let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let request = Request::from_parts(parts, http_body_util::Full::new(body));
+        let response = sender.send_request(request).await.ok()?;
+        let (parts, body) = response.into_parts();
+        Some(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.ok()?.to_bytes(),
+        })
+    }
+
+    /// Stops the server, closes the store, opens it again and serves it behind a new router.
+    async fn reopen(&mut self, configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) {
+        self.server.take().unwrap().stop().await;
         drop(self.store.take());
         let engine = open(self.dir.path(), &self.clock);
-        self.router = router(&engine, &self.state, configure);
+        self.server = Some(Server::start(router(&engine, &self.state, configure)));
         let payments = engine.business_table("payments").unwrap();
         self.store = Some((engine, payments));
     }
@@ -107,12 +172,15 @@ fn router(
         engine.consumer("payments").unwrap(),
         tenant,
     ));
-    let payments = engine.business_table("payments").unwrap();
+    let tables = Tables {
+        payments: engine.business_table("payments").unwrap(),
+        effects: engine.business_table("effects").unwrap(),
+    };
     let state = state.clone();
     let handler =
         move |request: Option<Extension<IdempotentRequest>>, headers: HeaderMap, body: Bytes| {
-            let (payments, state) = (payments.clone(), state.clone());
-            async move { handle(&payments, &state, request.map(|e| e.0), &headers, &body).await }
+            let (tables, state) = (tables.clone(), state.clone());
+            async move { handle(&tables, &state, request.map(|e| e.0), &headers, &body).await }
         };
     Router::new()
         .route("/payments", post(handler.clone()))
@@ -120,9 +188,19 @@ fn router(
         .layer(layer)
 }
 
-/// The handler: stages a row for its run, and answers as the request's `x-` headers say.
+/// The tables the handler writes.
+#[derive(Clone)]
+struct Tables {
+    /// A row per run (`run-N`), with the request's body.
+    payments: BusinessTable,
+    /// A count per idempotency key, merged once per run.
+    effects: BusinessTable,
+}
+
+/// The handler: stages a row for its run and one more effect on its key, and answers as the
+/// request's `x-` headers say.
 async fn handle(
-    payments: &BusinessTable,
+    tables: &Tables,
     state: &State,
     request: Option<IdempotentRequest>,
     headers: &HeaderMap,
@@ -132,7 +210,17 @@ async fn handle(
     let Some(request) = request else {
         return (StatusCode::OK, format!("run {run} without a key")).into_response();
     };
-    request.put(payments, format!("run-{run}"), body).unwrap();
+    request
+        .put(&tables.payments, format!("run-{run}"), body)
+        .unwrap();
+    let key = headers.get("idempotency-key").unwrap().as_bytes();
+    request
+        .merge(&tables.effects, key, 1u64.to_be_bytes())
+        .unwrap();
+    if let Some(ms) = headers.get("x-sleep-ms") {
+        let ms = ms.to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     *state.kept.lock() = Some(request.clone());
     if headers.contains_key("x-wait") {
         state.reached.notify_one();
@@ -176,21 +264,26 @@ struct Reply {
 }
 
 impl Reply {
-    async fn of(response: Response) -> Reply {
-        let (parts, body) = response.into_parts();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body: body.collect().await.unwrap().to_bytes(),
-        }
-    }
-
     fn replayed(&self) -> bool {
         self.headers.get("idempotent-replayed") == Some(&HeaderValue::from_static("true"))
     }
 
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl App {
+    /// How many times the handler's effect on `key` was committed.
+    fn effects_of(&self, key: &str) -> u64 {
+        let (engine, _) = self.store.as_ref().unwrap();
+        let effects = engine.business_table("effects").unwrap();
+        effects
+            .get(key)
+            .unwrap()
+            .as_deref()
+            .and_then(merge_ops::read_u64)
+            .unwrap_or(0)
     }
 }
 
@@ -389,6 +482,19 @@ async fn a_4xx_chosen_for_storing_is_stored_with_its_writes_and_a_5xx_never_is()
     assert!(!always.send(pay("k1", &[])).await.replayed());
 }
 
+/// Sends `request` until the answer is not `409`: the server drops a request's future once it
+/// sees its connection closed, which it learns on its own time.
+async fn send_until_not_in_progress(app: &App, request: impl Fn() -> Request<Body>) -> Reply {
+    for _ in 0..500 {
+        let reply = app.send(request()).await;
+        if reply.status != StatusCode::CONFLICT {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the key stayed in progress for 5 s after its request was dropped");
+}
+
 #[tokio::test]
 async fn a_dropped_request_stores_nothing_and_frees_the_key() {
     let app = Arc::new(App::new(|layer| layer));
@@ -397,10 +503,10 @@ async fn a_dropped_request_stores_nothing_and_frees_the_key() {
         async move { app.send(pay("k1", &[("x-wait", "1")])).await }
     });
     app.state.reached.notified().await;
-    // The client went away: hyper drops the request's future, as abort does here.
+    // The client goes away: its connection closes, and the server drops the request's future.
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
-    let retry = app.send(pay("k1", &[])).await;
+    let retry = send_until_not_in_progress(&app, || pay("k1", &[])).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
     assert!(
@@ -412,14 +518,10 @@ async fn a_dropped_request_stores_nothing_and_frees_the_key() {
 
 #[tokio::test]
 async fn a_handler_that_panics_stores_nothing_and_frees_the_key() {
-    let app = Arc::new(App::new(|layer| layer));
-    let panicked = tokio::spawn({
-        let app = app.clone();
-        async move { app.send(pay("k1", &[("x-panic", "1")])).await }
-    })
-    .await;
-    assert!(panicked.unwrap_err().is_panic());
-    let retry = app.send(pay("k1", &[])).await;
+    let app = App::new(|layer| layer);
+    // The connection's task unwinds: the client gets no answer.
+    assert!(app.try_send(pay("k1", &[("x-panic", "1")])).await.is_none());
+    let retry = send_until_not_in_progress(&app, || pay("k1", &[])).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!app.row_of_run(1));
     assert!(app.row_of_run(2));
@@ -462,7 +564,7 @@ async fn bodies_over_the_limits_are_refused_and_nothing_is_stored() {
 async fn a_stored_response_outlives_a_reopen_and_expires_exactly_at_the_retention() {
     let mut app = App::new(|layer| layer);
     let first = app.send(pay("k1", &[])).await;
-    app.reopen(|layer| layer);
+    app.reopen(|layer| layer).await;
     let after_reopen = app.send(pay("k1", &[])).await;
     assert!(after_reopen.replayed());
     assert_eq!(after_reopen.body, first.body);
@@ -552,19 +654,70 @@ async fn on_the_lease_path_a_5xx_or_a_dropped_request_releases_the_lease() {
     app.state.reached.notified().await;
     dropped.abort();
     assert!(dropped.await.unwrap_err().is_cancelled());
-    // The release runs on a blocking thread: the key is free once it has (no clock moves).
-    let mut attempts = 0;
-    let after = loop {
-        let reply = app.send(pay("k2", &[])).await;
-        if reply.status != StatusCode::CONFLICT || attempts == 500 {
-            break reply;
-        }
-        attempts += 1;
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    // The release runs on a blocking thread once the server dropped the request's future: the
+    // key is free once it has (no clock moves).
+    let after = send_until_not_in_progress(&app, || pay("k2", &[])).await;
     assert_eq!(after.status, StatusCode::CREATED, "{}", after.text());
     assert!(
         !app.row_of_run(3),
         "the dropped request's write was committed"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_clients_racing_on_the_same_keys_get_one_effect_per_key_and_one_answer() {
+    const KEYS: usize = 16;
+    const CLIENTS_PER_KEY: usize = 24;
+    let app = Arc::new(App::new(|layer| layer));
+    let mut clients = Vec::new();
+    for key in 0..KEYS {
+        for client in 0..CLIENTS_PER_KEY {
+            // One client in four reuses the key for another payment.
+            let payload = if client % 4 == 3 { "other" } else { "same" };
+            let app = app.clone();
+            clients.push(tokio::spawn(async move {
+                let key = format!("key-{key}");
+                let request = || {
+                    post_to(
+                        "/payments",
+                        Some(&key),
+                        &format!("{{\"payload\":\"{payload}\"}}"),
+                        &[("x-sleep-ms", "2")],
+                    )
+                };
+                // A client retries a 409 as the draft asks, and keeps the first other answer.
+                for _ in 0..2_000 {
+                    let reply = app.send(request()).await;
+                    if reply.status != StatusCode::CONFLICT {
+                        return (key, payload, reply);
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                panic!("{key}: still 409 after 2000 tries");
+            }));
+        }
+    }
+    let mut replies: std::collections::HashMap<String, Vec<(&str, Reply)>> = Default::default();
+    for client in clients {
+        let (key, payload, reply) = client.await.unwrap();
+        replies.entry(key).or_default().push((payload, reply));
+    }
+    assert_eq!(app.runs(), KEYS, "the handler ran more than once for a key");
+    for (key, replies) in &replies {
+        assert_eq!(app.effects_of(key), 1, "{key}: effects committed");
+        let firsts: Vec<_> = replies
+            .iter()
+            .filter(|(_, reply)| reply.status == StatusCode::CREATED && !reply.replayed())
+            .collect();
+        assert_eq!(firsts.len(), 1, "{key}: one request ran the handler");
+        let (winner, first) = firsts[0];
+        for (payload, reply) in replies {
+            if payload == winner {
+                assert_eq!(reply.status, StatusCode::CREATED, "{key}: {}", reply.text());
+                assert_eq!(reply.body, first.body, "{key}: another response replayed");
+            } else {
+                assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY, "{key}");
+            }
+        }
+    }
 }
