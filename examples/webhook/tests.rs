@@ -156,9 +156,9 @@ async fn missing_or_unusable_key_is_400() {
     let longest = "k".repeat(KEY_BYTES_MAX);
     let cases: [(&[&str], &str); 5] = [
         (&[], "required"),
-        (&["\"\""], "1 to 255 visible ASCII"),
-        (&[too_long.as_str()], "1 to 255 visible ASCII"),
-        (&["two words"], "1 to 255 visible ASCII"),
+        (&["\"\""], "1 to 255 ASCII characters"),
+        (&[too_long.as_str()], "1 to 255 ASCII characters"),
+        (&["two words"], "1 to 255 ASCII characters"),
         (&["delivery-1", "delivery-2"], "exactly one"),
     ];
     for (keys, reason) in cases {

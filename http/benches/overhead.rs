@@ -57,7 +57,10 @@ async fn by_hand(State(tables): State<Tables>, headers: HeaderMap, body: Bytes) 
     let Some(key) = headers.get("idempotency-key") else {
         return StatusCode::BAD_REQUEST.into_response();
     };
-    match tables.consumer.begin(key.as_bytes(), Fingerprint::of(&body)) {
+    match tables
+        .consumer
+        .begin(key.as_bytes(), Fingerprint::of(&body))
+    {
         Ok(Outcome::Fresh(mut claim)) => {
             let id = claim.derive_key("payment");
             if claim.put(&tables.payments, &id, &body).is_err() {
@@ -169,6 +172,9 @@ async fn measure(
     )
 }
 
+/// A contender at a concurrency, `(path, clients)`, with each round's (req/s, p50 us, p99 us).
+type Cell = ((&'static str, usize), Vec<(f64, f64, f64)>);
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -199,8 +205,7 @@ async fn main() {
 
     let duration = Duration::from_secs_f64(args.seconds);
     let contenders = ["/by-hand", "/layer"];
-    // (contender, clients) -> per round (msg/s, p50, p99)
-    let mut cells: Vec<((&str, usize), Vec<(f64, f64, f64)>)> = contenders
+    let mut cells: Vec<Cell> = contenders
         .iter()
         .flat_map(|&path| CONCURRENCY.map(|clients| ((path, clients), Vec::new())))
         .collect();

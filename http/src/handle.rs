@@ -144,7 +144,9 @@ impl IdempotentRequest {
     }
 
     /// The epoch the request's record will have: 1 for a key's first request, one more for
-    /// each takeover of a lease that ran out.
+    /// each lease held on the key before (taken over after it ran out, or released after a
+    /// response that was not stored). On the batch path a response not stored leaves no
+    /// record, so a retry's epoch stays 1.
     ///
     /// # Errors
     /// [`StageError::ClaimGone`] after the handler returned.

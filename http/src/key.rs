@@ -8,8 +8,8 @@ use http::header::HeaderName;
 /// Header Field").
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
-/// The longest idempotency key accepted, in bytes (after the quotes of the draft's string form
-/// are taken off). Clients send UUIDs (36 bytes) or similar; 255 leaves room for any scheme a
+/// The longest idempotency key accepted, in bytes (after the quotes and escapes of the draft's
+/// string form are taken off). Clients send UUIDs (36 bytes) or similar; 255 leaves room for any scheme a
 /// client may use and keeps the stored key within idemdb's limit with the longest principal.
 pub const KEY_BYTES_MAX: usize = 255;
 
@@ -64,13 +64,13 @@ pub(crate) enum KeyProblem {
     /// More than one header: which one the client meant is a guess, and a wrong guess would
     /// replay another request's response.
     Repeated,
-    /// Empty, longer than [`KEY_BYTES_MAX`], or not a valid string.
+    /// Empty, longer than [`KEY_BYTES_MAX`], or neither a valid string nor a bare token.
     Malformed,
 }
 
 /// The request's key: `None` without the header. The draft's structured-field string form
-/// (`"8e03978e"`, with `\"` and `\\` escapes) and a bare token (`8e03978e`) name the same key;
-/// both must be visible ASCII.
+/// (`"8e03978e"`: printable ASCII, spaces included, with `\"` and `\\` escapes) and a bare
+/// token (`8e03978e`: visible ASCII, no spaces or double quotes) name the same key.
 pub(crate) fn request_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, KeyProblem> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
@@ -81,7 +81,13 @@ pub(crate) fn request_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, KeyPro
     }
     let key = match value.as_bytes() {
         [b'"', inner @ .., b'"'] => unescape(inner)?,
-        bare if bare.iter().all(|byte| (0x21..=0x7e).contains(byte)) => bare.to_vec(),
+        // A lone or unbalanced double quote is a broken string, not part of a token.
+        bare if bare
+            .iter()
+            .all(|&byte| (0x21..=0x7e).contains(&byte) && byte != b'"') =>
+        {
+            bare.to_vec()
+        }
         _ => return Err(KeyProblem::Malformed),
     };
     if key.is_empty() || key.len() > KEY_BYTES_MAX {
@@ -150,6 +156,9 @@ mod tests {
         assert_eq!(key_of(&[b"\"a\\b\""]), Err(KeyProblem::Malformed));
         assert_eq!(key_of(&[b"\"a\"b\""]), Err(KeyProblem::Malformed));
         assert_eq!(key_of(&[b"a b"]), Err(KeyProblem::Malformed));
+        assert_eq!(key_of(&[b"\"a b\""]), Ok(Some(b"a b".to_vec())));
+        assert_eq!(key_of(&[b"\"abc"]), Err(KeyProblem::Malformed));
+        assert_eq!(key_of(&[b"\""]), Err(KeyProblem::Malformed));
         assert_eq!(key_of(&[&[0xc3, 0xa9]]), Err(KeyProblem::Malformed));
         assert_eq!(
             key_of(&[&[b'k'; KEY_BYTES_MAX]]),

@@ -69,8 +69,9 @@ impl IdempotencyLayer {
     /// endpoints sharing keys; its engine's retention is how long a response is kept), scoped
     /// by the principal `principal` finds for each request: typically the authenticated
     /// tenant or API client from a request extension an earlier layer put there. A request
-    /// without one is refused with `401` ([`Rejection::NoPrincipal`]). A service that truly has
-    /// one caller gives a constant principal, which is a decision made here, in sight.
+    /// without one is refused with `401` ([`Rejection::NoPrincipal`]); the key is checked
+    /// first, so a request with neither gets the key's `400`. A service that truly has one
+    /// caller gives a constant principal, which is a decision made here, in sight.
     pub fn new(
         consumer: Consumer,
         principal: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
@@ -96,8 +97,10 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Lets requests without an `Idempotency-Key` through to the handler, untouched and
-    /// without an [`IdempotentRequest`] (by default they are refused with `400`).
+    /// Lets requests without an `Idempotency-Key` through to the handler, untouched: no
+    /// principal is asked for, the body is not read or limited, and the handler gets no
+    /// [`IdempotentRequest`] (by default they are refused with `400`). A request with a key is
+    /// handled as on any route, a malformed key refused with `400`.
     #[must_use]
     pub fn key_optional(self) -> IdempotencyLayer {
         self.with(|policy| policy.key_required = false)
@@ -134,8 +137,10 @@ impl IdempotencyLayer {
     }
 
     /// The response headers stored and replayed with the status and body (every value of
-    /// each). Default: `content-type` and `location`. Headers describing the connection or
-    /// the moment (`date`, `set-cookie` of a session) are usually better left out.
+    /// each, in order), replacing the default list: `content-type` and `location`. Headers
+    /// describing the connection or the moment (`date`, `set-cookie` of a session) are usually
+    /// better left out. A kept header value over 64 KiB cannot be stored: the response is
+    /// answered as one over the size limit (`500`, nothing stored, the key free).
     #[must_use]
     pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> IdempotencyLayer {
         let names = names.into_iter().collect();
@@ -152,11 +157,15 @@ impl IdempotencyLayer {
         self.with(|policy| policy.fingerprint = Arc::new(fingerprint))
     }
 
-    /// The `Retry-After` of a `409` (a retry while the first request is in progress), whole
-    /// seconds. Default [`RETRY_AFTER_DEFAULT`].
+    /// The `Retry-After` of a `409` (a retry while the first request is in progress) and of a
+    /// retryable `503`: whole seconds, rounded up, at least 1. Default [`RETRY_AFTER_DEFAULT`].
     #[must_use]
     pub fn retry_after(self, after: Duration) -> IdempotencyLayer {
-        self.with(|policy| policy.retry_after_s = after.as_secs())
+        let seconds = after
+            .as_secs()
+            .saturating_add(u64::from(after.subsec_nanos() > 0))
+            .max(1);
+        self.with(|policy| policy.retry_after_s = seconds)
     }
 
     /// The lease path, for handlers with effects outside the write batch (a payment provider's
@@ -165,10 +174,11 @@ impl IdempotencyLayer {
     /// gets `409`, from this process or any other opening the store after a restart. Once the
     /// lease runs out, a retry takes the key over under a new epoch and runs the handler
     /// again: downstream calls made with [`IdempotentRequest::derive_key`] repeat with the
-    /// same key, so a downstream service that deduplicates does the work once. The request
-    /// that outlived its lease cannot store its response: it gets `503`
-    /// ([`Rejection::LeaseLost`]). A dropped request releases its lease. Each lease costs two
-    /// synced writes (taking it, completing it) against the batch path's one.
+    /// same key, so a downstream service that deduplicates does the work once. A request that
+    /// outlived its lease and was taken over cannot store its response: it gets `503`
+    /// ([`Rejection::LeaseLost`]) and its writes are dropped; one that outlived its lease with
+    /// no takeover stores its response as usual. A dropped request releases its lease. Each
+    /// lease costs two synced writes (taking it, completing it) against the batch path's one.
     #[must_use]
     pub fn with_lease(self, lease: Duration, holder: impl AsRef<[u8]>) -> IdempotencyLayer {
         let holder: Arc<[u8]> = holder.as_ref().into();

@@ -65,14 +65,14 @@
 //! | same key, another request (method, path, query or body; [`IdempotencyLayer::fingerprint`]) | `422` |
 //! | retry while the first is being processed | `409` with `Retry-After` |
 //! | no key on a route that requires one (the default) | `400`; with [`IdempotencyLayer::key_optional`] the request passes through untouched |
-//! | two keys, an empty one, one over [`KEY_BYTES_MAX`] bytes or not visible ASCII | `400` |
+//! | two keys, an empty one, one over [`KEY_BYTES_MAX`] bytes, or neither a quoted string of printable ASCII nor a bare token of visible ASCII | `400` (checked before the principal) |
 //! | no principal for the request | `401` |
 //! | request body over [`IdempotencyLayer::request_body_limit`] | `413`; the handler does not run |
 //! | the handler answers `5xx`, or a status not stored | the response goes out; nothing is stored, the handler's writes are dropped and the key is free: a retry runs the handler again |
 //! | the handler's future is dropped (client gone, timeout, panic) | nothing is stored and the key is free |
 //! | a response to store over [`IdempotencyLayer::response_body_limit`] | `500` instead of it; nothing is stored and the key is free |
 //! | the store fails | `503` (with `Retry-After` when transient); nothing is stored |
-//! | on the lease path, the handler outlives its lease | `503` with `Retry-After`; a retry gets the response of the request that took over |
+//! | on the lease path, the handler outlives its lease and another request takes the key over | `503` with `Retry-After`, its writes dropped; a retry gets the response of the request that took over |
 //!
 //! **The key is scoped by a principal.** [`IdempotencyLayer::new`] takes the function that finds
 //! a request's [`Principal`] (the authenticated tenant or client): the same key from two

@@ -17,8 +17,9 @@ pub enum Rejection {
     /// `400`: more than one `Idempotency-Key` header.
     #[error("send exactly one Idempotency-Key header")]
     KeyRepeated,
-    /// `400`: an empty key, one over [`crate::KEY_BYTES_MAX`] bytes, or not visible ASCII.
-    #[error("the Idempotency-Key must be 1 to 255 visible ASCII characters")]
+    /// `400`: an empty key, one over [`crate::KEY_BYTES_MAX`] bytes, or neither a quoted string
+    /// of printable ASCII nor a bare token of visible ASCII (no spaces, no double quotes).
+    #[error("the Idempotency-Key must be 1 to 255 ASCII characters, quoted or a bare token")]
     KeyMalformed,
     /// `401`: the layer's principal function found no principal for the request.
     #[error("the request has no principal to scope its Idempotency-Key by")]
@@ -29,8 +30,8 @@ pub enum Rejection {
     /// `400`: the request's body failed while it was read.
     #[error("the request body could not be read")]
     RequestBodyUnreadable,
-    /// `422`: the key was used before for a different request (method, path or body, by the
-    /// layer's fingerprint). Use a new key for a new request.
+    /// `422`: the key was used before for a different request (method, path, query or body, by
+    /// the layer's fingerprint). Use a new key for a new request.
     #[error("this Idempotency-Key was already used for a different request")]
     KeyReused,
     /// `409` with `Retry-After`: a request with this key is being processed now.
@@ -50,8 +51,9 @@ pub enum Rejection {
         retryable: bool,
     },
     /// `503` with `Retry-After`: on the lease path, the handler outlived its lease and another
-    /// request took the key over; this one's response is not stored. A retry gets the
-    /// other's response once it completes.
+    /// request took the key over; this one's response is not stored and its writes are
+    /// dropped. A retry gets the other's response once it completes. (A handler that outlived
+    /// its lease with no takeover stores its response as usual: nobody else ran.)
     #[error("the request outlived its lease; retry with the same Idempotency-Key")]
     LeaseLost,
     /// `500`: the response stored for the key does not decode.

@@ -1,0 +1,515 @@
+//! Crashes: a server process behind the layer SIGKILLed at random moments and right after its
+//! commits while clients retry, restarted on the same store; at the end every key's effect is
+//! counted in the store. Nothing lost, nothing applied twice, every replayed response equal to
+//! the first. The negative control stores the response after the effects, outside their batch,
+//! and the same check must catch it applying effects twice.
+//!
+//! The server is this test binary run again as a child (`child_server`, which does nothing
+//! unless `IDEMDB_HTTP_CHILD` is set). Sizes: `IDEMDB_HTTP_CRASH_KEYS` (default 3000) keys sent
+//! by 16 clients; a random kill every 10-50 ms of serving, and each response's commit followed
+//! by a SIGKILL with probability `IDEMDB_HTTP_CRASH_AFTER_COMMIT_PERMILLE` (default 2).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Router};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use idemdb::{BusinessTable, Consumer, Engine, Fingerprint, Outcome, TableOptions, merge_ops};
+use idemdb_http::{IdempotencyLayer, IdempotentRequest, Principal};
+
+const CHILD: &str = "IDEMDB_HTTP_CHILD";
+const CLIENTS: usize = 16;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+fn open(dir: &Path) -> Engine {
+    Engine::builder(dir)
+        .business_table(TableOptions::new("payments"))
+        .business_table(
+            TableOptions::new("effects").associative_merge_operator("add_u64", merge_ops::add_u64),
+        )
+        .open()
+        .unwrap()
+}
+
+/// A small generator, seeded: no dependency for the few random numbers the run needs.
+struct Random(u64);
+
+impl Random {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    (nanos ^ u64::from(std::process::id())) | 1
+}
+
+fn kill_myself() -> ! {
+    // SAFETY: kill(2) on this process's own pid; SIGKILL ends it here.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!("SIGKILL did not end the process")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child: a server on the store, until it is killed.
+
+#[derive(Clone)]
+struct Served {
+    payments: BusinessTable,
+    effects: BusinessTable,
+    /// The negative control's records: the effects' own claims, and the stored responses.
+    attempts: Consumer,
+    responses: Consumer,
+    /// Each run's response names the process and the run: a second run differs.
+    runs: Arc<AtomicU64>,
+    after_commit_permille: u64,
+    random: Arc<parking_lot::Mutex<Random>>,
+}
+
+impl Served {
+    fn die_now(&self) -> bool {
+        self.random.lock().below(1000) < self.after_commit_permille
+    }
+
+    fn response_body(&self, key: &[u8]) -> String {
+        let run = self.runs.fetch_add(1, Ordering::SeqCst);
+        format!(
+            "{{\"key\":\"{}\",\"process\":{},\"run\":{run}}}",
+            String::from_utf8_lossy(key),
+            std::process::id()
+        )
+    }
+}
+
+/// Behind the layer: the row and the effect staged, committed with the response.
+async fn with_layer(
+    State(served): State<Served>,
+    Extension(request): Extension<IdempotentRequest>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let key = headers["idempotency-key"].as_bytes().to_vec();
+    let id = request.derive_key("payment").unwrap();
+    request.put(&served.payments, &id, &body).unwrap();
+    request
+        .merge(&served.effects, &key, 1u64.to_be_bytes())
+        .unwrap();
+    (StatusCode::CREATED, served.response_body(&key)).into_response()
+}
+
+/// The negative control: the effects committed first (a claim of their own), the response
+/// stored after them by a second commit, as middleware that caches responses beside the
+/// handler's store does.
+async fn outside(State(served): State<Served>, headers: HeaderMap, body: Bytes) -> Response {
+    let key = headers["idempotency-key"].as_bytes().to_vec();
+    if let Ok(Some(record)) = served.responses.get(&key)
+        && let Some(result) = record.result()
+    {
+        return (StatusCode::CREATED, result.clone()).into_response();
+    }
+    let attempt = format!(
+        "{}-{}-{}",
+        String::from_utf8_lossy(&key),
+        std::process::id(),
+        served.runs.load(Ordering::SeqCst)
+    );
+    let Ok(Outcome::Fresh(mut effects)) = served.attempts.begin(&attempt, Fingerprint::of(&body))
+    else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    effects.put(&served.payments, &attempt, &body).unwrap();
+    effects
+        .merge(&served.effects, &key, 1u64.to_be_bytes())
+        .unwrap();
+    if effects.commit_async(b"").await.is_err() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    if served.die_now() {
+        kill_myself();
+    }
+    let response = served.response_body(&key);
+    match served.responses.begin(&key, Fingerprint::of(&body)) {
+        Ok(Outcome::Fresh(claim)) => match claim.commit_async(response.as_bytes()).await {
+            Ok(_) => (StatusCode::CREATED, response).into_response(),
+            Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        },
+        _ => StatusCode::CONFLICT.into_response(),
+    }
+}
+
+/// Runs the server of `IDEMDB_HTTP_CHILD`'s mode, writing its port to `IDEMDB_HTTP_PORT_FILE`.
+fn serve_until_killed(mode: &str) {
+    let dir = PathBuf::from(std::env::var("IDEMDB_HTTP_DIR").unwrap());
+    let port_file = PathBuf::from(std::env::var("IDEMDB_HTTP_PORT_FILE").unwrap());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async move {
+        let engine = open(&dir);
+        let served = Served {
+            payments: engine.business_table("payments").unwrap(),
+            effects: engine.business_table("effects").unwrap(),
+            attempts: engine.consumer("attempts").unwrap(),
+            responses: engine.consumer("responses").unwrap(),
+            runs: Arc::new(AtomicU64::new(0)),
+            after_commit_permille: env_or("IDEMDB_HTTP_CRASH_AFTER_COMMIT_PERMILLE", 2),
+            random: Arc::new(parking_lot::Mutex::new(Random(seed()))),
+        };
+        let router = match mode {
+            "layer" => {
+                let layer = IdempotencyLayer::new(engine.consumer("http").unwrap(), |_| {
+                    Principal::new("clients").ok()
+                });
+                // Outermost: runs once the layer has committed and before the client hears.
+                let after_commit = {
+                    let served = served.clone();
+                    move |response: Response| {
+                        let served = served.clone();
+                        async move {
+                            if response.status() == StatusCode::CREATED && served.die_now() {
+                                kill_myself();
+                            }
+                            response
+                        }
+                    }
+                };
+                Router::new()
+                    .route("/payments", post(with_layer))
+                    .layer(layer)
+                    .layer(axum::middleware::map_response(after_commit))
+                    .with_state(served)
+            }
+            _ => Router::new()
+                .route("/payments", post(outside))
+                .with_state(served),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let staged = port_file.with_extension("staged");
+        std::fs::write(&staged, port.to_string()).unwrap();
+        std::fs::rename(&staged, &port_file).unwrap();
+        axum::serve(listener, router).await.unwrap();
+    });
+}
+
+#[test]
+fn child_server() {
+    // The server the crash tests run as a child process; nothing when run as a test.
+    if let Ok(mode) = std::env::var(CHILD) {
+        serve_until_killed(&mode);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The parent: clients, kills, restarts, and the accounting.
+
+/// The server process and where it listens.
+struct Server {
+    mode: &'static str,
+    dir: PathBuf,
+    port_file: PathBuf,
+    child: Option<Child>,
+    address: Arc<parking_lot::Mutex<Option<SocketAddr>>>,
+    /// SIGKILLs sent by the killer, and servers found dead of their own SIGKILL after a commit.
+    kills: u64,
+    self_kills: u64,
+}
+
+impl Server {
+    fn start(&mut self) {
+        let _ = std::fs::remove_file(&self.port_file);
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_server", "--nocapture", "--test-threads=1"])
+            .env(CHILD, self.mode)
+            .env("IDEMDB_HTTP_DIR", &self.dir)
+            .env("IDEMDB_HTTP_PORT_FILE", &self.port_file)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let port = loop {
+            if let Ok(port) = std::fs::read_to_string(&self.port_file) {
+                break port.parse::<u16>().unwrap();
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the server exited at start: {status}");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        *self.address.lock() = Some(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+
+    /// SIGKILLs the server (if it has not killed itself) and waits for it.
+    fn kill(&mut self) {
+        *self.address.lock() = None;
+        if let Some(mut child) = self.child.take() {
+            if child.try_wait().unwrap().is_some() {
+                self.self_kills += 1;
+            } else {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                self.kills += 1;
+            }
+        }
+    }
+
+    /// Whether the server ended on its own (a SIGKILL after a commit).
+    fn ended(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => child.try_wait().unwrap().is_some(),
+            None => true,
+        }
+    }
+}
+
+impl Drop for Server {
+    /// A failed run must not leave its server running (it holds the test's output open).
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What the clients saw, per key: the first 2xx body and how many later ones differed.
+#[derive(Default)]
+struct Seen {
+    first: HashMap<String, Bytes>,
+    replays: u64,
+    replay_mismatches: u64,
+}
+
+async fn send(address: SocketAddr, key: &str) -> Option<(StatusCode, Bytes)> {
+    let stream = tokio::net::TcpStream::connect(address).await.ok()?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
+    tokio::spawn(connection);
+    let request = Request::post("/payments")
+        .header("host", "localhost")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from(format!("{{\"order\":\"{key}\"}}"))))
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(5), sender.send_request(request))
+        .await
+        .ok()?
+        .ok()?;
+    let status = response.status();
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    Some((status, body))
+}
+
+/// Sends `key` until it gets a 2xx; connection failures, 409 and 503 are retried.
+async fn until_answered(address: &parking_lot::Mutex<Option<SocketAddr>>, key: &str) -> Bytes {
+    loop {
+        let current = *address.lock();
+        if let Some(current) = current
+            && let Some((status, body)) = send(current, key).await
+        {
+            if status.is_success() {
+                return body;
+            }
+            assert!(
+                status == StatusCode::CONFLICT || status == StatusCode::SERVICE_UNAVAILABLE,
+                "{key}: {status} {body:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+}
+
+struct Accounting {
+    keys: usize,
+    kills: u64,
+    self_kills: u64,
+    lost: usize,
+    applied_twice: usize,
+    replays: u64,
+    replay_mismatches: u64,
+}
+
+fn run(mode: &'static str) -> Accounting {
+    let keys = env_or("IDEMDB_HTTP_CRASH_KEYS", 3000) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let server = Arc::new(parking_lot::Mutex::new(Server {
+        mode,
+        dir: store.clone(),
+        port_file: dir.path().join("port"),
+        child: None,
+        address: Arc::new(parking_lot::Mutex::new(None)),
+        kills: 0,
+        self_kills: 0,
+    }));
+    server.lock().start();
+    let address = server.lock().address.clone();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The killer: a SIGKILL every 10-50 ms of serving, and a restart after each, also of a
+    // server that killed itself after a commit.
+    let killer = std::thread::spawn({
+        let (server, done) = (server.clone(), done.clone());
+        move || {
+            let mut random = Random(seed());
+            while !done.load(Ordering::SeqCst) {
+                let wait = 10 + random.below(40);
+                for _ in 0..wait {
+                    if done.load(Ordering::SeqCst) || server.lock().ended() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let mut server = server.lock();
+                server.kill();
+                if !done.load(Ordering::SeqCst) {
+                    server.start();
+                }
+            }
+        }
+    });
+    // However the run ends (a failed client panics), the killer stops, and the last handle on
+    // the server kills it.
+    let _stop_killer = StopOnDrop(done.clone());
+    let seen = Arc::new(parking_lot::Mutex::new(Seen::default()));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                let (next, address, seen) = (next.clone(), address.clone(), seen.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let n = next.fetch_add(1, Ordering::SeqCst);
+                        if n >= keys {
+                            break;
+                        }
+                        let key = format!("order-{n}");
+                        // The first answer, then a retry of it (a client that lost the first
+                        // answer would send exactly this).
+                        let first = until_answered(&address, &key).await;
+                        let again = until_answered(&address, &key).await;
+                        let mut seen = seen.lock();
+                        seen.replays += 1;
+                        if again != first {
+                            seen.replay_mismatches += 1;
+                        }
+                        seen.first.insert(key, first);
+                    }
+                })
+            })
+            .collect();
+        for client in clients {
+            client.await.unwrap();
+        }
+    });
+    done.store(true, Ordering::SeqCst);
+    killer.join().unwrap();
+    let (kills, self_kills) = {
+        let mut server = server.lock();
+        server.kill();
+        (server.kills, server.self_kills)
+    };
+    let engine = open(&store);
+    let effects = engine.business_table("effects").unwrap();
+    let (mut lost, mut applied_twice) = (0, 0);
+    for n in 0..keys {
+        let count = effects
+            .get(format!("order-{n}"))
+            .unwrap()
+            .as_deref()
+            .and_then(merge_ops::read_u64)
+            .unwrap_or(0);
+        match count {
+            0 => lost += 1,
+            1 => {}
+            _ => applied_twice += 1,
+        }
+    }
+    let seen = seen.lock();
+    Accounting {
+        keys,
+        kills,
+        self_kills,
+        lost,
+        applied_twice,
+        replays: seen.replays,
+        replay_mismatches: seen.replay_mismatches,
+    }
+}
+
+fn report(name: &str, accounting: &Accounting) {
+    println!(
+        "{name}: {} keys, {} SIGKILLs at random moments, {} right after a commit, lost = {}, applied twice = {}, replays {} of which differing = {}",
+        accounting.keys,
+        accounting.kills,
+        accounting.self_kills,
+        accounting.lost,
+        accounting.applied_twice,
+        accounting.replays,
+        accounting.replay_mismatches
+    );
+}
+
+#[test]
+fn a_server_sigkilled_while_clients_retry_loses_nothing_and_applies_nothing_twice() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let accounting = run("layer");
+    report("http crash", &accounting);
+    assert!(
+        accounting.kills >= 5 && accounting.self_kills >= 5,
+        "too few kills to mean anything"
+    );
+    assert_eq!(accounting.lost, 0);
+    assert_eq!(accounting.applied_twice, 0);
+    assert_eq!(accounting.replay_mismatches, 0);
+}
+
+#[test]
+fn negative_control_a_response_stored_after_the_effects_is_caught_applying_them_twice() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let accounting = run("outside");
+    report("http crash, negative control", &accounting);
+    assert!(
+        accounting.applied_twice > 0,
+        "the check did not catch effects applied twice with the response stored outside their batch"
+    );
+}
