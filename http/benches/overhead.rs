@@ -175,6 +175,21 @@ async fn measure(
 /// A contender at a concurrency, `(path, clients)`, with each round's (req/s, p50 us, p99 us).
 type Cell = ((&'static str, usize), Vec<(f64, f64, f64)>);
 
+/// The CPU and its cores, for the report.
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|line| line.starts_with("model name"))
+                .and_then(|line| line.split(':').nth(1))
+                .map(|name| name.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    format!("machine: {cpu}, {cores} cores; store in the system's temporary directory")
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -232,7 +247,7 @@ async fn main() {
         median(rounds.iter().map(pick).collect())
     };
     let mut md = format!(
-        "# The HTTP layer's overhead\n\nMade by `cargo bench -p idemdb-http --bench overhead -- \
+        "# The HTTP layer's overhead\n\n{}\n\nMade by `cargo bench -p idemdb-http --bench overhead -- \
          --seconds {} --rounds {}`: {} rounds, each running every contender once in the order \
          below, medians over the rounds. One durable store (`Durability::Sync`, the default \
          commit log) behind one axum server on 127.0.0.1; clients are tasks with one keep-alive \
@@ -241,7 +256,10 @@ async fn main() {
          `layer`: the same row staged on `IdempotentRequest` behind `IdempotencyLayer`.\n\n\
          | clients | by hand req/s | layer req/s | by hand p50 us | layer p50 us | layer / by hand p50 | by hand p99 us | layer p99 us |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        args.seconds, args.rounds, args.rounds
+        machine(),
+        args.seconds,
+        args.rounds,
+        args.rounds
     );
     for clients in CONCURRENCY {
         let hand_p50 = figure("/by-hand", clients, |f| f.1);
