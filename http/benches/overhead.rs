@@ -13,6 +13,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
@@ -108,6 +109,13 @@ fn args() -> Args {
             "--bench" => {}
             other => panic!("unknown argument {other} (--seconds S, --rounds N, --out DIR)"),
         }
+    }
+    // cargo runs a bench in its package's folder: a relative --out names a folder of the
+    // workspace, as the command in BENCHMARKS.md gives it.
+    if args.out.is_relative() {
+        args.out = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(&args.out);
     }
     args
 }
