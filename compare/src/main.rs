@@ -22,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::contenders::{Kind, Ports, Spec};
 use crate::report::{charts, machine};
 use crate::workloads::{Generator, Sample};
-use crate::workloads::{footprint, neighbour, pg_expiry, profile, scale, tuning};
+use crate::workloads::{footprint, http_peer, neighbour, pg_expiry, profile, scale, tuning};
 
 #[derive(Parser)]
 #[command(about = "Runs one dedup workload against idemdb and its peers, side by side")]
@@ -56,6 +56,8 @@ enum Command {
     NeighbourLoad(neighbour::LoadArgs),
     /// One embedded contender's deliveries on this thread, for callgrind (scripts/profile.sh).
     Profile(profile::ProfileArgs),
+    /// HTTP idempotency keys under concurrent retries: idemdb-http against axum-idempotent.
+    HttpPeer(http_peer::HttpPeerArgs),
     /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
     /// wal-options, read-options and pg-expiry with their defaults.
     All(PeersArgs),
@@ -119,6 +121,7 @@ fn main() -> Result<()> {
         }
         Command::Profile(args) => profile::run(&args)?,
         Command::Footprint(args) => footprint::run(&args)?,
+        Command::HttpPeer(args) => http_peer::run(&args)?,
         Command::Neighbour(args) => neighbour::run(&args)?,
         Command::NeighbourLoad(args) => neighbour::load(&args)?,
         Command::All(args) => {

@@ -8,6 +8,7 @@
 //! profiler).
 
 pub mod footprint;
+pub mod http_peer;
 pub mod neighbour;
 pub mod pg_expiry;
 pub mod profile;
