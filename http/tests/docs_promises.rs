@@ -267,6 +267,25 @@ async fn call(app: &Router, request: Request<Body>) -> Reply {
     }
 }
 
+/// Sends a request with `x-hold` (its handler waits at the gate) on a task of its own.
+fn spawn_held(
+    app: &Router,
+    key: &'static str,
+    body: &'static str,
+) -> tokio::task::JoinHandle<Reply> {
+    let app = app.clone();
+    tokio::spawn(async move {
+        call(
+            &app,
+            rq(key)
+                .header("x-hold", "1")
+                .body(Body::from(body))
+                .unwrap(),
+        )
+        .await
+    })
+}
+
 /// A POST to /p by tenant `acme` with `key` as the raw header value.
 fn rq(key: &str) -> axum::http::request::Builder {
     Request::post("/p")
@@ -983,19 +1002,7 @@ async fn the_same_key_sent_concurrently_runs_the_handler_exactly_once() {
 async fn retries_while_the_first_is_held_get_409_with_retry_after() {
     let mut fx = fx();
     let app = fx.app(fx.layer());
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let first = spawn_held(&app, "k1", "b");
     fx.entered.recv().await.unwrap();
     let mut retries = Vec::new();
     for _ in 0..16 {
@@ -1037,19 +1044,7 @@ async fn retry_after_sets_the_409_header_in_whole_seconds_rounded_up_at_least_on
     for (after, header) in [(7_900, "8"), (7_000, "7"), (1, "1"), (0, "1")] {
         let mut fx = fx();
         let app = fx.app(fx.layer().retry_after(Duration::from_millis(after)));
-        let first = {
-            let app = app.clone();
-            tokio::spawn(async move {
-                call(
-                    &app,
-                    rq("k1")
-                        .header("x-hold", "1")
-                        .body(Body::from("b"))
-                        .unwrap(),
-                )
-                .await
-            })
-        };
+        let first = spawn_held(&app, "k1", "b");
         fx.entered.recv().await.unwrap();
         let reply = call(
             &app,
@@ -1892,19 +1887,7 @@ async fn lease_is_released_after_a_5xx_and_after_a_dropped_request() {
 async fn a_live_lease_holds_the_key_in_the_next_process() {
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let first = spawn_held(&app, "k1", "b");
     fx.entered.recv().await.unwrap();
     // The next process: a copy of the store taken while the lease is live.
     let copy = fx.dir.path().join("copy");
@@ -2320,19 +2303,7 @@ async fn lease_a_handler_outliving_its_lease_without_a_takeover_stores_its_respo
     // with_lease: "one that outlived its lease with no takeover stores its response as usual".
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let late = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let late = spawn_held(&app, "k1", "b");
     fx.entered.recv().await.unwrap();
     fx.clock.set(T0 + LEASE_MS + 1);
     fx.ctx.gate.add_permits(1);
@@ -2664,19 +2635,7 @@ async fn the_layer_wraps_a_plain_tower_service() {
 async fn lease_many_retries_racing_for_a_takeover_run_the_handler_once() {
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let late = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let late = spawn_held(&app, "k1", "b");
     fx.entered.recv().await.unwrap();
     fx.clock.set(T0 + LEASE_MS);
     let mut tasks = Vec::new();
