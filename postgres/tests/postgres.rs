@@ -72,6 +72,7 @@ mod model_spec;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idemdb::{Fingerprint, Message, MockClock, Outcome};
@@ -174,6 +175,7 @@ fn main() {
     scenario!(outcomes_with_the_business_row_in_the_claims_transaction);
     scenario!(a_dropped_claim_or_a_failed_statement_leaves_nothing);
     scenario!(a_held_key_is_in_progress_at_once);
+    scenario!(a_claim_on_an_owned_connection_outlives_the_callers_borrow_and_gives_it_back);
     scenario!(an_expired_key_is_claimable_again_at_its_expiry_millisecond);
     scenario!(many_connections_racing_for_the_same_keys_have_one_winner_each);
     scenario!(external_claims_are_leased_taken_over_and_fenced);
@@ -524,6 +526,111 @@ async fn a_held_key_is_in_progress_at_once(url: &str) -> Result<(), Failure> {
     ensure!(
         matches!(outcome, Outcome::Duplicate { .. }),
         "after the commit: {outcome:?}"
+    );
+    Ok(())
+}
+
+/// A connection that counts its drops: what a pool sees given back.
+struct Pooled {
+    client: Client,
+    given_back: Arc<AtomicUsize>,
+}
+
+impl std::ops::Deref for Pooled {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for Pooled {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.client
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        self.given_back.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+async fn a_claim_on_an_owned_connection_outlives_the_callers_borrow_and_gives_it_back(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut setup = connect(url).await?;
+    let names = fresh_schema(&mut setup, "t_owned").await?;
+    let store = PgStore::builder().names(names).open(&setup).await?;
+    let consumer = store.consumer("c")?;
+    let given_back = Arc::new(AtomicUsize::new(0));
+    let pooled = |client: Client| Pooled {
+        client,
+        given_back: given_back.clone(),
+    };
+    let message = Message::new("k", Fingerprint::of(b"m"));
+    let Outcome::Fresh(claim) = consumer
+        .begin_owned(pooled(connect(url).await?), &message)
+        .await?
+    else {
+        return Err("first claim not fresh".into());
+    };
+    // Held on its own connection: another owned claim of the key is in progress, and gives
+    // its connection back at once.
+    let outcome = consumer
+        .begin_owned(pooled(connect(url).await?), &message)
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::InProgress { holder: None, .. }),
+        "while held: {outcome:?}"
+    );
+    ensure!(
+        given_back.load(Ordering::SeqCst) == 1,
+        "a claim not won kept its connection"
+    );
+    // The claim borrows nothing: it runs its SQL and commits on another task.
+    let committed = tokio::spawn(async move {
+        claim
+            .transaction()
+            .batch_execute("CREATE TEMP TABLE owned_ok (x int)")
+            .await?;
+        claim.commit(b"done").await
+    })
+    .await
+    .map_err(|error| format!("the task: {error}"))?;
+    committed?;
+    ensure!(
+        given_back.load(Ordering::SeqCst) == 2,
+        "a committed claim kept its connection"
+    );
+    let outcome = consumer
+        .begin(&mut setup, "k", Fingerprint::of(b"m"))
+        .await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { ref result, .. } if result.as_ref() == b"done"),
+        "after the commit: {outcome:?}"
+    );
+    drop(outcome);
+    // A dropped owned claim rolls back and gives its connection back; the key is free.
+    let other = Message::new("k2", Fingerprint::of(b"m"));
+    let Outcome::Fresh(dropped) = consumer
+        .begin_owned(pooled(connect(url).await?), &other)
+        .await?
+    else {
+        return Err("k2 not fresh".into());
+    };
+    drop(dropped);
+    ensure!(
+        given_back.load(Ordering::SeqCst) == 3,
+        "a dropped claim kept its connection"
+    );
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.begin(&mut setup, "k2", Fingerprint::of(b"m")),
+    )
+    .await??;
+    ensure!(
+        matches!(outcome, Outcome::Fresh(_)),
+        "after the drop: {outcome:?}"
     );
     Ok(())
 }

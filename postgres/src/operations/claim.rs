@@ -11,9 +11,9 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::sql::txn::ClaimTransaction;
 use crate::sql::txn::CommitFailed;
 use crate::sql::txn::Statement as TypedStatement;
+use crate::sql::txn::{ClaimTransaction, Connection};
 use crate::storage::positions::{StagedPositions, advance_statement, position_behind};
 use crate::storage::records::RecordRow;
 use crate::storage::records::check_result;
@@ -87,6 +87,46 @@ impl PgConsumer {
         client: &'c mut Client,
         message: &Message<'_>,
     ) -> Result<Outcome<PgClaim<'c>>> {
+        self.begin_on(Connection::from(client), message).await
+    }
+
+    /// Like [`PgConsumer::begin_message`], on a connection the claim takes and owns (a pooled
+    /// connection: anything that dereferences to a [`Client`]), so that the claim is not tied
+    /// to a borrow of the caller's: it can be kept in a request while its handler runs, or
+    /// moved to another task. The connection is dropped (given back to its pool) when the claim
+    /// ends, and at once with any outcome other than `Fresh`. As for `begin`, it must not be in
+    /// a transaction of the caller's.
+    ///
+    /// ```no_run
+    /// # async fn example(consumer: idemdb_postgres::PgConsumer, client: tokio_postgres::Client)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// use idemdb::{Fingerprint, Message, Outcome};
+    /// let message = Message::new("order-7", Fingerprint::of(b"payload"));
+    /// if let Outcome::Fresh(claim) = consumer.begin_owned(Box::new(client), &message).await? {
+    ///     // `claim` borrows nothing: it may be sent to another task before it commits.
+    ///     tokio::spawn(async move { claim.commit(b"done").await });
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`PgConsumer::begin_message`].
+    pub async fn begin_owned(
+        &self,
+        client: impl std::ops::DerefMut<Target = Client> + Send + 'static,
+        message: &Message<'_>,
+    ) -> Result<Outcome<PgClaim<'static>>> {
+        self.begin_on(Connection::Owned(Box::new(client)), message)
+            .await
+    }
+
+    /// `begin_message` on a borrowed or owned connection.
+    async fn begin_on<'c>(
+        &self,
+        client: Connection<'c>,
+        message: &Message<'_>,
+    ) -> Result<Outcome<PgClaim<'c>>> {
         let started = Instant::now();
         let (now_ms, outcome) = self.claim_message(client, message).await?;
         self.metrics.begun(
@@ -103,7 +143,7 @@ impl PgConsumer {
     /// the time it was decided at (the store's clock).
     async fn claim_message<'c>(
         &self,
-        client: &'c mut Client,
+        client: Connection<'c>,
         message: &Message<'_>,
     ) -> Result<(u64, Outcome<PgClaim<'c>>)> {
         let key = message.key();

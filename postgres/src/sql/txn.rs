@@ -115,11 +115,42 @@ pub(crate) fn send_without_waiting(client: &Client, sql: &str) {
     let _ = sent.as_mut().poll(&mut Context::from_waker(Waker::noop()));
 }
 
-/// An open READ COMMITTED transaction on a borrowed connection. Dropped while open, it sends
-/// `ROLLBACK` without waiting for the answer (as `tokio_postgres::Transaction` does); the
+/// The connection a claim's transaction runs on: the caller's, borrowed for the claim's life,
+/// or one the claim owns (a pooled connection, say), dropped (given back to its pool) with the
+/// claim. An owned one lets a claim outlive the caller's borrow: an HTTP request's claim, kept
+/// in the request while its handler runs.
+pub(crate) enum Connection<'c> {
+    Borrowed(&'c mut Client),
+    Owned(Box<dyn std::ops::DerefMut<Target = Client> + Send + 'c>),
+}
+
+impl Connection<'_> {
+    fn get(&self) -> &Client {
+        match self {
+            Connection::Borrowed(client) => client,
+            Connection::Owned(client) => client,
+        }
+    }
+
+    fn get_mut(&mut self) -> &mut Client {
+        match self {
+            Connection::Borrowed(client) => client,
+            Connection::Owned(client) => client,
+        }
+    }
+}
+
+impl<'c> From<&'c mut Client> for Connection<'c> {
+    fn from(client: &'c mut Client) -> Connection<'c> {
+        Connection::Borrowed(client)
+    }
+}
+
+/// An open READ COMMITTED transaction on a borrowed or owned connection. Dropped while open, it
+/// sends `ROLLBACK` without waiting for the answer (as `tokio_postgres::Transaction` does); the
 /// connection's next request runs after it.
 pub(crate) struct ClaimTransaction<'c> {
-    client: &'c mut Client,
+    client: Connection<'c>,
     /// The store's statements prepared on this connection.
     cache: Arc<StatementCache>,
     open: bool,
@@ -138,13 +169,15 @@ impl<'c> ClaimTransaction<'c> {
     /// The error of `BEGIN` (nothing began; every statement failed with it), or of preparing
     /// a statement.
     pub(crate) async fn begin_with(
-        client: &'c mut Client,
+        client: impl Into<Connection<'c>>,
         cache: &Arc<StatementCache>,
         statements: &[Statement<'_>],
     ) -> Result<(ClaimTransaction<'c>, Answers)> {
+        let mut connection = client.into();
         let mut retried = false;
         let (begin, guarded) = begin_and_guarded(cache, statements);
         loop {
+            let client = connection.get_mut();
             let prepared = cache.prepare(client, &types_of(&guarded)).await?;
             let (begun, mut answers) = {
                 let shared: &Client = client;
@@ -178,7 +211,7 @@ impl<'c> ClaimTransaction<'c> {
                 continue;
             }
             let mut transaction = ClaimTransaction {
-                client,
+                client: connection,
                 cache: Arc::clone(cache),
                 open: true,
             };
@@ -264,7 +297,7 @@ impl<'c> ClaimTransaction<'c> {
 
     /// The connection, for the statements of the transaction.
     pub(crate) fn client(&self) -> &Client {
-        self.client
+        self.client.get()
     }
 
     /// Sends the caller's `staged` statements, the store's `writes` (both prepared, when the
@@ -277,7 +310,10 @@ impl<'c> ClaimTransaction<'c> {
         staged: &[Statement<'_>],
         writes: &[Statement<'_>],
     ) -> std::result::Result<Vec<Vec<Row>>, CommitFailed> {
-        let prepared = self.cache.prepare(self.client, &types_of(writes)).await;
+        let prepared = self
+            .cache
+            .prepare(self.client.get(), &types_of(writes))
+            .await;
         let prepared = self
             .release_on_error(prepared)
             .await
@@ -287,7 +323,7 @@ impl<'c> ClaimTransaction<'c> {
         let mut callers = Vec::with_capacity(staged.len());
         for answer in self
             .cache
-            .prepare_callers(self.client, &types_of(staged))
+            .prepare_callers(self.client.get(), &types_of(staged))
             .await
         {
             match answer {
@@ -299,7 +335,7 @@ impl<'c> ClaimTransaction<'c> {
             }
         }
         self.open = false;
-        let client: &Client = self.client;
+        let client: &Client = self.client.get();
         let queries = callers
             .into_iter()
             .zip(staged.iter().copied())
@@ -353,20 +389,20 @@ impl<'c> ClaimTransaction<'c> {
     async fn roll_back_now(&mut self) {
         if self.open {
             self.open = false;
-            let _ = self.client.batch_execute("ROLLBACK").await;
+            let _ = self.client.get().batch_execute("ROLLBACK").await;
         }
     }
 
     /// Commits.
     pub(crate) async fn commit(mut self) -> std::result::Result<(), tokio_postgres::Error> {
         self.open = false;
-        self.client.batch_execute("COMMIT").await
+        self.client.get().batch_execute("COMMIT").await
     }
 
     /// Rolls back, and returns once the server has: the transaction's locks are free then.
     pub(crate) async fn rollback(mut self) -> std::result::Result<(), tokio_postgres::Error> {
         self.open = false;
-        self.client.batch_execute("ROLLBACK").await
+        self.client.get().batch_execute("ROLLBACK").await
     }
 }
 
@@ -374,7 +410,7 @@ impl Drop for ClaimTransaction<'_> {
     fn drop(&mut self) {
         if self.open {
             // Its answer is not waited for (the connection discards it).
-            send_rollback(self.client);
+            send_rollback(self.client.get());
         }
     }
 }
