@@ -26,10 +26,15 @@ cargo clippy --release --all-features --all-targets -- -D warnings
 cargo clippy --release -p idemdb-powercut --all-targets -- -D warnings
 cargo clippy --release -p idemdb-postgres --all-targets -- -D warnings
 cargo clippy --release -p idemdb-e2e --all-targets -- -D warnings
-cargo clippy --release -p idemdb-http --all-targets -- -D warnings
-echo "== the PostgreSQL backend builds without RocksDB"
+cargo clippy --release -p idemdb-http --all-targets --all-features -- -D warnings
+cargo clippy --release -p idemdb-http --lib --no-default-features --features postgres -- -D warnings
+echo "== the PostgreSQL backend builds without RocksDB (and the HTTP layer on it alone)"
 if cargo tree -p idemdb-postgres -e normal | grep -q librocksdb; then
     echo "idemdb-postgres depends on RocksDB" >&2
+    exit 1
+fi
+if cargo tree -p idemdb-http --no-default-features --features postgres -e normal | grep -q librocksdb; then
+    echo "idemdb-http with only its PostgreSQL backend depends on RocksDB" >&2
     exit 1
 fi
 echo "== default features (no tokio, no cli)"
@@ -38,7 +43,8 @@ echo "== format-only build (no RocksDB)"
 cargo clippy --release --lib --no-default-features -- -D warnings
 echo "== docs (broken links are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --all-features --no-deps
-RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-postgres -p idemdb-powercut -p idemdb-http --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-postgres -p idemdb-powercut --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-http --all-features --no-deps
 
 echo "== loom: every interleaving of the claim latch (2-3 threads)"
 (cd loom && RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/../loom-target" \
@@ -102,14 +108,14 @@ echo "== the Kafka recipe compiles (recipes/kafka; not run: no Kafka broker here
 cargo clippy --release -p idemdb-kafka-recipe -- -D warnings
 cargo build --release -p idemdb-kafka-recipe
 
-echo "== HTTP idempotency keys: the tower layer, every row of its behaviour table (http/)"
-cargo test --release -p idemdb-http
 echo "== the PostgreSQL backend against a private PostgreSQL server (postgres/)"
 if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
     apt_install "the PostgreSQL backend's tests start a private server" postgresql ||
         echo "   (could not install postgresql; the backend's tests skip)"
 fi
 cargo test --release -p idemdb-postgres
+echo "== HTTP idempotency keys: the tower layer, every row of its behaviour table, on both backends (http/)"
+cargo test --release -p idemdb-http --all-features
 echo "== PostgreSQL fleet: one queue, 3 competing consumers, SIGKILLs, primary failovers, the negative control"
 bash scripts/postgres-fleet.sh
 

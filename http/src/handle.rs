@@ -5,14 +5,41 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "embedded")]
 use idemdb::{BusinessTable, Claim, ExternalClaim};
 use parking_lot::Mutex;
 
 /// The claim a fresh request holds: a latched claim whose writes commit in one batch with the
-/// response, or a durable lease for a handler with side effects outside the batch.
+/// response, a durable lease for a handler with side effects outside the batch, or a
+/// PostgreSQL transaction whose SQL commits with the response.
 pub(crate) enum Held {
+    #[cfg(feature = "embedded")]
     Batch(Claim),
+    #[cfg(feature = "embedded")]
     Lease(ExternalClaim),
+    #[cfg(feature = "postgres")]
+    Postgres(PgHeld),
+}
+
+/// A parameter of staged SQL, owned so that it can wait in the request until the commit.
+#[cfg(feature = "postgres")]
+pub type SqlParam = (
+    Box<dyn tokio_postgres::types::ToSql + Send + Sync>,
+    tokio_postgres::types::Type,
+);
+
+/// A statement staged by the handler: run in the claim's transaction by its commit.
+#[cfg(feature = "postgres")]
+pub(crate) struct StagedSql {
+    pub(crate) sql: String,
+    pub(crate) params: Vec<SqlParam>,
+}
+
+/// A PostgreSQL claim and the SQL staged on it.
+#[cfg(feature = "postgres")]
+pub(crate) struct PgHeld {
+    pub(crate) claim: idemdb_postgres::PgClaim<'static>,
+    pub(crate) staged: Vec<StagedSql>,
 }
 
 /// Why a staging call on an [`IdempotentRequest`] failed.
@@ -31,6 +58,10 @@ pub enum StageError {
     /// engine, a lost lease, a failed write.
     #[error(transparent)]
     Store(#[from] idemdb::Error),
+    /// A call for the other backend: a business-table write on a PostgreSQL layer, or staged
+    /// SQL on an embedded one. Nothing was staged.
+    #[error("this call is for the other backend: {0}")]
+    WrongBackend(&'static str),
 }
 
 /// The request's claim, as the handler sees it: stage business writes (they commit with the
@@ -46,8 +77,12 @@ pub struct IdempotentRequest {
 impl std::fmt::Debug for IdempotentRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &*self.slot.lock() {
+            #[cfg(feature = "embedded")]
             Some(Held::Batch(_)) => "batch",
+            #[cfg(feature = "embedded")]
             Some(Held::Lease(_)) => "lease",
+            #[cfg(feature = "postgres")]
+            Some(Held::Postgres(_)) => "postgres",
             None => "gone",
         };
         f.debug_struct("IdempotentRequest")
@@ -69,6 +104,7 @@ impl IdempotentRequest {
         self.slot.lock().take()
     }
 
+    #[cfg(feature = "embedded")]
     fn with<R>(
         &self,
         batch: impl FnOnce(&mut Claim) -> idemdb::Result<R>,
@@ -77,10 +113,15 @@ impl IdempotentRequest {
         match &mut *self.slot.lock() {
             Some(Held::Batch(claim)) => Ok(batch(claim)?),
             Some(Held::Lease(claim)) => Ok(lease(claim)?),
+            #[cfg(feature = "postgres")]
+            Some(Held::Postgres(_)) => Err(StageError::WrongBackend(
+                "business tables belong to the embedded engine; stage SQL with `sql`",
+            )),
             None => Err(StageError::ClaimGone),
         }
     }
 
+    #[cfg(feature = "embedded")]
     /// Stages `value` under `key` in `table`: written with the stored response, or not at all.
     ///
     /// # Errors
@@ -100,6 +141,7 @@ impl IdempotentRequest {
         )
     }
 
+    #[cfg(feature = "embedded")]
     /// Stages a delete of `key` in `table`.
     ///
     /// # Errors
@@ -112,6 +154,7 @@ impl IdempotentRequest {
         )
     }
 
+    #[cfg(feature = "embedded")]
     /// Stages a merge of `operand` into `key` of `table` (a table with a merge operator).
     ///
     /// # Errors
@@ -137,10 +180,15 @@ impl IdempotentRequest {
     /// # Errors
     /// [`StageError::ClaimGone`] after the handler returned.
     pub fn derive_key(&self, step: &str) -> Result<String, StageError> {
-        self.with(
-            |claim| Ok(claim.derive_key(step)),
-            |claim| Ok(claim.derive_key(step)),
-        )
+        match &*self.slot.lock() {
+            #[cfg(feature = "embedded")]
+            Some(Held::Batch(claim)) => Ok(claim.derive_key(step)),
+            #[cfg(feature = "embedded")]
+            Some(Held::Lease(claim)) => Ok(claim.derive_key(step)),
+            #[cfg(feature = "postgres")]
+            Some(Held::Postgres(held)) => Ok(held.claim.derive_key(step)),
+            None => Err(StageError::ClaimGone),
+        }
     }
 
     /// The epoch the request's record will have: 1 for a key's first request, one more for
@@ -151,7 +199,52 @@ impl IdempotentRequest {
     /// # Errors
     /// [`StageError::ClaimGone`] after the handler returned.
     pub fn epoch(&self) -> Result<u64, StageError> {
-        self.with(|claim| Ok(claim.epoch()), |claim| Ok(claim.epoch()))
+        match &*self.slot.lock() {
+            #[cfg(feature = "embedded")]
+            Some(Held::Batch(claim)) => Ok(claim.epoch()),
+            #[cfg(feature = "embedded")]
+            Some(Held::Lease(claim)) => Ok(claim.epoch()),
+            #[cfg(feature = "postgres")]
+            Some(Held::Postgres(held)) => Ok(held.claim.epoch()),
+            None => Err(StageError::ClaimGone),
+        }
+    }
+
+    /// Stages `sql` with its `params` (PostgreSQL backend): run in the request's transaction,
+    /// in the order staged, by the commit that stores the response, in the same round trip;
+    /// not run at all if the response is not stored. A statement's failure fails the commit:
+    /// nothing of the request is written, and the client gets `503`.
+    ///
+    /// ```no_run
+    /// # fn example(request: &idemdb_http::IdempotentRequest, id: String, body: Vec<u8>)
+    /// # -> Result<(), idemdb_http::StageError> {
+    /// use tokio_postgres::types::Type;
+    /// request.sql(
+    ///     "INSERT INTO payments (id, body) VALUES ($1, $2)",
+    ///     vec![(Box::new(id), Type::TEXT), (Box::new(body), Type::BYTEA)],
+    /// )
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`StageError::WrongBackend`] on an embedded layer; [`StageError::ClaimGone`] after the
+    /// handler returned.
+    #[cfg(feature = "postgres")]
+    pub fn sql(&self, sql: impl Into<String>, params: Vec<SqlParam>) -> Result<(), StageError> {
+        match &mut *self.slot.lock() {
+            Some(Held::Postgres(held)) => {
+                held.staged.push(StagedSql {
+                    sql: sql.into(),
+                    params,
+                });
+                Ok(())
+            }
+            None => Err(StageError::ClaimGone),
+            #[cfg(feature = "embedded")]
+            Some(_) => Err(StageError::WrongBackend(
+                "SQL belongs to the PostgreSQL backend; stage business-table writes",
+            )),
+        }
     }
 
     /// Extends the lease to `lease` from now (a handler whose downstream call may outlive the
@@ -164,8 +257,12 @@ impl IdempotentRequest {
     /// `LeaseLost` if another request took the key over.
     pub fn renew(&self, lease: Duration) -> Result<u64, StageError> {
         match &mut *self.slot.lock() {
+            #[cfg(feature = "embedded")]
             Some(Held::Lease(claim)) => Ok(claim.renew(lease)?),
-            Some(Held::Batch(_)) => Err(StageError::NoLease),
+            Some(_) => {
+                let _ = lease;
+                Err(StageError::NoLease)
+            }
             None => Err(StageError::ClaimGone),
         }
     }
@@ -179,19 +276,28 @@ pub(crate) struct ReleaseOnDrop(pub(crate) IdempotentRequest);
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        let Some(Held::Lease(claim)) = self.0.take() else {
-            // Nothing, or a latched claim: dropped here, which frees its key.
-            return;
-        };
-        let release = move || {
-            if let Err(error) = claim.release() {
-                // The lease runs out on its own; a retry meanwhile gets 409.
-                tracing::warn!(target: "idemdb_http", %error, "a dropped request's lease was not released");
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(release)),
-            Err(_) => release(),
+        // Nothing, a latched claim or a PostgreSQL transaction: dropped here, which frees the
+        // key (the transaction sends its rollback without waiting, and its connection goes
+        // back to its pool). A lease is released on a blocking thread.
+        match self.0.take() {
+            #[cfg(feature = "embedded")]
+            Some(Held::Lease(claim)) => release_lease(claim),
+            other => drop(other),
         }
+    }
+}
+
+/// Releases a dropped request's lease: on tokio's blocking threads, inline without a runtime.
+#[cfg(feature = "embedded")]
+fn release_lease(claim: ExternalClaim) {
+    let release = move || {
+        if let Err(error) = claim.release() {
+            // The lease runs out on its own; a retry meanwhile gets 409.
+            tracing::warn!(target: "idemdb_http", %error, "a dropped request's lease was not released");
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(release)),
+        Err(_) => release(),
     }
 }

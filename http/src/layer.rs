@@ -14,11 +14,12 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idemdb::{Consumer, Fingerprint, Outcome};
+use idemdb::{Fingerprint, Outcome};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::handle::{Held, IdempotentRequest, ReleaseOnDrop};
+use crate::backend::{Backend, commit, free};
+use crate::handle::{IdempotentRequest, ReleaseOnDrop};
 use crate::key::{KeyProblem, Principal, request_key, scoped_key};
 use crate::rejection::Rejection;
 use crate::stored::StoredResponse;
@@ -41,7 +42,7 @@ type StoreFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// What every request of a layer shares.
 #[derive(Clone)]
 struct Policy {
-    consumer: Consumer,
+    backend: Backend,
     principal: Arc<PrincipalFn>,
     key_required: bool,
     request_limit: usize,
@@ -50,8 +51,6 @@ struct Policy {
     kept_headers: Vec<HeaderName>,
     fingerprint: Arc<FingerprintFn>,
     retry_after_s: u64,
-    /// The lease path: each fresh request takes a durable lease of this length, as this holder.
-    lease: Option<(Duration, Arc<[u8]>)>,
 }
 
 /// A tower layer that makes the routes under it idempotent by the `Idempotency-Key` request
@@ -72,13 +71,66 @@ impl IdempotencyLayer {
     /// without one is refused with `401` ([`Rejection::NoPrincipal`]); the key is checked
     /// first, so a request with neither gets the key's `400`. A service that truly has one
     /// caller gives a constant principal, which is a decision made here, in sight.
+    #[cfg(feature = "embedded")]
     pub fn new(
-        consumer: Consumer,
+        consumer: idemdb::Consumer,
+        principal: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        IdempotencyLayer::on(
+            Backend::Embedded {
+                consumer,
+                lease: None,
+            },
+            principal,
+        )
+    }
+
+    /// A layer on the PostgreSQL backend: each keyed request's claim is a transaction on a
+    /// connection `connect` gives (a pooled one: anything that dereferences to a
+    /// `tokio_postgres::Client`), holding the key's lock while the handler runs, across every
+    /// process and host on the database. The handler stages SQL with
+    /// [`IdempotentRequest::sql`]; it runs with the stored response's write in the commit's one
+    /// round trip. The connection goes back (is dropped) when the claim ends. `consumer` and
+    /// `principal` as for [`IdempotencyLayer::new`]; the retention is the store's. A request
+    /// for which `connect` fails gets `503` with `Retry-After`.
+    #[cfg(feature = "postgres")]
+    pub fn postgres<F, Fut, C, E>(
+        consumer: idemdb_postgres::PgConsumer,
+        connect: F,
+        principal: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
+    ) -> IdempotencyLayer
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<C, E>> + Send + 'static,
+        C: std::ops::DerefMut<Target = tokio_postgres::Client> + Send + 'static,
+        E: Into<BoxError>,
+    {
+        let connect = Arc::new(move || {
+            let connecting = connect();
+            Box::pin(async move {
+                connecting
+                    .await
+                    .map(|client| Box::new(client) as crate::backend::PgConnection)
+                    .map_err(Into::into)
+            }) as Pin<Box<dyn Future<Output = _> + Send>>
+        });
+        IdempotencyLayer::on(
+            Backend::Postgres {
+                consumer,
+                connect,
+                lease_asked: false,
+            },
+            principal,
+        )
+    }
+
+    fn on(
+        backend: Backend,
         principal: impl Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
     ) -> IdempotencyLayer {
         IdempotencyLayer {
             policy: Arc::new(Policy {
-                consumer,
+                backend,
                 principal: Arc::new(principal),
                 key_required: true,
                 request_limit: REQUEST_BODY_BYTES_DEFAULT,
@@ -87,7 +139,6 @@ impl IdempotencyLayer {
                 kept_headers: vec![CONTENT_TYPE, LOCATION],
                 fingerprint: Arc::new(fingerprint_of_request),
                 retry_after_s: RETRY_AFTER_DEFAULT.as_secs(),
-                lease: None,
             }),
         }
     }
@@ -179,10 +230,18 @@ impl IdempotencyLayer {
     /// ([`Rejection::LeaseLost`]) and its writes are dropped; one that outlived its lease with
     /// no takeover stores its response as usual. A dropped request releases its lease. Each
     /// lease costs two synced writes (taking it, completing it) against the batch path's one.
+    ///
+    /// Embedded engine only, for now: a layer on the PostgreSQL backend built with it refuses
+    /// every keyed request with `503` rather than serve it without its lease.
+    #[cfg(feature = "embedded")]
     #[must_use]
     pub fn with_lease(self, lease: Duration, holder: impl AsRef<[u8]>) -> IdempotencyLayer {
         let holder: Arc<[u8]> = holder.as_ref().into();
-        self.with(|policy| policy.lease = Some((lease, holder)))
+        self.with(|policy| match &mut policy.backend {
+            Backend::Embedded { lease: slot, .. } => *slot = Some((lease, holder)),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres { lease_asked, .. } => *lease_asked = true,
+        })
     }
 }
 
@@ -285,9 +344,13 @@ where
         Err(_) => return reject(Rejection::RequestBodyUnreadable),
     };
     let fingerprint = (policy.fingerprint)(&parts, &body);
-    let outcome = match begin(&policy, scoped_key(&principal, &key), fingerprint).await {
+    let outcome = match policy
+        .backend
+        .begin(scoped_key(&principal, &key), fingerprint)
+        .await
+    {
         Ok(outcome) => outcome,
-        Err(error) => return reject(store_failure(&error)),
+        Err(failure) => return reject(failure.rejection()),
     };
     let handle = match outcome {
         Outcome::Fresh(held) => IdempotentRequest::new(held),
@@ -340,65 +403,7 @@ where
     };
     match commit(held, encoded).await {
         Ok(()) => Ok(Response::from_parts(parts, ResBody::from(body))),
-        Err(idemdb::Error::LeaseLost { .. }) => reject(Rejection::LeaseLost),
-        Err(idemdb::Error::LimitExceeded { .. }) => reject(Rejection::ResponseTooLarge),
-        Err(error) => reject(store_failure(&error)),
-    }
-}
-
-/// Claims the request's key: a latched claim (a point read) on the batch path, a durable lease
-/// (a synced write, off the runtime's thread) on the lease path.
-async fn begin(
-    policy: &Policy,
-    key: Vec<u8>,
-    fingerprint: Fingerprint,
-) -> idemdb::Result<Outcome<Held>> {
-    let Some((lease, holder)) = &policy.lease else {
-        return Ok(policy
-            .consumer
-            .begin(key, fingerprint)?
-            .map_fresh(Held::Batch));
-    };
-    let (consumer, lease, holder) = (policy.consumer.clone(), *lease, holder.clone());
-    blocking(move || consumer.begin_external(key, fingerprint, lease, &holder))
-        .await
-        .map(|outcome| outcome.map_fresh(Held::Lease))
-}
-
-/// Commits the claim with `stored` as its result: the handler's writes and the response land
-/// together.
-async fn commit(held: Held, stored: Vec<u8>) -> idemdb::Result<()> {
-    match held {
-        Held::Batch(claim) => claim.commit_async(stored).await.map(drop),
-        Held::Lease(claim) => blocking(move || claim.complete(stored)).await.map(drop),
-    }
-}
-
-/// Drops the handler's writes and frees the key.
-async fn free(held: Held) {
-    match held {
-        Held::Batch(claim) => claim.abort(),
-        Held::Lease(claim) => {
-            if let Err(error) = blocking(move || claim.release()).await {
-                // The lease runs out on its own; a retry meanwhile gets 409.
-                tracing::warn!(target: "idemdb_http", %error, "a lease was not released");
-            }
-        }
-    }
-}
-
-/// Runs a synced write on tokio's blocking threads; inline without a runtime.
-async fn blocking<R: Send + 'static>(
-    call: impl FnOnce() -> idemdb::Result<R> + Send + 'static,
-) -> idemdb::Result<R> {
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => runtime.spawn_blocking(call).await.unwrap_or_else(|_| {
-            Err(idemdb::Error::Storage {
-                kind: idemdb::StorageErrorKind::Other,
-                detail: "a blocking store call panicked".into(),
-            })
-        }),
-        Err(_) => call(),
+        Err(failure) => reject(failure.rejection()),
     }
 }
 
@@ -412,12 +417,4 @@ fn replay<B: From<Bytes>>(stored: StoredResponse) -> Response<B> {
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
-}
-
-/// What a failed store call answers. Nothing was committed.
-fn store_failure(error: &idemdb::Error) -> Rejection {
-    tracing::warn!(target: "idemdb_http", %error, "the store failed a request");
-    Rejection::StoreUnavailable {
-        retryable: error.is_retryable(),
-    }
 }

@@ -85,15 +85,31 @@
 //!
 //! **In progress is the claim's latch** on the batch path: the key is held in this process while
 //! the handler runs. One process owns a store; shard keys across processes, or use the lease
-//! path ([`IdempotencyLayer::with_lease`]) for handlers with effects outside the batch, whose
+//! path (`IdempotencyLayer::with_lease`) for handlers with effects outside the batch, whose
 //! lease also holds the key across a restart of the process.
+//!
+//! # Backends
+//!
+//! - **The embedded engine** (feature `embedded`, the default): `IdempotencyLayer::new` over an
+//!   `idemdb::Consumer`; the handler stages writes on business tables (`put`, `merge`,
+//!   `delete`), committed in one write batch with the response.
+//! - **PostgreSQL** (feature `postgres`; without `embedded` the crate builds without RocksDB):
+//!   `IdempotencyLayer::postgres` over an `idemdb_postgres::PgConsumer` and a function that
+//!   gives a connection (a pooled one). Each keyed request's claim is a transaction holding the
+//!   key's lock, so a retry from any process or host on the database gets `409` while the first
+//!   runs; the handler stages SQL (`IdempotentRequest::sql`), run in that transaction by the
+//!   commit that stores the response, in one round trip. The lease path is the embedded
+//!   engine's only, for now.
 
+mod backend;
 mod handle;
 mod key;
 mod layer;
 mod rejection;
 mod stored;
 
+#[cfg(feature = "postgres")]
+pub use handle::SqlParam;
 pub use handle::{IdempotentRequest, StageError};
 pub use key::{IDEMPOTENCY_KEY, InvalidPrincipal, KEY_BYTES_MAX, PRINCIPAL_BYTES_MAX, Principal};
 pub use layer::{
