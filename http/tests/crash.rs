@@ -81,6 +81,15 @@ fn kill_myself() -> ! {
 // ---------------------------------------------------------------------------------------------
 // The child: a server on the store, until it is killed.
 
+/// What every server mode shares: its runs, and when it kills itself.
+#[derive(Clone)]
+struct Fate {
+    /// Each run's response names the process and the run: a second run differs.
+    runs: Arc<AtomicU64>,
+    after_commit_permille: u64,
+    random: Arc<parking_lot::Mutex<Random>>,
+}
+
 #[derive(Clone)]
 struct Served {
     payments: BusinessTable,
@@ -88,13 +97,18 @@ struct Served {
     /// The negative control's records: the effects' own claims, and the stored responses.
     attempts: Consumer,
     responses: Consumer,
-    /// Each run's response names the process and the run: a second run differs.
-    runs: Arc<AtomicU64>,
-    after_commit_permille: u64,
-    random: Arc<parking_lot::Mutex<Random>>,
+    fate: Fate,
 }
 
-impl Served {
+impl Fate {
+    fn new() -> Fate {
+        Fate {
+            runs: Arc::new(AtomicU64::new(0)),
+            after_commit_permille: env_or("IDEMDB_HTTP_CRASH_AFTER_COMMIT_PERMILLE", 2),
+            random: Arc::new(parking_lot::Mutex::new(Random(seed()))),
+        }
+    }
+
     fn die_now(&self) -> bool {
         self.random.lock().below(1000) < self.after_commit_permille
     }
@@ -122,7 +136,7 @@ async fn with_layer(
     request
         .merge(&served.effects, &key, 1u64.to_be_bytes())
         .unwrap();
-    (StatusCode::CREATED, served.response_body(&key)).into_response()
+    (StatusCode::CREATED, served.fate.response_body(&key)).into_response()
 }
 
 /// The negative control: the effects committed first (a claim of their own), the response
@@ -139,7 +153,7 @@ async fn outside(State(served): State<Served>, headers: HeaderMap, body: Bytes) 
         "{}-{}-{}",
         String::from_utf8_lossy(&key),
         std::process::id(),
-        served.runs.load(Ordering::SeqCst)
+        served.fate.runs.load(Ordering::SeqCst)
     );
     let Ok(Outcome::Fresh(mut effects)) = served.attempts.begin(&attempt, Fingerprint::of(&body))
     else {
@@ -152,10 +166,10 @@ async fn outside(State(served): State<Served>, headers: HeaderMap, body: Bytes) 
     if effects.commit_async(b"").await.is_err() {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
-    if served.die_now() {
+    if served.fate.die_now() {
         kill_myself();
     }
-    let response = served.response_body(&key);
+    let response = served.fate.response_body(&key);
     match served.responses.begin(&key, Fingerprint::of(&body)) {
         Ok(Outcome::Fresh(claim)) => match claim.commit_async(response.as_bytes()).await {
             Ok(_) => (StatusCode::CREATED, response).into_response(),
@@ -170,6 +184,13 @@ fn serve_until_killed(mode: &str) {
     let dir = PathBuf::from(std::env::var("IDEMDB_HTTP_DIR").unwrap());
     let port_file = PathBuf::from(std::env::var("IDEMDB_HTTP_PORT_FILE").unwrap());
     let runtime = tokio::runtime::Runtime::new().unwrap();
+    #[cfg(feature = "postgres")]
+    if mode.starts_with("postgres") {
+        runtime.block_on(async move {
+            listen(on_postgres::router(mode).await, &port_file).await;
+        });
+        return;
+    }
     runtime.block_on(async move {
         let engine = open(&dir);
         let served = Served {
@@ -177,45 +198,211 @@ fn serve_until_killed(mode: &str) {
             effects: engine.business_table("effects").unwrap(),
             attempts: engine.consumer("attempts").unwrap(),
             responses: engine.consumer("responses").unwrap(),
-            runs: Arc::new(AtomicU64::new(0)),
-            after_commit_permille: env_or("IDEMDB_HTTP_CRASH_AFTER_COMMIT_PERMILLE", 2),
-            random: Arc::new(parking_lot::Mutex::new(Random(seed()))),
+            fate: Fate::new(),
         };
         let router = match mode {
             "layer" => {
                 let layer = IdempotencyLayer::new(engine.consumer("http").unwrap(), |_| {
                     Principal::new("clients").ok()
                 });
-                // Outermost: runs once the layer has committed and before the client hears.
-                let after_commit = {
-                    let served = served.clone();
-                    move |response: Response| {
-                        let served = served.clone();
-                        async move {
-                            if response.status() == StatusCode::CREATED && served.die_now() {
-                                kill_myself();
-                            }
-                            response
-                        }
-                    }
-                };
-                Router::new()
-                    .route("/payments", post(with_layer))
-                    .layer(layer)
-                    .layer(axum::middleware::map_response(after_commit))
-                    .with_state(served)
+                let fate = served.fate.clone();
+                after_commit(
+                    Router::new()
+                        .route("/payments", post(with_layer))
+                        .layer(layer)
+                        .with_state(served),
+                    fate,
+                )
             }
             _ => Router::new()
                 .route("/payments", post(outside))
                 .with_state(served),
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let staged = port_file.with_extension("staged");
-        std::fs::write(&staged, port.to_string()).unwrap();
-        std::fs::rename(&staged, &port_file).unwrap();
-        axum::serve(listener, router).await.unwrap();
+        listen(router, &port_file).await;
     });
+}
+
+/// Wraps `router` (behind its layer) in the kill right after a commit: outermost, it runs once
+/// the layer has committed and before the client hears.
+fn after_commit(router: Router, fate: Fate) -> Router {
+    router.layer(axum::middleware::map_response(move |response: Response| {
+        let fate = fate.clone();
+        async move {
+            if response.status() == StatusCode::CREATED && fate.die_now() {
+                kill_myself();
+            }
+            response
+        }
+    }))
+}
+
+/// Serves `router` on a port of 127.0.0.1, written to `port_file` for the parent.
+async fn listen(router: Router, port_file: &Path) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let staged = port_file.with_extension("staged");
+    std::fs::write(&staged, port.to_string()).unwrap();
+    std::fs::rename(&staged, port_file).unwrap();
+    axum::serve(listener, router).await.unwrap();
+}
+
+#[cfg(feature = "postgres")]
+#[path = "../../postgres/tests/support/server.rs"]
+#[allow(dead_code)]
+mod server;
+
+/// The PostgreSQL backend's server modes: the effect a row of `crash.effects`, staged on the
+/// request's transaction (`postgres`), or inserted on a connection of its own before the
+/// layer stores the response (`postgres-outside`, the negative control).
+#[cfg(feature = "postgres")]
+mod on_postgres {
+    use super::*;
+    use tokio_postgres::types::Type;
+
+    pub(super) const SCHEMA: &str = "crash";
+
+    pub(super) async fn connect(url: &str) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        client
+    }
+
+    #[derive(Clone)]
+    struct PgServed {
+        url: Arc<str>,
+        fate: Fate,
+    }
+
+    async fn staged(
+        State(served): State<PgServed>,
+        Extension(request): Extension<IdempotentRequest>,
+        headers: HeaderMap,
+    ) -> Response {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        request
+            .sql(
+                format!("INSERT INTO {SCHEMA}.effects (key) VALUES ($1)"),
+                vec![(Box::new(key.clone()), Type::TEXT)],
+            )
+            .unwrap();
+        (
+            StatusCode::CREATED,
+            served.fate.response_body(key.as_bytes()),
+        )
+            .into_response()
+    }
+
+    async fn outside(State(served): State<PgServed>, headers: HeaderMap) -> Response {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        let client = connect(&served.url).await;
+        client
+            .execute(
+                &format!("INSERT INTO {SCHEMA}.effects (key) VALUES ($1)"),
+                &[&key],
+            )
+            .await
+            .unwrap();
+        if served.fate.die_now() {
+            kill_myself();
+        }
+        (
+            StatusCode::CREATED,
+            served.fate.response_body(key.as_bytes()),
+        )
+            .into_response()
+    }
+
+    pub(super) async fn router(mode: &str) -> Router {
+        let url: Arc<str> = std::env::var("IDEMDB_HTTP_PG_URL").unwrap().into();
+        let setup = connect(&url).await;
+        let store = idemdb_postgres::PgStore::builder()
+            .names(idemdb_postgres::Names::new(SCHEMA, "records").unwrap())
+            .open(&setup)
+            .await
+            .unwrap();
+        let layer = IdempotencyLayer::postgres(
+            store.consumer("http").unwrap(),
+            {
+                let url = url.clone();
+                move || {
+                    let url = url.clone();
+                    async move {
+                        let (client, connection) =
+                            tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                        tokio::spawn(connection);
+                        Ok::<_, tokio_postgres::Error>(Box::new(client))
+                    }
+                }
+            },
+            |_| Principal::new("clients").ok(),
+        );
+        let served = PgServed {
+            url,
+            fate: Fate::new(),
+        };
+        let fate = served.fate.clone();
+        let routes = if mode == "postgres" {
+            Router::new().route("/payments", post(staged))
+        } else {
+            Router::new().route("/payments", post(outside))
+        };
+        after_commit(routes.layer(layer).with_state(served), fate)
+    }
+
+    /// A private server with the store's tables and `crash.effects`: the server, its URL.
+    pub(super) fn start() -> Option<(server::Server, String)> {
+        let server = match server::Server::start() {
+            Ok(server) => server,
+            Err(why) => {
+                println!("the PostgreSQL crash runs skipped: cannot start PostgreSQL ({why})");
+                return None;
+            }
+        };
+        let url = server.url();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let mut client = connect(&url).await;
+            idemdb_postgres::install(
+                &mut client,
+                &idemdb_postgres::Names::new(SCHEMA, "records").unwrap(),
+            )
+            .await
+            .unwrap();
+            client
+                .batch_execute(&format!(
+                    "CREATE TABLE {SCHEMA}.effects (key text NOT NULL)"
+                ))
+                .await
+                .unwrap();
+        });
+        Some((server, url))
+    }
+
+    /// Each key's effects, counted.
+    pub(super) fn effects(url: &str) -> HashMap<String, u64> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let client = connect(url).await;
+            client
+                .query(
+                    &format!("SELECT key, count(*) FROM {SCHEMA}.effects GROUP BY key"),
+                    &[],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1) as u64))
+                .collect()
+        })
+    }
 }
 
 #[test]
@@ -233,6 +420,8 @@ fn child_server() {
 struct Server {
     mode: &'static str,
     dir: PathBuf,
+    /// The PostgreSQL modes' database.
+    pg_url: Option<String>,
     port_file: PathBuf,
     child: Option<Child>,
     address: Arc<parking_lot::Mutex<Option<SocketAddr>>>,
@@ -244,14 +433,17 @@ struct Server {
 impl Server {
     fn start(&mut self) {
         let _ = std::fs::remove_file(&self.port_file);
-        let child = Command::new(std::env::current_exe().unwrap())
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
             .args(["--exact", "child_server", "--nocapture", "--test-threads=1"])
             .env(CHILD, self.mode)
             .env("IDEMDB_HTTP_DIR", &self.dir)
             .env("IDEMDB_HTTP_PORT_FILE", &self.port_file)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+            .stdout(std::process::Stdio::null());
+        if let Some(url) = &self.pg_url {
+            command.env("IDEMDB_HTTP_PG_URL", url);
+        }
+        let child = command.spawn().unwrap();
         self.child = Some(child);
         let port = loop {
             if let Ok(port) = std::fs::read_to_string(&self.port_file) {
@@ -364,13 +556,20 @@ struct Accounting {
     replay_mismatches: u64,
 }
 
-fn run(mode: &'static str) -> Accounting {
-    let keys = env_or("IDEMDB_HTTP_CRASH_KEYS", 3000) as usize;
+/// Runs the schedule against a server of `mode`, on the store it opens (embedded) or on the
+/// database at `pg_url`; `count` then gives each key's effects.
+fn run(
+    mode: &'static str,
+    keys: usize,
+    pg_url: Option<String>,
+    count: impl FnOnce(&Path) -> HashMap<String, u64>,
+) -> Accounting {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let server = Arc::new(parking_lot::Mutex::new(Server {
         mode,
         dir: store.clone(),
+        pg_url,
         port_file: dir.path().join("port"),
         child: None,
         address: Arc::new(parking_lot::Mutex::new(None)),
@@ -444,17 +643,10 @@ fn run(mode: &'static str) -> Accounting {
         server.kill();
         (server.kills, server.self_kills)
     };
-    let engine = open(&store);
-    let effects = engine.business_table("effects").unwrap();
+    let effects = count(&store);
     let (mut lost, mut applied_twice) = (0, 0);
     for n in 0..keys {
-        let count = effects
-            .get(format!("order-{n}"))
-            .unwrap()
-            .as_deref()
-            .and_then(merge_ops::read_u64)
-            .unwrap_or(0);
-        match count {
+        match effects.get(&format!("order-{n}")).copied().unwrap_or(0) {
             0 => lost += 1,
             1 => {}
             _ => applied_twice += 1,
@@ -470,6 +662,27 @@ fn run(mode: &'static str) -> Accounting {
         replays: seen.replays,
         replay_mismatches: seen.replay_mismatches,
     }
+}
+
+fn crash_keys() -> usize {
+    env_or("IDEMDB_HTTP_CRASH_KEYS", 3000) as usize
+}
+
+/// Each key's effects in the embedded store the server left.
+fn embedded_effects(store: &Path) -> HashMap<String, u64> {
+    let engine = open(store);
+    let effects = engine.business_table("effects").unwrap();
+    (0..crash_keys())
+        .map(|n| format!("order-{n}"))
+        .filter_map(|key| {
+            let count = effects
+                .get(&key)
+                .unwrap()
+                .as_deref()
+                .and_then(merge_ops::read_u64)?;
+            Some((key, count))
+        })
+        .collect()
 }
 
 fn report(name: &str, accounting: &Accounting) {
@@ -490,7 +703,7 @@ fn a_server_sigkilled_while_clients_retry_loses_nothing_and_applies_nothing_twic
     if std::env::var(CHILD).is_ok() {
         return;
     }
-    let accounting = run("layer");
+    let accounting = run("layer", crash_keys(), None, embedded_effects);
     report("http crash", &accounting);
     // About 12 of each are expected at the default size; 3 keeps a slow machine from failing
     // a run that still killed the server at both kinds of moment.
@@ -508,10 +721,57 @@ fn negative_control_a_response_stored_after_the_effects_is_caught_applying_them_
     if std::env::var(CHILD).is_ok() {
         return;
     }
-    let accounting = run("outside");
+    let accounting = run("outside", crash_keys(), None, embedded_effects);
     report("http crash, negative control", &accounting);
     assert!(
         accounting.applied_twice > 0,
         "the check did not catch effects applied twice with the response stored outside their batch"
+    );
+}
+
+/// Keys of the PostgreSQL runs: each request opens a connection, so fewer than the embedded's.
+#[cfg(feature = "postgres")]
+fn pg_keys() -> usize {
+    env_or("IDEMDB_HTTP_CRASH_PG_KEYS", 1000) as usize
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn on_postgresql_a_server_sigkilled_while_clients_retry_loses_nothing_and_applies_nothing_twice() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let Some((_server, url)) = on_postgres::start() else {
+        return;
+    };
+    let accounting = run("postgres", pg_keys(), Some(url.clone()), |_| {
+        on_postgres::effects(&url)
+    });
+    report("http crash on PostgreSQL", &accounting);
+    assert!(
+        accounting.kills >= 3 && accounting.self_kills >= 1,
+        "too few kills to mean anything"
+    );
+    assert_eq!(accounting.lost, 0);
+    assert_eq!(accounting.applied_twice, 0);
+    assert_eq!(accounting.replay_mismatches, 0);
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn on_postgresql_negative_control_an_effect_committed_outside_the_claims_transaction_is_caught() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let Some((_server, url)) = on_postgres::start() else {
+        return;
+    };
+    let accounting = run("postgres-outside", pg_keys(), Some(url.clone()), |_| {
+        on_postgres::effects(&url)
+    });
+    report("http crash on PostgreSQL, negative control", &accounting);
+    assert!(
+        accounting.applied_twice > 0,
+        "the check did not catch effects committed outside the claim's transaction"
     );
 }
