@@ -15,7 +15,7 @@ use idemdb::{Fingerprint, Outcome};
 use crate::handle::Held;
 use crate::rejection::Rejection;
 
-#[cfg(feature = "postgres")]
+/// A boxed error: of a body (the layer's bounds) or of a connection (the PostgreSQL backend).
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A connection the PostgreSQL backend's `connect` gave: anything that dereferences to a

@@ -18,7 +18,7 @@ use idemdb::{Fingerprint, Outcome};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::backend::{Backend, commit, free};
+use crate::backend::{Backend, BoxError, commit, free};
 use crate::handle::{IdempotentRequest, ReleaseOnDrop};
 use crate::key::{KeyProblem, Principal, request_key, scoped_key};
 use crate::rejection::Rejection;
@@ -34,7 +34,6 @@ pub const RESPONSE_BODY_BYTES_DEFAULT: usize = 1 << 20;
 /// The default `Retry-After` of a `409` (and of a retryable `503`): 1 s.
 pub const RETRY_AFTER_DEFAULT: Duration = Duration::from_secs(1);
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 type FingerprintFn = dyn Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync;
 type StoreFn = dyn Fn(StatusCode) -> bool + Send + Sync;

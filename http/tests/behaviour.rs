@@ -361,10 +361,7 @@ async fn a_key_reused_for_another_body_or_path_is_422_and_runs_nothing() {
 #[tokio::test]
 async fn a_retry_while_the_first_is_in_flight_is_409_with_retry_after() {
     let app = Arc::new(App::new(|layer| layer.retry_after(Duration::from_secs(3))));
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { app.send(pay("k1", &[("x-wait", "1")])).await }
-    });
+    let first = spawn_send(&app, pay("k1", &[("x-wait", "1")]));
     app.state.reached.notified().await;
     let during = app.send(pay("k1", &[])).await;
     assert_eq!(during.status, StatusCode::CONFLICT);
@@ -482,6 +479,21 @@ async fn a_4xx_chosen_for_storing_is_stored_with_its_writes_and_a_5xx_never_is()
     assert!(!always.send(pay("k1", &[])).await.replayed());
 }
 
+/// Sends `request` on a task of its own.
+fn spawn_send(app: &Arc<App>, request: Request<Body>) -> tokio::task::JoinHandle<Reply> {
+    let app = app.clone();
+    tokio::spawn(async move { app.send(request).await })
+}
+
+/// Sends `key` with `x-wait` and, once its handler waits at the gate, drops it: the client goes
+/// away, its connection closes, and the server drops the request's future.
+async fn drop_a_waiting_request(app: &Arc<App>, key: &str) {
+    let request = spawn_send(app, pay(key, &[("x-wait", "1")]));
+    app.state.reached.notified().await;
+    request.abort();
+    assert!(request.await.unwrap_err().is_cancelled());
+}
+
 /// Sends `request` until the answer is not `409`: the server drops a request's future once it
 /// sees its connection closed, which it learns on its own time.
 async fn send_until_not_in_progress(app: &App, request: impl Fn() -> Request<Body>) -> Reply {
@@ -498,14 +510,7 @@ async fn send_until_not_in_progress(app: &App, request: impl Fn() -> Request<Bod
 #[tokio::test]
 async fn a_dropped_request_stores_nothing_and_frees_the_key() {
     let app = Arc::new(App::new(|layer| layer));
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { app.send(pay("k1", &[("x-wait", "1")])).await }
-    });
-    app.state.reached.notified().await;
-    // The client goes away: its connection closes, and the server drops the request's future.
-    first.abort();
-    assert!(first.await.unwrap_err().is_cancelled());
+    drop_a_waiting_request(&app, "k1").await;
     let retry = send_until_not_in_progress(&app, || pay("k1", &[])).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
@@ -599,10 +604,7 @@ async fn on_the_lease_path_a_handler_that_outlives_its_lease_cannot_store_its_re
     let app = Arc::new(App::new(|layer| {
         layer.with_lease(Duration::from_secs(30), "host-a")
     }));
-    let slow = tokio::spawn({
-        let app = app.clone();
-        async move { app.send(pay("k1", &[("x-wait", "1")])).await }
-    });
+    let slow = spawn_send(&app, pay("k1", &[("x-wait", "1")]));
     app.state.reached.notified().await;
     assert_eq!(app.send(pay("k1", &[])).await.status, StatusCode::CONFLICT);
     // The lease runs out: a retry takes the key over under a new epoch and completes.
@@ -647,13 +649,7 @@ async fn on_the_lease_path_a_5xx_or_a_dropped_request_releases_the_lease() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert!(!app.row_of_run(1));
 
-    let dropped = tokio::spawn({
-        let app = app.clone();
-        async move { app.send(pay("k2", &[("x-wait", "1")])).await }
-    });
-    app.state.reached.notified().await;
-    dropped.abort();
-    assert!(dropped.await.unwrap_err().is_cancelled());
+    drop_a_waiting_request(&app, "k2").await;
     // The release runs on a blocking thread once the server dropped the request's future: the
     // key is free once it has (no clock moves).
     let after = send_until_not_in_progress(&app, || pay("k2", &[])).await;

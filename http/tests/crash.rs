@@ -664,6 +664,20 @@ fn run(
     }
 }
 
+impl Accounting {
+    /// Nothing lost, nothing applied twice, every replay the first answer, after at least 3
+    /// random SIGKILLs and `self_kills_min` right after a commit.
+    fn assert_exactly_once(&self, self_kills_min: u64) {
+        assert!(
+            self.kills >= 3 && self.self_kills >= self_kills_min,
+            "too few kills to mean anything"
+        );
+        assert_eq!(self.lost, 0);
+        assert_eq!(self.applied_twice, 0);
+        assert_eq!(self.replay_mismatches, 0);
+    }
+}
+
 fn crash_keys() -> usize {
     env_or("IDEMDB_HTTP_CRASH_KEYS", 3000) as usize
 }
@@ -707,13 +721,7 @@ fn a_server_sigkilled_while_clients_retry_loses_nothing_and_applies_nothing_twic
     report("http crash", &accounting);
     // About 12 of each are expected at the default size; 3 keeps a slow machine from failing
     // a run that still killed the server at both kinds of moment.
-    assert!(
-        accounting.kills >= 3 && accounting.self_kills >= 3,
-        "too few kills to mean anything"
-    );
-    assert_eq!(accounting.lost, 0);
-    assert_eq!(accounting.applied_twice, 0);
-    assert_eq!(accounting.replay_mismatches, 0);
+    accounting.assert_exactly_once(3);
 }
 
 #[test]
@@ -748,13 +756,7 @@ fn on_postgresql_a_server_sigkilled_while_clients_retry_loses_nothing_and_applie
         on_postgres::effects(&url)
     });
     report("http crash on PostgreSQL", &accounting);
-    assert!(
-        accounting.kills >= 3 && accounting.self_kills >= 1,
-        "too few kills to mean anything"
-    );
-    assert_eq!(accounting.lost, 0);
-    assert_eq!(accounting.applied_twice, 0);
-    assert_eq!(accounting.replay_mismatches, 0);
+    accounting.assert_exactly_once(1);
 }
 
 #[cfg(feature = "postgres")]

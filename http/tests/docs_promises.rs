@@ -267,23 +267,25 @@ async fn call(app: &Router, request: Request<Body>) -> Reply {
     }
 }
 
+/// Sends `request` on a task of its own.
+fn spawn_call(app: &Router, request: Request<Body>) -> tokio::task::JoinHandle<Reply> {
+    let app = app.clone();
+    tokio::spawn(async move { call(&app, request).await })
+}
+
 /// Sends a request with `x-hold` (its handler waits at the gate) on a task of its own.
 fn spawn_held(
     app: &Router,
     key: &'static str,
     body: &'static str,
 ) -> tokio::task::JoinHandle<Reply> {
-    let app = app.clone();
-    tokio::spawn(async move {
-        call(
-            &app,
-            rq(key)
-                .header("x-hold", "1")
-                .body(Body::from(body))
-                .unwrap(),
-        )
-        .await
-    })
+    spawn_call(
+        app,
+        rq(key)
+            .header("x-hold", "1")
+            .body(Body::from(body))
+            .unwrap(),
+    )
 }
 
 /// A POST to /p by tenant `acme` with `key` as the raw header value.
@@ -1069,20 +1071,14 @@ async fn retry_after_sets_the_409_header_in_whole_seconds_rounded_up_at_least_on
 async fn a_dropped_future_stores_nothing_and_frees_the_key() {
     let mut fx = fx();
     let app = fx.app(fx.layer());
-    let task = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hang", "1")
-                    .header("x-write", "dropped")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let task = spawn_call(
+        &app,
+        rq("k1")
+            .header("x-hang", "1")
+            .header("x-write", "dropped")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     fx.entered.recv().await.unwrap();
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
@@ -1105,20 +1101,14 @@ async fn a_dropped_future_stores_nothing_and_frees_the_key() {
 async fn a_panicking_handler_stores_nothing_and_frees_the_key() {
     let fx = fx();
     let app = fx.app(fx.layer());
-    let task = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-panic", "1")
-                    .header("x-write", "panicked")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let task = spawn_call(
+        &app,
+        rq("k1")
+            .header("x-panic", "1")
+            .header("x-write", "panicked")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     assert!(task.await.unwrap_err().is_panic());
     let retry = call(
         &app,
@@ -1673,21 +1663,15 @@ async fn lease_first_request_stores_and_replays() {
 async fn lease_takeover_after_it_runs_out_fences_the_late_request() {
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let late = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .header("x-write", "wa")
-                    .header("x-renew-after-ms", "30000")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let late = spawn_call(
+        &app,
+        rq("k1")
+            .header("x-hold", "1")
+            .header("x-write", "wa")
+            .header("x-renew-after-ms", "30000")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     fx.entered.recv().await.unwrap();
     let retry = || {
         rq("k1")
@@ -1756,20 +1740,14 @@ async fn lease_takeover_after_it_runs_out_fences_the_late_request() {
 async fn renew_extends_the_lease_from_now() {
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-renew-ms", "60000")
-                    .header("x-hold", "1")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let first = spawn_call(
+        &app,
+        rq("k1")
+            .header("x-renew-ms", "60000")
+            .header("x-hold", "1")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     fx.entered.recv().await.unwrap();
     {
         let renews = fx.ctx.renews.lock();
@@ -1802,20 +1780,14 @@ async fn renew_extends_the_lease_from_now() {
 async fn renew_before_the_lease_runs_out_lets_the_request_complete() {
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .header("x-renew-after-ms", "60000")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let first = spawn_call(
+        &app,
+        rq("k1")
+            .header("x-hold", "1")
+            .header("x-renew-after-ms", "60000")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     fx.entered.recv().await.unwrap();
     fx.clock.set(T0 + LEASE_MS - 1);
     fx.ctx.gate.add_permits(1);
@@ -1851,20 +1823,14 @@ async fn lease_is_released_after_a_5xx_and_after_a_dropped_request() {
     );
     assert!(!retry.replayed());
 
-    let task = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k2")
-                    .header("x-hang", "1")
-                    .header("x-write", "dropped")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let task = spawn_call(
+        &app,
+        rq("k2")
+            .header("x-hang", "1")
+            .header("x-write", "dropped")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     fx.entered.recv().await.unwrap();
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
@@ -2248,19 +2214,15 @@ async fn lease_late_request_is_fenced_while_the_takeover_is_still_running() {
     let mut fx = fx();
     let app = fx.app(lease_layer(&fx));
     let spawn = |write: &'static str| {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-hold", "1")
-                    .header("x-write", write)
-                    .header("x-renew-after-ms", "30000")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
+        spawn_call(
+            &app,
+            rq("k1")
+                .header("x-hold", "1")
+                .header("x-write", write)
+                .header("x-renew-after-ms", "30000")
+                .body(Body::from("b"))
+                .unwrap(),
+        )
     };
     let late = spawn("wa");
     assert_eq!(fx.entered.recv().await.unwrap(), 1);
@@ -2317,20 +2279,14 @@ async fn lease_a_handler_outliving_its_lease_without_a_takeover_stores_its_respo
 async fn lease_a_panicking_handler_releases_its_lease() {
     let fx = fx();
     let app = fx.app(lease_layer(&fx));
-    let task = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                rq("k1")
-                    .header("x-panic", "1")
-                    .header("x-write", "p")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let task = spawn_call(
+        &app,
+        rq("k1")
+            .header("x-panic", "1")
+            .header("x-write", "p")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     assert!(task.await.unwrap_err().is_panic());
     let mut reply = None;
     for _ in 0..500 {
@@ -2350,21 +2306,15 @@ async fn lease_a_panicking_handler_releases_its_lease() {
 async fn a_key_in_progress_for_one_principal_does_not_hold_another_principal() {
     let mut fx = fx();
     let app = fx.app(fx.layer());
-    let alpha = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            call(
-                &app,
-                Request::post("/p")
-                    .header("x-tenant", "alpha")
-                    .header(IDEMPOTENCY_KEY, "k1")
-                    .header("x-hold", "1")
-                    .body(Body::from("b"))
-                    .unwrap(),
-            )
-            .await
-        })
-    };
+    let alpha = spawn_call(
+        &app,
+        Request::post("/p")
+            .header("x-tenant", "alpha")
+            .header(IDEMPOTENCY_KEY, "k1")
+            .header("x-hold", "1")
+            .body(Body::from("b"))
+            .unwrap(),
+    );
     fx.entered.recv().await.unwrap();
     let beta = call(
         &app,
