@@ -273,6 +273,8 @@ mod on_postgres {
     struct PgServed {
         url: Arc<str>,
         fate: Fate,
+        /// `postgres-gated`'s folder of gate files (the child's `IDEMDB_HTTP_DIR`).
+        gate: Option<Arc<Path>>,
     }
 
     async fn staged(
@@ -314,6 +316,32 @@ mod on_postgres {
             .into_response()
     }
 
+    /// `postgres-gated`: the effect staged as in `postgres`, after the handler has said it
+    /// runs (a file `<key>.reached` in the gate folder) and been let go (a file `<key>.go`).
+    async fn gated(
+        State(served): State<PgServed>,
+        Extension(request): Extension<IdempotentRequest>,
+        headers: HeaderMap,
+    ) -> Response {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        let gate = served.gate.as_deref().unwrap();
+        std::fs::write(gate.join(format!("{key}.reached")), b"").unwrap();
+        while !gate.join(format!("{key}.go")).exists() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        request
+            .sql(
+                format!("INSERT INTO {SCHEMA}.effects (key) VALUES ($1)"),
+                vec![(Box::new(key.clone()), Type::TEXT)],
+            )
+            .unwrap();
+        (
+            StatusCode::CREATED,
+            served.fate.response_body(key.as_bytes()),
+        )
+            .into_response()
+    }
+
     pub(super) async fn router(mode: &str) -> Router {
         let url: Arc<str> = std::env::var("IDEMDB_HTTP_PG_URL").unwrap().into();
         let setup = connect(&url).await;
@@ -341,14 +369,20 @@ mod on_postgres {
         let served = PgServed {
             url,
             fate: Fate::new(),
+            gate: std::env::var_os("IDEMDB_HTTP_DIR").map(|dir| PathBuf::from(dir).into()),
         };
         let fate = served.fate.clone();
-        let routes = if mode == "postgres" {
-            Router::new().route("/payments", post(staged))
-        } else {
-            Router::new().route("/payments", post(outside))
+        let routes = match mode {
+            "postgres" => Router::new().route("/payments", post(staged)),
+            "postgres-gated" => Router::new().route("/payments", post(gated)),
+            _ => Router::new().route("/payments", post(outside)),
         };
-        after_commit(routes.layer(layer).with_state(served), fate)
+        let router = routes.layer(layer).with_state(served);
+        if mode == "postgres-gated" {
+            // The two-process test kills its servers itself, at chosen moments.
+            return router;
+        }
+        after_commit(router, fate)
     }
 
     /// A private server with the store's tables and `crash.effects`: the server, its URL.
@@ -776,4 +810,143 @@ fn on_postgresql_negative_control_an_effect_committed_outside_the_claims_transac
         accounting.applied_twice > 0,
         "the check did not catch effects committed outside the claim's transaction"
     );
+}
+
+/// A request as a client sends it: status, `Retry-After`, whether marked a replay, body.
+#[cfg(feature = "postgres")]
+async fn send_once(address: SocketAddr, key: &str) -> (StatusCode, Option<String>, bool, Bytes) {
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let request = Request::post("/payments")
+        .header("host", "localhost")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from(format!("{{\"order\":\"{key}\"}}"))))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .map(|value| value.to_str().unwrap().to_owned());
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, retry_after, replayed, body)
+}
+
+/// Waits (without a deadline on the outcome, only on the test) until `path` exists.
+#[cfg(feature = "postgres")]
+async fn reached(path: &Path) {
+    for _ in 0..6000 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn on_postgresql_a_request_in_flight_in_another_process_is_409_and_a_killed_holder_frees_its_key() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let Some((_database, url)) = on_postgres::start() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let gate = dir.path().to_path_buf();
+    // Two server processes on one database: they see each other only through it.
+    let mut servers: Vec<Server> = ["a", "b"]
+        .iter()
+        .map(|name| Server {
+            mode: "postgres-gated",
+            dir: gate.clone(),
+            pg_url: Some(url.clone()),
+            port_file: dir.path().join(format!("port-{name}")),
+            child: None,
+            address: Arc::new(parking_lot::Mutex::new(None)),
+            kills: 0,
+            self_kills: 0,
+        })
+        .collect();
+    for server in &mut servers {
+        server.start();
+    }
+    let [a, b] = [0, 1].map(|n| servers[n].address.lock().unwrap());
+    let b_process = servers[1].child.as_ref().unwrap().id();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        // In flight on A: B answers 409 with Retry-After and does not run its handler.
+        let first = tokio::spawn(send_once(a, "order-1"));
+        reached(&gate.join("order-1.reached")).await;
+        std::fs::remove_file(gate.join("order-1.reached")).unwrap();
+        let second = tokio::spawn(send_once(b, "order-1"));
+        while !second.is_finished() {
+            assert!(
+                !gate.join("order-1.reached").exists(),
+                "B ran the handler of a key A holds"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let (status, retry_after, _, body) = second.await.unwrap();
+        assert_eq!(status, StatusCode::CONFLICT, "{body:?}");
+        let seconds: u64 = retry_after
+            .expect("Retry-After on the 409")
+            .parse()
+            .unwrap();
+        assert!(seconds >= 1);
+        // A finishes; B replays A's response byte for byte without running the handler.
+        std::fs::write(gate.join("order-1.go"), b"").unwrap();
+        let (status, _, replayed, stored) = first.await.unwrap();
+        assert_eq!(status, StatusCode::CREATED);
+        assert!(!replayed);
+        let (status, _, replayed, body) = send_once(b, "order-1").await;
+        assert_eq!(
+            (status, replayed, &body),
+            (StatusCode::CREATED, true, &stored)
+        );
+
+        // A SIGKILLed while it holds a key: its transaction ends with its connection, and B
+        // runs the request for the first time (409 until the database has seen A go).
+        let held = tokio::spawn(send(a, "order-2"));
+        reached(&gate.join("order-2.reached")).await;
+        std::fs::remove_file(gate.join("order-2.reached")).unwrap();
+        servers[0].kill();
+        assert!(
+            held.await.unwrap().is_none(),
+            "A answered after its SIGKILL"
+        );
+        std::fs::write(gate.join("order-2.go"), b"").unwrap();
+        let mut conflicts = 0;
+        let body = loop {
+            let (status, _, replayed, body) = send_once(b, "order-2").await;
+            if status == StatusCode::CONFLICT {
+                conflicts += 1;
+                assert!(conflicts < 2000, "A's key was never freed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+            assert_eq!((status, replayed), (StatusCode::CREATED, false), "{body:?}");
+            break body;
+        };
+        assert!(
+            String::from_utf8_lossy(&body).contains(&format!("\"process\":{b_process}")),
+            "order-2 was not run by B: {body:?}"
+        );
+    });
+    for server in &mut servers {
+        server.kill();
+    }
+    let effects = on_postgres::effects(&url);
+    assert_eq!(effects.get("order-1"), Some(&1), "order-1 applied once");
+    assert_eq!(
+        effects.get("order-2"),
+        Some(&1),
+        "order-2 applied once, by B"
+    );
+    assert_eq!(effects.len(), 2);
 }
