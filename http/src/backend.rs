@@ -1,18 +1,20 @@
 //! Where a layer's claims live: the embedded engine (a latched claim, or a durable lease) or
-//! PostgreSQL (a transaction on a pooled connection). The layer asks the same three things of
-//! either: claim a key, commit a claim with its stored response, drop a claim's writes.
+//! PostgreSQL (a transaction on a pooled connection, or a durable lease whose steps each ask for
+//! a connection). The layer asks the same three things of either: claim a key, commit a claim
+//! with its stored response, drop a claim's writes.
 
 #[cfg(feature = "postgres")]
 use std::future::Future;
 #[cfg(feature = "postgres")]
 use std::pin::Pin;
 use std::sync::Arc;
-#[cfg(feature = "embedded")]
 use std::time::Duration;
 
 use idemdb::{Fingerprint, Outcome};
 
 use crate::handle::Held;
+#[cfg(feature = "postgres")]
+use crate::handle::{PgLeaseHeld, SqlParam};
 use crate::rejection::Rejection;
 
 /// A boxed error: of a body (the layer's bounds) or of a connection (the PostgreSQL backend).
@@ -60,9 +62,9 @@ pub(crate) enum Backend {
     Postgres {
         consumer: idemdb_postgres::PgConsumer,
         connect: Arc<ConnectFn>,
-        /// `with_lease` was called on it: not offered on PostgreSQL yet, so every keyed
-        /// request is refused rather than served without the lease it was built for.
-        lease_asked: bool,
+        /// The lease path: each fresh request takes an external claim of this length, as this
+        /// holder, its in-progress record committed before the handler runs.
+        lease: Option<(Duration, Arc<[u8]>)>,
     },
 }
 
@@ -76,9 +78,6 @@ pub(crate) enum Failure {
     /// No connection for the PostgreSQL backend.
     #[cfg(feature = "postgres")]
     Connect(BoxError),
-    /// A PostgreSQL layer built with `with_lease`.
-    #[cfg(feature = "postgres")]
-    NoLeaseOnPostgres,
 }
 
 impl std::fmt::Display for Failure {
@@ -90,10 +89,6 @@ impl std::fmt::Display for Failure {
             Failure::Postgres(error) => write!(f, "{error}"),
             #[cfg(feature = "postgres")]
             Failure::Connect(error) => write!(f, "no connection: {error}"),
-            #[cfg(feature = "postgres")]
-            Failure::NoLeaseOnPostgres => {
-                write!(f, "the PostgreSQL backend has no lease path (with_lease)")
-            }
         }
     }
 }
@@ -119,8 +114,6 @@ impl Failure {
             },
             #[cfg(feature = "postgres")]
             Failure::Connect(_) => Rejection::StoreUnavailable { retryable: true },
-            #[cfg(feature = "postgres")]
-            Failure::NoLeaseOnPostgres => Rejection::StoreUnavailable { retryable: false },
         };
         if !matches!(
             rejection,
@@ -134,8 +127,9 @@ impl Failure {
 
 impl Backend {
     /// Claims the request's key: a latched claim (a point read) or a durable lease (a synced
-    /// write, off the runtime's thread) on the engine; a transaction holding the key's lock on
-    /// a connection of its own on PostgreSQL.
+    /// write, off the runtime's thread) on the engine; on PostgreSQL, a transaction holding the
+    /// key's lock on a connection of its own, or a lease whose in-progress record is committed
+    /// before this returns.
     pub(crate) async fn begin(
         &self,
         key: Vec<u8>,
@@ -160,12 +154,26 @@ impl Backend {
             Backend::Postgres {
                 consumer,
                 connect,
-                lease_asked,
+                lease,
             } => {
-                if *lease_asked {
-                    return Err(Failure::NoLeaseOnPostgres);
+                let mut connection = connect().await.map_err(Failure::Connect)?;
+                if let Some((lease, holder)) = lease {
+                    // Committed before it returns: the connection goes back (dropped here)
+                    // while the handler runs, and one is asked for again for the next step.
+                    return consumer
+                        .begin_external(&mut connection, &key, fingerprint, *lease, &**holder)
+                        .await
+                        .map(|outcome| {
+                            outcome.map_fresh(|claim| {
+                                Held::PgLease(PgLeaseHeld {
+                                    claim,
+                                    staged: Vec::new(),
+                                    connect: connect.clone(),
+                                })
+                            })
+                        })
+                        .map_err(Failure::Postgres);
                 }
-                let connection = connect().await.map_err(Failure::Connect)?;
                 let message = idemdb::Message::new(&key, fingerprint);
                 consumer
                     .begin_owned(Pooled(connection), &message)
@@ -201,19 +209,10 @@ pub(crate) async fn commit(held: Held, stored: Vec<u8>) -> Result<(), Failure> {
             .map_err(Failure::Store),
         #[cfg(feature = "postgres")]
         Held::Postgres(held) => {
-            let params: Vec<Vec<(&(dyn tokio_postgres::types::ToSql + Sync), _)>> = held
+            let params: Vec<Vec<TypedParam<'_>>> = held
                 .staged
                 .iter()
-                .map(|statement| {
-                    statement
-                        .params
-                        .iter()
-                        .map(|(value, kind)| {
-                            let value: &(dyn tokio_postgres::types::ToSql + Sync) = &**value;
-                            (value, kind.clone())
-                        })
-                        .collect()
-                })
+                .map(|statement| typed(&statement.params))
                 .collect();
             let statements: Vec<idemdb_postgres::TypedStatement<'_>> = held
                 .staged
@@ -226,7 +225,76 @@ pub(crate) async fn commit(held: Held, stored: Vec<u8>) -> Result<(), Failure> {
                 .await
                 .map_err(Failure::Postgres)
         }
+        #[cfg(feature = "postgres")]
+        Held::PgLease(held) => complete_lease(held, stored).await,
     }
+}
+
+/// A staged parameter as tokio-postgres takes it.
+#[cfg(feature = "postgres")]
+type TypedParam<'a> = (
+    &'a (dyn tokio_postgres::types::ToSql + Sync),
+    tokio_postgres::types::Type,
+);
+
+#[cfg(feature = "postgres")]
+fn typed(params: &[SqlParam]) -> Vec<TypedParam<'_>> {
+    params
+        .iter()
+        .map(|(value, kind)| {
+            let value: &(dyn tokio_postgres::types::ToSql + Sync) = &**value;
+            (value, kind.clone())
+        })
+        .collect()
+}
+
+/// Completes a PostgreSQL lease on a connection asked for now: the completion's transaction is
+/// opened once the record is found still this request's (the fence: `LeaseLost` when another
+/// request took the key over, and nothing of this one is sent), the staged SQL runs in it in
+/// order, then the stored response's write and the commit. A failure past the fence releases
+/// the lease on the same connection, so that the key is free as after a failed commit on the
+/// batch path; one before it (no connection, the key's lock busy) leaves the lease to run out.
+#[cfg(feature = "postgres")]
+async fn complete_lease(held: PgLeaseHeld, stored: Vec<u8>) -> Result<(), Failure> {
+    let PgLeaseHeld {
+        claim,
+        staged,
+        connect,
+    } = held;
+    let mut connection = connect().await.map_err(Failure::Connect)?;
+    let completion = claim
+        .completion(&mut connection)
+        .await
+        .map_err(Failure::Postgres)?;
+    let mut failed = None;
+    for statement in &staged {
+        // One round trip each: the completion's transaction takes them as plain statements.
+        let params = typed(&statement.params);
+        if let Err(error) = completion
+            .transaction()
+            .query_typed(&statement.sql, &params)
+            .await
+        {
+            failed = Some(idemdb_postgres::Error::from(error));
+            break;
+        }
+    }
+    let completed = match failed {
+        Some(error) => {
+            // Dropped, the completion sends its rollback; the release below queues behind it.
+            drop(completion);
+            Err(error)
+        }
+        None => completion.commit(stored).await,
+    };
+    let Err(error) = completed else {
+        return Ok(());
+    };
+    if let Err(release) = claim.release(&mut connection).await {
+        // The lease runs out on its own; a retry meanwhile gets 409.
+        tracing::warn!(target: "idemdb_http", error = %release, "a lease was not released after its completion failed");
+    }
+    Err(Failure::Postgres(error))
 }
 
 /// Drops the handler's writes and frees the key.
@@ -249,12 +317,27 @@ pub(crate) async fn free(held: Held) {
                 tracing::warn!(target: "idemdb_http", %error, "a claim's rollback failed");
             }
         }
+        #[cfg(feature = "postgres")]
+        Held::PgLease(held) => {
+            // Waited for, on a connection asked for now: the key is free when the response
+            // goes out. Failed, the lease runs out on its own; a retry meanwhile gets 409.
+            match (held.connect)().await {
+                Ok(mut connection) => {
+                    if let Err(error) = held.claim.release(&mut connection).await {
+                        tracing::warn!(target: "idemdb_http", %error, "a lease was not released");
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(target: "idemdb_http", %error, "a lease was not released: no connection");
+                }
+            }
+        }
     }
 }
 
 /// Runs a synced write on tokio's blocking threads; inline without a runtime.
 #[cfg(feature = "embedded")]
-async fn blocking<R: Send + 'static>(
+pub(crate) async fn blocking<R: Send + 'static>(
     call: impl FnOnce() -> idemdb::Result<R> + Send + 'static,
 ) -> idemdb::Result<R> {
     match tokio::runtime::Handle::try_current() {

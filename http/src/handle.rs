@@ -10,8 +10,9 @@ use idemdb::{BusinessTable, Claim, ExternalClaim};
 use parking_lot::Mutex;
 
 /// The claim a fresh request holds: a latched claim whose writes commit in one batch with the
-/// response, a durable lease for a handler with side effects outside the batch, or a
-/// PostgreSQL transaction whose SQL commits with the response.
+/// response, a durable lease for a handler with side effects outside the batch, or on
+/// PostgreSQL a transaction whose SQL commits with the response, or a durable lease whose
+/// completion commits the SQL with the response.
 pub(crate) enum Held {
     #[cfg(feature = "embedded")]
     Batch(Claim),
@@ -19,6 +20,8 @@ pub(crate) enum Held {
     Lease(ExternalClaim),
     #[cfg(feature = "postgres")]
     Postgres(PgHeld),
+    #[cfg(feature = "postgres")]
+    PgLease(PgLeaseHeld),
 }
 
 /// A parameter of staged SQL, owned so that it can wait in the request until the commit.
@@ -42,6 +45,15 @@ pub(crate) struct PgHeld {
     pub(crate) staged: Vec<StagedSql>,
 }
 
+/// A PostgreSQL lease (its in-progress record committed), the SQL staged on it, and where its
+/// next step gets a connection: it holds none while the handler runs.
+#[cfg(feature = "postgres")]
+pub(crate) struct PgLeaseHeld {
+    pub(crate) claim: idemdb_postgres::PgExternalClaim,
+    pub(crate) staged: Vec<StagedSql>,
+    pub(crate) connect: Arc<crate::backend::ConnectFn>,
+}
+
 /// Why a staging call on an [`IdempotentRequest`] failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -55,13 +67,36 @@ pub enum StageError {
     #[error("the request holds no lease: the layer was built without one")]
     NoLease,
     /// The store refused the call: a key or value outside its limits, a table of another
-    /// engine, a lost lease, a failed write.
+    /// engine, a lost lease, a failed write. On PostgreSQL, a renewal's `LeaseLost` (and any
+    /// other refusal idemdb's own error names) comes here too, as on the embedded engine.
     #[error(transparent)]
     Store(#[from] idemdb::Error),
-    /// A call for the other backend: a business-table write on a PostgreSQL layer, or staged
-    /// SQL on an embedded one. Nothing was staged.
-    #[error("this call is for the other backend: {0}")]
+    /// A call this backend does not take: a business-table write on a PostgreSQL layer,
+    /// staged SQL on an embedded one, or the blocking [`IdempotentRequest::renew`] of a
+    /// PostgreSQL lease (renewed with [`IdempotentRequest::renew_async`]). Nothing was done.
+    #[error("this call is not for this backend: {0}")]
     WrongBackend(&'static str),
+    /// PostgreSQL failed a lease's renewal ([`IdempotentRequest::renew_async`]): the
+    /// connection or the database; the lease is as it was.
+    #[cfg(feature = "postgres")]
+    #[error(transparent)]
+    Postgres(idemdb_postgres::Error),
+    /// No connection for a PostgreSQL lease's renewal: the layer's connect function failed.
+    #[cfg(feature = "postgres")]
+    #[error("no connection: {0}")]
+    Connect(crate::backend::BoxError),
+}
+
+#[cfg(feature = "postgres")]
+impl From<idemdb_postgres::Error> for StageError {
+    /// idemdb's own errors (`LeaseLost`, a lease outside the limits) as the embedded engine
+    /// gives them; the rest as PostgreSQL's.
+    fn from(error: idemdb_postgres::Error) -> StageError {
+        match error {
+            idemdb_postgres::Error::Idemdb(error) => StageError::Store(error),
+            other => StageError::Postgres(other),
+        }
+    }
 }
 
 /// The request's claim, as the handler sees it: stage business writes (they commit with the
@@ -83,6 +118,8 @@ impl std::fmt::Debug for IdempotentRequest {
             Some(Held::Lease(_)) => "lease",
             #[cfg(feature = "postgres")]
             Some(Held::Postgres(_)) => "postgres",
+            #[cfg(feature = "postgres")]
+            Some(Held::PgLease(_)) => "postgres lease",
             None => "gone",
         };
         f.debug_struct("IdempotentRequest")
@@ -114,7 +151,7 @@ impl IdempotentRequest {
             Some(Held::Batch(claim)) => Ok(batch(claim)?),
             Some(Held::Lease(claim)) => Ok(lease(claim)?),
             #[cfg(feature = "postgres")]
-            Some(Held::Postgres(_)) => Err(StageError::WrongBackend(
+            Some(Held::Postgres(_) | Held::PgLease(_)) => Err(StageError::WrongBackend(
                 "business tables belong to the embedded engine; stage SQL with `sql`",
             )),
             None => Err(StageError::ClaimGone),
@@ -187,6 +224,8 @@ impl IdempotentRequest {
             Some(Held::Lease(claim)) => Ok(claim.derive_key(step)),
             #[cfg(feature = "postgres")]
             Some(Held::Postgres(held)) => Ok(held.claim.derive_key(step)),
+            #[cfg(feature = "postgres")]
+            Some(Held::PgLease(held)) => Ok(held.claim.derive_key(step)),
             None => Err(StageError::ClaimGone),
         }
     }
@@ -206,6 +245,8 @@ impl IdempotentRequest {
             Some(Held::Lease(claim)) => Ok(claim.epoch()),
             #[cfg(feature = "postgres")]
             Some(Held::Postgres(held)) => Ok(held.claim.epoch()),
+            #[cfg(feature = "postgres")]
+            Some(Held::PgLease(held)) => Ok(held.claim.epoch()),
             None => Err(StageError::ClaimGone),
         }
     }
@@ -213,7 +254,10 @@ impl IdempotentRequest {
     /// Stages `sql` with its `params` (PostgreSQL backend): run in the request's transaction,
     /// in the order staged, by the commit that stores the response, in the same round trip;
     /// not run at all if the response is not stored. A statement's failure fails the commit:
-    /// nothing of the request is written, and the client gets `503`.
+    /// nothing of the request is written, the key is free, and the client gets `503`. On the
+    /// lease path the statements run in the lease's completion, once it is known to still hold
+    /// the key (one round trip each, then the response's write and the commit): a request that
+    /// was taken over runs none of them.
     ///
     /// ```no_run
     /// # fn example(request: &idemdb_http::IdempotentRequest, id: String, body: Vec<u8>)
@@ -232,8 +276,10 @@ impl IdempotentRequest {
     #[cfg(feature = "postgres")]
     pub fn sql(&self, sql: impl Into<String>, params: Vec<SqlParam>) -> Result<(), StageError> {
         match &mut *self.slot.lock() {
-            Some(Held::Postgres(held)) => {
-                held.staged.push(StagedSql {
+            Some(
+                Held::Postgres(PgHeld { staged, .. }) | Held::PgLease(PgLeaseHeld { staged, .. }),
+            ) => {
+                staged.push(StagedSql {
                     sql: sql.into(),
                     params,
                 });
@@ -250,21 +296,80 @@ impl IdempotentRequest {
     /// Extends the lease to `lease` from now (a handler whose downstream call may outlive the
     /// layer's lease): the new deadline, in ms since the Unix epoch on the engine's clock. One
     /// synced write: call it from a blocking context (`tokio::task::spawn_blocking`) if the
-    /// disk is slow.
+    /// disk is slow, or call [`IdempotentRequest::renew_async`], which also renews a
+    /// PostgreSQL lease.
     ///
     /// # Errors
     /// [`StageError::NoLease`] on a layer without leases; [`StageError::Store`] with
-    /// `LeaseLost` if another request took the key over.
+    /// `LeaseLost` if another request took the key over; [`StageError::WrongBackend`] for a
+    /// PostgreSQL lease, whose renewal waits on the database (use `renew_async`).
     pub fn renew(&self, lease: Duration) -> Result<u64, StageError> {
         match &mut *self.slot.lock() {
             #[cfg(feature = "embedded")]
             Some(Held::Lease(claim)) => Ok(claim.renew(lease)?),
+            #[cfg(feature = "postgres")]
+            Some(Held::PgLease(_)) => Err(StageError::WrongBackend(
+                "a PostgreSQL lease is renewed with `renew_async`",
+            )),
             Some(_) => {
                 let _ = lease;
                 Err(StageError::NoLease)
             }
             None => Err(StageError::ClaimGone),
         }
+    }
+
+    /// [`IdempotentRequest::renew`] without blocking the runtime's thread, on either backend:
+    /// the embedded engine's synced write runs on tokio's blocking threads; a PostgreSQL lease
+    /// is renewed in a transaction of its own (fenced as its completion is) on a connection
+    /// the layer's connect function gives, on the database's clock (or the store's injected
+    /// one).
+    ///
+    /// # Errors
+    /// As for `renew`; on PostgreSQL also [`StageError::Connect`] when no connection could be
+    /// had, [`StageError::Postgres`] when the database failed, and [`StageError::Store`] with
+    /// `KeyBusy` when the key's lock was not free in time (its completion or another renewal
+    /// held it): the lease is as it was.
+    pub async fn renew_async(&self, lease: Duration) -> Result<u64, StageError> {
+        #[cfg(feature = "postgres")]
+        {
+            let pg_lease = match &*self.slot.lock() {
+                Some(Held::PgLease(held)) => Some((held.claim.clone(), held.connect.clone())),
+                _ => None,
+            };
+            if let Some((mut claim, connect)) = pg_lease {
+                let mut connection = connect().await.map_err(StageError::Connect)?;
+                let until = claim.renew(&mut connection, lease).await?;
+                // The handle's copy gets the later deadline (its release records it), unless
+                // the layer took the claim back meanwhile or a later renewal already wrote one.
+                if let Some(Held::PgLease(held)) = &mut *self.slot.lock()
+                    && held.claim.lease_until_ms() < until
+                {
+                    held.claim = claim;
+                }
+                return Ok(until);
+            }
+        }
+        self.renew_off_thread(lease).await
+    }
+
+    /// `renew` on tokio's blocking threads (inline without a runtime): an embedded lease's
+    /// renewal is a synced write.
+    #[cfg(feature = "embedded")]
+    async fn renew_off_thread(&self, lease: Duration) -> Result<u64, StageError> {
+        let this = self.clone();
+        // A panic in the blocking call comes back as the store's error, as the layer's own
+        // blocking calls do.
+        crate::backend::blocking(move || Ok(this.renew(lease)))
+            .await
+            .unwrap_or_else(|error| Err(StageError::Store(error)))
+    }
+
+    /// `renew` as it is: without the embedded engine it writes nothing (it answers `NoLease`,
+    /// `ClaimGone` or `WrongBackend`).
+    #[cfg(not(feature = "embedded"))]
+    async fn renew_off_thread(&self, lease: Duration) -> Result<u64, StageError> {
+        self.renew(lease)
     }
 }
 
@@ -278,12 +383,29 @@ impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         // Nothing, a latched claim or a PostgreSQL transaction: dropped here, which frees the
         // key (the transaction sends its rollback without waiting, and its connection goes
-        // back to its pool). A lease is released on a blocking thread.
+        // back to its pool). A lease is released on a blocking thread; a PostgreSQL lease on a
+        // task, which asks for a connection.
         match self.0.take() {
             #[cfg(feature = "embedded")]
             Some(Held::Lease(claim)) => release_lease(claim),
+            #[cfg(feature = "postgres")]
+            Some(Held::PgLease(held)) => release_pg_lease(held),
             other => drop(other),
         }
+    }
+}
+
+/// Releases a dropped request's PostgreSQL lease on a task of its own (a drop cannot wait for
+/// a connection), as the layer frees a lease after a `5xx`. Without a runtime there is no
+/// connection to ask for: the lease runs out on its own, and a retry meanwhile gets `409`.
+#[cfg(feature = "postgres")]
+fn release_pg_lease(held: PgLeaseHeld) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(crate::backend::free(Held::PgLease(held)))),
+        Err(_) => tracing::warn!(
+            target: "idemdb_http",
+            "a dropped request's lease was not released: no runtime to release it on"
+        ),
     }
 }
 

@@ -117,7 +117,7 @@ impl IdempotencyLayer {
             Backend::Postgres {
                 consumer,
                 connect,
-                lease_asked: false,
+                lease: None,
             },
             principal,
         )
@@ -227,19 +227,25 @@ impl IdempotencyLayer {
     /// same key, so a downstream service that deduplicates does the work once. A request that
     /// outlived its lease and was taken over cannot store its response: it gets `503`
     /// ([`Rejection::LeaseLost`]) and its writes are dropped; one that outlived its lease with
-    /// no takeover stores its response as usual. A dropped request releases its lease. Each
-    /// lease costs two synced writes (taking it, completing it) against the batch path's one.
+    /// no takeover stores its response as usual. A dropped request, and one whose response is
+    /// not stored, releases its lease. Each lease costs two synced writes (taking it,
+    /// completing it) against the batch path's one.
     ///
-    /// Embedded engine only, for now: a layer on the PostgreSQL backend built with it refuses
-    /// every keyed request with `503` rather than serve it without its lease.
-    #[cfg(feature = "embedded")]
+    /// On the PostgreSQL backend the lease is an external claim whose in-progress record is
+    /// committed before the handler runs, so it holds the key across every process on the
+    /// database and across their restarts, and no connection is held while the handler runs:
+    /// one is asked of the layer's connect function to take the lease, again to complete it
+    /// (the fence, the staged SQL and the stored response in one transaction), and for a
+    /// release or a renewal ([`IdempotentRequest::renew_async`]). Its clock is the store's
+    /// (the database's unless one was injected).
     #[must_use]
     pub fn with_lease(self, lease: Duration, holder: impl AsRef<[u8]>) -> IdempotencyLayer {
         let holder: Arc<[u8]> = holder.as_ref().into();
         self.with(|policy| match &mut policy.backend {
+            #[cfg(feature = "embedded")]
             Backend::Embedded { lease: slot, .. } => *slot = Some((lease, holder)),
             #[cfg(feature = "postgres")]
-            Backend::Postgres { lease_asked, .. } => *lease_asked = true,
+            Backend::Postgres { lease: slot, .. } => *slot = Some((lease, holder)),
         })
     }
 }

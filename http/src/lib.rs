@@ -78,15 +78,18 @@
 //! a request's [`Principal`] (the authenticated tenant or client): the same key from two
 //! principals names two requests, so one client is never answered with another's response.
 //!
-//! **Retention.** A stored response is kept for the engine's retention
-//! (`EngineBuilder::retention`, 7 days by default) and expires exactly then, whether or not
-//! compaction has removed it yet: a retry after that runs the handler again. Tell clients, as
-//! the draft asks (in the API's documentation).
+//! **Retention.** A stored response is kept for the store's retention
+//! (`EngineBuilder::retention`, or `StoreBuilder::retention` on PostgreSQL; 7 days by default)
+//! and expires exactly then, whether or not compaction or removal has deleted it yet: a retry
+//! after that runs the handler again. Tell clients, as the draft asks (in the API's
+//! documentation).
 //!
-//! **In progress is the claim's latch** on the batch path: the key is held in this process while
-//! the handler runs. One process owns a store; shard keys across processes, or use the lease
-//! path (`IdempotencyLayer::with_lease`) for handlers with effects outside the batch, whose
-//! lease also holds the key across a restart of the process.
+//! **In progress is the claim's latch** on the embedded engine's batch path: the key is held in
+//! this process while the handler runs. One process owns a store; shard keys across processes,
+//! or use the lease path ([`IdempotencyLayer::with_lease`]) for handlers with effects outside
+//! the batch, whose lease also holds the key across a restart of the process. On PostgreSQL the
+//! key is held across every process on the database, by the claim's transaction or, on the
+//! lease path, by a committed lease.
 //!
 //! # Backends
 //!
@@ -98,8 +101,11 @@
 //!   gives a connection (a pooled one). Each keyed request's claim is a transaction holding the
 //!   key's lock, so a retry from any process or host on the database gets `409` while the first
 //!   runs; the handler stages SQL (`IdempotentRequest::sql`), run in that transaction by the
-//!   commit that stores the response, in one round trip. The lease path is the embedded
-//!   engine's only, for now.
+//!   commit that stores the response, in one round trip. With `with_lease` each request's
+//!   claim is instead an external claim whose in-progress record is committed before the
+//!   handler runs (no connection is held meanwhile); its completion is fenced, and runs the
+//!   staged SQL and the response's write in one transaction. `IdempotentRequest::renew_async`
+//!   renews it.
 
 mod backend;
 mod handle;
