@@ -22,7 +22,9 @@ use clap::{Args, Parser, Subcommand};
 use crate::contenders::{Kind, Ports, Spec};
 use crate::report::{charts, machine};
 use crate::workloads::{Generator, Sample};
-use crate::workloads::{footprint, http_peer, neighbour, pg_expiry, profile, scale, tuning};
+use crate::workloads::{
+    footprint, http_peer, http_peer_crash, neighbour, pg_expiry, profile, scale, tuning,
+};
 
 #[derive(Parser)]
 #[command(about = "Runs one dedup workload against idemdb and its peers, side by side")]
@@ -58,6 +60,12 @@ enum Command {
     Profile(profile::ProfileArgs),
     /// HTTP idempotency keys under concurrent retries: idemdb-http against axum-idempotent.
     HttpPeer(http_peer::HttpPeerArgs),
+    /// HTTP idempotency keys under SIGKILLs while clients retry: idemdb-http against
+    /// axum-idempotent with a durable session store.
+    HttpPeerCrash(http_peer_crash::HttpPeerCrashArgs),
+    /// The server behind one middleware (started by `http-peer-crash`); serves until killed.
+    #[command(hide = true)]
+    HttpPeerServe(http_peer_crash::HttpPeerServeArgs),
     /// Everything BENCHMARKS.md shows: peers (with these options), then scale, ttl,
     /// wal-options, read-options and pg-expiry with their defaults.
     All(PeersArgs),
@@ -122,6 +130,8 @@ fn main() -> Result<()> {
         Command::Profile(args) => profile::run(&args)?,
         Command::Footprint(args) => footprint::run(&args)?,
         Command::HttpPeer(args) => http_peer::run(&args)?,
+        Command::HttpPeerCrash(args) => http_peer_crash::run(&args)?,
+        Command::HttpPeerServe(args) => http_peer_crash::serve(&args)?,
         Command::Neighbour(args) => neighbour::run(&args)?,
         Command::NeighbourLoad(args) => neighbour::load(&args)?,
         Command::All(args) => {

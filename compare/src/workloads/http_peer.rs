@@ -31,6 +31,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idemdb::{BusinessTable, Consumer, Engine, Fingerprint, Outcome, TableOptions, merge_ops};
 use idemdb_http::{IdempotencyLayer, IdempotentRequest, Principal};
+use ruts::store::SessionStore;
 use ruts::store::Ttl;
 use ruts::store::moka::MokaStore;
 use ruts::{CookieOptions, Session, SessionLayer};
@@ -71,7 +72,7 @@ impl Served {
     }
 }
 
-fn idempotency_key(headers: &HeaderMap) -> String {
+pub(super) fn idempotency_key(headers: &HeaderMap) -> String {
     headers
         .get("idempotency-key")
         .map(|key| String::from_utf8_lossy(key.as_bytes()).into_owned())
@@ -117,7 +118,7 @@ async fn with_peer(State(served): State<Served>, headers: HeaderMap) -> Response
 }
 
 /// Creates the client's session: the peer caches only for requests that carry one.
-async fn open_session(session: Session<MokaStore>) -> StatusCode {
+pub(super) async fn open_session<S: SessionStore>(session: Session<S>) -> StatusCode {
     match session
         .set("client", &1u8, Ttl::new(3600).expect("a valid TTL"), None)
         .await
@@ -147,7 +148,7 @@ fn routers(engine: &Engine, work: Duration) -> Result<(Router, Router)> {
     let peer = Router::new()
         .route("/payments", post(with_peer))
         .layer(axum_idempotent::IdempotentLayer::<MokaStore>::new(options))
-        .route("/session", get(open_session))
+        .route("/session", get(open_session::<MokaStore>))
         .layer(
             SessionLayer::new(store)
                 .with_cookie_options(CookieOptions::build().name("session").path("/")),
@@ -165,10 +166,10 @@ async fn serve(router: Router) -> Result<SocketAddr> {
 }
 
 /// An answer: status, `Set-Cookie`, whether it was marked as a replay, body.
-type Answer = (StatusCode, Option<String>, bool, Bytes);
+pub(super) type Answer = (StatusCode, Option<String>, bool, Bytes);
 
 /// One request on a new connection.
-async fn send(address: SocketAddr, request: Request<Full<Bytes>>) -> Result<Answer> {
+pub(super) async fn send(address: SocketAddr, request: Request<Full<Bytes>>) -> Result<Answer> {
     let stream = tokio::net::TcpStream::connect(address).await?;
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -189,7 +190,7 @@ async fn send(address: SocketAddr, request: Request<Full<Bytes>>) -> Result<Answ
     Ok((status, cookie, replayed, body))
 }
 
-fn payment(key: &str, cookie: Option<&str>) -> Request<Full<Bytes>> {
+pub(super) fn payment(key: &str, cookie: Option<&str>) -> Request<Full<Bytes>> {
     let mut request = Request::post("/payments")
         .header("host", "localhost")
         .header("idempotency-key", key);

@@ -9,6 +9,7 @@
 
 pub mod footprint;
 pub mod http_peer;
+pub mod http_peer_crash;
 pub mod neighbour;
 pub mod pg_expiry;
 pub mod profile;
