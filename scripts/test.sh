@@ -103,6 +103,8 @@ echo "== RabbitMQ partitioned fleet: handoffs, a zombie, online backups, the neg
 bash scripts/rabbitmq-handoff.sh
 echo "== RabbitMQ streams: log consumers with their read position in the batch, SIGKILLed; two negative controls"
 bash scripts/rabbitmq-streams.sh
+echo "== NATS JetStream: acked consumers SIGKILLed, the server SIGKILLed twice; two negative controls"
+bash scripts/nats-e2e.sh
 
 echo "== the Kafka recipe compiles (recipes/kafka; not run: no Kafka broker here)"
 cargo clippy --release -p idemdb-kafka-recipe -- -D warnings

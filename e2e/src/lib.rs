@@ -27,6 +27,7 @@ pub mod effects_table;
 pub mod failover_times;
 pub mod handoffs;
 pub mod ledger;
+pub mod nats;
 pub mod pg_cluster;
 pub mod plan;
 pub mod reads;
@@ -34,6 +35,9 @@ pub mod report;
 pub mod supervisor;
 pub mod verdict;
 
+/// The NATS JetStream recipe's stream, subjects, consumer names and headers.
+#[path = "../../examples/common/jetstream.rs"]
+pub mod jetstream;
 /// The RabbitMQ recipes' store layout, queue names and message format.
 #[path = "../../examples/common/orders.rs"]
 pub mod orders;

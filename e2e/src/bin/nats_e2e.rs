@@ -1,0 +1,272 @@
+//! End-to-end check of `nats_orders` against a real `nats-server` with JetStream, with SIGKILLs
+//! of the consumers and of the server itself.
+//!
+//! Starts a private server (127.0.0.1:`--port`, its store in the work folder), makes the orders'
+//! stream (duplicate window `--duplicate-window-ms`) and one durable pull consumer per shard
+//! (explicit acks, redelivery after `--ack-wait-ms`), and runs one consumer process per shard
+//! (store `<work>/store-<shard>`). Publishes orders (with producer-side resends of the same
+//! order, and some order ids reused with other content), each until the stream acknowledges
+//! it, with `Nats-Msg-Id` set to the content (`--msg-id on`, the default) or not. Meanwhile it
+//! SIGKILLs consumers at random moments (the consumers also SIGKILL themselves between a
+//! commit and its ack, `--kill-after-commit-per-mille`) and SIGKILLs the server
+//! `--server-kills` times, restarting each. Once every consumer has acknowledged everything, it
+//! checks the stores and the dead-letter stream, and prints: published, deduplicated by the
+//! stream, distinct orders, effects applied, duplicates suppressed by idemdb, conflicts
+//! dead-lettered, redeliveries, kills, lost (must be 0) and applied twice (must be 0).
+//!
+//! Negative controls, each of which must be caught: `--ack before-commit` (the ack sent
+//! before the commit: lost > 0) and `--markers off` (no idemdb markers, the broker's
+//! `Nats-Msg-Id` deduplication alone: applied twice > 0). Exits 0 when the run passed (or the
+//! control was caught), 1 when a check failed, 2 when the run could not be made.
+//!
+//! `scripts/nats-e2e.sh` installs `nats-server` and runs this. Options: `--port PORT`,
+//! `--shards N`, `--kill-after-commit-per-mille N`, `--server-kills N`, `--ack-wait-ms N`,
+//! `--duplicate-window-ms N`, `--msg-id on|off`, `--ack after-commit|before-commit`,
+//! `--markers on|off`, and the workload's `--orders N`, `--resend-percent P`, `--reused N`,
+//! `--rate MSGS_PER_S`, `--min-kills N`, `--work DIR`, `--seed N`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use idemdb_e2e::args::{Args, Workload, check};
+use idemdb_e2e::jetstream::{consumer_name, subject};
+use idemdb_e2e::nats::{self, Outgoing, Published, Server};
+use idemdb_e2e::orders::{open_store, shard_of};
+use idemdb_e2e::report::{Control, Report};
+use idemdb_e2e::supervisor::{Supervisor, recipe};
+use idemdb_e2e::{BoxError, fresh_folder, ledger, verdict};
+
+struct Options {
+    port: u16,
+    shards: usize,
+    kill_after_commit_per_mille: u64,
+    server_kills: u64,
+    ack_wait: Duration,
+    duplicate_window: Duration,
+    msg_id: bool,
+    /// The consumers' `--ack` and `--markers`: a negative control when not the defaults.
+    ack: String,
+    markers: String,
+    load: Workload,
+}
+
+fn on_off(value: &str, option: &str) -> Result<bool, BoxError> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("--{option} is on or off, not {other}").into()),
+    }
+}
+
+fn parse_options() -> Result<Options, BoxError> {
+    let mut args = Args::from_env();
+    let msg_id: String = args.value("msg-id", "on".to_owned())?;
+    let options = Options {
+        port: args.value("port", 14222)?,
+        shards: args.value("shards", 3)?,
+        kill_after_commit_per_mille: args.value("kill-after-commit-per-mille", 5)?,
+        server_kills: args.value("server-kills", 2)?,
+        ack_wait: Duration::from_millis(args.value("ack-wait-ms", 2000)?),
+        duplicate_window: Duration::from_millis(args.value("duplicate-window-ms", 2000)?),
+        msg_id: on_off(&msg_id, "msg-id")?,
+        ack: args.value("ack", "after-commit".to_owned())?,
+        markers: args.value("markers", "on".to_owned())?,
+        load: Workload::parse(&mut args, "nats-e2e", 400)?,
+    };
+    args.finish()?;
+    check(options.shards > 0, "--shards must be at least 1")?;
+    check(
+        options.kill_after_commit_per_mille <= 1000,
+        "--kill-after-commit-per-mille is 0..=1000",
+    )?;
+    check(
+        ["after-commit", "before-commit"].contains(&options.ack.as_str()),
+        "--ack is after-commit or before-commit",
+    )?;
+    on_off(&options.markers, "markers")?;
+    // A shorter ack wait redelivers messages still being committed; a shorter window is none.
+    check(
+        options.ack_wait >= Duration::from_millis(500)
+            && options.duplicate_window >= Duration::from_millis(100),
+        "--ack-wait-ms is at least 500 and --duplicate-window-ms at least 100",
+    )?;
+    Ok(options)
+}
+
+/// One `nats_orders` process per shard: its durable consumer, its store, its ledger.
+fn consumers(options: &Options, url: &str) -> Result<Supervisor, BoxError> {
+    let url = url.to_owned();
+    let work = options.load.work.clone();
+    let kill = options.kill_after_commit_per_mille.to_string();
+    let (ack, markers) = (options.ack.clone(), options.markers.clone());
+    let command_line = move |shard: usize, command: &mut std::process::Command| {
+        command
+            .arg("--nats")
+            .arg(&url)
+            .arg("--consumer")
+            .arg(consumer_name(shard))
+            .arg("--dir")
+            .arg(work.join(format!("store-{shard}")))
+            .arg("--events")
+            .arg(work.join(format!("events-{shard}.log")))
+            .arg("--kill-after-commit-per-mille")
+            .arg(&kill)
+            .arg("--ack")
+            .arg(&ack)
+            .arg("--markers")
+            .arg(&markers);
+        Ok(())
+    };
+    Ok(Supervisor::new(
+        recipe("nats_orders")?,
+        &options.load.work,
+        options.shards,
+        Box::new(command_line),
+    ))
+}
+
+fn main() {
+    idemdb_e2e::main("nats_e2e", run());
+}
+
+async fn run() -> Result<bool, BoxError> {
+    let options = parse_options()?;
+    let load = &options.load;
+    let shards = options.shards;
+    let started = Instant::now();
+    let (plan, mut rng) = load.plan();
+    fresh_folder(&load.work)?;
+
+    let mut server = Server::start(options.port, &load.work.join("server"))?;
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(server.url())
+        .await?;
+    let context = async_nats::jetstream::new(client);
+    nats::topology(&context, shards, options.duplicate_window, options.ack_wait).await?;
+    let mut consumers = consumers(&options, &server.url())?;
+    consumers.start_all()?;
+    println!(
+        "nats_e2e: {} orders, {} messages to publish at {}/s, {shards} shards, work dir {}",
+        load.orders,
+        plan.messages.len(),
+        load.rate,
+        load.work.display()
+    );
+
+    let messages = plan
+        .messages
+        .iter()
+        .map(|message| Outgoing {
+            subject: subject(shard_of(&message.order_id, shards)),
+            order_id: message.order_id.clone(),
+            body: message.body.clone(),
+            // The content: a resend of the same content inside the window is dropped by the
+            // stream; a reused id with other content is not.
+            message_id: options.msg_id.then(|| message.body.clone()),
+        })
+        .collect();
+    let published = Arc::new(Published::default());
+    let producer = tokio::spawn(nats::publish(
+        context.clone(),
+        messages,
+        load.rate,
+        published.clone(),
+    ));
+    // The server's kills are spread over the publishing time; the consumers' come every
+    // 100-800 ms until both the producer is done and enough were made.
+    let publishing = Duration::from_secs_f64(plan.messages.len() as f64 / load.rate as f64);
+    let server_kill_every = publishing / u32::try_from(options.server_kills + 1)?;
+    let mut next_server_kill = Instant::now() + server_kill_every;
+    let mut kills = 0u64;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
+        if producer.is_finished() && kills >= load.min_kills && server.kills >= options.server_kills
+        {
+            break;
+        }
+        if server.kills < options.server_kills && Instant::now() >= next_server_kill {
+            server.kill_and_restart()?;
+            next_server_kill += server_kill_every;
+            println!(
+                "nats_e2e: server SIGKILLed and restarted ({})",
+                server.kills
+            );
+            continue;
+        }
+        let shard = usize::try_from(rng.below(shards as u64))?;
+        if consumers.kill_and_restart(shard)?.is_some() {
+            kills += 1;
+        }
+        consumers.restart_exited()?;
+    }
+    producer.await??;
+    println!("nats_e2e: all published; {kills} consumer kills done; draining");
+
+    let progress = || ledger::bytes(&load.work, "events-");
+    nats::drain(&context, shards, &mut consumers, progress).await?;
+    let dead_letters = nats::dead_letters(&context).await?;
+
+    let mut stores = Vec::new();
+    for shard in 0..shards {
+        let dir = load.work.join(format!("store-{shard}"));
+        stores.push((format!("shard {shard}"), open_store(&dir)?));
+    }
+    let verdict = verdict::verify(&stores, &plan, &dead_letters)?;
+    let events = ledger::read_all(&load.work, "events-")?;
+    let count = |kind: &str| ledger::count(&events, kind, 0);
+    println!(
+        "nats_e2e: accounting ({:.0} s from first publish to last check)",
+        started.elapsed().as_secs_f64()
+    );
+    let mut report = Report::new("nats_e2e");
+    report.figure("messages planned", plan.messages.len());
+    report.figure(
+        "published (acknowledged by the stream)",
+        published.acknowledged.load(Ordering::Relaxed),
+    );
+    report.figure(
+        "dropped by the stream as duplicates (Nats-Msg-Id inside its window)",
+        published.deduplicated.load(Ordering::Relaxed),
+    );
+    report.figure(
+        "publishes retried (server down)",
+        published.retried.load(Ordering::Relaxed),
+    );
+    report.figure("distinct orders", plan.contents.len());
+    report.figure("effects applied", verdict.effects_applied);
+    report.figure("duplicates suppressed by idemdb", count("duplicate"));
+    report.figure("conflicts dead-lettered", verdict.conflicts_dead_lettered);
+    report.figure("deliveries redelivered by JetStream", count("redelivered"));
+    report.figure("in-progress nacked", count("in_progress"));
+    report.figure("consumers SIGKILLed at random moments", kills);
+    report.figure(
+        "consumers SIGKILLed between commit and ack",
+        consumers.self_kills,
+    );
+    report.figure("server SIGKILLed and restarted", server.kills);
+    report.figure("consumer starts", consumers.starts);
+    report.zero(
+        "consumer exits not caused by us",
+        consumers.unexpected_exits,
+    );
+    report.verdict(&verdict, "dead-lettered", Some("shards"));
+    let control = if options.ack == "before-commit" {
+        Control::Negative {
+            caught: verdict.lost > 0,
+            flaw: "orders lost with the ack sent before the commit",
+        }
+    } else if options.markers == "off" {
+        Control::Negative {
+            caught: verdict.applied_twice > 0,
+            flaw: "orders applied twice with Nats-Msg-Id deduplication alone",
+        }
+    } else {
+        Control::Run {
+            claim: "lost = 0, applied twice = 0",
+        }
+    };
+    drop(server);
+    Ok(report.finish(control))
+}

@@ -1,0 +1,305 @@
+//! A private `nats-server` with JetStream for the NATS checker: started on 127.0.0.1 with its
+//! store in the run's work folder, SIGKILLed and restarted on the same store, and stopped when
+//! dropped (also when the checker dies); the orders' topology, publishing with the stream's
+//! acknowledgement, waiting for the consumers to drain, and reading the dead letters.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer, stream};
+
+use crate::BoxError;
+use crate::amqp::DeadLetter;
+use crate::jetstream::{
+    DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT,
+    HEADER_STORED_FINGERPRINT, STREAM, consumer_name, subject,
+};
+use crate::supervisor::Supervisor;
+
+/// The server process: `nats-server -js` on 127.0.0.1:`port`, its store under `dir`.
+pub struct Server {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+    /// Times it was SIGKILLed (and started again).
+    pub kills: u64,
+}
+
+impl Server {
+    /// Starts the server and waits until it accepts connections.
+    pub fn start(port: u16, dir: &Path) -> Result<Server, BoxError> {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Err(format!("127.0.0.1:{port} is already in use; pick another --port").into());
+        }
+        let mut server = Server {
+            port,
+            dir: dir.to_owned(),
+            child: None,
+            kills: 0,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) -> Result<(), BoxError> {
+        std::fs::create_dir_all(&self.dir)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("nats-server.log"))?;
+        let mut command = Command::new("nats-server");
+        command
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.dir.join("jetstream"))
+            .stdout(Stdio::null())
+            .stderr(log);
+        // SAFETY: prctl is async-signal-safe; the closure allocates nothing.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        self.child = Some(command.spawn().map_err(|error| {
+            format!("starting nats-server (scripts/nats.sh installs it): {error}")
+        })?);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if Instant::now() > deadline {
+                return Err(format!("nats-server did not listen on {} in 30 s", self.port).into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs the server, waits for it, and starts it again on the same store.
+    pub fn kill_and_restart(&mut self) -> Result<(), BoxError> {
+        if let Some(mut child) = self.child.take() {
+            child.kill()?;
+            child.wait()?;
+        }
+        self.kills += 1;
+        self.spawn()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The orders' stream (file storage, with `duplicate_window` for `Nats-Msg-Id`), the
+/// dead-letter stream, and one durable pull consumer per shard (explicit acks, redelivery after
+/// `ack_wait`), all made anew.
+pub async fn topology(
+    context: &jetstream::Context,
+    shards: usize,
+    duplicate_window: Duration,
+    ack_wait: Duration,
+) -> Result<(), BoxError> {
+    for name in [STREAM, DEAD_LETTER_STREAM] {
+        // Absent on a fresh server; anything else fails the create below.
+        let _ = context.delete_stream(name).await;
+    }
+    let orders = context
+        .create_stream(stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec!["orders.*".to_owned()],
+            storage: stream::StorageType::File,
+            duplicate_window,
+            ..Default::default()
+        })
+        .await?;
+    context
+        .create_stream(stream::Config {
+            name: DEAD_LETTER_STREAM.to_owned(),
+            subjects: vec![DEAD_LETTER_SUBJECT.to_owned()],
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?;
+    for shard in 0..shards {
+        orders
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some(consumer_name(shard)),
+                filter_subject: subject(shard),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait,
+                max_ack_pending: 1000,
+                ..Default::default()
+            })
+            .await?;
+    }
+    Ok(())
+}
+
+/// One message to publish.
+pub struct Outgoing {
+    pub subject: String,
+    pub order_id: String,
+    pub body: String,
+    /// `Nats-Msg-Id`, for the stream's deduplication inside its window.
+    pub message_id: Option<String>,
+}
+
+/// What publishing saw.
+#[derive(Default)]
+pub struct Published {
+    /// Messages acknowledged by the stream (each counted once, however often it was retried).
+    pub acknowledged: AtomicU64,
+    /// Of those, the ones the stream dropped as duplicates of a `Nats-Msg-Id` inside its window.
+    pub deduplicated: AtomicU64,
+    /// Publishes retried after an error (the server was down, or the acknowledgement did not
+    /// come).
+    pub retried: AtomicU64,
+}
+
+/// Publishes `messages` at `rate` per second, each until the stream acknowledges it: a publish
+/// that fails while the server restarts is sent again (with the same `Nats-Msg-Id`, if any).
+pub async fn publish(
+    context: jetstream::Context,
+    messages: Vec<Outgoing>,
+    rate: u64,
+    published: Arc<Published>,
+) -> Result<(), BoxError> {
+    let interval = Duration::from_secs_f64(1.0 / rate as f64);
+    let started = Instant::now();
+    for (n, message) in messages.into_iter().enumerate() {
+        let due = started + interval * u32::try_from(n)?;
+        tokio::time::sleep_until(due.into()).await;
+        let mut headers = HeaderMap::new();
+        headers.insert(HEADER_ORDER_ID, message.order_id.as_str());
+        if let Some(id) = &message.message_id {
+            headers.insert("Nats-Msg-Id", id.as_str());
+        }
+        loop {
+            let sent = context
+                .publish_with_headers(
+                    message.subject.clone(),
+                    headers.clone(),
+                    message.body.clone().into(),
+                )
+                .await;
+            let acknowledged = match sent {
+                Ok(ack) => tokio::time::timeout(Duration::from_secs(5), ack).await,
+                Err(_) => {
+                    published.retried.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            match acknowledged {
+                Ok(Ok(ack)) => {
+                    published.acknowledged.fetch_add(1, Ordering::Relaxed);
+                    if ack.duplicate {
+                        published.deduplicated.fetch_add(1, Ordering::Relaxed);
+                    }
+                    break;
+                }
+                _ => {
+                    published.retried.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Messages not yet acknowledged by the shards' consumers: pending delivery, or delivered and
+/// waiting for their ack. `None` while the server cannot say (it is restarting).
+async fn outstanding(context: &jetstream::Context, shards: usize) -> Option<u64> {
+    let stream = context.get_stream(STREAM).await.ok()?;
+    let mut total = 0;
+    for shard in 0..shards {
+        let info = stream.consumer_info(consumer_name(shard)).await.ok()?;
+        total += info.num_pending + info.num_ack_pending as u64;
+    }
+    Some(total)
+}
+
+/// Waits until every shard's consumer has acknowledged everything and `progress` (the
+/// consumers' ledgers) has not moved for two seconds, restarting exited consumers; then stops
+/// them gracefully, and starts them again if anything came back. Ten minutes at most.
+pub async fn drain(
+    context: &jetstream::Context,
+    shards: usize,
+    consumers: &mut Supervisor,
+    mut progress: impl FnMut() -> Result<u64, BoxError>,
+) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    for round in 0.. {
+        let mut last = (u64::MAX, Instant::now());
+        loop {
+            consumers.restart_exited()?;
+            let left = outstanding(context, shards).await;
+            let done = progress()?;
+            if left != Some(0) || done != last.0 {
+                last = (done, Instant::now());
+            } else if last.1.elapsed() >= Duration::from_secs(2) {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the consumers did not drain ({left:?} outstanding)").into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        consumers.stop_gracefully()?;
+        if outstanding(context, shards).await == Some(0) {
+            return Ok(());
+        }
+        if round == 10 {
+            return Err("messages keep coming back after ten drain rounds".into());
+        }
+        consumers.start_all()?;
+    }
+    Ok(())
+}
+
+/// Every dead letter in the dead-letter stream.
+pub async fn dead_letters(context: &jetstream::Context) -> Result<Vec<DeadLetter>, BoxError> {
+    let mut stream = context.get_stream(DEAD_LETTER_STREAM).await?;
+    let state = stream.info().await?.state.clone();
+    let mut found = Vec::new();
+    if state.messages == 0 {
+        return Ok(found);
+    }
+    let header = |message: &jetstream::message::StreamMessage, name: &str| {
+        message
+            .headers
+            .get(name)
+            .map(|value| value.as_str().to_owned())
+    };
+    for sequence in state.first_sequence..=state.last_sequence {
+        let message = stream.get_raw_message(sequence).await?;
+        found.push(DeadLetter {
+            order_id: header(&message, HEADER_ORDER_ID).unwrap_or_default(),
+            received: header(&message, HEADER_RECEIVED_FINGERPRINT).unwrap_or_default(),
+            stored: header(&message, HEADER_STORED_FINGERPRINT),
+        });
+    }
+    Ok(found)
+}

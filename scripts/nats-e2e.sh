@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The NATS JetStream end-to-end test: the checker (e2e/src/bin/nats_e2e.rs) starts a private
+# nats-server with JetStream (127.0.0.1:14222, its store in the run's folder, stopped by pid),
+# runs one consumer process per shard (examples/nats_orders.rs: a durable pull consumer with
+# explicit acks), SIGKILLs the consumers at random moments and between a commit and its ack,
+# SIGKILLs and restarts the server itself, and accounts for every order: lost = 0, applied
+# twice = 0. Then the two negative controls, each of which must be caught: the ack sent before
+# the commit (lost > 0), and the stream's Nats-Msg-Id deduplication without idemdb's markers
+# (applied twice > 0).
+#
+#   ./scripts/nats-e2e.sh                          # the CI size
+#   ./scripts/nats-e2e.sh --orders 100000 --rate 1500 --min-kills 100 --server-kills 5   # long
+#
+# Arguments go to the main run's checker (see the header of e2e/src/bin/nats_e2e.rs); the
+# controls keep their CI size.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+
+if ! command -v nats-server >/dev/null 2>&1; then
+    apt_install "for the NATS JetStream end-to-end test" nats-server
+fi
+# The same features as the test command, so the two share one build of the crate.
+cargo build --release --all-features --example nats_orders
+cargo build --release -p idemdb-e2e --bin nats_e2e
+
+work="$(mktemp -d -t idemdb-nats-XXXXXX)"
+# A failed run keeps its folder (the ledgers, the stores, the server's log) for a look.
+trap 'status=$?; if [ "$status" -eq 0 ]; then rm -rf "$work"; else echo "nats-e2e: kept $work" >&2; fi' EXIT
+checker="$CARGO_TARGET_DIR/release/nats_e2e"
+"$checker" --work "$work/run" --orders 2000 --min-kills 10 --server-kills 2 "$@"
+"$checker" --work "$work/before" --orders 1000 --min-kills 5 --server-kills 1 \
+    --kill-after-commit-per-mille 30 --ack before-commit
+"$checker" --work "$work/unmarked" --orders 1000 --min-kills 5 --server-kills 1 --markers off
