@@ -187,11 +187,7 @@ impl Handler {
                 return Ok(());
             }
             Err(error) if error.is_retryable() => {
-                self.event("retry", &order_id);
-                message
-                    .ack_with(AckKind::Nak(Some(Duration::from_millis(50))))
-                    .await?;
-                return Ok(());
+                return self.later(&message, "retry", &order_id).await;
             }
             Err(error) => return Err(error.into()),
         };
@@ -210,11 +206,7 @@ impl Handler {
                 match claim.commit_async(b"accepted").await {
                     Ok(_) => {}
                     Err(error) if error.is_retryable() => {
-                        self.event("retry", &order_id);
-                        message
-                            .ack_with(AckKind::Nak(Some(Duration::from_millis(50))))
-                            .await?;
-                        return Ok(());
+                        return self.later(&message, "retry", &order_id).await;
                     }
                     Err(error) => return Err(error.into()),
                 }
@@ -239,10 +231,7 @@ impl Handler {
                 message.ack().await?;
             }
             Outcome::InProgress { .. } => {
-                self.event("in_progress", &order_id);
-                message
-                    .ack_with(AckKind::Nak(Some(Duration::from_millis(50))))
-                    .await?;
+                self.later(&message, "in_progress", &order_id).await?;
             }
             // Neither the admission floor nor the ordering guard is used here.
             Outcome::TooLate { .. } | Outcome::Stale { .. } => {
@@ -250,6 +239,20 @@ impl Handler {
                 message.ack().await?;
             }
         }
+        Ok(())
+    }
+
+    /// Nacks `message` for redelivery in 50 ms: nothing of it was written.
+    async fn later(
+        &self,
+        message: &jetstream::Message,
+        why: &str,
+        order_id: &str,
+    ) -> Result<(), BoxError> {
+        self.event(why, order_id);
+        message
+            .ack_with(AckKind::Nak(Some(Duration::from_millis(50))))
+            .await?;
         Ok(())
     }
 

@@ -320,7 +320,7 @@ mod on_postgres {
     /// runs (a file `<key>.reached` in the gate folder) and been let go (a file `<key>.go`).
     async fn gated(
         State(served): State<PgServed>,
-        Extension(request): Extension<IdempotentRequest>,
+        request: Extension<IdempotentRequest>,
         headers: HeaderMap,
     ) -> Response {
         let key = headers["idempotency-key"].to_str().unwrap().to_owned();
@@ -329,17 +329,7 @@ mod on_postgres {
         while !gate.join(format!("{key}.go")).exists() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        request
-            .sql(
-                format!("INSERT INTO {SCHEMA}.effects (key) VALUES ($1)"),
-                vec![(Box::new(key.clone()), Type::TEXT)],
-            )
-            .unwrap();
-        (
-            StatusCode::CREATED,
-            served.fate.response_body(key.as_bytes()),
-        )
-            .into_response()
+        staged(State(served), request, headers).await
     }
 
     pub(super) async fn router(mode: &str) -> Router {
