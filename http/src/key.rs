@@ -23,7 +23,7 @@ const _: () = assert!(1 + PRINCIPAL_BYTES_MAX + KEY_BYTES_MAX <= idemdb::MESSAGE
 /// Whose a key is: the authenticated caller (a tenant, an account, an API client) the keys are
 /// scoped by. The same key sent by two principals names two requests, so one client can never
 /// be answered with another's stored response. Every layer is built with the function that
-/// gives a request's principal ([`crate::IdempotencyLayer::new`]).
+/// gives a request's principal (every constructor of [`crate::IdempotencyLayer`] takes it).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Principal(Box<[u8]>);
 

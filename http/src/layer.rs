@@ -89,8 +89,8 @@ impl IdempotencyLayer {
     /// `tokio_postgres::Client`), holding the key's lock while the handler runs, across every
     /// process and host on the database. The handler stages SQL with
     /// [`IdempotentRequest::sql`]; it runs with the stored response's write in the commit's one
-    /// round trip. The connection goes back (is dropped) when the claim ends. `consumer` and
-    /// `principal` as for [`IdempotencyLayer::new`]; the retention is the store's. A request
+    /// round trip. The connection goes back (is dropped) when the claim ends. `principal`
+    /// finds the request's [`Principal`], which scopes its key; the retention is the store's. A request
     /// for which `connect` fails gets `503` with `Retry-After`.
     #[cfg(feature = "postgres")]
     pub fn postgres<F, Fut, C, E>(

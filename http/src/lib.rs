@@ -74,8 +74,9 @@
 //! | the store fails | `503` (with `Retry-After` when transient); nothing is stored |
 //! | on the lease path, the handler outlives its lease and another request takes the key over | `503` with `Retry-After`, its writes dropped; a retry gets the response of the request that took over |
 //!
-//! **The key is scoped by a principal.** [`IdempotencyLayer::new`] takes the function that finds
-//! a request's [`Principal`] (the authenticated tenant or client): the same key from two
+//! **The key is scoped by a principal.** Every constructor of [`IdempotencyLayer`] (`new` on
+//! the embedded engine, `postgres` on PostgreSQL) takes the function that finds a request's
+//! [`Principal`] (the authenticated tenant or client): the same key from two
 //! principals names two requests, so one client is never answered with another's response.
 //!
 //! **Retention.** A stored response is kept for the store's retention
