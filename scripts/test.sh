@@ -45,6 +45,7 @@ echo "== docs (broken links are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --all-features --no-deps
 RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-postgres -p idemdb-powercut --no-deps
 RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-http --all-features --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --release -p idemdb-http --no-default-features --features postgres --no-deps
 
 echo "== loom: every interleaving of the claim latch (2-3 threads)"
 (cd loom && RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/../loom-target" \
