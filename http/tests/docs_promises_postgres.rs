@@ -156,6 +156,60 @@ impl Ctx {
     async fn row_ids(&self) -> Result<Vec<String>, BoxError> {
         Ok(self.rows().await?.into_iter().map(|(id, _)| id).collect())
     }
+
+    /// The business rows are exactly those of `ids`, in that order.
+    async fn expect_rows(&self, ids: &[&str]) -> Outcome {
+        let rows = self.row_ids().await?;
+        ensure!(rows == ids, "rows {rows:?}");
+        Ok(())
+    }
+
+    /// One INSERT reached the database in all: the runs whose response was not stored never
+    /// sent their SQL, not even in a transaction rolled back (see `inserts_sent`).
+    async fn expect_one_insert_sent(&self) -> Outcome {
+        let sent = self.inserts_sent().await?;
+        ensure!(
+            sent == 1,
+            "{sent} INSERTs sent: the SQL of a response not stored was run"
+        );
+        Ok(())
+    }
+
+    /// `retry` followed a first run that stored nothing: the key was free, so it ran the
+    /// handler a second time (no replay), only that run's row is written, and the first run's
+    /// SQL never reached the database.
+    async fn expect_second_run(&self, retry: &Answer, h: &Handler) -> Outcome {
+        retry.expect(StatusCode::CREATED)?;
+        ensure!(
+            !retry.replayed() && h.runs() == 2,
+            "the retry did not run the handler"
+        );
+        self.expect_rows(&["a-2"]).await?;
+        self.expect_one_insert_sent().await
+    }
+
+    /// One process on `path`: a store of its own on `clock`, a pool of its own, its layer (a
+    /// lease held as `holder`).
+    async fn process(
+        &self,
+        path: Path,
+        clock: Option<&MockClock>,
+        holder: &str,
+    ) -> Result<IdempotencyLayer, BoxError> {
+        Ok(path.layer(self.consumer(clock).await?, &self.pool(), holder))
+    }
+
+    /// The usual layer on `path`: one process, holder `host-a`, the path's clock.
+    async fn layer(&self, path: Path) -> Result<IdempotencyLayer, BoxError> {
+        self.process(path, path.clock().as_ref(), "host-a").await
+    }
+
+    /// The plain handler (`a`, as `Handler::new` makes it) behind the usual layer on `path`.
+    async fn serve(&self, path: Path) -> Result<(Handler, Router), BoxError> {
+        let h = Handler::new(self, "a");
+        let app = app(self.layer(path).await?, &h);
+        Ok((h, app))
+    }
 }
 
 /// The layer's connect function: a new connection each time, counted while alive.
@@ -238,8 +292,38 @@ fn pg_layer(consumer: PgConsumer, pool: &Pool) -> IdempotencyLayer {
 
 const LEASE: Duration = Duration::from_secs(10);
 
-fn lease_layer(consumer: PgConsumer, pool: &Pool, holder: &str) -> IdempotencyLayer {
-    pg_layer(consumer, pool).with_lease(LEASE, holder)
+/// The two ways the layer runs a keyed request on PostgreSQL. Most promises hold on both: such
+/// a scenario is written once, takes the path, and is listed under a name for each.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    /// `IdempotencyLayer::postgres`: the claim is a transaction held while the handler runs.
+    Batch,
+    /// `.with_lease(LEASE, holder)`: an in-progress record committed before the handler runs.
+    Lease,
+}
+
+use Path::{Batch, Lease};
+
+impl Path {
+    /// `layer` as this path runs it (`holder` names the lease; the batch path has none).
+    fn with(self, layer: IdempotencyLayer, holder: &str) -> IdempotencyLayer {
+        match self {
+            Batch => layer,
+            Lease => layer.with_lease(LEASE, holder),
+        }
+    }
+
+    /// The layer on this path over `consumer`, its connections from `pool`.
+    fn layer(self, consumer: PgConsumer, pool: &Pool, holder: &str) -> IdempotencyLayer {
+        self.with(pg_layer(consumer, pool), holder)
+    }
+
+    /// The stores' clock: on the lease path a mock that stands still until a scenario moves it,
+    /// so a key free at once was released (its lease did not run out); the batch path keeps
+    /// the database's clock, as the batch scenarios always had it.
+    fn clock(self) -> Option<MockClock> {
+        (self == Lease).then(mock_clock)
+    }
 }
 
 /// Holds the handler's first run until opened, handing the test a clone of its request.
@@ -523,13 +607,14 @@ fn problem_ok(answer: &Answer) -> Outcome {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The batch path: `IdempotencyLayer::postgres`.
+// Both paths: a promise the docs make of the batch path and of the lease path, written once
+// with the path as its parameter; the runner lists it under each path's scenario name.
 
-/// "first with its key: the handler runs; a 2xx is stored with the handler's writes".
-async fn first_request_runs_handler_and_commits_sql(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+/// "first with its key: the handler runs; a 2xx is stored with the handler's writes"; on the
+/// lease path "the handler's staged SQL run, in the completion's transaction, with the stored
+/// response's write and the commit". Retries replay it; another request with its key is 422.
+async fn first_request_commits_sql(ctx: Ctx, path: Path) -> Outcome {
+    let (h, app) = ctx.serve(path).await?;
     let first = send(&app, post("k1", "{\"amount\":100}")).await?;
     first.expect(StatusCode::CREATED)?;
     ensure!(!first.replayed(), "a first answer is marked as a replay");
@@ -539,13 +624,414 @@ async fn first_request_runs_handler_and_commits_sql(ctx: Ctx) -> Outcome {
         rows == vec![("a-1".to_owned(), b"{\"amount\":100}".to_vec())],
         "rows {rows:?}"
     );
+    let retry = send(&app, post("k1", "{\"amount\":100}")).await?;
+    ensure!(retry.replayed() && retry.body == first.body, "no replay");
+    ensure!(
+        retry.header("location") == first.header("location"),
+        "location differs"
+    );
+    ensure!(h.runs() == 1, "runs {}", h.runs());
+    send(&app, post("k1", "other"))
+        .await?
+        .expect(StatusCode::UNPROCESSABLE_ENTITY)
+}
+
+/// "a retry on any of them gets 409 while the first attempt runs anywhere" with `Retry-After`
+/// (1 s by default, `retry_after` rounded up); on the lease path "every process on the database
+/// answers a retry 409 until it runs out". Then another process replays the first's response
+/// without running its handler.
+async fn in_flight_409_then_replay(ctx: Ctx, path: Path) -> Outcome {
+    let clock = path.clock();
+    let (gate, mut rx) = gate();
+    let a = Handler::new(&ctx, "a").gated(&gate);
+    let app_a = app(ctx.process(path, clock.as_ref(), "host-a").await?, &a);
+    let b = Handler::new(&ctx, "b");
+    let app_b = app(ctx.process(path, clock.as_ref(), "host-b").await?, &b);
+    let c = Handler::new(&ctx, "c");
+    let layer_c = ctx.process(path, clock.as_ref(), "host-c").await?;
+    let app_c = app(layer_c.retry_after(Duration::from_millis(2_500)), &c);
+
+    let first = spawn_send(&app_a, post("k1", "x"));
+    let _held = entered(&mut rx).await?;
+    if let Some(clock) = &clock {
+        // Half the lease gone: it still holds the key.
+        clock.advance(LEASE / 2);
+    }
+    let other = send(&app_b, post("k1", "x")).await?;
+    other.expect(StatusCode::CONFLICT)?;
+    ensure!(
+        other.header("retry-after") == Some("1"),
+        "409's Retry-After {:?}",
+        other.header("retry-after")
+    );
+    let custom = send(&app_c, post("k1", "x")).await?;
+    custom.expect(StatusCode::CONFLICT)?;
+    ensure!(
+        custom.header("retry-after") == Some("3"),
+        "retry_after(2.5 s): Retry-After {:?}",
+        custom.header("retry-after")
+    );
+    let same = send(&app_a, post("k1", "x")).await?;
+    same.expect(StatusCode::CONFLICT)?;
+    ensure!(
+        b.runs() == 0 && c.runs() == 0 && a.runs() == 1,
+        "a handler ran during the 409s"
+    );
+    gate.open();
+    let first = first.await??;
+    first.expect(StatusCode::CREATED)?;
+    let replay = send(&app_b, post("k1", "x")).await?;
+    replay.expect(StatusCode::CREATED)?;
+    ensure!(
+        replay.replayed() && replay.body == first.body,
+        "B did not replay A's response"
+    );
+    ensure!(b.runs() == 0, "B's handler ran");
+    ctx.expect_rows(&["a-1"]).await
+}
+
+/// "A larger response of a status it stores is not sent: the handler's writes are dropped, the
+/// key is freed and the client gets 500 (ResponseTooLarge)"; on the lease path "a response to
+/// store over the limit: 500; nothing stored, key free" (the lease released).
+async fn response_too_large_500_key_free(ctx: Ctx, path: Path) -> Outcome {
+    let h = Handler::new(&ctx, "a").respond(|n, _| {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Body::from(vec![b'r'; if n == 1 { 101 } else { 100 }]))
+            .unwrap()
+    });
+    let app = app(ctx.layer(path).await?.response_body_limit(100), &h);
+    let too_large = send(&app, post("k1", "x")).await?;
+    too_large.expect(StatusCode::INTERNAL_SERVER_ERROR)?;
+    ensure!(
+        !too_large.body.starts_with(b"rrrr"),
+        "the oversized response was sent"
+    );
+    ensure!(ctx.rows().await?.is_empty(), "rows written");
+    let again = send(&app, post("k1", "x")).await?;
+    again.expect(StatusCode::CREATED)?;
+    ensure!(again.body.len() == 100 && !again.replayed(), "second run");
+    ctx.expect_rows(&["a-2"]).await?;
+    ctx.expect_one_insert_sent().await
+}
+
+/// "A statement that fails fails the commit: nothing of the request is written, the key is
+/// free, and the client gets 503"; on the lease path "A statement that fails there ...
+/// releases the lease: nothing is written and the key is free".
+async fn failing_statement_503_key_free(ctx: Ctx, path: Path) -> Outcome {
+    let schema = ctx.schema.clone();
+    let h = Handler::new(&ctx, "a").extra(move |request, n| {
+        if n == 1 {
+            let _ = request.sql(
+                format!("INSERT INTO {schema}.missing_table VALUES (1)"),
+                vec![],
+            );
+        }
+    });
+    let app = app(ctx.layer(path).await?, &h);
+    send(&app, post("k1", "x"))
+        .await?
+        .expect(StatusCode::SERVICE_UNAVAILABLE)?;
+    let rows = ctx.row_ids().await?;
+    ensure!(
+        rows.is_empty(),
+        "the statement before the failing one was committed: rows {rows:?}"
+    );
+    let retry = send(&app, post("k1", "x")).await?;
+    retry.expect(StatusCode::CREATED)?;
+    ensure!(!retry.replayed() && h.runs() == 2, "the key was not free");
+    ctx.expect_rows(&["a-2"]).await
+}
+
+/// "the future is dropped (... panic): nothing stored, key free" (on the lease path: the lease
+/// released, so the retry runs at once).
+async fn panicking_handler_key_free(ctx: Ctx, path: Path) -> Outcome {
+    let h = Handler::new(&ctx, "a").extra(|_, n| {
+        if n == 1 {
+            panic!("the handler panics (planted by the test)");
+        }
+    });
+    let app = app(ctx.layer(path).await?, &h);
+    let first = spawn_send(&app, post("k1", "x")).await;
+    if let Ok(Ok(answer)) = &first {
+        ensure!(
+            answer.status.is_server_error(),
+            "a panic answered {}",
+            answer.status
+        );
+    }
+    let retry = until_not_409(&app, || post("k1", "x")).await?;
+    ctx.expect_second_run(&retry, &h).await
+}
+
+/// "A connection that cannot be had is 503 with Retry-After" (to claim the key, or to take the
+/// lease); `retry_after`: "whole seconds, rounded up, at least 1" for a retryable 503 too. The
+/// handler does not run, and nothing was claimed: once connections can be had, the same layer
+/// runs the key.
+async fn connect_failure_503(ctx: Ctx, path: Path) -> Outcome {
+    let pool = ctx.pool();
+    pool.fail.store(true, SeqCst);
+    let h = Handler::new(&ctx, "a");
+    let mut apps = Vec::new();
+    for (after, expected) in [
+        (None, "1"),
+        (Some(Duration::from_millis(2_500)), "3"),
+        (Some(Duration::ZERO), "1"),
+        (Some(Duration::from_secs(2)), "2"),
+    ] {
+        let mut layer = path.layer(ctx.consumer(None).await?, &pool, "host-a");
+        if let Some(after) = after {
+            layer = layer.retry_after(after);
+        }
+        let app = app(layer, &h);
+        let answer = send(&app, post("k1", "x")).await?;
+        answer.expect(StatusCode::SERVICE_UNAVAILABLE)?;
+        ensure!(
+            answer.header("retry-after") == Some(expected),
+            "retry_after {after:?}: Retry-After {:?}, expected {expected}",
+            answer.header("retry-after")
+        );
+        apps.push(app);
+    }
+    let without = match path {
+        Batch => "a connection",
+        Lease => "a lease",
+    };
+    ensure!(h.runs() == 0, "the handler ran without {without}");
+    pool.fail.store(false, SeqCst);
+    send(&apps[0], post("k1", "x"))
+        .await?
+        .expect(StatusCode::CREATED)
+}
+
+/// "A handler that keeps a clone of its IdempotentRequest past its return gets ClaimGone from
+/// it"; "Nothing was staged": the stored response replays unchanged. On the lease path a
+/// renewal through the kept handle is ClaimGone too (the batch path has no lease to renew; see
+/// `renew_while_running`).
+async fn kept_handle_claim_gone_on(ctx: Ctx, path: Path) -> Outcome {
+    let slot: Arc<Mutex<Option<IdempotentRequest>>> = Arc::default();
+    let keep = slot.clone();
+    let h = Handler::new(&ctx, "a").extra(move |request, _| {
+        *keep.lock().unwrap() = Some(request.clone());
+    });
+    let app = app(ctx.layer(path).await?, &h);
+    let first = send(&app, post("k1", "x")).await?;
+    first.expect(StatusCode::CREATED)?;
+    let kept = slot.lock().unwrap().take().ok_or("no handle kept")?;
+    if path == Lease {
+        let renewed = kept.renew_async(LEASE).await;
+        ensure!(
+            matches!(renewed, Err(StageError::ClaimGone)),
+            "renew_async: {renewed:?}"
+        );
+    }
+    let staged = kept.sql(
+        ctx.insert(),
+        vec![
+            (Box::new("late".to_owned()), Type::TEXT),
+            (Box::new(Vec::<u8>::new()), Type::BYTEA),
+        ],
+    );
+    ensure!(
+        matches!(staged, Err(StageError::ClaimGone)),
+        "sql: {staged:?}"
+    );
+    ensure!(
+        matches!(kept.derive_key("x"), Err(StageError::ClaimGone)),
+        "derive_key"
+    );
+    ensure!(matches!(kept.epoch(), Err(StageError::ClaimGone)), "epoch");
+    let retry = send(&app, post("k1", "x")).await?;
+    ensure!(
+        retry.replayed() && retry.body == first.body,
+        "replay changed"
+    );
+    ctx.expect_rows(&["a-1"]).await
+}
+
+/// What renewing answers while the handler runs, with and without a connection to be had.
+/// Batch: "`renew`: NoLease on a layer without leases"; `renew_async` "As for renew". Lease:
+/// "the blocking `renew` answers WrongBackend there"; renew_async's "Connect when no connection
+/// could be had ... the lease is as it was", then a renewal. The request completes either way.
+async fn renew_while_running(ctx: Ctx, path: Path) -> Outcome {
+    let (gate, mut rx) = gate();
+    let pool = ctx.pool();
+    let h = Handler::new(&ctx, "a").gated(&gate);
+    let app = app(path.layer(ctx.consumer(None).await?, &pool, "host-a"), &h);
+    let first = spawn_send(&app, post("k1", "x"));
+    let held = entered(&mut rx).await?;
+    let blocking = {
+        let held = held.clone();
+        tokio::task::spawn_blocking(move || held.renew(LEASE)).await?
+    };
+    pool.fail.store(true, SeqCst);
+    let no_connection = held.renew_async(LEASE).await;
+    pool.fail.store(false, SeqCst);
+    let renewed = held.renew_async(LEASE).await;
+    gate.open();
+    let first = first.await??;
+    let (blocking_ok, no_connection_ok, renewed_ok) = match path {
+        Batch => (
+            matches!(blocking, Err(StageError::NoLease)),
+            matches!(no_connection, Err(StageError::NoLease)),
+            matches!(renewed, Err(StageError::NoLease)),
+        ),
+        Lease => (
+            matches!(blocking, Err(StageError::WrongBackend(_))),
+            matches!(no_connection, Err(StageError::Connect(_))),
+            renewed.is_ok(),
+        ),
+    };
+    ensure!(blocking_ok, "renew: {blocking:?}");
+    ensure!(
+        no_connection_ok,
+        "renew_async without a connection: {no_connection:?}"
+    );
+    ensure!(renewed_ok, "renew_async: {renewed:?}");
+    first.expect(StatusCode::CREATED)?;
+    ctx.expect_rows(&["a-1"]).await
+}
+
+/// "The retention is the store's (StoreBuilder::retention), on the database's clock unless the
+/// store is given one (StoreBuilder::clock, for tests)"; "expires exactly then": a replay
+/// through the last millisecond, the handler again from the expiry on. On the lease path the
+/// record is the completion's, on the store's (injected) clock too.
+async fn retention_expiry(ctx: Ctx, path: Path) -> Outcome {
+    let clock = mock_clock();
+    let consumer = ctx
+        .store(Some(&clock), Some(Duration::from_secs(60)))
+        .await?
+        .consumer("payments")?;
+    let h = Handler::new(&ctx, "a");
+    let app = app(path.layer(consumer, &ctx.pool(), "host-a"), &h);
+    send(&app, post("k1", "x"))
+        .await?
+        .expect(StatusCode::CREATED)?;
+    clock.advance(Duration::from_millis(59_999));
+    let last = send(&app, post("k1", "x")).await?;
+    ensure!(
+        last.replayed(),
+        "no replay at the retention's last millisecond: {}",
+        last.status
+    );
+    clock.advance(Duration::from_millis(1));
+    let expired = send(&app, post("k1", "x")).await?;
+    expired.expect(StatusCode::CREATED)?;
+    ensure!(
+        !expired.replayed() && h.runs() == 2,
+        "a replay after the retention ran out"
+    );
     Ok(())
 }
+
+/// "A client that retries a request with the same Idempotency-Key gets either the response the
+/// first attempt stored or a first run of the handler, never both": clients racing on keys
+/// through two processes (on either path); each key's handler runs once, every client gets its one response.
+async fn concurrent(ctx: Ctx, path: Path) -> Outcome {
+    let h = Handler::new(&ctx, "a").extra(|_, _| std::thread::sleep(Duration::from_millis(5)));
+    let mut apps = Vec::new();
+    for holder in ["host-a", "host-b"] {
+        apps.push(app(ctx.process(path, None, holder).await?, &h));
+    }
+    let mut clients = Vec::new();
+    for client in 0..32 {
+        let app = apps[client % 2].clone();
+        let key = format!("key-{}", client % 4);
+        clients.push(tokio::spawn(async move {
+            for _ in 0..600 {
+                let answer = send(&app, post(&key, "x")).await?;
+                if answer.status != StatusCode::CONFLICT {
+                    return Ok::<_, BoxError>((key, answer.status, answer.body));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(format!("{key}: still 409 after 600 tries").into())
+        }));
+    }
+    let mut answers: std::collections::BTreeMap<String, Vec<Bytes>> = Default::default();
+    for client in clients {
+        let (key, status, body) = client.await??;
+        ensure!(status == StatusCode::CREATED, "{key}: {status}");
+        answers.entry(key).or_default().push(body);
+    }
+    for (key, bodies) in &answers {
+        ensure!(
+            bodies.iter().all(|body| body == &bodies[0]),
+            "{key}: clients got different answers"
+        );
+    }
+    ensure!(h.runs() == 4, "{} handler runs for 4 keys", h.runs());
+    ensure!(
+        ctx.rows().await?.len() == 4,
+        "{} rows for 4 keys",
+        ctx.rows().await?.len()
+    );
+    Ok(())
+}
+
+/// "a connection the layer asks for (a pooled one: anything that dereferences to a
+/// tokio_postgres::Client)": one connection handed to every request in turn (an owned mutex
+/// guard), through stores, replays, a 5xx, a failing statement and a dropped request (on the lease path:
+/// take, complete and release on that one connection).
+async fn reused_connection(ctx: Ctx, path: Path) -> Outcome {
+    let shared = Arc::new(tokio::sync::Mutex::new(ctx.client().await?));
+    let schema = ctx.schema.clone();
+    let (gate, mut rx) = gate();
+    let h = Handler::new(&ctx, "a")
+        .status(|n| {
+            if n == 2 {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                StatusCode::CREATED
+            }
+        })
+        .extra(move |request, n| {
+            if n == 3 {
+                let _ = request.sql(
+                    format!("INSERT INTO {schema}.missing_table VALUES (1)"),
+                    vec![],
+                );
+            }
+        })
+        .gated(&gate);
+    let connect = {
+        let shared = shared.clone();
+        move || {
+            let shared = shared.clone();
+            async move { Ok::<_, std::convert::Infallible>(shared.lock_owned().await) }
+        }
+    };
+    let layer = IdempotencyLayer::postgres(ctx.consumer(None).await?, connect, tenant);
+    let app = app(path.with(layer, "host-a"), &h);
+    // Run 1 is held at the gate and dropped.
+    let dropped = spawn_send(&app, post("k1", "x"));
+    let _held = entered(&mut rx).await?;
+    dropped.abort();
+    let _ = dropped.await;
+    gate.open();
+    // Run 2: a 5xx; run 3: a failing statement; run 4 stored.
+    let second = until_not_409(&app, || post("k1", "x")).await?;
+    second.expect(StatusCode::INTERNAL_SERVER_ERROR)?;
+    send(&app, post("k1", "x"))
+        .await?
+        .expect(StatusCode::SERVICE_UNAVAILABLE)?;
+    let stored = send(&app, post("k1", "x")).await?;
+    stored.expect(StatusCode::CREATED)?;
+    ensure!(!stored.replayed(), "run 4 was a replay");
+    let replay = send(&app, post("k1", "x")).await?;
+    ensure!(replay.replayed() && replay.body == stored.body, "no replay");
+    send(&app, post("k2", "y"))
+        .await?
+        .expect(StatusCode::CREATED)?;
+    ctx.expect_rows(&["a-4", "a-5"]).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// The batch path: `IdempotencyLayer::postgres`.
 
 /// "the stored status, kept headers and body, byte for byte, plus `Idempotent-Replayed: true`;
 /// the handler does not run".
 async fn replay_byte_for_byte(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").respond(|n, id| {
         let mut body: Vec<u8> = (0..=255u8).collect();
         body.extend_from_slice(format!("run {n}").as_bytes());
@@ -556,7 +1042,7 @@ async fn replay_byte_for_byte(ctx: Ctx) -> Outcome {
             .body(Body::from(body))
             .unwrap()
     });
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     let first = send(&app, post("k1", "x")).await?;
     first.expect(StatusCode::ACCEPTED)?;
     for _ in 0..2 {
@@ -572,19 +1058,12 @@ async fn replay_byte_for_byte(ctx: Ctx) -> Outcome {
         );
     }
     ensure!(h.runs() == 1, "handler ran {} times", h.runs());
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
+    ctx.expect_rows(&["a-1"]).await
 }
 
 /// "`content-type` and `location` are replayed by default": other headers are not.
 async fn replay_keeps_only_default_headers(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (_, app) = ctx.serve(Batch).await?;
     let first = send(&app, post("k1", "x")).await?;
     first.expect(StatusCode::CREATED)?;
     ensure!(first.all("x-custom").len() == 2, "first lacks x-custom");
@@ -603,9 +1082,11 @@ async fn replay_keeps_only_default_headers(ctx: Ctx) -> Outcome {
 
 /// "`replay_headers` replaces that list ... every value of each, in order".
 async fn replay_headers_replaces_list(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a");
-    let layer = pg_layer(consumer, &pool).replay_headers([HeaderName::from_static("x-custom")]);
+    let layer = ctx
+        .layer(Batch)
+        .await?
+        .replay_headers([HeaderName::from_static("x-custom")]);
     let app = app(layer, &h);
     send(&app, post("k1", "x"))
         .await?
@@ -627,9 +1108,7 @@ async fn replay_headers_replaces_list(ctx: Ctx) -> Outcome {
 
 /// "same key, another request (method, path, query or body): 422".
 async fn reused_key_other_request_422(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     send(&app, post("k1", "a"))
         .await?
         .expect(StatusCode::CREATED)?;
@@ -668,9 +1147,7 @@ async fn reused_key_other_request_422(ctx: Ctx) -> Outcome {
 /// "the layer's own answers are Rejections, sent as RFC 9457 problems": `{"title", "status"}`
 /// as `application/problem+json`.
 async fn rejections_are_problem_json(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (_, app) = ctx.serve(Batch).await?;
     send(&app, post("k1", "a"))
         .await?
         .expect(StatusCode::CREATED)?;
@@ -687,9 +1164,10 @@ async fn rejections_are_problem_json(ctx: Ctx) -> Outcome {
 
 /// "`fingerprint`: how a request is told apart from another sent with the same key".
 async fn custom_fingerprint(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a");
-    let layer = pg_layer(consumer, &pool)
+    let layer = ctx
+        .layer(Batch)
+        .await?
         .fingerprint(|parts, _body| Fingerprint::of(parts.uri.path().as_bytes()));
     let app = app(layer, &h);
     send(&app, post("k1", "a"))
@@ -711,69 +1189,9 @@ async fn custom_fingerprint(ctx: Ctx) -> Outcome {
     Ok(())
 }
 
-/// "a retry on any of them gets 409 while the first attempt runs anywhere" with `Retry-After`
-/// (1 s by default, `retry_after` rounded up); then the other process replays the first's
-/// response without running its handler.
-async fn in_flight_409_from_other_store_then_replay(ctx: Ctx) -> Outcome {
-    let (gate, mut rx) = gate();
-    let (consumer_a, pool_a) = ctx.pg().await?;
-    let a = Handler::new(&ctx, "a").gated(&gate);
-    let app_a = app(pg_layer(consumer_a, &pool_a), &a);
-    let (consumer_b, pool_b) = ctx.pg().await?;
-    let b = Handler::new(&ctx, "b");
-    let app_b = app(pg_layer(consumer_b, &pool_b), &b);
-    let (consumer_c, pool_c) = ctx.pg().await?;
-    let c = Handler::new(&ctx, "c");
-    let app_c = app(
-        pg_layer(consumer_c, &pool_c).retry_after(Duration::from_millis(2_500)),
-        &c,
-    );
-
-    let first = spawn_send(&app_a, post("k1", "x"));
-    let _held = entered(&mut rx).await?;
-    let other = send(&app_b, post("k1", "x")).await?;
-    other.expect(StatusCode::CONFLICT)?;
-    ensure!(
-        other.header("retry-after") == Some("1"),
-        "Retry-After {:?}",
-        other.header("retry-after")
-    );
-    let custom = send(&app_c, post("k1", "x")).await?;
-    custom.expect(StatusCode::CONFLICT)?;
-    ensure!(
-        custom.header("retry-after") == Some("3"),
-        "retry_after(2.5 s): Retry-After {:?}",
-        custom.header("retry-after")
-    );
-    let same = send(&app_a, post("k1", "x")).await?;
-    same.expect(StatusCode::CONFLICT)?;
-    ensure!(
-        b.runs() == 0 && c.runs() == 0 && a.runs() == 1,
-        "a handler ran during the 409s"
-    );
-    gate.open();
-    let first = first.await??;
-    first.expect(StatusCode::CREATED)?;
-    let replay = send(&app_b, post("k1", "x")).await?;
-    replay.expect(StatusCode::CREATED)?;
-    ensure!(
-        replay.replayed() && replay.body == first.body,
-        "B did not replay A's response"
-    );
-    ensure!(b.runs() == 0, "B's handler ran");
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
 /// "no key on a route that requires one: 400"; "two keys: 400".
 async fn missing_or_repeated_key_400(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     send(&app, request("POST", "/payments", None, Some("acme"), "x"))
         .await?
         .expect(StatusCode::BAD_REQUEST)?;
@@ -791,9 +1209,7 @@ async fn missing_or_repeated_key_400(ctx: Ctx) -> Outcome {
 /// "an empty one, one over KEY_BYTES_MAX bytes, or neither a quoted string of printable ASCII
 /// nor a bare token of visible ASCII: 400".
 async fn malformed_keys_400(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     let long_bare = "a".repeat(256);
     let long_quoted = format!("\"{}\"", "a".repeat(256));
     let values: Vec<Vec<u8>> = vec![
@@ -830,9 +1246,7 @@ async fn malformed_keys_400(ctx: Ctx) -> Outcome {
 /// "Keys are 1 to 255 ASCII characters (KEY_BYTES_MAX)", counted "after the quotes and
 /// escapes of the draft's string form are taken off"; "spaces allowed" when quoted.
 async fn key_limits_after_unquoting(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     let bare = "b".repeat(255);
     let quoted = format!("\"{}\\\\\"", "q".repeat(254)); // 254 + an escaped backslash
     for key in [
@@ -856,9 +1270,7 @@ async fn key_limits_after_unquoting(ctx: Ctx) -> Outcome {
 /// "The draft's string form (`"8e03978e"`) and a bare token (`8e03978e`) name the same key",
 /// escapes taken off.
 async fn quoted_and_bare_forms_same_key(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     send(&app, post("\"8e03978e\"", "x"))
         .await?
         .expect(StatusCode::CREATED)?;
@@ -883,9 +1295,7 @@ async fn quoted_and_bare_forms_same_key(ctx: Ctx) -> Outcome {
 
 /// "no principal: 401", the key "checked before the principal": neither is 400.
 async fn no_principal_401_key_checked_first(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     send(&app, request("POST", "/payments", Some("k1"), None, "x"))
         .await?
         .expect(StatusCode::UNAUTHORIZED)?;
@@ -901,9 +1311,7 @@ async fn no_principal_401_key_checked_first(ctx: Ctx) -> Outcome {
 
 /// "the same key from two principals names two requests": each runs, each replays its own.
 async fn principals_scope_keys(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (h, app) = ctx.serve(Batch).await?;
     let by = |tenant: &str| request("POST", "/payments", Some("k1"), Some(tenant), "x");
     let acme = send(&app, by("acme")).await?;
     acme.expect(StatusCode::CREATED)?;
@@ -928,12 +1336,9 @@ async fn principals_scope_keys(ctx: Ctx) -> Outcome {
 /// body is not read or limited, and the handler gets no IdempotentRequest"; "a request with a
 /// key is handled as on any route, a malformed key refused with 400".
 async fn key_optional(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = runs.clone();
-    let layer = pg_layer(consumer, &pool)
-        .key_optional()
-        .request_body_limit(8);
+    let layer = ctx.layer(Batch).await?.key_optional().request_body_limit(8);
     let app = Router::new()
         .route(
             "/payments",
@@ -985,9 +1390,8 @@ async fn key_optional(ctx: Ctx) -> Outcome {
 /// "request body over the limit: 413, before the handler runs" (and nothing claimed: the key
 /// then runs with a body within the limit).
 async fn request_body_limit_413(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool).request_body_limit(16), &h);
+    let app = app(ctx.layer(Batch).await?.request_body_limit(16), &h);
     send(&app, post("k1", "x".repeat(17)))
         .await?
         .expect(StatusCode::PAYLOAD_TOO_LARGE)?;
@@ -995,18 +1399,12 @@ async fn request_body_limit_413(ctx: Ctx) -> Outcome {
     send(&app, post("k1", "x".repeat(16)))
         .await?
         .expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
+    ctx.expect_rows(&["a-1"]).await
 }
 
 /// "request body over the limit (1 MiB by default): 413"; "a response to store over the limit
 /// (1 MiB by default): 500; nothing stored, key free".
 async fn default_body_limits(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").respond(|n, _| {
         let len = RESPONSE_BODY_BYTES_DEFAULT + usize::from(n == 1);
         Response::builder()
@@ -1014,7 +1412,7 @@ async fn default_body_limits(ctx: Ctx) -> Outcome {
             .body(Body::from(vec![b'r'; len]))
             .unwrap()
     });
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     send(&app, post("k1", vec![b'q'; REQUEST_BODY_BYTES_DEFAULT + 1]))
         .await?
         .expect(StatusCode::PAYLOAD_TOO_LARGE)?;
@@ -1038,52 +1436,12 @@ async fn default_body_limits(ctx: Ctx) -> Outcome {
         replay.replayed() && replay.body == second.body,
         "a 1 MiB response did not replay"
     );
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
-/// "A larger response of a status it stores is not sent: the handler's writes are dropped, the
-/// key is freed and the client gets 500 (ResponseTooLarge)".
-async fn response_body_limit_500_key_free(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a").respond(|n, _| {
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .body(Body::from(vec![b'r'; if n == 1 { 101 } else { 100 }]))
-            .unwrap()
-    });
-    let app = app(pg_layer(consumer, &pool).response_body_limit(100), &h);
-    let too_large = send(&app, post("k1", "x")).await?;
-    too_large.expect(StatusCode::INTERNAL_SERVER_ERROR)?;
-    ensure!(
-        !too_large.body.starts_with(b"rrrr"),
-        "the oversized response was sent"
-    );
-    ensure!(ctx.rows().await?.is_empty(), "rows written");
-    let again = send(&app, post("k1", "x")).await?;
-    again.expect(StatusCode::CREATED)?;
-    ensure!(again.body.len() == 100 && !again.replayed(), "second run");
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
+    ctx.expect_rows(&["a-2"]).await
 }
 
 /// "A kept header value over 64 KiB cannot be stored: the response is answered as one over
 /// the size limit (500, nothing stored, the key free)".
 async fn kept_header_over_64k_500(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").respond(|n, _| {
         let len = if n == 1 { 70_000 } else { 10 };
         Response::builder()
@@ -1092,7 +1450,10 @@ async fn kept_header_over_64k_500(ctx: Ctx) -> Outcome {
             .body(Body::from("ok"))
             .unwrap()
     });
-    let layer = pg_layer(consumer, &pool).replay_headers([HeaderName::from_static("x-big")]);
+    let layer = ctx
+        .layer(Batch)
+        .await?
+        .replay_headers([HeaderName::from_static("x-big")]);
     let app = app(layer, &h);
     send(&app, post("k1", "x"))
         .await?
@@ -1112,7 +1473,6 @@ async fn kept_header_over_64k_500(ctx: Ctx) -> Outcome {
 /// "the handler answers 5xx: sent as is; nothing stored, writes dropped, key free: a retry runs
 /// the handler again".
 async fn handler_5xx_not_stored_key_free(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").status(|n| {
         if n == 1 {
             StatusCode::INTERNAL_SERVER_ERROR
@@ -1120,7 +1480,7 @@ async fn handler_5xx_not_stored_key_free(ctx: Ctx) -> Outcome {
             StatusCode::CREATED
         }
     });
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     let failed = send(&app, post("k1", "x")).await?;
     failed.expect(StatusCode::INTERNAL_SERVER_ERROR)?;
     ensure!(
@@ -1130,27 +1490,11 @@ async fn handler_5xx_not_stored_key_free(ctx: Ctx) -> Outcome {
     );
     ensure!(ctx.rows().await?.is_empty(), "a 5xx's SQL was committed");
     let retry = send(&app, post("k1", "x")).await?;
-    retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        !retry.replayed() && h.runs() == 2,
-        "the retry did not run the handler"
-    );
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
+    ctx.expect_second_run(&retry, &h).await
 }
 
 /// "A 5xx is never stored, whatever `store` says".
 async fn store_when_never_stores_5xx(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").status(|n| {
         if n == 1 {
             StatusCode::SERVICE_UNAVAILABLE
@@ -1158,7 +1502,7 @@ async fn store_when_never_stores_5xx(ctx: Ctx) -> Outcome {
             StatusCode::CREATED
         }
     });
-    let app = app(pg_layer(consumer, &pool).store_when(|_| true), &h);
+    let app = app(ctx.layer(Batch).await?.store_when(|_| true), &h);
     send(&app, post("k1", "x"))
         .await?
         .expect(StatusCode::SERVICE_UNAVAILABLE)?;
@@ -1166,23 +1510,17 @@ async fn store_when_never_stores_5xx(ctx: Ctx) -> Outcome {
     let retry = send(&app, post("k1", "x")).await?;
     retry.expect(StatusCode::CREATED)?;
     ensure!(!retry.replayed(), "a 5xx was stored");
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
+    ctx.expect_one_insert_sent().await
 }
 
 /// "By default only 2xx responses are stored; everything else frees the key".
 async fn unstored_4xx_and_3xx_key_free(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").status(|n| match n {
         1 => StatusCode::BAD_REQUEST,
         2 => StatusCode::SEE_OTHER,
         _ => StatusCode::CREATED,
     });
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     send(&app, post("k1", "x"))
         .await?
         .expect(StatusCode::BAD_REQUEST)?;
@@ -1192,34 +1530,22 @@ async fn unstored_4xx_and_3xx_key_free(ctx: Ctx) -> Outcome {
     let created = send(&app, post("k1", "x")).await?;
     created.expect(StatusCode::CREATED)?;
     ensure!(!created.replayed(), "a 303 was stored");
-    ensure!(
-        ctx.row_ids().await? == ["a-3"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
+    ctx.expect_rows(&["a-3"]).await?;
+    ctx.expect_one_insert_sent().await
 }
 
 /// "A 4xx that a retry would get again (a declined card: 402) can be stored with
 /// `store_when`", with the handler's writes.
 async fn store_when_402_stored_with_sql(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").status(|_| StatusCode::PAYMENT_REQUIRED);
-    let layer = pg_layer(consumer, &pool)
+    let layer = ctx
+        .layer(Batch)
+        .await?
         .store_when(|status| status.is_success() || status == StatusCode::PAYMENT_REQUIRED);
     let app = app(layer, &h);
     let first = send(&app, post("k1", "x")).await?;
     first.expect(StatusCode::PAYMENT_REQUIRED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["a-1"]).await?;
     let retry = send(&app, post("k1", "x")).await?;
     retry.expect(StatusCode::PAYMENT_REQUIRED)?;
     ensure!(
@@ -1230,41 +1556,8 @@ async fn store_when_402_stored_with_sql(ctx: Ctx) -> Outcome {
     Ok(())
 }
 
-/// "A statement that fails fails the commit: nothing of the request is written, the key is
-/// free, and the client gets 503".
-async fn failing_statement_503_nothing_written(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let schema = ctx.schema.clone();
-    let h = Handler::new(&ctx, "a").extra(move |request, n| {
-        if n == 1 {
-            let _ = request.sql(
-                format!("INSERT INTO {schema}.missing_table VALUES (1)"),
-                vec![],
-            );
-        }
-    });
-    let app = app(pg_layer(consumer, &pool), &h);
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::SERVICE_UNAVAILABLE)?;
-    ensure!(
-        ctx.rows().await?.is_empty(),
-        "the statement before the failing one was committed"
-    );
-    let retry = send(&app, post("k1", "x")).await?;
-    retry.expect(StatusCode::CREATED)?;
-    ensure!(!retry.replayed() && h.runs() == 2, "the key was not free");
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
 /// "`sql`: run in the request's transaction, in the order staged, by the commit".
 async fn sql_runs_in_order_staged(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let schema = ctx.schema.clone();
     let h = Handler::new(&ctx, "a").extra(move |request, n| {
         let _ = request.sql(
@@ -1274,7 +1567,7 @@ async fn sql_runs_in_order_staged(ctx: Ctx) -> Outcome {
             vec![(Box::new(format!("a-{n}")), Type::TEXT)],
         );
     });
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     send(&app, post("k1", "first"))
         .await?
         .expect(StatusCode::CREATED)?;
@@ -1290,175 +1583,21 @@ async fn sql_runs_in_order_staged(ctx: Ctx) -> Outcome {
 /// a clone of the handle still alive (the test holds one).
 async fn dropped_request_stores_nothing(ctx: Ctx) -> Outcome {
     let (gate, mut rx) = gate();
-    let (consumer, pool) = ctx.pg().await?;
     let h = Handler::new(&ctx, "a").gated(&gate);
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     let first = spawn_send(&app, post("k1", "x"));
     let kept = entered(&mut rx).await?;
     first.abort();
     let _ = first.await;
     let retry = until_not_409(&app, || post("k1", "x")).await?;
-    retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        !retry.replayed() && h.runs() == 2,
-        "the retry did not run the handler"
-    );
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    // Checked with the clone gone too: dropping it late sends nothing.
     drop(kept);
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
-}
-
-/// "the future is dropped (... panic): nothing stored, key free".
-async fn panicking_handler_stores_nothing(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a").extra(|_, n| {
-        if n == 1 {
-            panic!("the handler panics (planted by the test)");
-        }
-    });
-    let app = app(pg_layer(consumer, &pool), &h);
-    let first = spawn_send(&app, post("k1", "x")).await;
-    if let Ok(Ok(answer)) = &first {
-        ensure!(
-            answer.status.is_server_error(),
-            "a panic answered {}",
-            answer.status
-        );
-    }
-    let retry = until_not_409(&app, || post("k1", "x")).await?;
-    retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        !retry.replayed() && h.runs() == 2,
-        "the retry did not run the handler"
-    );
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
-}
-
-/// "A connection that cannot be had is 503 with Retry-After"; `retry_after`: "whole seconds,
-/// rounded up, at least 1" for a retryable 503 too.
-async fn connect_failure_503_retry_after(ctx: Ctx) -> Outcome {
-    let pool = ctx.pool();
-    pool.fail.store(true, SeqCst);
-    let h = Handler::new(&ctx, "a");
-    for (after, expected) in [
-        (None, "1"),
-        (Some(Duration::from_millis(2_500)), "3"),
-        (Some(Duration::ZERO), "1"),
-        (Some(Duration::from_secs(2)), "2"),
-    ] {
-        let mut layer = pg_layer(ctx.consumer(None).await?, &pool);
-        if let Some(after) = after {
-            layer = layer.retry_after(after);
-        }
-        let app = app(layer, &h);
-        let answer = send(&app, post("k1", "x")).await?;
-        answer.expect(StatusCode::SERVICE_UNAVAILABLE)?;
-        ensure!(
-            answer.header("retry-after") == Some(expected),
-            "retry_after {after:?}: Retry-After {:?}, expected {expected}",
-            answer.header("retry-after")
-        );
-    }
-    ensure!(h.runs() == 0, "the handler ran without a connection");
-    pool.fail.store(false, SeqCst);
-    let app = app(pg_layer(ctx.consumer(None).await?, &pool), &h);
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::CREATED)?;
-    Ok(())
-}
-
-/// "A handler that keeps a clone of its IdempotentRequest past its return gets ClaimGone from
-/// it"; "Nothing was staged".
-async fn kept_handle_claim_gone(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
-    let slot: Arc<Mutex<Option<IdempotentRequest>>> = Arc::default();
-    let keep = slot.clone();
-    let h = Handler::new(&ctx, "a").extra(move |request, _| {
-        *keep.lock().unwrap() = Some(request.clone());
-    });
-    let app = app(pg_layer(consumer, &pool), &h);
-    let first = send(&app, post("k1", "x")).await?;
-    first.expect(StatusCode::CREATED)?;
-    let kept = slot.lock().unwrap().take().ok_or("no handle kept")?;
-    let staged = kept.sql(
-        ctx.insert(),
-        vec![
-            (Box::new("late".to_owned()), Type::TEXT),
-            (Box::new(Vec::<u8>::new()), Type::BYTEA),
-        ],
-    );
-    ensure!(
-        matches!(staged, Err(StageError::ClaimGone)),
-        "sql: {staged:?}"
-    );
-    ensure!(
-        matches!(kept.derive_key("x"), Err(StageError::ClaimGone)),
-        "derive_key"
-    );
-    ensure!(matches!(kept.epoch(), Err(StageError::ClaimGone)), "epoch");
-    let retry = send(&app, post("k1", "x")).await?;
-    ensure!(
-        retry.replayed() && retry.body == first.body,
-        "replay changed"
-    );
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
-/// "`renew`: NoLease on a layer without leases"; `renew_async` "As for renew".
-async fn renew_without_lease_no_lease(ctx: Ctx) -> Outcome {
-    let (gate, mut rx) = gate();
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a").gated(&gate);
-    let app = app(pg_layer(consumer, &pool), &h);
-    let first = spawn_send(&app, post("k1", "x"));
-    let held = entered(&mut rx).await?;
-    let blocking = {
-        let held = held.clone();
-        tokio::task::spawn_blocking(move || held.renew(LEASE)).await?
-    };
-    let asynchronous = held.renew_async(LEASE).await;
-    gate.open();
-    first.await??.expect(StatusCode::CREATED)?;
-    ensure!(
-        matches!(blocking, Err(StageError::NoLease)),
-        "renew: {blocking:?}"
-    );
-    ensure!(
-        matches!(asynchronous, Err(StageError::NoLease)),
-        "renew_async: {asynchronous:?}"
-    );
-    Ok(())
+    ctx.expect_second_run(&retry, &h).await
 }
 
 /// "`epoch`: 1 for a key's first request ... On the batch path a response not stored leaves
 /// no record, so a retry's epoch stays 1".
 async fn epoch_stays_1_on_batch_path(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let epochs: Arc<Mutex<Vec<u64>>> = Arc::default();
     let seen = epochs.clone();
     let h = Handler::new(&ctx, "a")
@@ -1470,7 +1609,7 @@ async fn epoch_stays_1_on_batch_path(ctx: Ctx) -> Outcome {
             }
         })
         .extra(move |request, _| seen.lock().unwrap().push(request.epoch().unwrap_or(0)));
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     send(&app, post("k1", "x"))
         .await?
         .expect(StatusCode::BAD_GATEWAY)?;
@@ -1485,7 +1624,6 @@ async fn epoch_stays_1_on_batch_path(ctx: Ctx) -> Outcome {
 /// "`derive_key`: the same principal, key and step give the same value across retries";
 /// design: `"idk1-"` and 32 lowercase hex digits.
 async fn derive_key_stable_across_retries(ctx: Ctx) -> Outcome {
-    let (consumer, pool) = ctx.pg().await?;
     let keys: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
     let seen = keys.clone();
     let h = Handler::new(&ctx, "a")
@@ -1501,7 +1639,7 @@ async fn derive_key_stable_across_retries(ctx: Ctx) -> Outcome {
             let refund = request.derive_key("refund").unwrap_or_default();
             seen.lock().unwrap().push((payment, refund));
         });
-    let app = app(pg_layer(consumer, &pool), &h);
+    let app = app(ctx.layer(Batch).await?, &h);
     send(&app, post("k1", "x"))
         .await?
         .expect(StatusCode::SERVICE_UNAVAILABLE)?;
@@ -1530,38 +1668,6 @@ async fn derive_key_stable_across_retries(ctx: Ctx) -> Outcome {
                 .chars()
                 .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)),
         "derived key {payment:?} is not idk1- and 32 lowercase hex digits"
-    );
-    Ok(())
-}
-
-/// "The retention is the store's (StoreBuilder::retention), on the database's clock unless the
-/// store is given one (StoreBuilder::clock, for tests)"; "expires exactly then": a replay
-/// through the last millisecond, the handler again from the expiry on.
-async fn retention_expiry_exact_ms(ctx: Ctx) -> Outcome {
-    let clock = mock_clock();
-    let consumer = ctx
-        .store(Some(&clock), Some(Duration::from_secs(60)))
-        .await?
-        .consumer("payments")?;
-    let pool = ctx.pool();
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::CREATED)?;
-    clock.advance(Duration::from_millis(59_999));
-    let last = send(&app, post("k1", "x")).await?;
-    ensure!(
-        last.replayed(),
-        "no replay at the retention's last millisecond: {}",
-        last.status
-    );
-    clock.advance(Duration::from_millis(1));
-    let expired = send(&app, post("k1", "x")).await?;
-    expired.expect(StatusCode::CREATED)?;
-    ensure!(
-        !expired.replayed() && h.runs() == 2,
-        "a replay after the retention ran out"
     );
     Ok(())
 }
@@ -1656,7 +1762,7 @@ async fn lease_in_progress_committed_before_handler(ctx: Ctx) -> Outcome {
     let consumer = ctx.consumer(Some(&clock)).await?;
     let pool = ctx.pool();
     let h = Handler::new(&ctx, "a").gated(&gate);
-    let app = app(lease_layer(consumer, &pool, "host-a"), &h);
+    let app = app(Lease.layer(consumer, &pool, "host-a"), &h);
     let first = spawn_send(&app, post("k1", "x"));
     let _held = entered(&mut rx).await?;
     let admin = ctx.consumer(Some(&clock)).await?;
@@ -1703,7 +1809,7 @@ async fn lease_no_connection_held_while_handler_runs(ctx: Ctx) -> Outcome {
     let consumer = ctx.consumer(None).await?;
     let pool = ctx.pool();
     let h = Handler::new(&ctx, "a").gated(&gate);
-    let app = app(lease_layer(consumer, &pool, "host-a"), &h);
+    let app = app(Lease.layer(consumer, &pool, "host-a"), &h);
     let first = spawn_send(&app, post("k1", "x"));
     let _held = entered(&mut rx).await?;
     let (live, asked) = (pool.live(), pool.connects());
@@ -1723,73 +1829,6 @@ async fn lease_no_connection_held_while_handler_runs(ctx: Ctx) -> Outcome {
     Ok(())
 }
 
-/// "every process on the database answers a retry 409 until it runs out".
-async fn lease_409_from_other_store_while_live(ctx: Ctx) -> Outcome {
-    let clock = mock_clock();
-    let (gate, mut rx) = gate();
-    let pool_a = ctx.pool();
-    let a = Handler::new(&ctx, "a").gated(&gate);
-    let app_a = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &pool_a, "host-a"),
-        &a,
-    );
-    let pool_b = ctx.pool();
-    let b = Handler::new(&ctx, "b");
-    let app_b = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &pool_b, "host-b"),
-        &b,
-    );
-    let first = spawn_send(&app_a, post("k1", "x"));
-    let _held = entered(&mut rx).await?;
-    clock.advance(Duration::from_secs(5));
-    let other = send(&app_b, post("k1", "x")).await?;
-    let same = send(&app_a, post("k1", "x")).await?;
-    gate.open();
-    let first = first.await??;
-    other.expect(StatusCode::CONFLICT)?;
-    ensure!(
-        other.header("retry-after") == Some("1"),
-        "409's Retry-After {:?}",
-        other.header("retry-after")
-    );
-    same.expect(StatusCode::CONFLICT)?;
-    first.expect(StatusCode::CREATED)?;
-    let replay = send(&app_b, post("k1", "x")).await?;
-    ensure!(
-        replay.replayed() && replay.body == first.body,
-        "B did not replay A's response"
-    );
-    ensure!(b.runs() == 0, "B's handler ran");
-    Ok(())
-}
-
-/// "the handler's staged SQL run, in the completion's transaction, with the stored response's
-/// write and the commit"; retries replay it.
-async fn lease_completion_commits_sql_and_replays(ctx: Ctx) -> Outcome {
-    let consumer = ctx.consumer(None).await?;
-    let pool = ctx.pool();
-    let h = Handler::new(&ctx, "a");
-    let app = app(lease_layer(consumer, &pool, "host-a"), &h);
-    let first = send(&app, post("k1", "body")).await?;
-    first.expect(StatusCode::CREATED)?;
-    let rows = ctx.rows().await?;
-    ensure!(
-        rows == vec![("a-1".to_owned(), b"body".to_vec())],
-        "rows {rows:?}"
-    );
-    let retry = send(&app, post("k1", "body")).await?;
-    ensure!(retry.replayed() && retry.body == first.body, "no replay");
-    ensure!(
-        retry.header("location") == first.header("location"),
-        "location differs"
-    );
-    ensure!(h.runs() == 1, "runs {}", h.runs());
-    send(&app, post("k1", "other"))
-        .await?
-        .expect(StatusCode::UNPROCESSABLE_ENTITY)?;
-    Ok(())
-}
-
 /// Two lease layers on one database sharing a mock clock; A's first run held at a gate.
 struct Takeover {
     clock: MockClock,
@@ -1806,16 +1845,10 @@ async fn takeover(ctx: &Ctx, b_extra: Option<Extra>) -> Result<Takeover, BoxErro
     let clock = mock_clock();
     let (gate, mut rx) = gate();
     let a = Handler::new(ctx, "a").gated(&gate);
-    let app_a = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-a"),
-        &a,
-    );
+    let app_a = app(ctx.process(Lease, Some(&clock), "host-a").await?, &a);
     let mut b = Handler::new(ctx, "b");
     b.extra = b_extra;
-    let app_b = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-b"),
-        &b,
-    );
+    let app_b = app(ctx.process(Lease, Some(&clock), "host-b").await?, &b);
     let first = spawn_send(&app_a, post("k1", "x"));
     let held = entered(&mut rx).await?;
     Ok(Takeover {
@@ -1846,23 +1879,14 @@ async fn lease_takeover_late_request_fenced(ctx: Ctx) -> Outcome {
         late.header("retry-after").is_some(),
         "the fenced 503 has no Retry-After"
     );
-    ensure!(
-        ctx.row_ids().await? == ["b-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["b-1"]).await?;
     let retry = send(&t.app_a, post("k1", "x")).await?;
     ensure!(
         retry.replayed() && retry.body == taken.body,
         "A's retry did not get B's response"
     );
     ensure!(t.a.runs() == 1, "A ran again");
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
+    ctx.expect_one_insert_sent().await
 }
 
 /// "`renew`: Store with LeaseLost if another request took the key over"; on PostgreSQL
@@ -1957,43 +1981,6 @@ async fn lease_renew_async_extends(ctx: Ctx) -> Outcome {
     Ok(())
 }
 
-/// "the blocking `renew` answers WrongBackend there"; renew_async's "Connect when no connection
-/// could be had ... the lease is as it was".
-async fn lease_renew_errors(ctx: Ctx) -> Outcome {
-    let (gate, mut rx) = gate();
-    let pool = ctx.pool();
-    let h = Handler::new(&ctx, "a").gated(&gate);
-    let app = app(lease_layer(ctx.consumer(None).await?, &pool, "host-a"), &h);
-    let first = spawn_send(&app, post("k1", "x"));
-    let held = entered(&mut rx).await?;
-    let blocking = {
-        let held = held.clone();
-        tokio::task::spawn_blocking(move || held.renew(LEASE)).await?
-    };
-    pool.fail.store(true, SeqCst);
-    let no_connection = held.renew_async(LEASE).await;
-    pool.fail.store(false, SeqCst);
-    let renewed = held.renew_async(LEASE).await;
-    gate.open();
-    let first = first.await??;
-    ensure!(
-        matches!(blocking, Err(StageError::WrongBackend(_))),
-        "renew: {blocking:?}"
-    );
-    ensure!(
-        matches!(no_connection, Err(StageError::Connect(_))),
-        "renew_async without a connection: {no_connection:?}"
-    );
-    ensure!(renewed.is_ok(), "renew_async: {renewed:?}");
-    first.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
 /// "Outliving the lease with no takeover is harmless: nobody else ran, and its response is
 /// stored as usual".
 async fn lease_outlived_without_takeover_completes(ctx: Ctx) -> Outcome {
@@ -2002,11 +1989,7 @@ async fn lease_outlived_without_takeover_completes(ctx: Ctx) -> Outcome {
     t.gate.open();
     let first = t.first.await??;
     first.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["a-1"]).await?;
     let replay = send(&t.app_b, post("k1", "x")).await?;
     ensure!(
         replay.replayed() && replay.body == first.body,
@@ -2027,10 +2010,7 @@ async fn lease_unstored_responses_release_at_once(ctx: Ctx) -> Outcome {
             _ => StatusCode::CREATED,
         })
         .extra(move |request, _| seen.lock().unwrap().push(request.epoch().unwrap_or(0)));
-    let app = app(
-        lease_layer(ctx.consumer(None).await?, &ctx.pool(), "host-a"),
-        &h,
-    );
+    let app = app(ctx.process(Lease, None, "host-a").await?, &h);
     send(&app, post("k1", "x"))
         .await?
         .expect(StatusCode::INTERNAL_SERVER_ERROR)?;
@@ -2040,19 +2020,10 @@ async fn lease_unstored_responses_release_at_once(ctx: Ctx) -> Outcome {
     let third = send(&app, post("k1", "x")).await?;
     third.expect(StatusCode::CREATED)?;
     ensure!(!third.replayed(), "a replay");
-    ensure!(
-        ctx.row_ids().await? == ["a-3"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["a-3"]).await?;
     let epochs = epochs.lock().unwrap().clone();
     ensure!(epochs == [1, 2, 3], "epochs {epochs:?}");
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
+    ctx.expect_one_insert_sent().await
 }
 
 /// "a dropped request release[s] the lease": another process runs the key with the lease's time
@@ -2063,127 +2034,9 @@ async fn lease_dropped_request_releases(ctx: Ctx) -> Outcome {
     let _ = t.first.await;
     let retry = until_not_409(&t.app_b, || post("k1", "x")).await?;
     retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["b-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["b-1"]).await?;
     drop(t.held);
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
-}
-
-/// "the future is dropped (... panic): nothing stored, key free", on the lease path.
-async fn lease_panic_releases(ctx: Ctx) -> Outcome {
-    let h = Handler::new(&ctx, "a").extra(|_, n| {
-        if n == 1 {
-            panic!("the handler panics (planted by the test)");
-        }
-    });
-    let clock = mock_clock();
-    let app = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-a"),
-        &h,
-    );
-    let _ = spawn_send(&app, post("k1", "x")).await;
-    let retry = until_not_409(&app, || post("k1", "x")).await?;
-    retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
-/// "A statement that fails there ... releases the lease: nothing is written and the key is
-/// free" (and the client gets 503, as on the batch path).
-async fn lease_failing_statement_releases(ctx: Ctx) -> Outcome {
-    let schema = ctx.schema.clone();
-    let h = Handler::new(&ctx, "a").extra(move |request, n| {
-        if n == 1 {
-            let _ = request.sql(
-                format!("INSERT INTO {schema}.missing_table VALUES (1)"),
-                vec![],
-            );
-        }
-    });
-    let clock = mock_clock();
-    let app = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-a"),
-        &h,
-    );
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::SERVICE_UNAVAILABLE)?;
-    ensure!(
-        ctx.rows().await?.is_empty(),
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    let retry = send(&app, post("k1", "x")).await?;
-    retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
-/// "a response to store over the limit: 500; nothing stored, key free", on the lease path.
-async fn lease_response_too_large_releases(ctx: Ctx) -> Outcome {
-    let h = Handler::new(&ctx, "a").respond(|n, _| {
-        Response::builder()
-            .status(StatusCode::OK)
-            .body(Body::from(vec![b'r'; if n == 1 { 101 } else { 100 }]))
-            .unwrap()
-    });
-    let clock = mock_clock();
-    let layer = lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-a")
-        .response_body_limit(100);
-    let app = app(layer, &h);
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::INTERNAL_SERVER_ERROR)?;
-    ensure!(ctx.rows().await?.is_empty(), "rows written");
-    send(&app, post("k1", "x")).await?.expect(StatusCode::OK)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    let sent = ctx.inserts_sent().await?;
-    ensure!(
-        sent == 1,
-        "{sent} INSERTs sent: the SQL of a response not stored was run"
-    );
-    Ok(())
-}
-
-/// "A connection that cannot be had is 503 with Retry-After", taking a lease.
-async fn lease_connect_failure_503_retry_after(ctx: Ctx) -> Outcome {
-    let pool = ctx.pool();
-    pool.fail.store(true, SeqCst);
-    let h = Handler::new(&ctx, "a");
-    let app = app(lease_layer(ctx.consumer(None).await?, &pool, "host-a"), &h);
-    let answer = send(&app, post("k1", "x")).await?;
-    answer.expect(StatusCode::SERVICE_UNAVAILABLE)?;
-    ensure!(
-        answer.header("retry-after") == Some("1"),
-        "Retry-After {:?}",
-        answer.header("retry-after")
-    );
-    ensure!(h.runs() == 0, "the handler ran without a lease");
-    pool.fail.store(false, SeqCst);
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::CREATED)?;
-    Ok(())
+    ctx.expect_one_insert_sent().await
 }
 
 /// "the store fails: 503, with Retry-After when transient; nothing is stored": the completion
@@ -2198,7 +2051,7 @@ async fn lease_completion_without_connection(ctx: Ctx) -> Outcome {
         }
     });
     let app = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &pool, "host-a"),
+        Lease.layer(ctx.consumer(Some(&clock)).await?, &pool, "host-a"),
         &h,
     );
     let answer = send(&app, post("k1", "x")).await?;
@@ -2209,52 +2062,7 @@ async fn lease_completion_without_connection(ctx: Ctx) -> Outcome {
     clock.advance(LEASE);
     let retry = send(&app, post("k1", "x")).await?;
     retry.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-2"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
-}
-
-/// "A handler that keeps a clone of its IdempotentRequest past its return gets ClaimGone from
-/// it", on the lease path: a renewal or staged SQL after the response.
-async fn lease_kept_handle_claim_gone(ctx: Ctx) -> Outcome {
-    let slot: Arc<Mutex<Option<IdempotentRequest>>> = Arc::default();
-    let keep = slot.clone();
-    let h = Handler::new(&ctx, "a").extra(move |request, _| {
-        *keep.lock().unwrap() = Some(request.clone());
-    });
-    let app = app(
-        lease_layer(ctx.consumer(None).await?, &ctx.pool(), "host-a"),
-        &h,
-    );
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::CREATED)?;
-    let kept = slot.lock().unwrap().take().ok_or("no handle kept")?;
-    let renewed = kept.renew_async(LEASE).await;
-    ensure!(
-        matches!(renewed, Err(StageError::ClaimGone)),
-        "renew_async: {renewed:?}"
-    );
-    let staged = kept.sql(
-        ctx.insert(),
-        vec![
-            (Box::new("late".to_owned()), Type::TEXT),
-            (Box::new(Vec::<u8>::new()), Type::BYTEA),
-        ],
-    );
-    ensure!(
-        matches!(staged, Err(StageError::ClaimGone)),
-        "sql: {staged:?}"
-    );
-    ensure!(
-        ctx.row_ids().await? == ["a-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
-    Ok(())
+    ctx.expect_rows(&["a-2"]).await
 }
 
 /// "the lease ... holds the key across every process on the database and across their
@@ -2264,20 +2072,14 @@ async fn lease_holds_across_restart(ctx: Ctx) -> Outcome {
     let clock = mock_clock();
     let (gate, mut rx) = gate();
     let a = Handler::new(&ctx, "a").gated(&gate);
-    let app_a = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-a"),
-        &a,
-    );
+    let app_a = app(ctx.process(Lease, Some(&clock), "host-a").await?, &a);
     // The "process" that dies: its request is left at the gate, never completed nor dropped.
     let first = spawn_send(&app_a, post("k1", "x"));
     let held = entered(&mut rx).await?;
     std::mem::forget(held);
     std::mem::forget(first);
     let b = Handler::new(&ctx, "b");
-    let app_b = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-b"),
-        &b,
-    );
+    let app_b = app(ctx.process(Lease, Some(&clock), "host-b").await?, &b);
     clock.advance(Duration::from_secs(9));
     send(&app_b, post("k1", "x"))
         .await?
@@ -2286,11 +2088,7 @@ async fn lease_holds_across_restart(ctx: Ctx) -> Outcome {
     send(&app_b, post("k1", "x"))
         .await?
         .expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["b-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["b-1"]).await?;
     gate.open();
     Ok(())
 }
@@ -2310,9 +2108,7 @@ async fn longest_principal_and_key(ctx: Ctx) -> Outcome {
         Principal::new("p".repeat(255)).is_ok(),
         "a 255-byte principal was refused"
     );
-    let (consumer, pool) = ctx.pg().await?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(pg_layer(consumer, &pool), &h);
+    let (_, app) = ctx.serve(Batch).await?;
     let principal = "p".repeat(255);
     let key = "k".repeat(255);
     let make = || request("POST", "/payments", Some(&key), Some(&principal), "x");
@@ -2326,94 +2122,6 @@ async fn longest_principal_and_key(ctx: Ctx) -> Outcome {
     Ok(())
 }
 
-/// "A client that retries a request with the same Idempotency-Key gets either the response the
-/// first attempt stored or a first run of the handler, never both": clients racing on keys
-/// through two processes; each key's handler runs once, every client gets its one response.
-async fn concurrent_retries_one_run_per_key(ctx: Ctx) -> Outcome {
-    concurrent(&ctx, false).await
-}
-
-/// As `concurrent_retries_one_run_per_key`, on the lease path.
-async fn lease_concurrent_retries_one_run_per_key(ctx: Ctx) -> Outcome {
-    concurrent(&ctx, true).await
-}
-
-async fn concurrent(ctx: &Ctx, lease: bool) -> Outcome {
-    let h = Handler::new(ctx, "a").extra(|_, _| std::thread::sleep(Duration::from_millis(5)));
-    let mut apps = Vec::new();
-    for holder in ["host-a", "host-b"] {
-        let mut layer = pg_layer(ctx.consumer(None).await?, &ctx.pool());
-        if lease {
-            layer = layer.with_lease(LEASE, holder);
-        }
-        apps.push(app(layer, &h));
-    }
-    let mut clients = Vec::new();
-    for client in 0..32 {
-        let app = apps[client % 2].clone();
-        let key = format!("key-{}", client % 4);
-        clients.push(tokio::spawn(async move {
-            for _ in 0..600 {
-                let answer = send(&app, post(&key, "x")).await?;
-                if answer.status != StatusCode::CONFLICT {
-                    return Ok::<_, BoxError>((key, answer.status, answer.body));
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(format!("{key}: still 409 after 600 tries").into())
-        }));
-    }
-    let mut answers: std::collections::BTreeMap<String, Vec<Bytes>> = Default::default();
-    for client in clients {
-        let (key, status, body) = client.await??;
-        ensure!(status == StatusCode::CREATED, "{key}: {status}");
-        answers.entry(key).or_default().push(body);
-    }
-    for (key, bodies) in &answers {
-        ensure!(
-            bodies.iter().all(|body| body == &bodies[0]),
-            "{key}: clients got different answers"
-        );
-    }
-    ensure!(h.runs() == 4, "{} handler runs for 4 keys", h.runs());
-    ensure!(
-        ctx.rows().await?.len() == 4,
-        "{} rows for 4 keys",
-        ctx.rows().await?.len()
-    );
-    Ok(())
-}
-
-/// A stored response on the lease path "is kept for the store's retention and expires exactly
-/// then": the completion's record on the store's (injected) clock.
-async fn lease_retention_expiry_exact_ms(ctx: Ctx) -> Outcome {
-    let clock = mock_clock();
-    let consumer = ctx
-        .store(Some(&clock), Some(Duration::from_secs(60)))
-        .await?
-        .consumer("payments")?;
-    let h = Handler::new(&ctx, "a");
-    let app = app(lease_layer(consumer, &ctx.pool(), "host-a"), &h);
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::CREATED)?;
-    clock.advance(Duration::from_millis(59_999));
-    let last = send(&app, post("k1", "x")).await?;
-    ensure!(
-        last.replayed(),
-        "no replay at the retention's last millisecond: {}",
-        last.status
-    );
-    clock.advance(Duration::from_millis(1));
-    let expired = send(&app, post("k1", "x")).await?;
-    expired.expect(StatusCode::CREATED)?;
-    ensure!(
-        !expired.replayed() && h.runs() == 2,
-        "a replay after the retention ran out"
-    );
-    Ok(())
-}
-
 /// The late request is fenced while the request that took over still runs: `503` with the
 /// layer's `Retry-After` (`retry_after`: "of a retryable 503"), nothing of it written; the
 /// client's retry meanwhile is `409`, then gets the other's response.
@@ -2422,14 +2130,13 @@ async fn lease_fenced_while_takeover_in_progress(ctx: Ctx) -> Outcome {
     let (gate_a, mut rx_a) = gate();
     let (gate_b, mut rx_b) = gate();
     let a = Handler::new(&ctx, "a").gated(&gate_a);
-    let layer_a = lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-a")
+    let layer_a = ctx
+        .process(Lease, Some(&clock), "host-a")
+        .await?
         .retry_after(Duration::from_secs(4));
     let app_a = app(layer_a, &a);
     let b = Handler::new(&ctx, "b").gated(&gate_b);
-    let app_b = app(
-        lease_layer(ctx.consumer(Some(&clock)).await?, &ctx.pool(), "host-b"),
-        &b,
-    );
+    let app_b = app(ctx.process(Lease, Some(&clock), "host-b").await?, &b);
     let first = spawn_send(&app_a, post("k1", "x"));
     let _a = entered(&mut rx_a).await?;
     clock.advance(LEASE);
@@ -2448,88 +2155,11 @@ async fn lease_fenced_while_takeover_in_progress(ctx: Ctx) -> Outcome {
     );
     meanwhile.expect(StatusCode::CONFLICT)?;
     taken.expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["b-1"],
-        "rows {:?}",
-        ctx.row_ids().await?
-    );
+    ctx.expect_rows(&["b-1"]).await?;
     let retry = send(&app_a, post("k1", "x")).await?;
     ensure!(
         retry.replayed() && retry.body == taken.body,
         "A's retry did not get B's response"
-    );
-    Ok(())
-}
-
-/// "a connection the layer asks for (a pooled one: anything that dereferences to a
-/// tokio_postgres::Client)": one connection handed to every request in turn (an owned mutex
-/// guard), through stores, replays, a 5xx, a failing statement and a dropped request.
-async fn one_reused_connection(ctx: Ctx) -> Outcome {
-    reused_connection(&ctx, false).await
-}
-
-/// As `one_reused_connection`, on the lease path (take, complete, release on one connection).
-async fn lease_one_reused_connection(ctx: Ctx) -> Outcome {
-    reused_connection(&ctx, true).await
-}
-
-async fn reused_connection(ctx: &Ctx, lease: bool) -> Outcome {
-    let shared = Arc::new(tokio::sync::Mutex::new(ctx.client().await?));
-    let schema = ctx.schema.clone();
-    let (gate, mut rx) = gate();
-    let h = Handler::new(ctx, "a")
-        .status(|n| {
-            if n == 2 {
-                StatusCode::INTERNAL_SERVER_ERROR
-            } else {
-                StatusCode::CREATED
-            }
-        })
-        .extra(move |request, n| {
-            if n == 3 {
-                let _ = request.sql(
-                    format!("INSERT INTO {schema}.missing_table VALUES (1)"),
-                    vec![],
-                );
-            }
-        })
-        .gated(&gate);
-    let connect = {
-        let shared = shared.clone();
-        move || {
-            let shared = shared.clone();
-            async move { Ok::<_, std::convert::Infallible>(shared.lock_owned().await) }
-        }
-    };
-    let mut layer = IdempotencyLayer::postgres(ctx.consumer(None).await?, connect, tenant);
-    if lease {
-        layer = layer.with_lease(LEASE, "host-a");
-    }
-    let app = app(layer, &h);
-    // Run 1 is held at the gate and dropped.
-    let dropped = spawn_send(&app, post("k1", "x"));
-    let _held = entered(&mut rx).await?;
-    dropped.abort();
-    let _ = dropped.await;
-    gate.open();
-    // Run 2: a 5xx; run 3: a failing statement; run 4 stored.
-    let second = until_not_409(&app, || post("k1", "x")).await?;
-    second.expect(StatusCode::INTERNAL_SERVER_ERROR)?;
-    send(&app, post("k1", "x"))
-        .await?
-        .expect(StatusCode::SERVICE_UNAVAILABLE)?;
-    let stored = send(&app, post("k1", "x")).await?;
-    stored.expect(StatusCode::CREATED)?;
-    ensure!(!stored.replayed(), "run 4 was a replay");
-    let replay = send(&app, post("k1", "x")).await?;
-    ensure!(replay.replayed() && replay.body == stored.body, "no replay");
-    send(&app, post("k2", "y"))
-        .await?
-        .expect(StatusCode::CREATED)?;
-    ensure!(
-        ctx.row_ids().await? == ["a-4", "a-5"],
-        "rows {:?}",
-        ctx.row_ids().await?
     );
     Ok(())
 }
@@ -2539,9 +2169,17 @@ async fn reused_connection(ctx: &Ctx, lease: bool) -> Outcome {
 
 type Scenario = fn(Ctx) -> Pin<Box<dyn Future<Output = Outcome> + Send>>;
 
+/// `name` runs the scenario `name(ctx)`; `name = shared(Path)` runs `shared(ctx, Path)`
+/// under that name, so a body shared by both paths keeps each path's scenario name.
 macro_rules! scenarios {
-    ($($name:ident),* $(,)?) => {
-        vec![$((stringify!($name), (|ctx| Box::pin($name(ctx))) as Scenario)),*]
+    (@one $name:ident) => {
+        (stringify!($name), (|ctx| Box::pin($name(ctx))) as Scenario)
+    };
+    (@one $name:ident $shared:ident $path:ident) => {
+        (stringify!($name), (|ctx| Box::pin($shared(ctx, $path))) as Scenario)
+    };
+    ($($name:ident $(= $shared:ident($path:ident))?),* $(,)?) => {
+        vec![$(scenarios!(@one $name $($shared $path)?)),*]
     };
 }
 
@@ -2560,14 +2198,14 @@ fn docs_promises_postgres() {
         .build()
         .unwrap();
     let all: Vec<(&str, Scenario)> = scenarios![
-        first_request_runs_handler_and_commits_sql,
+        first_request_runs_handler_and_commits_sql = first_request_commits_sql(Batch),
         replay_byte_for_byte,
         replay_keeps_only_default_headers,
         replay_headers_replaces_list,
         reused_key_other_request_422,
         rejections_are_problem_json,
         custom_fingerprint,
-        in_flight_409_from_other_store_then_replay,
+        in_flight_409_from_other_store_then_replay = in_flight_409_then_replay(Batch),
         missing_or_repeated_key_400,
         malformed_keys_400,
         key_limits_after_unquoting,
@@ -2577,51 +2215,51 @@ fn docs_promises_postgres() {
         key_optional,
         request_body_limit_413,
         default_body_limits,
-        response_body_limit_500_key_free,
+        response_body_limit_500_key_free = response_too_large_500_key_free(Batch),
         kept_header_over_64k_500,
         handler_5xx_not_stored_key_free,
         store_when_never_stores_5xx,
         unstored_4xx_and_3xx_key_free,
         store_when_402_stored_with_sql,
-        failing_statement_503_nothing_written,
+        failing_statement_503_nothing_written = failing_statement_503_key_free(Batch),
         sql_runs_in_order_staged,
         dropped_request_stores_nothing,
-        panicking_handler_stores_nothing,
-        connect_failure_503_retry_after,
-        kept_handle_claim_gone,
-        renew_without_lease_no_lease,
+        panicking_handler_stores_nothing = panicking_handler_key_free(Batch),
+        connect_failure_503_retry_after = connect_failure_503(Batch),
+        kept_handle_claim_gone = kept_handle_claim_gone_on(Batch),
+        renew_without_lease_no_lease = renew_while_running(Batch),
         epoch_stays_1_on_batch_path,
         derive_key_stable_across_retries,
-        retention_expiry_exact_ms,
+        retention_expiry_exact_ms = retention_expiry(Batch),
         one_connection_per_keyed_request,
         stored_record_format,
         lease_in_progress_committed_before_handler,
         lease_no_connection_held_while_handler_runs,
-        lease_409_from_other_store_while_live,
-        lease_completion_commits_sql_and_replays,
+        lease_409_from_other_store_while_live = in_flight_409_then_replay(Lease),
+        lease_completion_commits_sql_and_replays = first_request_commits_sql(Lease),
         lease_takeover_late_request_fenced,
         lease_late_renew_async_lease_lost,
         lease_takeover_epoch_and_derive_key,
         lease_holds_until_last_ms,
         lease_renew_async_extends,
-        lease_renew_errors,
+        lease_renew_errors = renew_while_running(Lease),
         lease_outlived_without_takeover_completes,
         lease_unstored_responses_release_at_once,
         lease_dropped_request_releases,
-        lease_panic_releases,
-        lease_failing_statement_releases,
-        lease_response_too_large_releases,
-        lease_connect_failure_503_retry_after,
+        lease_panic_releases = panicking_handler_key_free(Lease),
+        lease_failing_statement_releases = failing_statement_503_key_free(Lease),
+        lease_response_too_large_releases = response_too_large_500_key_free(Lease),
+        lease_connect_failure_503_retry_after = connect_failure_503(Lease),
         lease_completion_without_connection,
-        lease_kept_handle_claim_gone,
+        lease_kept_handle_claim_gone = kept_handle_claim_gone_on(Lease),
         lease_holds_across_restart,
         longest_principal_and_key,
-        concurrent_retries_one_run_per_key,
-        lease_concurrent_retries_one_run_per_key,
-        lease_retention_expiry_exact_ms,
+        concurrent_retries_one_run_per_key = concurrent(Batch),
+        lease_concurrent_retries_one_run_per_key = concurrent(Lease),
+        lease_retention_expiry_exact_ms = retention_expiry(Lease),
         lease_fenced_while_takeover_in_progress,
-        one_reused_connection,
-        lease_one_reused_connection,
+        one_reused_connection = reused_connection(Batch),
+        lease_one_reused_connection = reused_connection(Lease),
     ];
     let only = std::env::var("DOCS_PG_ONLY").ok();
     let mut failed = Vec::new();
