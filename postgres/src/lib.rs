@@ -79,7 +79,12 @@
 //!
 //! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
-//! be skewed against each other without effect.
+//! be skewed against each other without effect. An injected clock is read once per call (a
+//! claim, `apply`, a batch, an external claim, a lease step, a resolution, a commit, a
+//! position moved, removal): every time the call decides or writes comes from that one
+//! reading, refused past [`idemdb::CLOCK_MS_MAX`] (`ClockOutOfRange`) before anything is
+//! sent, as the embedded engine refuses it; a clock that moves during the call changes
+//! nothing of it.
 //!
 //! **Which millisecond.** Every bound is "at or after": a record whose expiry is `t` answers
 //! `Duplicate` through `t - 1` and is claimable again from `t` on; a lease that runs until

@@ -236,6 +236,8 @@ fn main() {
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
+    use clock::*;
+    scenario!(every_call_reads_an_injected_clock_once);
     use positions::*;
     scenario!(a_claims_position_lands_with_its_record_and_business_row_or_not_at_all);
     scenario!(a_batch_writes_the_highest_offset_per_partition_even_of_duplicates);
@@ -286,7 +288,9 @@ macro_rules! ensure {
     };
 }
 
-// After `ensure!`, which it uses.
+// After `ensure!`, which they use.
+#[path = "scenarios/clock.rs"]
+mod clock;
 #[path = "scenarios/positions.rs"]
 mod positions;
 

@@ -34,7 +34,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::sql::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
+use crate::sql::txn::{ClaimTransaction, Connection, LOST_ROW, Statement, Whole, single_row};
 use crate::storage::observe::OutcomeKind;
 use crate::storage::records::check_result;
 use crate::storage::records::completed_record;
@@ -42,6 +42,7 @@ use crate::storage::records::decode_record;
 use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
 use crate::storage::store::CLOCK_TOLERANCE_MS;
+use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
 /// What the one round trip did.
@@ -70,12 +71,12 @@ pub struct Applied {
 }
 
 impl PgStore {
-    /// Now on the store's clock before asking the database, and the time the database must
-    /// agree with (`None`: the injected clock decides, nothing to check). `None` overall until
-    /// a claim has seen the database's clock.
-    fn estimated_now_ms(&self) -> Option<(u64, Option<i64>)> {
-        match &self.inner.clock {
-            Some(clock) => Some((clock.now_ms(), None)),
+    /// Now on the store's clock before asking the database (the call's reading `clock` of an
+    /// injected one), and the time the database must agree with (`None`: the injected clock
+    /// decides, nothing to check). `None` overall until a claim has seen the database's clock.
+    fn estimated_now_ms(&self, clock: ClockReading) -> Option<(u64, Option<i64>)> {
+        match clock.injected() {
+            Some(now_ms) => Some((now_ms, None)),
             None => {
                 let now_ms = self.inner.clock_offset.estimate_ms()?;
                 Some((now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX))))
@@ -142,10 +143,22 @@ impl PgConsumer {
         check_result(result)?;
         crate::sql::txn::check_sendable(statements)?;
         let stored_key = encode_key(&self.id, message.key())?;
+        // The store's clock, read once for the whole call (an injected one checked before
+        // anything is sent): the one round trip, the decision after it and the long way's
+        // claim and commit all take their time from this reading.
+        let clock = self.store.read_clock()?;
         // A message with an entity's version takes the long way (which checks the entity key).
         if message.entity_version().is_none() {
             match self
-                .apply_if_new(client, message, &stored_key, result, statements, started)
+                .apply_if_new(
+                    client,
+                    message,
+                    &stored_key,
+                    result,
+                    statements,
+                    started,
+                    clock,
+                )
                 .await?
             {
                 OneTrip::Applied => {
@@ -160,7 +173,7 @@ impl PgConsumer {
         }
         let mut claim = None;
         let outcome = self
-            .begin_message(client, message)
+            .begin_on(Connection::from(client), message, Some(clock))
             .await?
             .map_fresh(|fresh| {
                 let epoch = fresh.epoch();
@@ -171,13 +184,14 @@ impl PgConsumer {
                 }
             });
         if let Some(claim) = claim {
-            claim.commit_with(result, statements).await?;
+            claim.commit_at(result, statements, true).await?;
         }
         Ok(outcome)
     }
 
     /// The one round trip: committed, settled, or to be decided the long way (nothing of it
-    /// written).
+    /// written), at `clock`'s time.
+    #[allow(clippy::too_many_arguments)]
     async fn apply_if_new(
         &self,
         client: &mut Client,
@@ -186,10 +200,11 @@ impl PgConsumer {
         result: &[u8],
         statements: &[Statement<'_>],
         started: Instant,
+        clock: ClockReading,
     ) -> Result<OneTrip> {
         let store = &self.store;
         let inner = &store.inner;
-        let Some((now_ms, db_check_ms)) = store.estimated_now_ms() else {
+        let Some((now_ms, db_check_ms)) = store.estimated_now_ms(clock) else {
             return Ok(OneTrip::LongWay);
         };
         // A message produced near the admission floor's horizon is left to the database's own
@@ -256,7 +271,7 @@ impl PgConsumer {
                 let Some(bytes) = row.get::<_, Option<&[u8]>>(0) else {
                     return Ok(OneTrip::LongWay);
                 };
-                let db_now = store.now_ms(db_now_ms);
+                let db_now = clock.now_ms(db_now_ms);
                 let found = inspect_record(
                     Some(decode_record(key, bytes)?),
                     message.fingerprint(),

@@ -100,7 +100,9 @@ impl PgPositions {
         let mut staged = StagedPositions::default();
         staged.stage(source, partition, offset)?;
         let store = &self.consumer.store;
-        let now_ms = crate::storage::records::now_on_store_clock(client, store).await?;
+        // Read once (an injected clock checked before anything is sent).
+        let now_ms =
+            crate::storage::records::now_on_store_clock(client, store.read_clock()?).await?;
         let params = staged.params(&self.consumer.id, now_ms);
         let typed = params.typed();
         let values: Vec<&(dyn ToSql + Sync)> = typed.iter().map(|(value, _)| *value).collect();
