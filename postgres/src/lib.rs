@@ -113,9 +113,10 @@
 //!
 //! **Log consumers.** [`PgClaim::stage_position`] and [`PgClaimBatch::stage_position`] write a
 //! consumer's read position in a log (a Kafka topic partition, a RabbitMQ stream) in the
-//! claim's transaction, with its record and business SQL; [`PgConsumer::positions`] reads it
-//! back (where to resume) and moves it for messages settled without a claim. A position
-//! behind the stored one fails the commit with `idemdb::Error::PositionBehind` (in
+//! claim's transaction, with its record and business SQL, and [`PgConsumer::apply_at`] does
+//! the same for `apply`, still in one round trip for a new key; [`PgConsumer::positions`]
+//! reads it back (where to resume) and moves it for messages settled without a claim. A
+//! position behind the stored one fails the commit with `idemdb::Error::PositionBehind` (in
 //! [`Error::Idemdb`]), nothing written: a stale reader. The embedded engine's calls, in the
 //! same shape.
 //!
@@ -191,7 +192,7 @@ pub use operations::claim::PgClaim;
 pub use operations::external::{LEASE_STEP_LOCK_WAIT, PgExternalClaim, PgInProgress, PgResolution};
 pub use operations::lease::PgCompletion;
 pub use operations::maintain::{Maintenance, Removal};
-pub use operations::positions::PgPositions;
+pub use operations::positions::{PgPositions, ReadPosition};
 pub use operations::ticket::PgLeaseTicket;
 pub use operations::transfer::{
     CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts,

@@ -244,6 +244,7 @@ fn main() {
     scenario!(connections_racing_over_one_partition_leave_the_highest_offset);
     scenario!(bad_positions_are_refused_before_anything_is_sent);
     scenario!(a_version_5_schema_gains_positions_on_install);
+    scenario!(apply_at_moves_the_position_with_its_record_in_one_round_trip_or_not_at_all);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",

@@ -434,6 +434,12 @@ impl<'c> PgClaim<'c> {
         self.positions.stage(source, partition, offset)
     }
 
+    /// Replaces the read positions staged so far with `positions` (checked when staged):
+    /// `apply_at`'s position, on the claim of its long way.
+    pub(crate) fn replace_positions(&mut self, positions: StagedPositions) {
+        self.positions = positions;
+    }
+
     /// Rolls the claim back, business SQL included, and returns once the server has: the key
     /// is free for the next claimant then. (Dropping the claim rolls back too, but without
     /// waiting: the key is free a moment later.)

@@ -1,6 +1,7 @@
 //! A consumer's read positions on PostgreSQL ([`PgPositions`]): read to resume, moved on their
 //! own for messages settled without a claim. Claims and batches stage theirs
-//! (`PgClaim::stage_position`, `PgClaimBatch::stage_position`).
+//! (`PgClaim::stage_position`, `PgClaimBatch::stage_position`), and `apply_at` takes one
+//! ([`ReadPosition`]).
 
 use idemdb::Position;
 use tokio_postgres::types::ToSql;
@@ -10,11 +11,43 @@ use crate::error::{Error, Result};
 use crate::storage::positions::{StagedPositions, advance_sql, position, position_behind};
 use crate::storage::store::PgConsumer;
 
+/// Where a message was read in a log: its `offset` in `partition` of `source` (a topic, a
+/// stream), the position [`PgConsumer::apply_at`] writes with the message's record, as
+/// [`PgClaim::stage_position`](crate::PgClaim::stage_position) takes it.
+///
+/// ```
+/// let at = idemdb_postgres::ReadPosition::new("orders", 3, 41);
+/// assert_eq!((at.source, at.partition, at.offset), ("orders", 3, 41));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadPosition<'a> {
+    /// The log: a topic, a stream.
+    pub source: &'a str,
+    /// The partition of the source (0 for a log without partitions).
+    pub partition: u32,
+    /// The message's offset: the partition's position once the message is committed (a
+    /// restart resumes at `offset + 1`).
+    pub offset: u64,
+}
+
+impl<'a> ReadPosition<'a> {
+    /// The message at `offset` of `partition` of `source`. Checked when used.
+    #[must_use]
+    pub fn new(source: &'a str, partition: u32, offset: u64) -> ReadPosition<'a> {
+        ReadPosition {
+            source,
+            partition,
+            offset,
+        }
+    }
+}
+
 /// One consumer's read positions on PostgreSQL ([`PgConsumer::positions`]): where it resumes
 /// each partition of each log it reads. Written by
 /// [`PgClaim::stage_position`](crate::PgClaim::stage_position) and
 /// [`PgClaimBatch::stage_position`](crate::PgClaimBatch::stage_position) in the claim's
-/// transaction, and by [`PgPositions::advance`] for messages that need no claim.
+/// transaction, by [`PgConsumer::apply_at`] in `apply`'s, and by [`PgPositions::advance`] for
+/// messages that need no claim.
 #[derive(Clone, Debug)]
 pub struct PgPositions {
     consumer: PgConsumer,
