@@ -118,7 +118,8 @@
 //! reads it back (where to resume) and moves it for messages settled without a claim. A
 //! position behind the stored one fails the commit with `idemdb::Error::PositionBehind` (in
 //! [`Error::Idemdb`]), nothing written: a stale reader. The embedded engine's calls, in the
-//! same shape.
+//! same shape. An operator resets a stopped consumer's position with [`PgPositions::set`]
+//! (forwards or backwards) or [`PgPositions::remove`], or with `idemdb-pg positions`.
 //!
 //! **Upgrading an older install.** [`SCHEMA_VERSION`] is 6. A store opened on tables at
 //! versions 1 to 5 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and

@@ -245,6 +245,9 @@ fn main() {
     scenario!(bad_positions_are_refused_before_anything_is_sent);
     scenario!(a_version_5_schema_gains_positions_on_install);
     scenario!(apply_at_moves_the_position_with_its_record_in_one_round_trip_or_not_at_all);
+    use cli::*;
+    scenario!(the_operator_tool_lists_sets_and_removes_read_positions);
+    scenario!(the_operator_tools_maintain_runs_at_the_busy_share_it_is_given);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -290,6 +293,8 @@ macro_rules! ensure {
 }
 
 // After `ensure!`, which they use.
+#[path = "scenarios/cli.rs"]
+mod cli;
 #[path = "scenarios/clock.rs"]
 mod clock;
 #[path = "scenarios/positions.rs"]

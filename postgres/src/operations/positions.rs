@@ -1,7 +1,7 @@
 //! A consumer's read positions on PostgreSQL ([`PgPositions`]): read to resume, moved on their
-//! own for messages settled without a claim. Claims and batches stage theirs
-//! (`PgClaim::stage_position`, `PgClaimBatch::stage_position`), and `apply_at` takes one
-//! ([`ReadPosition`]).
+//! own for messages settled without a claim, reset by an operator. Claims and batches stage
+//! theirs (`PgClaim::stage_position`, `PgClaimBatch::stage_position`), and `apply_at` takes
+//! one ([`ReadPosition`]).
 
 use idemdb::Position;
 use tokio_postgres::types::ToSql;
@@ -47,7 +47,8 @@ impl<'a> ReadPosition<'a> {
 /// [`PgClaim::stage_position`](crate::PgClaim::stage_position) and
 /// [`PgClaimBatch::stage_position`](crate::PgClaimBatch::stage_position) in the claim's
 /// transaction, by [`PgConsumer::apply_at`] in `apply`'s, and by [`PgPositions::advance`] for
-/// messages that need no claim.
+/// messages that need no claim; reset by an operator with [`PgPositions::set`] and
+/// [`PgPositions::remove`].
 #[derive(Clone, Debug)]
 pub struct PgPositions {
     consumer: PgConsumer,
@@ -143,6 +144,93 @@ impl PgPositions {
             Ok(_) => Ok(()),
             Err(error) => Err(position_behind(&error).unwrap_or(Error::Postgres(error))),
         }
+    }
+
+    /// Sets the position of `partition` of `source` to `offset`, forwards or backwards, and
+    /// returns the one it replaced (`None`: there was none): an operator's reset, so that the
+    /// consumer resumes at `offset + 1` when it next starts (to read again from offset `n`,
+    /// set `n - 1`; to read a partition from its start, [`remove`](PgPositions::remove) the
+    /// position). As the embedded engine's `admin::Store::set_position`, for a stopped
+    /// consumer: stop the consumer's processes first. A running one goes on from where it
+    /// is, and its next commit either moves the position forward again (after a reset
+    /// backwards) or is refused as behind it (after a reset forwards).
+    ///
+    /// ```no_run
+    /// # async fn example(client: &tokio_postgres::Client, billing: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// // Read partition 3 of "orders" again from offset 100 on, once billing restarts.
+    /// let was = billing.positions().set(client, "orders", 3, 99).await?;
+    /// println!("was {:?}", was.map(|position| position.offset));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`PgPositions::advance`], without `PositionBehind`: any offset up to
+    /// [`crate::POSITION_OFFSET_MAX`] is taken. [`idemdb::Error::ClockOutOfRange`] (in
+    /// [`Error::Idemdb`]) for an injected clock past [`idemdb::CLOCK_MS_MAX`].
+    pub async fn set(
+        &self,
+        client: &impl GenericClient,
+        source: &str,
+        partition: u32,
+        offset: u64,
+    ) -> Result<Option<Position>> {
+        let mut staged = StagedPositions::default();
+        staged.stage(source, partition, offset)?;
+        let store = &self.consumer.store;
+        // The injected clock's one reading, or the statement's own time.
+        let at_ms: Option<i64> = store
+            .read_clock()?
+            .injected()
+            .map(|now_ms| i64::try_from(now_ms).unwrap_or(i64::MAX));
+        let consumer: &[u8] = &self.consumer.id;
+        let offset = i64::try_from(offset).unwrap_or(i64::MAX);
+        let row = client
+            .query_opt(
+                &store.inner.set_position,
+                &[&consumer, &source, &i64::from(partition), &offset, &at_ms],
+            )
+            .await?;
+        Ok(row.map(|row| {
+            position(
+                source.to_owned(),
+                i64::from(partition),
+                row.get(0),
+                row.get(1),
+            )
+        }))
+    }
+
+    /// Removes the position of `partition` of `source` and returns it (`None`: there was
+    /// none, and nothing changed): the consumer then starts the partition wherever it starts
+    /// without a position (its beginning, as the consumer chooses). An operator's reset, for
+    /// a stopped consumer, as [`set`](PgPositions::set).
+    ///
+    /// # Errors
+    /// As [`PgPositions::get`].
+    pub async fn remove(
+        &self,
+        client: &impl GenericClient,
+        source: &str,
+        partition: u32,
+    ) -> Result<Option<Position>> {
+        idemdb::format::check_position_source(source)?;
+        let consumer: &[u8] = &self.consumer.id;
+        let row = client
+            .query_opt(
+                &self.consumer.store.inner.remove_position,
+                &[&consumer, &source, &i64::from(partition)],
+            )
+            .await?;
+        Ok(row.map(|row| {
+            position(
+                source.to_owned(),
+                i64::from(partition),
+                row.get(0),
+                row.get(1),
+            )
+        }))
     }
 
     /// Every stored position of this consumer, ordered by source (byte order of the name, as

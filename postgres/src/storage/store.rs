@@ -231,6 +231,28 @@ impl StoreBuilder {
                     "SELECT source, partition, read_offset, updated_at_ms FROM {positions} \
                      WHERE consumer = $1 ORDER BY source COLLATE \"C\", partition"
                 ),
+                // The row as it was (locked first, so a writer in flight is waited for and
+                // its commit is what is answered), replaced whatever its offset; the time is
+                // the injected clock's `$5`, or the database's.
+                set_position: format!(
+                    "WITH before AS ( \
+                         SELECT read_offset, updated_at_ms FROM {positions} \
+                         WHERE consumer = $1 AND source = $2 AND partition = $3 FOR UPDATE \
+                     ), written AS ( \
+                         INSERT INTO {positions} AS p \
+                             (consumer, source, partition, read_offset, updated_at_ms) \
+                         VALUES ($1, $2, $3, $4, coalesce($5::int8, \
+                             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8)) \
+                         ON CONFLICT (consumer, source, partition) DO UPDATE \
+                         SET read_offset = excluded.read_offset, \
+                             updated_at_ms = excluded.updated_at_ms \
+                     ) SELECT read_offset, updated_at_ms FROM before"
+                ),
+                remove_position: format!(
+                    "DELETE FROM {positions} \
+                     WHERE consumer = $1 AND source = $2 AND partition = $3 \
+                     RETURNING read_offset, updated_at_ms"
+                ),
                 lock_namespace: records,
                 entity_lock_namespace: entity,
                 names: self.names,
@@ -313,6 +335,10 @@ pub(crate) struct Inner {
     pub(crate) read_position: String,
     /// A consumer's read positions.
     pub(crate) list_positions: String,
+    /// Sets one read position, forwards or backwards, answering the one it replaced.
+    pub(crate) set_position: String,
+    /// Removes one read position, answering it.
+    pub(crate) remove_position: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,

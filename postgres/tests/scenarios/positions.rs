@@ -2,7 +2,7 @@
 //! `apply_at`'s) transaction with its record and business rows or not at all, the highest
 //! offset per partition for a batch, never moving backwards (a stale writer refused with
 //! nothing written, connections racing over one partition leaving the highest), checked
-//! inputs, and the migration of a version 5 schema.
+//! inputs, an operator's set and remove, and the migration of a version 5 schema.
 
 use idemdb::{Fingerprint, Message, Outcome};
 use idemdb_postgres::{Applied, Error, PgConsumer, PgStore, ReadPosition, install};
