@@ -55,10 +55,17 @@
 //! commit); removal running in a loop beside claims that take keys again as they expire never
 //! takes a live record, nor one written over an expired one.
 //!
-//! Read positions of log consumers (`scenarios/positions.rs`): written with the claim's or the
-//! batch's record and rows or not at all, the highest offset per partition, a stale writer
-//! refused with nothing written, racing connections leaving the highest offset, checked
-//! inputs, and the migration of a version 5 schema.
+//! Read positions of log consumers (`scenarios/positions.rs`): written with the claim's, the
+//! batch's or `apply_at`'s record and rows or not at all, the highest offset per partition, a
+//! stale writer refused with nothing written, racing connections leaving the highest offset,
+//! checked inputs, and the migration of a version 5 schema.
+//!
+//! An injected clock read once per call (`scenarios/clock.rs`): a clock that moves on every
+//! read, past `CLOCK_MS_MAX` from the second, changes no call's decision or writes. `install`
+//! and an import given up during their `BEGIN` or a lock wait leave the connection clean.
+//!
+//! The `idemdb-pg` binary (`scenarios/cli.rs`), run against the server: `positions list`,
+//! `set` and `remove`, and `maintain --busy-percent`, with their refusals.
 //!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
