@@ -79,7 +79,12 @@
 //!
 //! **Whose clock.** The database's (`statement_timestamp()`, in milliseconds) decides expiry
 //! and commit times unless a [`idemdb::Clock`] is given (tests): the consumers' own clocks may
-//! be skewed against each other without effect.
+//! be skewed against each other without effect. An injected clock is read once per call (a
+//! claim, `apply`, a batch, an external claim, a lease step, a resolution, a commit, a
+//! position moved, removal): every time the call decides or writes comes from that one
+//! reading, refused past [`idemdb::CLOCK_MS_MAX`] (`ClockOutOfRange`) before anything is
+//! sent, as the embedded engine refuses it; a clock that moves during the call changes
+//! nothing of it.
 //!
 //! **Which millisecond.** Every bound is "at or after": a record whose expiry is `t` answers
 //! `Duplicate` through `t - 1` and is claimable again from `t` on; a lease that runs until
@@ -108,11 +113,13 @@
 //!
 //! **Log consumers.** [`PgClaim::stage_position`] and [`PgClaimBatch::stage_position`] write a
 //! consumer's read position in a log (a Kafka topic partition, a RabbitMQ stream) in the
-//! claim's transaction, with its record and business SQL; [`PgConsumer::positions`] reads it
-//! back (where to resume) and moves it for messages settled without a claim. A position
-//! behind the stored one fails the commit with `idemdb::Error::PositionBehind` (in
+//! claim's transaction, with its record and business SQL, and [`PgConsumer::apply_at`] does
+//! the same for `apply`, still in one round trip for a new key; [`PgConsumer::positions`]
+//! reads it back (where to resume) and moves it for messages settled without a claim. A
+//! position behind the stored one fails the commit with `idemdb::Error::PositionBehind` (in
 //! [`Error::Idemdb`]), nothing written: a stale reader. The embedded engine's calls, in the
-//! same shape.
+//! same shape. An operator resets a stopped consumer's position with [`PgPositions::set`]
+//! (forwards or backwards) or [`PgPositions::remove`], or with `idemdb-pg positions`.
 //!
 //! **Upgrading an older install.** [`SCHEMA_VERSION`] is 6. A store opened on tables at
 //! versions 1 to 5 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
@@ -186,7 +193,7 @@ pub use operations::claim::PgClaim;
 pub use operations::external::{LEASE_STEP_LOCK_WAIT, PgExternalClaim, PgInProgress, PgResolution};
 pub use operations::lease::PgCompletion;
 pub use operations::maintain::{Maintenance, Removal};
-pub use operations::positions::PgPositions;
+pub use operations::positions::{PgPositions, ReadPosition};
 pub use operations::ticket::PgLeaseTicket;
 pub use operations::transfer::{
     CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts,

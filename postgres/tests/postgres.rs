@@ -55,10 +55,17 @@
 //! commit); removal running in a loop beside claims that take keys again as they expire never
 //! takes a live record, nor one written over an expired one.
 //!
-//! Read positions of log consumers (`scenarios/positions.rs`): written with the claim's or the
-//! batch's record and rows or not at all, the highest offset per partition, a stale writer
-//! refused with nothing written, racing connections leaving the highest offset, checked
-//! inputs, and the migration of a version 5 schema.
+//! Read positions of log consumers (`scenarios/positions.rs`): written with the claim's, the
+//! batch's or `apply_at`'s record and rows or not at all, the highest offset per partition, a
+//! stale writer refused with nothing written, racing connections leaving the highest offset,
+//! checked inputs, and the migration of a version 5 schema.
+//!
+//! An injected clock read once per call (`scenarios/clock.rs`): a clock that moves on every
+//! read, past `CLOCK_MS_MAX` from the second, changes no call's decision or writes. `install`
+//! and an import given up during their `BEGIN` or a lock wait leave the connection clean.
+//!
+//! The `idemdb-pg` binary (`scenarios/cli.rs`), run against the server: `positions list`,
+//! `set` and `remove`, and `maintain --busy-percent`, with their refusals.
 //!
 //! `IDEMDB_PG_SCENARIO=<part of a name>` runs only the scenarios whose name holds it.
 
@@ -234,14 +241,21 @@ fn main() {
     scenario!(removal_goes_around_a_row_another_transaction_holds);
     scenario!(maintain_inside_a_callers_transaction_removes_nothing_and_sets_nothing);
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
+    scenario!(setup_and_import_given_up_during_their_transaction_leave_the_connection_clean);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
+    use clock::*;
+    scenario!(every_call_reads_an_injected_clock_once);
     use positions::*;
     scenario!(a_claims_position_lands_with_its_record_and_business_row_or_not_at_all);
     scenario!(a_batch_writes_the_highest_offset_per_partition_even_of_duplicates);
     scenario!(connections_racing_over_one_partition_leave_the_highest_offset);
     scenario!(bad_positions_are_refused_before_anything_is_sent);
     scenario!(a_version_5_schema_gains_positions_on_install);
+    scenario!(apply_at_moves_the_position_with_its_record_in_one_round_trip_or_not_at_all);
+    use cli::*;
+    scenario!(the_operator_tool_lists_sets_and_removes_read_positions);
+    scenario!(the_operator_tools_maintain_runs_at_the_busy_share_it_is_given);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -286,7 +300,11 @@ macro_rules! ensure {
     };
 }
 
-// After `ensure!`, which it uses.
+// After `ensure!`, which they use.
+#[path = "scenarios/cli.rs"]
+mod cli;
+#[path = "scenarios/clock.rs"]
+mod clock;
 #[path = "scenarios/positions.rs"]
 mod positions;
 
@@ -7560,6 +7578,141 @@ async fn a_claim_given_up_mid_round_trip_frees_its_key(url: &str) -> Result<(), 
     }
     // And the connection itself goes on.
     commit_one(&consumer, &mut client, "after", "m", "ok").await?;
+    Ok(())
+}
+
+/// Whether `client`'s session is outside any transaction: a `SAVEPOINT` there fails with
+/// 25P01 (`no_active_sql_transaction`). One inside a transaction left open is rolled back.
+async fn outside_any_transaction(client: &Client) -> Result<bool, Failure> {
+    match client.batch_execute("SAVEPOINT idemdb_probe").await {
+        Err(error)
+            if error.code()
+                == Some(&tokio_postgres::error::SqlState::NO_ACTIVE_SQL_TRANSACTION) =>
+        {
+            Ok(true)
+        }
+        Ok(()) => {
+            client.batch_execute("ROLLBACK").await?;
+            Ok(false)
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Waits (30 s at most) for the server process `pid` to be idle and hold no lock.
+async fn comes_idle(watcher: &Client, pid: i32) -> Result<bool, Failure> {
+    for _ in 0..1500 {
+        if idle_without_locks(watcher, pid).await? {
+            return Ok(true);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(false)
+}
+
+/// The transactions the store opens outside a claim's (`ensure_partitions`, which made the day
+/// partitions of schemas 2 to 4 ahead of claims and removal in one, went with the partitions;
+/// what is left is `install`'s, and an import's, one per chunk): a call given up while its
+/// `BEGIN` is on its way (polled once, then dropped) or while it waits on the server (a lock
+/// another session holds; dropped by a timeout) leaves its connection outside any
+/// transaction, holding no lock, and usable.
+async fn setup_and_import_given_up_during_their_transaction_leave_the_connection_clean(
+    url: &str,
+) -> Result<(), Failure> {
+    let schema = "t_given_up_setup";
+    let watcher = connect(url).await?;
+    let mut client = connect(url).await?;
+    let pid = backend_pid(&client).await?;
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .await?;
+    let names = Names::new(schema, "records")?;
+    // The probe first: sent on the same connection, it runs after whatever the given-up call
+    // sent there, so the server has run all of it when the probe answers; then no lock may
+    // be left (a lock wait given up ends once the other session lets go).
+    let clean = async |client: &Client, what: &str| -> Result<(), Failure> {
+        ensure!(
+            outside_any_transaction(client).await?,
+            "{what}: the connection was left in a transaction"
+        );
+        ensure!(
+            comes_idle(&watcher, pid).await?,
+            "{what}: the connection stayed busy or kept a lock"
+        );
+        Ok(())
+    };
+    // `install` polled once: its BEGIN is sent, and the call dropped before the answer.
+    for round in 0..10 {
+        let once = futures_util::FutureExt::now_or_never(install(&mut client, &names));
+        ensure!(once.is_none(), "install answered within one poll");
+        clean(&client, &format!("install given up during BEGIN ({round})")).await?;
+    }
+    install(&mut client, &names).await?;
+    // `install` waiting for the version table another session locked: given up by a timeout.
+    let mut blocker = connect(url).await?;
+    let blocking = blocker.transaction().await?;
+    blocking
+        .batch_execute(&format!(
+            "LOCK TABLE {schema}.records_version IN ACCESS EXCLUSIVE MODE"
+        ))
+        .await?;
+    let waited =
+        tokio::time::timeout(Duration::from_millis(300), install(&mut client, &names)).await;
+    ensure!(
+        waited.is_err(),
+        "install did not wait for the lock: {waited:?}"
+    );
+    blocking.rollback().await?;
+    clean(&client, "install given up waiting for a lock").await?;
+    install(&mut client, &names).await?;
+
+    // An import polled once (its chunk's BEGIN sent), and one given up waiting for a key a
+    // claim holds: nothing imported, the connection clean.
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    commit_one(&consumer, &mut client, "k", "m", "ok").await?;
+    let lines = export_text(&store, &client).await?;
+    client
+        .batch_execute(&format!("DELETE FROM {schema}.records"))
+        .await?;
+    for round in 0..10 {
+        let once = futures_util::FutureExt::now_or_never(store.import_lines(
+            &mut client,
+            lines.as_bytes(),
+            false,
+        ));
+        ensure!(once.is_none(), "the import answered within one poll");
+        clean(&client, &format!("import given up during BEGIN ({round})")).await?;
+    }
+    let Outcome::Fresh(held) = consumer
+        .begin(&mut blocker, "k", Fingerprint::of(b"m"))
+        .await?
+    else {
+        return Err("k: not fresh".into());
+    };
+    let waited = tokio::time::timeout(
+        Duration::from_millis(300),
+        store.import_lines(&mut client, lines.as_bytes(), false),
+    )
+    .await;
+    ensure!(
+        waited.is_err(),
+        "the import did not wait for the key: {waited:?}"
+    );
+    held.abort().await?;
+    clean(&client, "import given up waiting for a key").await?;
+    ensure!(
+        consumer.get(&client, "k").await?.is_none(),
+        "a given-up import wrote its record"
+    );
+    // And the connection goes on: the import, whole.
+    let counts = store
+        .import_lines(&mut client, lines.as_bytes(), false)
+        .await?;
+    ensure!(counts.imported == 1, "{counts:?}");
     Ok(())
 }
 

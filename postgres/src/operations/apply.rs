@@ -34,16 +34,34 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::sql::txn::{ClaimTransaction, LOST_ROW, Statement, Whole, single_row};
+use crate::operations::positions::ReadPosition;
+use crate::sql::txn::{ClaimTransaction, Connection, LOST_ROW, Statement, Whole, single_row};
 use crate::storage::observe::OutcomeKind;
+use crate::storage::positions::{StagedPositions, advance_statement, position_behind};
 use crate::storage::records::check_result;
 use crate::storage::records::completed_record;
 use crate::storage::records::decode_record;
 use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
 use crate::storage::store::CLOCK_TOLERANCE_MS;
+use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
+
+/// One call of `apply` or `apply_at`: the message, what it commits, and the one reading of the
+/// store's clock it is decided at.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    message: &'a Message<'a>,
+    stored_key: &'a [u8],
+    result: &'a [u8],
+    statements: &'a [Statement<'a>],
+    /// The read positions written with the record (none for `apply`).
+    positions: &'a StagedPositions,
+    started: Instant,
+    clock: ClockReading,
+}
+
 /// What the one round trip did.
 enum OneTrip {
     /// Committed the record at epoch 1 with the caller's statements.
@@ -70,12 +88,12 @@ pub struct Applied {
 }
 
 impl PgStore {
-    /// Now on the store's clock before asking the database, and the time the database must
-    /// agree with (`None`: the injected clock decides, nothing to check). `None` overall until
-    /// a claim has seen the database's clock.
-    fn estimated_now_ms(&self) -> Option<(u64, Option<i64>)> {
-        match &self.inner.clock {
-            Some(clock) => Some((clock.now_ms(), None)),
+    /// Now on the store's clock before asking the database (the call's reading `clock` of an
+    /// injected one), and the time the database must agree with (`None`: the injected clock
+    /// decides, nothing to check). `None` overall until a claim has seen the database's clock.
+    fn estimated_now_ms(&self, clock: ClockReading) -> Option<(u64, Option<i64>)> {
+        match clock.injected() {
+            Some(now_ms) => Some((now_ms, None)),
             None => {
                 let now_ms = self.inner.clock_offset.estimate_ms()?;
                 Some((now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX))))
@@ -137,17 +155,104 @@ impl PgConsumer {
         result: impl AsRef<[u8]>,
         statements: &[Statement<'_>],
     ) -> Result<Outcome<Applied>> {
+        self.apply_staged(
+            client,
+            message,
+            StagedPositions::default(),
+            result.as_ref(),
+            statements,
+        )
+        .await
+    }
+
+    /// [`apply`](PgConsumer::apply) for a log consumer: `at`, the message's place in the log,
+    /// becomes the consumer's read position in the same transaction as the message's record
+    /// and statements, as [`PgClaim::stage_position`](crate::PgClaim::stage_position) makes it
+    /// for a claim, and a new key still costs one round trip (the position's write goes out
+    /// with the rest, after the caller's statements). The position moves only with a commit:
+    /// any outcome but `Fresh` writes nothing, the position included, as a claim that is not
+    /// won stages nothing; move it for messages settled that way with
+    /// [`PgPositions::advance`](crate::PgPositions::advance). An offset behind the partition's
+    /// stored position fails the call with [`idemdb::Error::PositionBehind`] (in
+    /// [`Error::Idemdb`]), with nothing written (record, statements, position): a stale reader,
+    /// as at a claim's commit.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &mut tokio_postgres::Client, orders: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// use idemdb::{Fingerprint, Message, Outcome};
+    /// use idemdb_postgres::ReadPosition;
+    /// use tokio_postgres::types::Type;
+    /// // The message at offset 41 of partition 3 of the "orders" topic.
+    /// let (id, total): (&[u8], i64) = (b"order-7", 4200);
+    /// let message = Message::new(id, Fingerprint::of(b"order-7 4200"));
+    /// let at = ReadPosition::new("orders", 3, 41);
+    /// let insert = "INSERT INTO orders (id, total) VALUES ($1, $2)";
+    /// match orders
+    ///     .apply_at(client, &message, at, b"accepted", &[(
+    ///         insert,
+    ///         &[(&id, Type::BYTEA), (&total, Type::INT8)],
+    ///     )])
+    ///     .await?
+    /// {
+    ///     // Committed with its order row and the position: a restart resumes at 42.
+    ///     Outcome::Fresh(_) => {}
+    ///     // Nothing written: move the position past it on its own.
+    ///     Outcome::Duplicate { .. } => orders.positions().advance(client, "orders", 3, 41).await?,
+    ///     _ => { /* do not acknowledge: redeliver later, or dead-letter */ }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`apply`](PgConsumer::apply); as
+    /// [`PgClaim::stage_position`](crate::PgClaim::stage_position) for a source or offset
+    /// outside the limits, before anything is sent; [`idemdb::Error::PositionBehind`] (in
+    /// [`Error::Idemdb`]) for an offset behind the stored one, nothing written.
+    pub async fn apply_at(
+        &self,
+        client: &mut Client,
+        message: &Message<'_>,
+        at: ReadPosition<'_>,
+        result: impl AsRef<[u8]>,
+        statements: &[Statement<'_>],
+    ) -> Result<Outcome<Applied>> {
+        let mut positions = StagedPositions::default();
+        positions.stage(at.source, at.partition, at.offset)?;
+        self.apply_staged(client, message, positions, result.as_ref(), statements)
+            .await
+    }
+
+    /// `apply` with the read `positions` to write with the record (none for `apply`).
+    async fn apply_staged(
+        &self,
+        client: &mut Client,
+        message: &Message<'_>,
+        positions: StagedPositions,
+        result: &[u8],
+        statements: &[Statement<'_>],
+    ) -> Result<Outcome<Applied>> {
         let started = Instant::now();
-        let result = result.as_ref();
         check_result(result)?;
         crate::sql::txn::check_sendable(statements)?;
         let stored_key = encode_key(&self.id, message.key())?;
+        // The store's clock, read once for the whole call (an injected one checked before
+        // anything is sent): the one round trip, the decision after it and the long way's
+        // claim and commit all take their time from this reading.
+        let clock = self.store.read_clock()?;
+        let call = Call {
+            message,
+            stored_key: &stored_key,
+            result,
+            statements,
+            positions: &positions,
+            started,
+            clock,
+        };
         // A message with an entity's version takes the long way (which checks the entity key).
         if message.entity_version().is_none() {
-            match self
-                .apply_if_new(client, message, &stored_key, result, statements, started)
-                .await?
-            {
+            match self.apply_if_new(client, &call).await? {
                 OneTrip::Applied => {
                     return Ok(Outcome::Fresh(Applied {
                         epoch: 1,
@@ -160,7 +265,7 @@ impl PgConsumer {
         }
         let mut claim = None;
         let outcome = self
-            .begin_message(client, message)
+            .begin_on(Connection::from(client), message, Some(clock))
             .await?
             .map_fresh(|fresh| {
                 let epoch = fresh.epoch();
@@ -170,26 +275,28 @@ impl PgConsumer {
                     one_round_trip: false,
                 }
             });
-        if let Some(claim) = claim {
-            claim.commit_with(result, statements).await?;
+        if let Some(mut claim) = claim {
+            claim.replace_positions(positions);
+            claim.commit_at(result, statements, true).await?;
         }
         Ok(outcome)
     }
 
     /// The one round trip: committed, settled, or to be decided the long way (nothing of it
     /// written).
-    async fn apply_if_new(
-        &self,
-        client: &mut Client,
-        message: &Message<'_>,
-        stored_key: &[u8],
-        result: &[u8],
-        statements: &[Statement<'_>],
-        started: Instant,
-    ) -> Result<OneTrip> {
+    async fn apply_if_new(&self, client: &mut Client, call: &Call<'_>) -> Result<OneTrip> {
+        let Call {
+            message,
+            stored_key,
+            result,
+            statements,
+            positions,
+            started,
+            clock,
+        } = *call;
         let store = &self.store;
         let inner = &store.inner;
-        let Some((now_ms, db_check_ms)) = store.estimated_now_ms() else {
+        let Some((now_ms, db_check_ms)) = store.estimated_now_ms(clock) else {
             return Ok(OneTrip::LongWay);
         };
         // A message produced near the admission floor's horizon is left to the database's own
@@ -220,12 +327,28 @@ impl PgConsumer {
             (&lock_number, Type::INT8),
         ];
         let store_statements: [Statement<'_>; 1] = [(&inner.insert_if_new, &insert_params)];
+        // A read position is written after the caller's statements, as a claim's commit
+        // writes it: its row is locked in the same order either way.
+        let position_params = positions.params(id, now_ms);
+        let position_typed = position_params.typed();
+        let after: Vec<Statement<'_>> = if positions.is_empty() {
+            Vec::new()
+        } else {
+            vec![advance_statement(store, &position_typed)]
+        };
         let Whole {
             store: answers,
             staged,
+            after,
             committed,
-        } = ClaimTransaction::run_whole(client, &inner.statements, &store_statements, statements)
-            .await?;
+        } = ClaimTransaction::run_whole(
+            client,
+            &inner.statements,
+            &store_statements,
+            statements,
+            &after,
+        )
+        .await?;
         let claimed = answers.into_iter().next().unwrap_or_else(|| Ok(Vec::new()));
         let metrics = &self.metrics;
         let correlation = message.correlation();
@@ -256,7 +379,7 @@ impl PgConsumer {
                 let Some(bytes) = row.get::<_, Option<&[u8]>>(0) else {
                     return Ok(OneTrip::LongWay);
                 };
-                let db_now = store.now_ms(db_now_ms);
+                let db_now = clock.now_ms(db_now_ms);
                 let found = inspect_record(
                     Some(decode_record(key, bytes)?),
                     message.fingerprint(),
@@ -276,6 +399,10 @@ impl PgConsumer {
         }
         if let Some(Err(error)) = staged.into_iter().find(std::result::Result::is_err) {
             return Err(Error::Postgres(error));
+        }
+        // The read position behind the stored one (a stale reader): nothing was committed.
+        if let Some(Err(error)) = after.into_iter().find(std::result::Result::is_err) {
+            return Err(position_behind(&error).unwrap_or_else(|| store.write_failed(error, key)));
         }
         // A COMMIT's own failure is the connection's or a deferred check of the caller's, never
         // the record's write (whose answer was read above).

@@ -34,6 +34,7 @@ use crate::storage::records::decode_record;
 use crate::storage::records::decode_version;
 use crate::storage::records::entity_lock_id;
 use crate::storage::records::lock_id;
+use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
 /// The most messages one batch claims: the embedded engine's `idemdb::BATCH_MESSAGES_MAX`,
 /// repeated here because idemdb exports it only with its RocksDB engine, which this crate does
@@ -240,7 +241,9 @@ impl PgConsumer {
             .filter(|(index, _)| first_of[*index] == *index)
             .map(|(_, message)| message.key())
             .collect();
-        self.store.check_clock()?;
+        // The store's clock, read once (an injected one checked before anything is sent):
+        // every message of the batch is decided at this reading.
+        let clock = self.store.read_clock()?;
         // BEGIN, the lock statement and the read go out together (one round trip). The
         // server runs them in the order sent, so the read's snapshot is taken after every lock
         // was granted or refused. From here every error drops `tx`, which rolls back and frees
@@ -265,7 +268,7 @@ impl PgConsumer {
         let taken = if messages.is_empty() {
             Ok(Taken::default())
         } else {
-            self.taken(answers)
+            self.taken(answers, clock)
         };
         // From here an error (a record that does not decode, say) rolls back, waited for, so
         // that every key of the batch is free when the error returns.
@@ -457,8 +460,9 @@ impl PgConsumer {
     }
 
     /// What the lock statement and the read answered: the lock answer of every lock number,
-    /// the database's time, and the stored (undecoded) row of every key that has one.
-    fn taken(&self, answers: crate::sql::txn::Answers) -> Result<Taken> {
+    /// the database's time (and the batch's on the store's clock, `clock`'s reading), and the
+    /// stored (undecoded) row of every key that has one.
+    fn taken(&self, answers: crate::sql::txn::Answers, clock: ClockReading) -> Result<Taken> {
         let mut answers = answers.into_iter();
         let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
         let locks = next_rows()?;
@@ -467,7 +471,7 @@ impl PgConsumer {
         Ok(Taken {
             db_now_ms,
             locked: locks.iter().map(|row| (row.get(0), row.get(1))).collect(),
-            now_ms: self.store.now_ms(db_now_ms),
+            now_ms: clock.now_ms(db_now_ms),
             rows: rows
                 .iter()
                 .filter_map(|row| {

@@ -110,7 +110,9 @@ impl<'c> PgClaimBatch<'c> {
     /// all. `result_of` is called for those indexes only, in order.
     ///
     /// # Errors
-    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`; [`Error::LostKey`] if an
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`, or an injected clock
+    /// ([`StoreBuilder::clock`](crate::StoreBuilder::clock)) reading past
+    /// [`idemdb::CLOCK_MS_MAX`] (`ClockOutOfRange`); [`Error::LostKey`] if an
     /// entity's version could not be written (the entity's lock should make it impossible; a
     /// replaced record whose row removal deleted meanwhile is written anew, not an error);
     /// [`Error::Postgres`]
@@ -162,7 +164,12 @@ impl<'c> PgClaimBatch<'c> {
                 held.push((claim, result));
             }
         }
-        let now_ms = consumer.store.now_ms(
+        // The store's clock, read once (an injected one checked before anything is sent).
+        let clock = match consumer.store.read_clock() {
+            Ok(clock) => clock,
+            Err(error) => return tx.fail(error).await,
+        };
+        let now_ms = clock.now_ms(
             db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
         );
         let rows = Records::of(&consumer, &held, now_ms);

@@ -22,6 +22,7 @@ use crate::storage::records::decode_record;
 use crate::storage::records::decode_version;
 use crate::storage::records::entity_lock_id;
 use crate::storage::records::lock_id;
+use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
 
 impl PgConsumer {
@@ -87,7 +88,7 @@ impl PgConsumer {
         client: &'c mut Client,
         message: &Message<'_>,
     ) -> Result<Outcome<PgClaim<'c>>> {
-        self.begin_on(Connection::from(client), message).await
+        self.begin_on(Connection::from(client), message, None).await
     }
 
     /// Like [`PgConsumer::begin_message`], on a connection the claim takes and owns (a pooled
@@ -117,18 +118,20 @@ impl PgConsumer {
         client: impl std::ops::DerefMut<Target = Client> + Send + 'static,
         message: &Message<'_>,
     ) -> Result<Outcome<PgClaim<'static>>> {
-        self.begin_on(Connection::Owned(Box::new(client)), message)
+        self.begin_on(Connection::Owned(Box::new(client)), message, None)
             .await
     }
 
-    /// `begin_message` on a borrowed or owned connection.
-    async fn begin_on<'c>(
+    /// `begin_message` on a borrowed or owned connection, at `clock` when the caller read the
+    /// store's clock already (`apply`'s long way), else at a reading of its own.
+    pub(crate) async fn begin_on<'c>(
         &self,
         client: Connection<'c>,
         message: &Message<'_>,
+        clock: Option<ClockReading>,
     ) -> Result<Outcome<PgClaim<'c>>> {
         let started = Instant::now();
-        let (now_ms, outcome) = self.claim_message(client, message).await?;
+        let (now_ms, outcome) = self.claim_message(client, message, clock).await?;
         self.metrics.begun(
             &outcome,
             now_ms,
@@ -145,6 +148,7 @@ impl PgConsumer {
         &self,
         client: Connection<'c>,
         message: &Message<'_>,
+        clock: Option<ClockReading>,
     ) -> Result<(u64, Outcome<PgClaim<'c>>)> {
         let key = message.key();
         let stored_key = encode_key(&self.id, key)?;
@@ -159,7 +163,12 @@ impl PgConsumer {
             }
             None => None,
         };
-        self.store.check_clock()?;
+        // The store's clock, read once (an injected one checked here, before anything is
+        // sent): the decision and the claim's commit time come from this reading.
+        let clock = match clock {
+            Some(clock) => clock,
+            None => self.store.read_clock()?,
+        };
         // BEGIN, the locks and the reads go out together (one round trip), as separate
         // statements: the server runs them in order, and each read's snapshot is taken when it
         // starts, after the locks were granted, so it sees the commit of whoever held the lock
@@ -194,7 +203,7 @@ impl PgConsumer {
         let entity = entity.map(|(entity_key, version, ..)| (entity_key, version));
         // An error here (a record that does not decode, say) leaves the key's lock held until
         // the rollback: waited for, so that the key is free when the error returns.
-        let decided = decide_claim(self, answers, message, entity);
+        let decided = decide_claim(self, answers, message, entity, clock);
         let Decided {
             db_now_ms,
             now_ms,
@@ -214,6 +223,7 @@ impl PgConsumer {
         let claim = PgClaim {
             tx,
             decided_at: (db_now_ms, decided_at),
+            clock,
             consumer: self.clone(),
             key: key.to_vec(),
             stored_key,
@@ -258,12 +268,13 @@ struct Claimable {
 }
 
 /// Decides a claim from the answers of its lock statement, its read and (with an entity
-/// version) the entity's read: no I/O.
+/// version) the entity's read, at `clock`'s time: no I/O.
 fn decide_claim(
     consumer: &PgConsumer,
     answers: crate::sql::txn::Answers,
     message: &Message<'_>,
     entity: Option<(&[u8], u64)>,
+    clock: ClockReading,
 ) -> Result<Decided> {
     let inner = &consumer.store.inner;
     let key = message.key();
@@ -274,7 +285,7 @@ fn decide_claim(
     let current_version = next_rows();
     let db_now_ms: i64 = lock.get(1);
     inner.clock_offset.learn(db_now_ms);
-    let now_ms = consumer.store.now_ms(db_now_ms);
+    let now_ms = clock.now_ms(db_now_ms);
     let decided = |verdict| {
         Ok(Decided {
             db_now_ms,
@@ -330,6 +341,9 @@ pub struct PgClaim<'c> {
     /// process's monotonic clock when the answer came. The commit's time is the first advanced
     /// by the second's elapsed time: no extra round trip to read the database's clock again.
     decided_at: (i64, Instant),
+    /// The store's clock as the claim's `begin` read it; its commit reads its own, unless the
+    /// claim was begun by `apply`, whose one reading serves the whole call.
+    clock: ClockReading,
     consumer: PgConsumer,
     key: Vec<u8>,
     /// The key as the embedded engine stores it (consumer and message key): what downstream
@@ -420,6 +434,12 @@ impl<'c> PgClaim<'c> {
         self.positions.stage(source, partition, offset)
     }
 
+    /// Replaces the read positions staged so far with `positions` (checked when staged):
+    /// `apply_at`'s position, on the claim of its long way.
+    pub(crate) fn replace_positions(&mut self, positions: StagedPositions) {
+        self.positions = positions;
+    }
+
     /// Rolls the claim back, business SQL included, and returns once the server has: the key
     /// is free for the next claimant then. (Dropping the claim rolls back too, but without
     /// waiting: the key is free a moment later.)
@@ -436,8 +456,10 @@ impl<'c> PgClaim<'c> {
     /// transaction: the record and the business SQL land together or not at all.
     ///
     /// # Errors
-    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX` (nothing is written; the
-    /// transaction rolls back). [`Error::Postgres`] when a statement or the commit fails; if the
+    /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`, or an injected clock
+    /// ([`StoreBuilder::clock`](crate::StoreBuilder::clock)) reading past
+    /// [`idemdb::CLOCK_MS_MAX`] (`ClockOutOfRange`): nothing is written, the transaction rolls
+    /// back. [`Error::Postgres`] when a statement or the commit fails; if the
     /// connection dropped during the commit its outcome is unknown: do not acknowledge the
     /// message, and its redelivery finds `Duplicate` or `Fresh`, never half of it.
     /// [`Error::StatementDeallocated`] when the store's statement was deallocated since the
@@ -481,19 +503,37 @@ impl<'c> PgClaim<'c> {
         result: impl AsRef<[u8]>,
         statements: &[TypedStatement<'_>],
     ) -> Result<()> {
+        self.commit_at(result.as_ref(), statements, false).await
+    }
+
+    /// [`commit_with`](PgClaim::commit_with) at a reading of the store's clock of its own, or
+    /// at the one its `begin` took (`apply`, one call: `same_call`).
+    pub(crate) async fn commit_at(
+        self,
+        result: &[u8],
+        statements: &[TypedStatement<'_>],
+        same_call: bool,
+    ) -> Result<()> {
         let started = Instant::now();
-        let result = result.as_ref();
         // Refused before anything is sent; the rollback is waited for, so that the key is
-        // free when the error returns.
-        if let Err(error) =
-            check_result(result).and_then(|()| crate::sql::txn::check_sendable(statements))
-        {
-            return self.tx.fail(error).await;
-        }
+        // free when the error returns. The clock is read once, here (an injected one checked).
+        let checked = check_result(result)
+            .and_then(|()| crate::sql::txn::check_sendable(statements))
+            .and_then(|()| {
+                if same_call {
+                    Ok(self.clock)
+                } else {
+                    self.consumer.store.read_clock()
+                }
+            });
+        let clock = match checked {
+            Ok(clock) => clock,
+            Err(error) => return self.tx.fail(error).await,
+        };
         let consumer = &self.consumer;
         let store = &consumer.store;
         let (db_ms, decided) = self.decided_at;
-        let now_ms = store.now_ms(
+        let now_ms = clock.now_ms(
             db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
         );
         let epoch = self.epoch();

@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::sql::txn::ClaimTransaction;
 use crate::storage::records::decode_record;
 use crate::storage::records::lock_id;
+use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
 /// How long a lease step waits for the key's lock (another step of the same key, or a
@@ -111,7 +112,8 @@ impl PgConsumer {
         )?;
         let stored_key = idemdb::format::encode_key(&self.id, key)?;
         let inner = &self.store.inner;
-        self.store.check_clock()?;
+        // The store's clock, read once (an injected one checked before anything is sent).
+        let clock = self.store.read_clock()?;
         // BEGIN, the lock and the read in one round trip, as a claim's (see `begin_message`).
         let lock_number = lock_id(&inner.lock_namespace, &stored_key);
         let id: &[u8] = &self.id;
@@ -137,7 +139,7 @@ impl PgConsumer {
         let read = (|| -> Result<(u64, Option<Option<Record>>)> {
             let lock = crate::sql::txn::single_row(next_rows()?)?;
             let read = next_rows();
-            let now_ms = self.store.now_ms(lock.get(1));
+            let now_ms = clock.now_ms(lock.get(1));
             if !lock.get::<_, bool>(0) {
                 return Ok((now_ms, None));
             }
@@ -210,7 +212,7 @@ impl PgConsumer {
                 &[],
             )
             .await?;
-        let now_ms = self.store.now_ms(row.get(0));
+        let now_ms = self.store.read_clock_for_reading().now_ms(row.get(0));
         let horizon_ms =
             now_ms.saturating_sub(u64::try_from(older_than.as_millis()).unwrap_or(u64::MAX));
         // In-progress records are the ones with no expiry (with completed records that never
@@ -268,7 +270,9 @@ impl PgConsumer {
         if let PgResolution::Complete(result) = &resolution {
             crate::storage::records::check_result(result)?;
         }
-        let (mut tx, now_ms, record) = locked_record(self, client, key, &stored_key).await?;
+        // The store's clock, read once (an injected one checked before anything is sent).
+        let clock = self.store.read_clock()?;
+        let (mut tx, now_ms, record) = locked_record(self, client, key, &stored_key, clock).await?;
         let current = match record {
             Some(record) if matches!(record.state, RecordState::InProgress { .. }) => record,
             other => {
@@ -284,6 +288,7 @@ impl PgConsumer {
                 crate::storage::records::write_completed(
                     tx.client(),
                     self,
+                    clock,
                     key,
                     current.fingerprint,
                     current.epoch,
@@ -336,16 +341,17 @@ impl PgConsumer {
 }
 
 /// A transaction holding the lock of `key` (`stored_key` encoded), taken waiting at most
-/// [`LEASE_STEP_LOCK_WAIT`]; the store's time; and the key's record, read after the lock was
-/// granted. The lease steps and a resolution check the record before they write.
+/// [`LEASE_STEP_LOCK_WAIT`]; the store's time (`clock`, the call's reading); and the key's
+/// record, read after the lock was granted. The lease steps and a resolution check the record
+/// before they write.
 pub(crate) async fn locked_record<'c>(
     consumer: &PgConsumer,
     client: &'c mut Client,
     key: &[u8],
     stored_key: &[u8],
+    clock: ClockReading,
 ) -> Result<(ClaimTransaction<'c>, u64, Option<Record>)> {
     let store: &PgStore = &consumer.store;
-    store.check_clock()?;
     // BEGIN, the lock wait's bound, the lock and the read in one round trip: the server runs
     // them in order, so the read's snapshot is taken once the lock is granted.
     let timeout = format!("{}ms", LEASE_STEP_LOCK_WAIT.as_millis());
@@ -392,7 +398,7 @@ pub(crate) async fn locked_record<'c>(
             }
             Err(error) => return Err(error.into()),
         };
-        let now_ms = store.now_ms(row.get(1));
+        let now_ms = clock.now_ms(row.get(1));
         let record = read?
             .first()
             .map(|row| decode_record(key, row.get(0)))

@@ -13,6 +13,7 @@ use crate::operations::external::PgExternalClaim;
 use crate::operations::external::lease_ms;
 use crate::operations::external::locked_record;
 use crate::sql::txn::ClaimTransaction;
+use crate::storage::store::ClockReading;
 
 impl PgExternalClaim {
     /// This holder's fencing epoch.
@@ -55,7 +56,8 @@ impl PgExternalClaim {
 
     async fn renew_unobserved(&mut self, client: &mut Client, lease: Duration) -> Result<u64> {
         let lease_ms = lease_ms(lease)?;
-        let (mut tx, now_ms) = self.fenced(client).await?;
+        let clock = self.consumer.store.read_clock()?;
+        let (mut tx, now_ms) = self.fenced(client, clock).await?;
         let until = now_ms.saturating_add(lease_ms);
         let record = self.record(until);
         let written = crate::storage::records::write_record(
@@ -80,7 +82,11 @@ impl PgExternalClaim {
     /// # Errors
     /// As [`PgExternalClaim::renew`].
     pub async fn completion<'c>(&self, client: &'c mut Client) -> Result<PgCompletion<'c>> {
-        let (tx, _) = match self.fenced(client).await {
+        let fenced = match self.consumer.store.read_clock() {
+            Ok(clock) => self.fenced(client, clock).await,
+            Err(error) => Err(error),
+        };
+        let (tx, _) = match fenced {
             Ok(fenced) => fenced,
             Err(error) => {
                 // The completion's step is refused here; a written one is counted at its commit.
@@ -107,7 +113,8 @@ impl PgExternalClaim {
     }
 
     async fn release_unobserved(&self, client: &mut Client) -> Result<()> {
-        let (mut tx, now_ms) = self.fenced(client).await?;
+        let clock = self.consumer.store.read_clock()?;
+        let (mut tx, now_ms) = self.fenced(client, clock).await?;
         let removable_at_ms = now_ms.saturating_add(self.consumer.store.inner.retention_ms);
         let mut record = self.record(self.lease_until_ms);
         // Kept, reading as absent, until the retention has passed, so that the key's epoch
@@ -147,10 +154,13 @@ impl PgExternalClaim {
     }
 
     async fn fail_unobserved(&self, client: &mut Client, result: &[u8]) -> Result<()> {
-        let (mut tx, _) = self.fenced(client).await?;
+        // Read once: the fence and the record's time both come from this reading.
+        let clock = self.consumer.store.read_clock()?;
+        let (mut tx, _) = self.fenced(client, clock).await?;
         let written = crate::storage::records::write_completed(
             tx.client(),
             &self.consumer,
+            clock,
             &self.key,
             self.fingerprint,
             self.epoch,
@@ -210,10 +220,15 @@ impl PgExternalClaim {
         )
     }
 
-    /// A transaction holding the key's lock, in which the record is still this holder's.
-    async fn fenced<'c>(&self, client: &'c mut Client) -> Result<(ClaimTransaction<'c>, u64)> {
+    /// A transaction holding the key's lock, in which the record is still this holder's, and
+    /// the step's time (`clock`: the step's one reading of the store's clock).
+    async fn fenced<'c>(
+        &self,
+        client: &'c mut Client,
+        clock: ClockReading,
+    ) -> Result<(ClaimTransaction<'c>, u64)> {
         let (tx, now_ms, record) =
-            locked_record(&self.consumer, client, &self.key, &self.stored_key).await?;
+            locked_record(&self.consumer, client, &self.key, &self.stored_key, clock).await?;
         let still_ours = record.as_ref().is_some_and(|record| {
             record.epoch == self.epoch
                 && matches!(record.state, RecordState::InProgress { token, .. } if token == self.token)
@@ -257,9 +272,15 @@ impl<'c> PgCompletion<'c> {
     pub async fn commit(self, result: impl AsRef<[u8]>) -> Result<()> {
         let started = Instant::now();
         let PgCompletion { mut tx, claim } = self;
+        // The store's clock, read once (an injected one checked before anything is sent).
+        let clock = match claim.consumer.store.read_clock() {
+            Ok(clock) => clock,
+            Err(error) => return tx.fail(error).await,
+        };
         let written = crate::storage::records::write_completed(
             tx.client(),
             &claim.consumer,
+            clock,
             &claim.key,
             claim.fingerprint,
             claim.epoch,

@@ -153,7 +153,7 @@ impl PgStore {
     /// As [`maintain`](Self::maintain).
     pub async fn maintain_with(&self, client: &Client, removal: Removal) -> Result<Maintenance> {
         // The clock is read once: what is checked is what decides.
-        let now_ms = clock_in_range(now_on_store_clock(client, self).await?)?;
+        let now_ms = clock_in_range(now_on_store_clock(client, self.read_clock()?).await?)?;
         // Never the never-removable rows' value, whatever the clock says.
         let now_ms = i64::try_from(now_ms).unwrap_or(i64::MAX).min(NEVER_MS - 1);
         let limit = i64::from(removal.batch_rows);

@@ -1,6 +1,7 @@
 //! A consumer's read positions on PostgreSQL ([`PgPositions`]): read to resume, moved on their
-//! own for messages settled without a claim. Claims and batches stage theirs
-//! (`PgClaim::stage_position`, `PgClaimBatch::stage_position`).
+//! own for messages settled without a claim, reset by an operator. Claims and batches stage
+//! theirs (`PgClaim::stage_position`, `PgClaimBatch::stage_position`), and `apply_at` takes
+//! one ([`ReadPosition`]).
 
 use idemdb::Position;
 use tokio_postgres::types::ToSql;
@@ -10,11 +11,44 @@ use crate::error::{Error, Result};
 use crate::storage::positions::{StagedPositions, advance_sql, position, position_behind};
 use crate::storage::store::PgConsumer;
 
+/// Where a message was read in a log: its `offset` in `partition` of `source` (a topic, a
+/// stream), the position [`PgConsumer::apply_at`] writes with the message's record, as
+/// [`PgClaim::stage_position`](crate::PgClaim::stage_position) takes it.
+///
+/// ```
+/// let at = idemdb_postgres::ReadPosition::new("orders", 3, 41);
+/// assert_eq!((at.source, at.partition, at.offset), ("orders", 3, 41));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadPosition<'a> {
+    /// The log: a topic, a stream.
+    pub source: &'a str,
+    /// The partition of the source (0 for a log without partitions).
+    pub partition: u32,
+    /// The message's offset: the partition's position once the message is committed (a
+    /// restart resumes at `offset + 1`).
+    pub offset: u64,
+}
+
+impl<'a> ReadPosition<'a> {
+    /// The message at `offset` of `partition` of `source`. Checked when used.
+    #[must_use]
+    pub fn new(source: &'a str, partition: u32, offset: u64) -> ReadPosition<'a> {
+        ReadPosition {
+            source,
+            partition,
+            offset,
+        }
+    }
+}
+
 /// One consumer's read positions on PostgreSQL ([`PgConsumer::positions`]): where it resumes
 /// each partition of each log it reads. Written by
 /// [`PgClaim::stage_position`](crate::PgClaim::stage_position) and
 /// [`PgClaimBatch::stage_position`](crate::PgClaimBatch::stage_position) in the claim's
-/// transaction, and by [`PgPositions::advance`] for messages that need no claim.
+/// transaction, by [`PgConsumer::apply_at`] in `apply`'s, and by [`PgPositions::advance`] for
+/// messages that need no claim; reset by an operator with [`PgPositions::set`] and
+/// [`PgPositions::remove`].
 #[derive(Clone, Debug)]
 pub struct PgPositions {
     consumer: PgConsumer,
@@ -100,7 +134,9 @@ impl PgPositions {
         let mut staged = StagedPositions::default();
         staged.stage(source, partition, offset)?;
         let store = &self.consumer.store;
-        let now_ms = crate::storage::records::now_on_store_clock(client, store).await?;
+        // Read once (an injected clock checked before anything is sent).
+        let now_ms =
+            crate::storage::records::now_on_store_clock(client, store.read_clock()?).await?;
         let params = staged.params(&self.consumer.id, now_ms);
         let typed = params.typed();
         let values: Vec<&(dyn ToSql + Sync)> = typed.iter().map(|(value, _)| *value).collect();
@@ -108,6 +144,93 @@ impl PgPositions {
             Ok(_) => Ok(()),
             Err(error) => Err(position_behind(&error).unwrap_or(Error::Postgres(error))),
         }
+    }
+
+    /// Sets the position of `partition` of `source` to `offset`, forwards or backwards, and
+    /// returns the one it replaced (`None`: there was none): an operator's reset, so that the
+    /// consumer resumes at `offset + 1` when it next starts (to read again from offset `n`,
+    /// set `n - 1`; to read a partition from its start, [`remove`](PgPositions::remove) the
+    /// position). As the embedded engine's `admin::Store::set_position`, for a stopped
+    /// consumer: stop the consumer's processes first. A running one goes on from where it
+    /// is, and its next commit either moves the position forward again (after a reset
+    /// backwards) or is refused as behind it (after a reset forwards).
+    ///
+    /// ```no_run
+    /// # async fn example(client: &tokio_postgres::Client, billing: idemdb_postgres::PgConsumer)
+    /// # -> Result<(), idemdb_postgres::Error> {
+    /// // Read partition 3 of "orders" again from offset 100 on, once billing restarts.
+    /// let was = billing.positions().set(client, "orders", 3, 99).await?;
+    /// println!("was {:?}", was.map(|position| position.offset));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`PgPositions::advance`], without `PositionBehind`: any offset up to
+    /// [`crate::POSITION_OFFSET_MAX`] is taken. [`idemdb::Error::ClockOutOfRange`] (in
+    /// [`Error::Idemdb`]) for an injected clock past [`idemdb::CLOCK_MS_MAX`].
+    pub async fn set(
+        &self,
+        client: &impl GenericClient,
+        source: &str,
+        partition: u32,
+        offset: u64,
+    ) -> Result<Option<Position>> {
+        let mut staged = StagedPositions::default();
+        staged.stage(source, partition, offset)?;
+        let store = &self.consumer.store;
+        // The injected clock's one reading, or the statement's own time.
+        let at_ms: Option<i64> = store
+            .read_clock()?
+            .injected()
+            .map(|now_ms| i64::try_from(now_ms).unwrap_or(i64::MAX));
+        let consumer: &[u8] = &self.consumer.id;
+        let offset = i64::try_from(offset).unwrap_or(i64::MAX);
+        let row = client
+            .query_opt(
+                &store.inner.set_position,
+                &[&consumer, &source, &i64::from(partition), &offset, &at_ms],
+            )
+            .await?;
+        Ok(row.map(|row| {
+            position(
+                source.to_owned(),
+                i64::from(partition),
+                row.get(0),
+                row.get(1),
+            )
+        }))
+    }
+
+    /// Removes the position of `partition` of `source` and returns it (`None`: there was
+    /// none, and nothing changed): the consumer then starts the partition wherever it starts
+    /// without a position (its beginning, as the consumer chooses). An operator's reset, for
+    /// a stopped consumer, as [`set`](PgPositions::set).
+    ///
+    /// # Errors
+    /// As [`PgPositions::get`].
+    pub async fn remove(
+        &self,
+        client: &impl GenericClient,
+        source: &str,
+        partition: u32,
+    ) -> Result<Option<Position>> {
+        idemdb::format::check_position_source(source)?;
+        let consumer: &[u8] = &self.consumer.id;
+        let row = client
+            .query_opt(
+                &self.consumer.store.inner.remove_position,
+                &[&consumer, &source, &i64::from(partition)],
+            )
+            .await?;
+        Ok(row.map(|row| {
+            position(
+                source.to_owned(),
+                i64::from(partition),
+                row.get(0),
+                row.get(1),
+            )
+        }))
     }
 
     /// Every stored position of this consumer, ordered by source (byte order of the name, as

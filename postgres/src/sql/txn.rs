@@ -71,6 +71,8 @@ pub(crate) struct Whole {
     pub(crate) store: Answers,
     /// Each caller's statement's rows or error, in order.
     pub(crate) staged: Answers,
+    /// Each store statement's sent after the caller's: rows or error, in order.
+    pub(crate) after: Answers,
     /// The `COMMIT`'s answer: a rollback when a statement failed.
     pub(crate) committed: std::result::Result<(), tokio_postgres::Error>,
 }
@@ -234,9 +236,11 @@ impl<'c> ClaimTransaction<'c> {
     }
 
     /// A whole transaction in one round trip: `BEGIN`, the store's `statements` (prepared),
-    /// the caller's `staged` statements (unnamed) and `COMMIT`, sent without waiting in
-    /// between. Returns the answers of the store's statements and of the staged ones, and the
-    /// `COMMIT`'s. A failed statement aborts the transaction, and the `COMMIT` behind it then
+    /// the caller's `staged` statements, the store's `after` statements (prepared) and
+    /// `COMMIT`, sent without waiting in between. Returns the answers of the store's
+    /// statements, of the staged ones and of those after them, and the `COMMIT`'s. The store's
+    /// writes that a commit makes after the caller's SQL (a read position) go `after`, so
+    /// that they take their locks in the order a two-round-trip commit takes them. A failed statement aborts the transaction, and the `COMMIT` behind it then
     /// rolls back without an error: whoever reads the answers must look at every statement's
     /// before trusting the `COMMIT`'s. Every request is sent at the first poll, so a future
     /// dropped after it leaves no transaction open (the `COMMIT` or its rollback ends it).
@@ -252,10 +256,15 @@ impl<'c> ClaimTransaction<'c> {
         cache: &Arc<StatementCache>,
         statements: &[Statement<'_>],
         staged: &[Statement<'_>],
+        after: &[Statement<'_>],
     ) -> Result<Whole> {
         let mut retried = false;
         let (mut answers, committed) = loop {
-            let prepared = cache.prepare(client, &types_of(statements)).await?;
+            // The store's statements before and after the caller's, prepared together.
+            let mut prepared = cache
+                .prepare(client, &[types_of(statements), types_of(after)].concat())
+                .await?;
+            let prepared_after = prepared.split_off(statements.len());
             // A caller's statement that does not prepare is sent unnamed, and fails in the
             // transaction as it would have anyway (nothing was sent yet).
             let callers = cache
@@ -268,6 +277,7 @@ impl<'c> ClaimTransaction<'c> {
                 .iter()
                 .zip(prepared)
                 .chain(staged.iter().zip(callers))
+                .chain(after.iter().zip(prepared_after))
                 .map(|(statement, prepared)| run(shared, prepared, *statement));
             let ((begun, answers), committed) = join(
                 join(shared.batch_execute(BEGIN), in_order(queries)),
@@ -287,10 +297,12 @@ impl<'c> ClaimTransaction<'c> {
             }
             break (answers, committed);
         };
-        let staged_answers = answers.split_off(statements.len());
+        let mut staged_answers = answers.split_off(statements.len());
+        let after_answers = staged_answers.split_off(staged.len());
         Ok(Whole {
             store: answers,
             staged: staged_answers,
+            after: after_answers,
             committed,
         })
     }

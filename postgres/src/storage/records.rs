@@ -11,6 +11,7 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::error::{Error, Result};
 use crate::sql::clock::database_now_ms;
 use crate::sql::txn::LOST_ROW;
+use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
 use crate::storage::store::PgStore;
 use crate::tables::names::NEVER_MS;
@@ -35,13 +36,15 @@ pub(crate) fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
 }
 
 /// Writes the completed record of `key` at `epoch` in `tx`: replacing the row there is
-/// (`replaces`), else an insert. `succeeded` false records a failure as the result. Errors
-/// come before any COMMIT is sent: PostgreSQL answers a COMMIT of a transaction a failed
-/// statement aborted with a rollback and no error.
+/// (`replaces`), else an insert, committed at `clock`'s time (the call's one reading of an
+/// injected clock, or the database's now). `succeeded` false records a failure as the result.
+/// Errors come before any COMMIT is sent: PostgreSQL answers a COMMIT of a transaction a
+/// failed statement aborted with a rollback and no error.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_completed(
     tx: &Client,
     consumer: &PgConsumer,
+    clock: ClockReading,
     key: &[u8],
     fingerprint: Fingerprint,
     epoch: u64,
@@ -50,7 +53,7 @@ pub(crate) async fn write_completed(
     succeeded: bool,
 ) -> Result<()> {
     check_result(result)?;
-    let now_ms = now_on_store_clock(tx, &consumer.store).await?;
+    let now_ms = now_on_store_clock(tx, clock).await?;
     let (record, expires_at_ms) = completed_record(
         &consumer.store,
         epoch,
@@ -76,15 +79,16 @@ pub(crate) fn check_result(result: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Now on the store's clock: the injected one, or the database's wall clock at this statement
-/// (`clock_timestamp()`, not the transaction's start: a claim may be held a while before it
-/// commits, and its record's retention runs from the commit). Commits and removal read it.
+/// Now on the store's clock as the call read it: the injected clock's reading, or the
+/// database's wall clock at this statement (`clock_timestamp()`, not the transaction's start:
+/// a claim may be held a while before it commits, and its record's retention runs from the
+/// commit). Commits and removal read it.
 pub(crate) async fn now_on_store_clock(
     client: &impl tokio_postgres::GenericClient,
-    store: &PgStore,
+    clock: ClockReading,
 ) -> Result<u64> {
-    Ok(match &store.inner.clock {
-        Some(clock) => clock.now_ms(),
+    Ok(match clock.injected() {
+        Some(now_ms) => now_ms,
         None => database_now_ms(client).await?,
     })
 }

@@ -102,6 +102,10 @@ impl StoreBuilder {
     }
 
     /// Decides time with this clock instead of the database's (tests: `idemdb::MockClock`).
+    /// Each call reads it once and takes every time it decides or writes from that reading;
+    /// a reading past [`idemdb::CLOCK_MS_MAX`] fails the call with `ClockOutOfRange` before
+    /// anything is sent (calls that only read, such as [`PgConsumer::in_progress`], take any
+    /// reading).
     #[must_use]
     pub fn clock(mut self, clock: impl Clock) -> StoreBuilder {
         self.clock = Some(Arc::new(clock));
@@ -227,6 +231,28 @@ impl StoreBuilder {
                     "SELECT source, partition, read_offset, updated_at_ms FROM {positions} \
                      WHERE consumer = $1 ORDER BY source COLLATE \"C\", partition"
                 ),
+                // The row as it was (locked first, so a writer in flight is waited for and
+                // its commit is what is answered), replaced whatever its offset; the time is
+                // the injected clock's `$5`, or the database's.
+                set_position: format!(
+                    "WITH before AS ( \
+                         SELECT read_offset, updated_at_ms FROM {positions} \
+                         WHERE consumer = $1 AND source = $2 AND partition = $3 FOR UPDATE \
+                     ), written AS ( \
+                         INSERT INTO {positions} AS p \
+                             (consumer, source, partition, read_offset, updated_at_ms) \
+                         VALUES ($1, $2, $3, $4, coalesce($5::int8, \
+                             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8)) \
+                         ON CONFLICT (consumer, source, partition) DO UPDATE \
+                         SET read_offset = excluded.read_offset, \
+                             updated_at_ms = excluded.updated_at_ms \
+                     ) SELECT read_offset, updated_at_ms FROM before"
+                ),
+                remove_position: format!(
+                    "DELETE FROM {positions} \
+                     WHERE consumer = $1 AND source = $2 AND partition = $3 \
+                     RETURNING read_offset, updated_at_ms"
+                ),
                 lock_namespace: records,
                 entity_lock_namespace: entity,
                 names: self.names,
@@ -251,6 +277,27 @@ pub(crate) fn clock_in_range(now_ms: u64) -> Result<u64> {
         return Err(idemdb::Error::ClockOutOfRange { now_ms }.into());
     }
     Ok(now_ms)
+}
+
+/// The store's clock as one call read it ([`PgStore::read_clock`]): the injected clock's one
+/// reading, or the database's, which the call's statements read.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClockReading {
+    injected: Option<u64>,
+}
+
+impl ClockReading {
+    /// Now for the call: the injected clock's reading, or the database's `db_now_ms` (read by
+    /// one of the call's statements).
+    pub(crate) fn now_ms(self, db_now_ms: i64) -> u64 {
+        self.injected
+            .unwrap_or_else(|| u64::try_from(db_now_ms).unwrap_or(0))
+    }
+
+    /// The injected clock's reading; `None` when the database's clock decides.
+    pub(crate) fn injected(self) -> Option<u64> {
+        self.injected
+    }
 }
 
 #[derive(Debug)]
@@ -288,6 +335,10 @@ pub(crate) struct Inner {
     pub(crate) read_position: String,
     /// A consumer's read positions.
     pub(crate) list_positions: String,
+    /// Sets one read position, forwards or backwards, answering the one it replaced.
+    pub(crate) set_position: String,
+    /// Removes one read position, answering it.
+    pub(crate) remove_position: String,
     /// The records table's name, hashed into every key's lock so that two stores in one
     /// database do not share locks.
     pub(crate) lock_namespace: String,
@@ -325,24 +376,29 @@ impl PgStore {
         }
     }
 
-    /// Now, on the store's clock: the injected one, or the database's reading `db_now_ms`.
-    pub(crate) fn now_ms(&self, db_now_ms: i64) -> u64 {
-        match &self.inner.clock {
-            Some(clock) => clock.now_ms(),
-            None => u64::try_from(db_now_ms).unwrap_or(0),
-        }
-    }
-
-    /// Refuses an injected clock beyond [`idemdb::CLOCK_MS_MAX`], as the embedded engine does,
-    /// before a claim sends anything.
+    /// Reads the store's clock for one call that writes: the injected clock once, refused
+    /// beyond [`idemdb::CLOCK_MS_MAX`] (as the embedded engine refuses) before the call sends
+    /// anything. The call takes every time it needs from this one reading, so what was
+    /// checked is what decides: a clock read again later could have moved (past the limit,
+    /// or past a record's expiry the first reading was before). With the database's clock
+    /// nothing is read here; the call's own statements read it.
     ///
     /// # Errors
     /// [`idemdb::Error::ClockOutOfRange`].
-    pub(crate) fn check_clock(&self) -> Result<()> {
-        if let Some(clock) = &self.inner.clock {
-            clock_in_range(clock.now_ms())?;
+    pub(crate) fn read_clock(&self) -> Result<ClockReading> {
+        let injected = match &self.inner.clock {
+            Some(clock) => Some(clock_in_range(clock.now_ms())?),
+            None => None,
+        };
+        Ok(ClockReading { injected })
+    }
+
+    /// [`PgStore::read_clock`] for a call that only reads: never refused (reads work at any
+    /// reading, as in the embedded engine).
+    pub(crate) fn read_clock_for_reading(&self) -> ClockReading {
+        ClockReading {
+            injected: self.inner.clock.as_ref().map(|clock| clock.now_ms()),
         }
-        Ok(())
     }
 
     /// The handle of one consumer's records. Its metric handles are registered now, with the

@@ -1,11 +1,11 @@
-//! Read positions of log consumers on PostgreSQL: written in the claim's (or batch's)
-//! transaction with its record and business rows or not at all, the highest offset per
-//! partition for a batch, never moving backwards (a stale writer refused with nothing written,
-//! connections racing over one partition leaving the highest), checked inputs, and the
-//! migration of a version 5 schema.
+//! Read positions of log consumers on PostgreSQL: written in the claim's (or batch's, or
+//! `apply_at`'s) transaction with its record and business rows or not at all, the highest
+//! offset per partition for a batch, never moving backwards (a stale writer refused with
+//! nothing written, connections racing over one partition leaving the highest), checked
+//! inputs, an operator's set and remove, and the migration of a version 5 schema.
 
-use idemdb::{Fingerprint, Outcome};
-use idemdb_postgres::{Error, PgConsumer, PgStore, install};
+use idemdb::{Fingerprint, Message, Outcome};
+use idemdb_postgres::{Applied, Error, PgConsumer, PgStore, ReadPosition, install};
 use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
@@ -23,7 +23,7 @@ async fn offset(
         .map(|position| position.offset))
 }
 
-fn behind(result: &Result<(), Error>) -> Option<(u32, u64, u64)> {
+fn behind<T>(result: &Result<T, Error>) -> Option<(u32, u64, u64)> {
     match result {
         Err(Error::Idemdb(idemdb::Error::PositionBehind {
             partition,
@@ -333,5 +333,163 @@ pub async fn a_version_5_schema_gains_positions_on_install(url: &str) -> Result<
     ensure!(c.get(&client, "kept").await?.is_some(), "record kept");
     c.positions().advance(&client, "orders", 0, 3).await?;
     ensure!(offset(&c, &client, 0).await? == Some(3), "positions work");
+    Ok(())
+}
+
+/// `apply_at` of `key` with its order row, at `offset` of partition 0 of "orders".
+async fn apply_at(
+    consumer: &PgConsumer,
+    client: &mut Client,
+    schema: &str,
+    message: &Message<'_>,
+    offset: u64,
+) -> Result<Outcome<Applied>, Error> {
+    let sql = format!("INSERT INTO {schema}.orders (id, body) VALUES ($1, 'x')");
+    let key = std::str::from_utf8(message.key()).unwrap_or("?");
+    consumer
+        .apply_at(
+            client,
+            message,
+            ReadPosition::new("orders", 0, offset),
+            b"ok",
+            &[(sql.as_str(), &[(&key, Type::TEXT)])],
+        )
+        .await
+}
+
+fn one_trip(outcome: &Result<Outcome<Applied>, Error>) -> Option<bool> {
+    match outcome {
+        Ok(Outcome::Fresh(applied)) => Some(applied.one_round_trip),
+        _ => None,
+    }
+}
+
+pub async fn apply_at_moves_the_position_with_its_record_in_one_round_trip_or_not_at_all(
+    url: &str,
+) -> Result<(), Failure> {
+    let schema = "t_positions_apply";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let c = store.consumer("c")?;
+    let message = |key: &'static str| Message::new(key, Fingerprint::of(key.as_bytes()));
+    // The store's first call learns the database's clock (the long way); the position lands
+    // with it all the same.
+    let first = apply_at(&c, &mut client, schema, &message("m-1"), 1).await;
+    ensure!(one_trip(&first).is_some(), "m-1: {first:?}");
+    ensure!(offset(&c, &client, 0).await? == Some(1), "after m-1");
+    // A new key: one round trip, the record, the row and the position committed together.
+    let fresh = apply_at(&c, &mut client, schema, &message("m-2"), 2).await;
+    ensure!(one_trip(&fresh) == Some(true), "m-2: {fresh:?}");
+    ensure!(offset(&c, &client, 0).await? == Some(2), "after m-2");
+    ensure!(order_rows(&client, schema, "m-2").await? == 1, "m-2's row");
+    ensure!(c.get(&client, "m-2").await?.is_some(), "m-2's record");
+    // A duplicate, and a conflict, write nothing: the position stays, as it does for a claim
+    // that is not won.
+    let again = apply_at(&c, &mut client, schema, &message("m-2"), 3).await;
+    ensure!(
+        matches!(again, Ok(Outcome::Duplicate { .. })),
+        "m-2 again: {again:?}"
+    );
+    let reused = Message::new("m-2", Fingerprint::of(b"other body"));
+    let conflict = apply_at(&c, &mut client, schema, &reused, 3).await;
+    ensure!(
+        matches!(conflict, Ok(Outcome::Conflict { .. })),
+        "m-2 reused: {conflict:?}"
+    );
+    ensure!(
+        offset(&c, &client, 0).await? == Some(2),
+        "moved by a duplicate or a conflict"
+    );
+    // A key held by a claim in flight: InProgress, nothing written.
+    let mut holder = connect(url).await?;
+    let Outcome::Fresh(held) = c.begin(&mut holder, "m-6", Fingerprint::of(b"m-6")).await? else {
+        return Err("m-6: not fresh".into());
+    };
+    let busy = apply_at(&c, &mut client, schema, &message("m-6"), 9).await;
+    ensure!(
+        matches!(busy, Ok(Outcome::InProgress { .. })),
+        "m-6 held: {busy:?}"
+    );
+    held.abort().await?;
+    ensure!(
+        offset(&c, &client, 0).await? == Some(2),
+        "moved by InProgress"
+    );
+    // A stale reader, behind the stored position: refused, nothing of it written, its key
+    // free again; at the stored offset it is accepted.
+    let stale = apply_at(&c, &mut client, schema, &message("m-3"), 1).await;
+    ensure!(behind(&stale) == Some((0, 2, 1)), "m-3 behind: {stale:?}");
+    ensure!(c.get(&client, "m-3").await?.is_none(), "m-3's record");
+    ensure!(order_rows(&client, schema, "m-3").await? == 0, "m-3's row");
+    let level = apply_at(&c, &mut client, schema, &message("m-3"), 2).await;
+    ensure!(
+        one_trip(&level) == Some(true),
+        "m-3 at the stored offset: {level:?}"
+    );
+    // A failing statement of the caller's: nothing written, the position included.
+    client
+        .execute(
+            &format!("INSERT INTO {schema}.orders (id, body) VALUES ('m-7', 'there')"),
+            &[],
+        )
+        .await?;
+    let failed = apply_at(&c, &mut client, schema, &message("m-7"), 7).await;
+    ensure!(
+        matches!(failed, Err(Error::Postgres(_))),
+        "m-7's failing insert: {failed:?}"
+    );
+    ensure!(c.get(&client, "m-7").await?.is_none(), "m-7's record");
+    ensure!(
+        offset(&c, &client, 0).await? == Some(2),
+        "moved by a failure"
+    );
+    // The long way (an entity's version): the position with the claim's commit, and refused
+    // behind it as well, the entity's version unrecorded then.
+    let versioned = message("m-4").version("e", 1);
+    let long_way = apply_at(&c, &mut client, schema, &versioned, 5).await;
+    ensure!(one_trip(&long_way) == Some(false), "m-4: {long_way:?}");
+    ensure!(offset(&c, &client, 0).await? == Some(5), "after m-4");
+    let stale = message("m-5").version("e", 2);
+    let refused = apply_at(&c, &mut client, schema, &stale, 4).await;
+    ensure!(
+        behind(&refused) == Some((0, 5, 4)),
+        "m-5 behind: {refused:?}"
+    );
+    ensure!(
+        c.get(&client, "m-5").await?.is_none() && order_rows(&client, schema, "m-5").await? == 0,
+        "m-5 written"
+    );
+    let retried = apply_at(&c, &mut client, schema, &stale, 6).await;
+    ensure!(
+        one_trip(&retried) == Some(false),
+        "m-5 again, version 2 still new: {retried:?}"
+    );
+    ensure!(offset(&c, &client, 0).await? == Some(6), "after m-5");
+    // Bad positions, refused before anything is sent.
+    for (source, at) in [
+        ("", 1),
+        ("orders", idemdb_postgres::POSITION_OFFSET_MAX + 1),
+    ] {
+        let refused = c
+            .apply_at(
+                &mut client,
+                &message("m-8"),
+                ReadPosition::new(source, 0, at),
+                b"ok",
+                &[],
+            )
+            .await;
+        ensure!(
+            matches!(
+                refused,
+                Err(Error::Idemdb(
+                    idemdb::Error::LimitExceeded { .. } | idemdb::Error::InvalidArgument { .. }
+                ))
+            ),
+            "{source:?} at {at}: {refused:?}"
+        );
+    }
+    ensure!(c.get(&client, "m-8").await?.is_none(), "m-8's record");
     Ok(())
 }
