@@ -10,12 +10,56 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "embedded")]
+use idemdb::{Claim, ExternalClaim};
 use idemdb::{Fingerprint, Outcome};
 
-use crate::handle::Held;
-#[cfg(feature = "postgres")]
-use crate::handle::{PgLeaseHeld, SqlParam};
 use crate::rejection::Rejection;
+
+/// The claim a fresh request holds: a latched claim whose writes commit in one batch with the
+/// response, a durable lease for a handler with side effects outside the batch, or on
+/// PostgreSQL a transaction whose SQL commits with the response, or a durable lease whose
+/// completion commits the SQL with the response.
+pub(crate) enum Held {
+    #[cfg(feature = "embedded")]
+    Batch(Claim),
+    #[cfg(feature = "embedded")]
+    Lease(ExternalClaim),
+    #[cfg(feature = "postgres")]
+    Postgres(PgHeld),
+    #[cfg(feature = "postgres")]
+    PgLease(PgLeaseHeld),
+}
+
+/// A parameter of staged SQL, owned so that it can wait in the request until the commit.
+#[cfg(feature = "postgres")]
+pub type SqlParam = (
+    Box<dyn tokio_postgres::types::ToSql + Send + Sync>,
+    tokio_postgres::types::Type,
+);
+
+/// A statement staged by the handler: run in the claim's transaction by its commit.
+#[cfg(feature = "postgres")]
+pub(crate) struct StagedSql {
+    pub(crate) sql: String,
+    pub(crate) params: Vec<SqlParam>,
+}
+
+/// A PostgreSQL claim and the SQL staged on it.
+#[cfg(feature = "postgres")]
+pub(crate) struct PgHeld {
+    pub(crate) claim: idemdb_postgres::PgClaim<'static>,
+    pub(crate) staged: Vec<StagedSql>,
+}
+
+/// A PostgreSQL lease (its in-progress record committed), the SQL staged on it, and where its
+/// next step gets a connection: it holds none while the handler runs.
+#[cfg(feature = "postgres")]
+pub(crate) struct PgLeaseHeld {
+    pub(crate) claim: idemdb_postgres::PgExternalClaim,
+    pub(crate) staged: Vec<StagedSql>,
+    pub(crate) connect: Arc<ConnectFn>,
+}
 
 /// A boxed error: of a body (the layer's bounds) or of a connection (the PostgreSQL backend).
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -180,7 +224,7 @@ impl Backend {
                     .await
                     .map(|outcome| {
                         outcome.map_fresh(|claim| {
-                            Held::Postgres(crate::handle::PgHeld {
+                            Held::Postgres(PgHeld {
                                 claim,
                                 staged: Vec::new(),
                             })

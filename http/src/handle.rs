@@ -9,50 +9,9 @@ use std::time::Duration;
 use idemdb::{BusinessTable, Claim, ExternalClaim};
 use parking_lot::Mutex;
 
-/// The claim a fresh request holds: a latched claim whose writes commit in one batch with the
-/// response, a durable lease for a handler with side effects outside the batch, or on
-/// PostgreSQL a transaction whose SQL commits with the response, or a durable lease whose
-/// completion commits the SQL with the response.
-pub(crate) enum Held {
-    #[cfg(feature = "embedded")]
-    Batch(Claim),
-    #[cfg(feature = "embedded")]
-    Lease(ExternalClaim),
-    #[cfg(feature = "postgres")]
-    Postgres(PgHeld),
-    #[cfg(feature = "postgres")]
-    PgLease(PgLeaseHeld),
-}
-
-/// A parameter of staged SQL, owned so that it can wait in the request until the commit.
+use crate::backend::Held;
 #[cfg(feature = "postgres")]
-pub type SqlParam = (
-    Box<dyn tokio_postgres::types::ToSql + Send + Sync>,
-    tokio_postgres::types::Type,
-);
-
-/// A statement staged by the handler: run in the claim's transaction by its commit.
-#[cfg(feature = "postgres")]
-pub(crate) struct StagedSql {
-    pub(crate) sql: String,
-    pub(crate) params: Vec<SqlParam>,
-}
-
-/// A PostgreSQL claim and the SQL staged on it.
-#[cfg(feature = "postgres")]
-pub(crate) struct PgHeld {
-    pub(crate) claim: idemdb_postgres::PgClaim<'static>,
-    pub(crate) staged: Vec<StagedSql>,
-}
-
-/// A PostgreSQL lease (its in-progress record committed), the SQL staged on it, and where its
-/// next step gets a connection: it holds none while the handler runs.
-#[cfg(feature = "postgres")]
-pub(crate) struct PgLeaseHeld {
-    pub(crate) claim: idemdb_postgres::PgExternalClaim,
-    pub(crate) staged: Vec<StagedSql>,
-    pub(crate) connect: Arc<crate::backend::ConnectFn>,
-}
+use crate::backend::{PgHeld, PgLeaseHeld, SqlParam, StagedSql};
 
 /// Why a staging call on an [`IdempotentRequest`] failed.
 #[derive(Debug, thiserror::Error)]

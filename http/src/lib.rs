@@ -116,7 +116,7 @@ mod rejection;
 mod stored;
 
 #[cfg(feature = "postgres")]
-pub use handle::SqlParam;
+pub use backend::SqlParam;
 pub use handle::{IdempotentRequest, StageError};
 pub use key::{IDEMPOTENCY_KEY, InvalidPrincipal, KEY_BYTES_MAX, PRINCIPAL_BYTES_MAX, Principal};
 pub use layer::{
