@@ -373,6 +373,9 @@ async fn run() -> Result<(), BoxError> {
                 continue;
             }
         };
+        // The checker measures a restart's resume (after a SIGKILL of this process or of the
+        // server) up to here.
+        handler.event("ready", &handler.options.consumer);
         loop {
             tokio::select! {
                 message = messages.next() => match message {

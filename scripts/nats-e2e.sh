@@ -4,7 +4,8 @@
 # runs one consumer process per shard (examples/nats_orders.rs: a durable pull consumer with
 # explicit acks), SIGKILLs the consumers at random moments and between a commit and its ack,
 # SIGKILLs and restarts the server itself, and accounts for every order: lost = 0, applied
-# twice = 0. Then the two negative controls, each of which must be caught: the ack sent before
+# twice = 0; again with the producer's resends carrying no Nats-Msg-Id. Then the two negative
+# controls, each of which must be caught: the ack sent before
 # the commit (lost > 0), and the stream's Nats-Msg-Id deduplication without idemdb's markers
 # (applied twice > 0).
 #
@@ -29,6 +30,9 @@ work="$(mktemp -d -t idemdb-nats-XXXXXX)"
 trap 'status=$?; if [ "$status" -eq 0 ]; then rm -rf "$work"; else echo "nats-e2e: kept $work" >&2; fi' EXIT
 checker="$CARGO_TARGET_DIR/release/nats_e2e"
 "$checker" --work "$work/run" --orders 2000 --min-kills 10 --server-kills 2 "$@"
+# Producer resends without Nats-Msg-Id: every resend reaches the consumers, and idemdb alone
+# keeps the effects once.
+"$checker" --work "$work/no-msg-id" --orders 1000 --min-kills 5 --server-kills 1 --msg-id off
 "$checker" --work "$work/before" --orders 1000 --min-kills 5 --server-kills 1 \
     --kill-after-commit-per-mille 30 --ack before-commit
 "$checker" --work "$work/unmarked" --orders 1000 --min-kills 5 --server-kills 1 --markers off

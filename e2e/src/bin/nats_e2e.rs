@@ -31,9 +31,10 @@ use std::time::{Duration, Instant};
 
 use idemdb_e2e::args::{Args, Workload, check};
 use idemdb_e2e::jetstream::{consumer_name, subject};
+use idemdb_e2e::ledger::monotonic_ns;
 use idemdb_e2e::nats::{self, Outgoing, Published, Server};
 use idemdb_e2e::orders::{open_store, shard_of};
-use idemdb_e2e::report::{Control, Report};
+use idemdb_e2e::report::{Control, Report, median_max};
 use idemdb_e2e::supervisor::{Supervisor, recipe};
 use idemdb_e2e::{BoxError, fresh_folder, ledger, verdict};
 
@@ -179,14 +180,19 @@ async fn run() -> Result<bool, BoxError> {
     let publishing = Duration::from_secs_f64(plan.messages.len() as f64 / load.rate as f64);
     let server_kill_every = publishing / u32::try_from(options.server_kills + 1)?;
     let mut next_server_kill = Instant::now() + server_kill_every;
-    let mut kills = 0u64;
+    // Each kill with its time, from which the restarted consumers' resume is measured.
+    let mut kills: Vec<(usize, u64)> = Vec::new();
+    let mut server_kills_at: Vec<u64> = Vec::new();
     loop {
         tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
-        if producer.is_finished() && kills >= load.min_kills && server.kills >= options.server_kills
+        if producer.is_finished()
+            && kills.len() as u64 >= load.min_kills
+            && server.kills >= options.server_kills
         {
             break;
         }
         if server.kills < options.server_kills && Instant::now() >= next_server_kill {
+            server_kills_at.push(monotonic_ns());
             server.kill_and_restart()?;
             next_server_kill += server_kill_every;
             println!(
@@ -196,13 +202,17 @@ async fn run() -> Result<bool, BoxError> {
             continue;
         }
         let shard = usize::try_from(rng.below(shards as u64))?;
+        let at_ns = monotonic_ns();
         if consumers.kill_and_restart(shard)?.is_some() {
-            kills += 1;
+            kills.push((shard, at_ns));
         }
         consumers.restart_exited()?;
     }
     producer.await??;
-    println!("nats_e2e: all published; {kills} consumer kills done; draining");
+    println!(
+        "nats_e2e: all published; {} consumer kills done; draining",
+        kills.len()
+    );
 
     let progress = || ledger::bytes(&load.work, "events-");
     nats::drain(&context, shards, &mut consumers, progress).await?;
@@ -240,12 +250,48 @@ async fn run() -> Result<bool, BoxError> {
     report.figure("conflicts dead-lettered", verdict.conflicts_dead_lettered);
     report.figure("deliveries redelivered by JetStream", count("redelivered"));
     report.figure("in-progress nacked", count("in_progress"));
-    report.figure("consumers SIGKILLed at random moments", kills);
+    report.figure("consumers SIGKILLed at random moments", kills.len());
     report.figure(
         "consumers SIGKILLed between commit and ack",
         consumers.self_kills,
     );
     report.figure("server SIGKILLed and restarted", server.kills);
+    // A consumer's resume: from its SIGKILL to its restarted process pulling again; after a
+    // server SIGKILL, from the kill to each consumer pulling again from the restarted server.
+    let mut consumer_resume_ms = Vec::new();
+    let mut server_resume_ms = Vec::new();
+    for shard in 0..shards {
+        let events = ledger::read(&load.work.join(format!("events-{shard}.log")))?;
+        let ready_after = |at_ns: u64| {
+            events
+                .iter()
+                .find(|event| event.kind == "ready" && event.at_ns > at_ns)
+                .map(|ready| (ready.at_ns - at_ns) as f64 / 1_000_000.0)
+        };
+        for &(_, at_ns) in kills.iter().filter(|(killed, _)| *killed == shard) {
+            consumer_resume_ms.extend(ready_after(at_ns));
+        }
+        for &at_ns in &server_kills_at {
+            server_resume_ms.extend(ready_after(at_ns));
+        }
+    }
+    for (label, values) in [
+        (
+            "resume after a consumer SIGKILL (to pulling again)",
+            &consumer_resume_ms,
+        ),
+        (
+            "resume after a server SIGKILL (each consumer pulling again)",
+            &server_resume_ms,
+        ),
+    ] {
+        if let Some((median, max)) = median_max(values) {
+            report.figure(
+                &format!("{label}, median / max ms"),
+                format!("{median:.0} / {max:.0}"),
+            );
+        }
+    }
     report.figure("consumer starts", consumers.starts);
     report.zero(
         "consumer exits not caused by us",
