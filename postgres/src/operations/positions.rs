@@ -98,22 +98,9 @@ impl PgPositions {
         source: &str,
         partition: u32,
     ) -> Result<Option<Position>> {
-        idemdb::format::check_position_source(source)?;
-        let consumer: &[u8] = &self.consumer.id;
-        let row = client
-            .query_opt(
-                &self.consumer.store.inner.read_position,
-                &[&consumer, &source, &i64::from(partition)],
-            )
-            .await?;
-        Ok(row.map(|row| {
-            position(
-                source.to_owned(),
-                i64::from(partition),
-                row.get(0),
-                row.get(1),
-            )
-        }))
+        let statement = &self.consumer.store.inner.read_position;
+        self.one_position(client, statement, source, partition)
+            .await
     }
 
     /// Moves the position of `partition` of `source` to `offset` on its own (its own
@@ -192,14 +179,7 @@ impl PgPositions {
                 &[&consumer, &source, &i64::from(partition), &offset, &at_ms],
             )
             .await?;
-        Ok(row.map(|row| {
-            position(
-                source.to_owned(),
-                i64::from(partition),
-                row.get(0),
-                row.get(1),
-            )
-        }))
+        Ok(row.map(|row| row_position(source, partition, &row)))
     }
 
     /// Removes the position of `partition` of `source` and returns it (`None`: there was
@@ -215,22 +195,26 @@ impl PgPositions {
         source: &str,
         partition: u32,
     ) -> Result<Option<Position>> {
+        let statement = &self.consumer.store.inner.remove_position;
+        self.one_position(client, statement, source, partition)
+            .await
+    }
+
+    /// Runs `statement` (reading or removing one position: consumer, source, partition) and
+    /// gives the position its row holds, if any.
+    async fn one_position(
+        &self,
+        client: &impl GenericClient,
+        statement: &str,
+        source: &str,
+        partition: u32,
+    ) -> Result<Option<Position>> {
         idemdb::format::check_position_source(source)?;
         let consumer: &[u8] = &self.consumer.id;
         let row = client
-            .query_opt(
-                &self.consumer.store.inner.remove_position,
-                &[&consumer, &source, &i64::from(partition)],
-            )
+            .query_opt(statement, &[&consumer, &source, &i64::from(partition)])
             .await?;
-        Ok(row.map(|row| {
-            position(
-                source.to_owned(),
-                i64::from(partition),
-                row.get(0),
-                row.get(1),
-            )
-        }))
+        Ok(row.map(|row| row_position(source, partition, &row)))
     }
 
     /// Every stored position of this consumer, ordered by source (byte order of the name, as
@@ -248,4 +232,14 @@ impl PgPositions {
             .map(|row| position(row.get(0), row.get(1), row.get(2), row.get(3)))
             .collect())
     }
+}
+
+/// The position of `partition` of `source` whose offset and time are a statement's row.
+fn row_position(source: &str, partition: u32, row: &tokio_postgres::Row) -> Position {
+    position(
+        source.to_owned(),
+        i64::from(partition),
+        row.get(0),
+        row.get(1),
+    )
 }
