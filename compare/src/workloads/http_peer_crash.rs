@@ -36,7 +36,7 @@ use http_body_util::Full;
 use idemdb::{BusinessTable, Engine, TableOptions, merge_ops};
 use idemdb_http::{IdempotencyLayer, IdempotentRequest, Principal};
 
-use super::http_peer::{idempotency_key, payment, send};
+use super::http_peer::{Answer, idempotency_key, payment, send};
 use crate::report::machine::Machine;
 use crate::servers;
 
@@ -296,6 +296,23 @@ struct Tally {
 /// Tries a key gets before the run gives up on the server (at least 15 s of no 2xx).
 const TRIES_MAX: u32 = 5000;
 
+/// Sends `request` to the server, if one listens now: its answer, or why there was none.
+async fn try_send(
+    address: &std::sync::Mutex<Option<SocketAddr>>,
+    request: Request<Full<Bytes>>,
+) -> Option<std::result::Result<Answer, String>> {
+    let current = (*address
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()))?;
+    Some(
+        match tokio::time::timeout(Duration::from_secs(5), send(current, request)).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(error)) => Err(error.to_string()),
+            Err(_) => Err("no answer in 5 s".to_owned()),
+        },
+    )
+}
+
 /// Sends `key` until a 2xx; a failed connection and any other status are retried.
 async fn until_answered(
     address: &std::sync::Mutex<Option<SocketAddr>>,
@@ -305,25 +322,18 @@ async fn until_answered(
 ) -> Result<Bytes> {
     let mut last = String::from("no server");
     for _ in 0..TRIES_MAX {
-        let current = *address
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(current) = current {
-            let sent =
-                tokio::time::timeout(Duration::from_secs(5), send(current, payment(key, cookie)))
-                    .await;
+        if let Some(sent) = try_send(address, payment(key, cookie)).await {
             let mut tally = tally
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             tally.requests += 1;
             match sent {
-                Ok(Ok((status, _, _, body))) if status.is_success() => return Ok(body),
-                Ok(Ok((status, _, _, body))) => {
+                Ok((status, _, _, body)) if status.is_success() => return Ok(body),
+                Ok((status, _, _, body)) => {
                     tally.refused += 1;
                     last = format!("{status} {body:?}");
                 }
-                Ok(Err(error)) => last = error.to_string(),
-                Err(_) => last = "no answer in 5 s".to_owned(),
+                Err(why) => last = why,
             }
         }
         tokio::time::sleep(Duration::from_millis(3)).await;
@@ -335,19 +345,14 @@ async fn until_answered(
 async fn session(address: &std::sync::Mutex<Option<SocketAddr>>) -> Result<String> {
     let mut last = String::from("no server");
     for _ in 0..TRIES_MAX {
-        let current = *address
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(current) = current {
-            let request = Request::get("/session")
-                .header("host", "localhost")
-                .body(Full::new(Bytes::new()))?;
-            match tokio::time::timeout(Duration::from_secs(5), send(current, request)).await {
-                Ok(Ok((StatusCode::OK, Some(cookie), _, _))) => return Ok(cookie),
-                Ok(Ok((status, _, _, _))) => last = status.to_string(),
-                Ok(Err(error)) => last = error.to_string(),
-                Err(_) => last = "no answer in 5 s".to_owned(),
-            }
+        let request = Request::get("/session")
+            .header("host", "localhost")
+            .body(Full::new(Bytes::new()))?;
+        match try_send(address, request).await {
+            Some(Ok((StatusCode::OK, Some(cookie), _, _))) => return Ok(cookie),
+            Some(Ok((status, _, _, _))) => last = status.to_string(),
+            Some(Err(why)) => last = why,
+            None => {}
         }
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
