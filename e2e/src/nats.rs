@@ -3,7 +3,6 @@
 //! dropped (also when the checker dies); the orders' topology, publishing with the stream's
 //! acknowledgement, waiting for the consumers to drain, and reading the dead letters.
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -19,7 +18,7 @@ use crate::jetstream::{
     DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT,
     HEADER_STORED_FINGERPRINT, STREAM, consumer_name, subject,
 };
-use crate::supervisor::Supervisor;
+use crate::supervisor::{Supervisor, die_with_parent};
 
 /// The server process: `nats-server -js` on 127.0.0.1:`port`, its store under `dir`.
 pub struct Server {
@@ -69,15 +68,7 @@ impl Server {
             .arg(self.dir.join("jetstream"))
             .stdout(Stdio::null())
             .stderr(log);
-        // SAFETY: prctl is async-signal-safe; the closure allocates nothing.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        die_with_parent(&mut command);
         self.child = Some(command.spawn().map_err(|error| {
             format!("starting nats-server (scripts/nats.sh installs it): {error}")
         })?);

@@ -44,6 +44,20 @@ pub fn recipe(name: &str) -> Result<PathBuf, BoxError> {
     Ok(binary)
 }
 
+/// Makes the process `command` starts get SIGKILL when the checker dies, however it dies: a
+/// failing run leaves nothing behind.
+pub fn die_with_parent(command: &mut Command) {
+    // SAFETY: prctl is async-signal-safe and touches only the child's own state.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 impl Supervisor {
     /// `slots` processes of `binary`, none started yet.
     pub fn new(binary: PathBuf, work: &Path, slots: usize, command_line: CommandLine) -> Self {
@@ -74,15 +88,7 @@ impl Supervisor {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        // SAFETY: prctl is async-signal-safe and touches only the child's own state.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        die_with_parent(&mut command);
         self.slots[slot] = Some(command.spawn()?);
         self.starts += 1;
         Ok(())
