@@ -5,14 +5,15 @@
 # explicit acks), SIGKILLs the consumers at random moments and between a commit and its ack,
 # SIGKILLs and restarts the server itself, and accounts for every order: lost = 0, applied
 # twice = 0; again with the producer's resends carrying no Nats-Msg-Id. Then the two negative
-# controls, each of which must be caught: the ack sent before
-# the commit (lost > 0), and the stream's Nats-Msg-Id deduplication without idemdb's markers
-# (applied twice > 0).
+# controls, each of which must be caught: the ack sent before the commit (lost > 0), and the
+# stream's Nats-Msg-Id deduplication without idemdb's markers (applied twice > 0). Then the
+# same run and controls in the other shape: competing consumer processes on one durable
+# consumer, claiming in a private PostgreSQL server (free port, 127.0.0.1).
 #
 #   ./scripts/nats-e2e.sh                          # the CI size
 #   ./scripts/nats-e2e.sh --orders 100000 --rate 1500 --min-kills 100 --server-kills 5   # long
 #
-# Arguments go to the main run's checker (see the header of e2e/src/bin/nats_e2e.rs); the
+# Arguments go to both main runs' checker (see the header of e2e/src/bin/nats_e2e.rs); the
 # controls keep their CI size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,9 @@ source scripts/setup.sh
 
 if ! command -v nats-server >/dev/null 2>&1; then
     apt_install "for the NATS JetStream end-to-end test" nats-server
+fi
+if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    apt_install "for the NATS JetStream end-to-end test on PostgreSQL" postgresql
 fi
 # The same features as the test command, so the two share one build of the crate.
 cargo build --release --all-features --example nats_orders
@@ -36,3 +40,9 @@ checker="$CARGO_TARGET_DIR/release/nats_e2e"
 "$checker" --work "$work/before" --orders 1000 --min-kills 5 --server-kills 1 \
     --kill-after-commit-per-mille 30 --ack before-commit
 "$checker" --work "$work/unmarked" --orders 1000 --min-kills 5 --server-kills 1 --markers off
+# Competing consumers claiming in PostgreSQL, and the same two controls there.
+"$checker" --work "$work/pg" --backend postgres --orders 2000 --min-kills 10 --server-kills 2 "$@"
+"$checker" --work "$work/pg-before" --backend postgres --orders 1000 --min-kills 5 \
+    --server-kills 1 --kill-after-commit-per-mille 30 --ack before-commit
+"$checker" --work "$work/pg-unmarked" --backend postgres --orders 1000 --min-kills 5 \
+    --server-kills 1 --markers off

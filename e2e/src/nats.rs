@@ -15,8 +15,8 @@ use async_nats::jetstream::{self, consumer, stream};
 use crate::BoxError;
 use crate::amqp::DeadLetter;
 use crate::jetstream::{
-    DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT,
-    HEADER_STORED_FINGERPRINT, STREAM, consumer_name, subject,
+    DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT, FLEET_CONSUMER, HEADER_ORDER_ID,
+    HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT, STREAM, consumer_name, subject,
 };
 use crate::supervisor::{Supervisor, die_with_parent};
 
@@ -102,12 +102,35 @@ impl Drop for Server {
     }
 }
 
+/// A durable pull consumer of the orders' stream: its name and the subjects it takes.
+pub struct Durable {
+    pub name: String,
+    pub filter: String,
+}
+
+/// The durable consumers of a run: one per shard (each with a process and a store of its own),
+/// or, with `shared`, one for every shard that a fleet of processes pulls from together.
+pub fn durables(shards: usize, shared: bool) -> Vec<Durable> {
+    if shared {
+        return vec![Durable {
+            name: FLEET_CONSUMER.to_owned(),
+            filter: "orders.*".to_owned(),
+        }];
+    }
+    (0..shards)
+        .map(|shard| Durable {
+            name: consumer_name(shard),
+            filter: subject(shard),
+        })
+        .collect()
+}
+
 /// The orders' stream (file storage, with `duplicate_window` for `Nats-Msg-Id`), the
-/// dead-letter stream, and one durable pull consumer per shard (explicit acks, redelivery after
-/// `ack_wait`), all made anew.
+/// dead-letter stream, and the `durables` (explicit acks, redelivery after `ack_wait`), all
+/// made anew.
 pub async fn topology(
     context: &jetstream::Context,
-    shards: usize,
+    durables: &[Durable],
     duplicate_window: Duration,
     ack_wait: Duration,
 ) -> Result<(), BoxError> {
@@ -132,11 +155,11 @@ pub async fn topology(
             ..Default::default()
         })
         .await?;
-    for shard in 0..shards {
+    for durable in durables {
         orders
             .create_consumer(consumer::pull::Config {
-                durable_name: Some(consumer_name(shard)),
-                filter_subject: subject(shard),
+                durable_name: Some(durable.name.clone()),
+                filter_subject: durable.filter.clone(),
                 ack_policy: consumer::AckPolicy::Explicit,
                 ack_wait,
                 max_ack_pending: 1000,
@@ -220,24 +243,24 @@ pub async fn publish(
     Ok(())
 }
 
-/// Messages not yet acknowledged by the shards' consumers: pending delivery, or delivered and
+/// Messages not yet acknowledged by the durable consumers: pending delivery, or delivered and
 /// waiting for their ack. `None` while the server cannot say (it is restarting).
-async fn outstanding(context: &jetstream::Context, shards: usize) -> Option<u64> {
+async fn outstanding(context: &jetstream::Context, durables: &[Durable]) -> Option<u64> {
     let stream = context.get_stream(STREAM).await.ok()?;
     let mut total = 0;
-    for shard in 0..shards {
-        let info = stream.consumer_info(consumer_name(shard)).await.ok()?;
+    for durable in durables {
+        let info = stream.consumer_info(&durable.name).await.ok()?;
         total += info.num_pending + info.num_ack_pending as u64;
     }
     Some(total)
 }
 
-/// Waits until every shard's consumer has acknowledged everything and `progress` (the
+/// Waits until every durable consumer has acknowledged everything and `progress` (the
 /// consumers' ledgers) has not moved for two seconds, restarting exited consumers; then stops
 /// them gracefully, and starts them again if anything came back. Ten minutes at most.
 pub async fn drain(
     context: &jetstream::Context,
-    shards: usize,
+    durables: &[Durable],
     consumers: &mut Supervisor,
     mut progress: impl FnMut() -> Result<u64, BoxError>,
 ) -> Result<(), BoxError> {
@@ -246,7 +269,7 @@ pub async fn drain(
         let mut last = (u64::MAX, Instant::now());
         loop {
             consumers.restart_exited()?;
-            let left = outstanding(context, shards).await;
+            let left = outstanding(context, durables).await;
             let done = progress()?;
             if left != Some(0) || done != last.0 {
                 last = (done, Instant::now());
@@ -259,7 +282,7 @@ pub async fn drain(
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         consumers.stop_gracefully()?;
-        if outstanding(context, shards).await == Some(0) {
+        if outstanding(context, durables).await == Some(0) {
             return Ok(());
         }
         if round == 10 {

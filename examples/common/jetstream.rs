@@ -24,3 +24,7 @@ pub fn subject(shard: usize) -> String {
 pub fn consumer_name(shard: usize) -> String {
     format!("orders-{shard}")
 }
+
+/// The durable pull consumer of every shard's orders that a fleet of processes shares when
+/// their claims are in PostgreSQL: each message goes to one of them.
+pub const FLEET_CONSUMER: &str = "orders-fleet";

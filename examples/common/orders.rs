@@ -1,6 +1,6 @@
-//! What the RabbitMQ consumers (`rabbitmq_orders`, `rabbitmq_partitions`) and their end-to-end
-//! checkers (`rabbitmq_e2e`, `rabbitmq_handoff`) agree on: the store's layout, the message
-//! format, the exchanges and queue names, and the dead-letter headers.
+//! What the example consumers and their end-to-end checkers agree on: the store's layout, the
+//! message format, RabbitMQ's exchanges and queue names and dead-letter headers, and the effect
+//! of the consumers that claim in PostgreSQL.
 
 // Each of the examples uses its own part of this module.
 #![allow(dead_code)]
@@ -20,6 +20,13 @@ pub fn chain(error: &dyn std::error::Error) -> String {
     }
     message
 }
+
+/// The effect of the consumers that claim in PostgreSQL (`postgres_orders`, `nats_orders
+/// --pg`): a row of `fleet.applied` per order, counting how often it was applied. The checkers
+/// create the table (`e2e/src/effects_table.rs`).
+pub const APPLY_EFFECT: &str = "INSERT INTO fleet.applied (order_id, body, times) \
+     VALUES ($1, $2, 1) \
+     ON CONFLICT (order_id) DO UPDATE SET times = fleet.applied.times + 1";
 
 /// The exchange orders are published to; queue `orders.<shard>` is bound with key `<shard>`.
 pub const EXCHANGE: &str = "orders";

@@ -17,12 +17,7 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::connect;
 use crate::handler::{self, BoxError, dead_letter, requeue};
 use crate::ledger::{Ledger, monotonic_ns};
-use crate::orders::chain;
-
-/// The business table the effects go to, created by the checker.
-pub const APPLY_EFFECT: &str = "INSERT INTO fleet.applied (order_id, body, times) \
-     VALUES ($1, $2, 1) \
-     ON CONFLICT (order_id) DO UPDATE SET times = fleet.applied.times + 1";
+use crate::orders::{APPLY_EFFECT, chain};
 
 /// Where claims are made: the shared PostgreSQL tables, or (negative control) a store of this
 /// process's own.

@@ -14,13 +14,19 @@
 //! stream, distinct orders, effects applied, duplicates suppressed by idemdb, conflicts
 //! dead-lettered, redeliveries, kills, lost (must be 0) and applied twice (must be 0).
 //!
+//! `--backend postgres` runs the other shape: `--consumers` processes pull from ONE durable
+//! consumer of every shard's orders (competing consumers, so a redelivery may go to another
+//! process), and claim in a private PostgreSQL server (127.0.0.1, a free port, its data in the
+//! work folder), half of them with `begin` and `commit`, half with `apply`; the effects are rows
+//! of the same database's `fleet.applied`, which the check reads.
+//!
 //! Negative controls, each of which must be caught: `--ack before-commit` (the ack sent
 //! before the commit: lost > 0) and `--markers off` (no idemdb markers, the broker's
 //! `Nats-Msg-Id` deduplication alone: applied twice > 0). Exits 0 when the run passed (or the
 //! control was caught), 1 when a check failed, 2 when the run could not be made.
 //!
 //! `scripts/nats-e2e.sh` installs `nats-server` and runs this. Options: `--port PORT`,
-//! `--shards N`, `--kill-after-commit-per-mille N`, `--server-kills N`, `--ack-wait-ms N`,
+//! `--backend embedded|postgres`, `--shards N`, `--consumers N` (with `postgres`), `--kill-after-commit-per-mille N`, `--server-kills N`, `--ack-wait-ms N`,
 //! `--duplicate-window-ms N`, `--msg-id on|off`, `--ack after-commit|before-commit`,
 //! `--markers on|off`, and the workload's `--orders N`, `--resend-percent P`, `--reused N`,
 //! `--rate MSGS_PER_S`, `--min-kills N`, `--work DIR`, `--seed N`.
@@ -30,17 +36,23 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use idemdb_e2e::args::{Args, Workload, check};
-use idemdb_e2e::jetstream::{consumer_name, subject};
+use idemdb_e2e::jetstream::subject;
 use idemdb_e2e::ledger::monotonic_ns;
-use idemdb_e2e::nats::{self, Outgoing, Published, Server};
+use idemdb_e2e::nats::{self, Durable, Outgoing, Published, Server};
 use idemdb_e2e::orders::{open_store, shard_of};
+use idemdb_e2e::pg_cluster::Cluster;
 use idemdb_e2e::report::{Control, Report, median_max};
 use idemdb_e2e::supervisor::{Supervisor, recipe};
-use idemdb_e2e::{BoxError, fresh_folder, ledger, verdict};
+use idemdb_e2e::verdict::{Verdict, check_applied};
+use idemdb_e2e::{BoxError, effects_table, fresh_folder, ledger, verdict};
 
 struct Options {
     port: u16,
+    /// Claims in PostgreSQL, by `consumers` processes sharing one durable consumer; otherwise
+    /// in an embedded store per shard.
+    postgres: bool,
     shards: usize,
+    consumers: usize,
     kill_after_commit_per_mille: u64,
     server_kills: u64,
     ack_wait: Duration,
@@ -63,9 +75,16 @@ fn on_off(value: &str, option: &str) -> Result<bool, BoxError> {
 fn parse_options() -> Result<Options, BoxError> {
     let mut args = Args::from_env();
     let msg_id: String = args.value("msg-id", "on".to_owned())?;
+    let backend: String = args.value("backend", "embedded".to_owned())?;
     let options = Options {
         port: args.value("port", 14222)?,
+        postgres: match backend.as_str() {
+            "embedded" => false,
+            "postgres" => true,
+            other => return Err(format!("--backend is embedded or postgres, not {other}").into()),
+        },
         shards: args.value("shards", 3)?,
+        consumers: args.value("consumers", 3)?,
         kill_after_commit_per_mille: args.value("kill-after-commit-per-mille", 5)?,
         server_kills: args.value("server-kills", 2)?,
         ack_wait: Duration::from_millis(args.value("ack-wait-ms", 2000)?),
@@ -76,7 +95,10 @@ fn parse_options() -> Result<Options, BoxError> {
         load: Workload::parse(&mut args, "nats-e2e", 400)?,
     };
     args.finish()?;
-    check(options.shards > 0, "--shards must be at least 1")?;
+    check(
+        options.shards > 0 && options.consumers > 0,
+        "--shards and --consumers must be at least 1",
+    )?;
     check(
         options.kill_after_commit_per_mille <= 1000,
         "--kill-after-commit-per-mille is 0..=1000",
@@ -95,22 +117,46 @@ fn parse_options() -> Result<Options, BoxError> {
     Ok(options)
 }
 
-/// One `nats_orders` process per shard: its durable consumer, its store, its ledger.
-fn consumers(options: &Options, url: &str) -> Result<Supervisor, BoxError> {
+/// The `nats_orders` processes, each with its ledger: one per shard with its durable consumer
+/// and its store, or (`pg`, the database's connection string) `--consumers` of them on the one
+/// durable consumer, claiming in PostgreSQL, every other one with `apply`.
+fn consumers(
+    options: &Options,
+    url: &str,
+    durables: &[Durable],
+    pg: Option<String>,
+) -> Result<Supervisor, BoxError> {
     let url = url.to_owned();
     let work = options.load.work.clone();
     let kill = options.kill_after_commit_per_mille.to_string();
     let (ack, markers) = (options.ack.clone(), options.markers.clone());
-    let command_line = move |shard: usize, command: &mut std::process::Command| {
+    let names: Vec<String> = durables
+        .iter()
+        .map(|durable| durable.name.clone())
+        .collect();
+    let processes = if pg.is_some() {
+        options.consumers
+    } else {
+        names.len()
+    };
+    let command_line = move |slot: usize, command: &mut std::process::Command| {
         command
             .arg("--nats")
             .arg(&url)
             .arg("--consumer")
-            .arg(consumer_name(shard))
-            .arg("--dir")
-            .arg(work.join(format!("store-{shard}")))
+            .arg(&names[slot % names.len()])
             .arg("--events")
-            .arg(work.join(format!("events-{shard}.log")))
+            .arg(work.join(format!("events-{slot}.log")));
+        match &pg {
+            Some(pg) => {
+                let claim = if slot.is_multiple_of(2) { "begin" } else { "apply" };
+                command.arg("--pg").arg(pg).arg("--claim").arg(claim);
+            }
+            None => {
+                command.arg("--dir").arg(work.join(format!("store-{slot}")));
+            }
+        }
+        command
             .arg("--kill-after-commit-per-mille")
             .arg(&kill)
             .arg("--ack")
@@ -122,7 +168,7 @@ fn consumers(options: &Options, url: &str) -> Result<Supervisor, BoxError> {
     Ok(Supervisor::new(
         recipe("nats_orders")?,
         &options.load.work,
-        options.shards,
+        processes,
         Box::new(command_line),
     ))
 }
@@ -140,19 +186,47 @@ async fn run() -> Result<bool, BoxError> {
     fresh_folder(&load.work)?;
 
     let mut server = Server::start(options.port, &load.work.join("server"))?;
+    // The PostgreSQL shape's database: the claims' tables and the effects table. Its folder is
+    // the postgres user's (as root the server runs as that user, who may not enter the work
+    // folder): a temporary folder of its own, kept if the run fails.
+    let mut database = None;
+    if options.postgres {
+        let dir = tempfile::Builder::new()
+            .prefix("idemdb-nats-pg-")
+            .tempdir()?
+            .keep();
+        let cluster = Cluster::new(&dir, false)?;
+        effects_table::create(&cluster.primary).await?;
+        database = Some((cluster, dir));
+    }
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .connect(server.url())
         .await?;
     let context = async_nats::jetstream::new(client);
-    nats::topology(&context, shards, options.duplicate_window, options.ack_wait).await?;
-    let mut consumers = consumers(&options, &server.url())?;
+    let durables = nats::durables(shards, options.postgres);
+    nats::topology(
+        &context,
+        &durables,
+        options.duplicate_window,
+        options.ack_wait,
+    )
+    .await?;
+    let pg = database.as_ref().map(|(cluster, _)| cluster.conninfo());
+    let mut consumers = consumers(&options, &server.url(), &durables, pg)?;
     consumers.start_all()?;
+    let processes = consumers.slots();
     println!(
-        "nats_e2e: {} orders, {} messages to publish at {}/s, {shards} shards, work dir {}",
+        "nats_e2e: {} orders, {} messages to publish at {}/s, {shards} shards, {processes} \
+         consumer processes claiming in {}, work dir {}",
         load.orders,
         plan.messages.len(),
         load.rate,
+        if options.postgres {
+            "PostgreSQL on one shared durable consumer"
+        } else {
+            "a store per shard"
+        },
         load.work.display()
     );
 
@@ -201,10 +275,10 @@ async fn run() -> Result<bool, BoxError> {
             );
             continue;
         }
-        let shard = usize::try_from(rng.below(shards as u64))?;
+        let slot = usize::try_from(rng.below(processes as u64))?;
         let at_ns = monotonic_ns();
-        if consumers.kill_and_restart(shard)?.is_some() {
-            kills.push((shard, at_ns));
+        if consumers.kill_and_restart(slot)?.is_some() {
+            kills.push((slot, at_ns));
         }
         consumers.restart_exited()?;
     }
@@ -215,15 +289,22 @@ async fn run() -> Result<bool, BoxError> {
     );
 
     let progress = || ledger::bytes(&load.work, "events-");
-    nats::drain(&context, shards, &mut consumers, progress).await?;
+    nats::drain(&context, &durables, &mut consumers, progress).await?;
     let dead_letters = nats::dead_letters(&context).await?;
-
-    let mut stores = Vec::new();
-    for shard in 0..shards {
-        let dir = load.work.join(format!("store-{shard}"));
-        stores.push((format!("shard {shard}"), open_store(&dir)?));
-    }
-    let verdict = verdict::verify(&stores, &plan, &dead_letters)?;
+    let verdict: Verdict = match &database {
+        Some((cluster, _)) => {
+            let applied = effects_table::read(&cluster.primary).await?;
+            check_applied(&plan, &dead_letters, &applied)
+        }
+        None => {
+            let mut stores = Vec::new();
+            for shard in 0..shards {
+                let dir = load.work.join(format!("store-{shard}"));
+                stores.push((format!("shard {shard}"), open_store(&dir)?));
+            }
+            verdict::verify(&stores, &plan, &dead_letters)?
+        }
+    };
     let events = ledger::read_all(&load.work, "events-")?;
     let count = |kind: &str| ledger::count(&events, kind, 0);
     println!(
@@ -246,6 +327,10 @@ async fn run() -> Result<bool, BoxError> {
     );
     report.figure("distinct orders", plan.contents.len());
     report.figure("effects applied", verdict.effects_applied);
+    if options.postgres {
+        report.figure("of them committed by one apply call", count("by_apply"));
+        report.figure("database errors (nacked)", count("db_error"));
+    }
     report.figure("duplicates suppressed by idemdb", count("duplicate"));
     report.figure("conflicts dead-lettered", verdict.conflicts_dead_lettered);
     report.figure("deliveries redelivered by JetStream", count("redelivered"));
@@ -260,15 +345,15 @@ async fn run() -> Result<bool, BoxError> {
     // server SIGKILL, from the kill to each consumer pulling again from the restarted server.
     let mut consumer_resume_ms = Vec::new();
     let mut server_resume_ms = Vec::new();
-    for shard in 0..shards {
-        let events = ledger::read(&load.work.join(format!("events-{shard}.log")))?;
+    for slot in 0..processes {
+        let events = ledger::read(&load.work.join(format!("events-{slot}.log")))?;
         let ready_after = |at_ns: u64| {
             events
                 .iter()
                 .find(|event| event.kind == "ready" && event.at_ns > at_ns)
                 .map(|ready| (ready.at_ns - at_ns) as f64 / 1_000_000.0)
         };
-        for &(_, at_ns) in kills.iter().filter(|(killed, _)| *killed == shard) {
+        for &(_, at_ns) in kills.iter().filter(|(killed, _)| *killed == slot) {
             consumer_resume_ms.extend(ready_after(at_ns));
         }
         for &at_ns in &server_kills_at {
@@ -297,7 +382,11 @@ async fn run() -> Result<bool, BoxError> {
         "consumer exits not caused by us",
         consumers.unexpected_exits,
     );
-    report.verdict(&verdict, "dead-lettered", Some("shards"));
+    report.verdict(
+        &verdict,
+        "dead-lettered",
+        (!options.postgres).then_some("shards"),
+    );
     let control = if options.ack == "before-commit" {
         Control::Negative {
             caught: verdict.lost > 0,
@@ -314,5 +403,17 @@ async fn run() -> Result<bool, BoxError> {
         }
     };
     drop(server);
-    Ok(report.finish(control))
+    let passed = report.finish(control);
+    if let Some((cluster, dir)) = database {
+        drop(cluster);
+        if passed {
+            std::fs::remove_dir_all(&dir)?;
+        } else {
+            println!(
+                "nats_e2e: the database's folder and log are kept in {}",
+                dir.display()
+            );
+        }
+    }
+    Ok(passed)
 }

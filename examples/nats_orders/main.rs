@@ -1,29 +1,40 @@
-//! An idempotent NATS JetStream consumer: orders from one durable pull consumer with explicit
+//! An idempotent NATS JetStream consumer: orders from a durable pull consumer with explicit
 //! acks, processed with idemdb, exactly-once effects behind an at-least-once broker.
 //!
 //! ```text
+//! # One process per shard, each with its own embedded store:
 //! cargo run --release --features tokio --example nats_orders -- \
 //!     --nats 127.0.0.1:14222 --consumer orders-0 --dir /tmp/nats-orders-0
+//! # Competing processes on one durable consumer, their claims and effects in PostgreSQL:
+//! cargo run --release --features tokio --example nats_orders -- \
+//!     --nats 127.0.0.1:14222 --consumer orders-fleet \
+//!     --pg 'host=127.0.0.1 port=5432 user=postgres dbname=postgres'
 //! ```
 //!
 //! For each message (order id in the `Idemdb-Order-Id` header, body `<order id>:<amount>:<variant>`):
 //!
-//! - `Fresh`: the order row, a per-order effect counter and the running total are staged on the
-//!   claim and committed with its marker in one durable batch; then the message is acked.
+//! - `Fresh`: the effects are committed with the claim's marker, then the message is acked.
+//!   With the embedded store, the order row, a per-order effect counter and the running total
+//!   are staged on the claim and committed in one durable batch; with PostgreSQL (`--pg`), the
+//!   effect (a row of `fleet.applied`) is written in the claim's transaction, by `begin` and
+//!   `commit` or, with `--claim apply`, by one `apply` call.
 //! - `Duplicate`: acked without effect. JetStream redelivers a message whose ack did not arrive
 //!   within the consumer's ack wait (its consumer died, or the ack was lost), and a producer may
 //!   publish an order twice outside the stream's duplicate window (`Nats-Msg-Id` deduplicates
 //!   only inside it, and only at publish).
 //! - `Conflict` (same order id, other content): published to the dead-letter subject with both
 //!   fingerprints in headers, confirmed by the stream, then acked.
-//! - `InProgress`, or a retryable idemdb error: nacked with a short delay; JetStream redelivers.
+//! - `InProgress` (another process holds the order right now), or a retryable error: nacked
+//!   with a short delay; JetStream redelivers.
 //!
 //! A crash anywhere (SIGKILL) is safe: before the commit nothing was written and the message is
 //! redelivered after the ack wait; between the commit and the ack the redelivery is a
-//! duplicate. An embedded store belongs to one process, so consumers scale by shard: each
+//! duplicate. An embedded store belongs to one process, so those consumers scale by shard: each
 //! process owns one durable consumer (a subject filter on the shard's subject) and its own
-//! store. `e2e/src/bin/nats_e2e.rs` runs several under SIGKILLs, of themselves and of the
-//! server, against a real `nats-server` (`scripts/nats-e2e.sh`).
+//! store. Claims in PostgreSQL are seen by every process, so any number of processes may pull
+//! from one durable consumer: JetStream hands each message to one of them, and a redelivery
+//! may go to another. `e2e/src/bin/nats_e2e.rs` runs both shapes under SIGKILLs, of the
+//! consumers and of the server, against a real `nats-server` (`scripts/nats-e2e.sh`).
 //!
 //! `--ack before-commit` and `--markers off` exist for the end-to-end checker's negative
 //! controls (the ack sent before the commit; the effects applied without idemdb's markers):
@@ -37,23 +48,25 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures_lite::StreamExt;
-use idemdb::{Fingerprint, Outcome};
+use idemdb::Fingerprint;
 
-#[path = "common/args.rs"]
+#[path = "../common/args.rs"]
 mod args;
-#[path = "common/ledger.rs"]
+mod claims;
+#[path = "../common/ledger.rs"]
 mod ledger;
-#[path = "common/jetstream.rs"]
+#[path = "../common/jetstream.rs"]
 mod names;
-#[path = "common/orders.rs"]
+#[path = "../common/orders.rs"]
 mod orders;
 use args::Flags;
+use claims::{Claims, Decision};
 use ledger::{Ledger, monotonic_ns};
 use names::{
     DEAD_LETTER_SUBJECT, HEADER_ORDER_ID, HEADER_RECEIVED_FINGERPRINT, HEADER_STORED_FINGERPRINT,
     STREAM,
 };
-use orders::{BoxError, TOTAL_AMOUNT_KEY, open_store, parse_amount};
+use orders::{BoxError, chain};
 
 /// Where the ack goes relative to the commit. Only `AfterCommit` is right.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -66,7 +79,12 @@ enum Ack {
 struct Options {
     nats: String,
     consumer: String,
+    /// The embedded store's folder (without `--pg`).
     dir: PathBuf,
+    /// A libpq-style connection string: claims and effects in PostgreSQL.
+    pg: Option<String>,
+    /// With `--pg`: `apply` (one call) instead of `begin` and `commit`.
+    apply: bool,
     events: Option<PathBuf>,
     /// Per mille of commits after which the process SIGKILLs itself before the ack.
     kill_after_commit_per_mille: u64,
@@ -80,6 +98,8 @@ fn parse_options() -> Result<Options, BoxError> {
         nats: "127.0.0.1:14222".into(),
         consumer: "orders-0".into(),
         dir: PathBuf::from("/tmp/idemdb-nats-orders-0"),
+        pg: None,
+        apply: false,
         events: None,
         kill_after_commit_per_mille: 0,
         ack: Ack::AfterCommit,
@@ -91,6 +111,14 @@ fn parse_options() -> Result<Options, BoxError> {
             "--nats" => options.nats = flags.value(&flag)?,
             "--consumer" => options.consumer = flags.value(&flag)?,
             "--dir" => options.dir = flags.value(&flag)?.into(),
+            "--pg" => options.pg = Some(flags.value(&flag)?),
+            "--claim" => {
+                options.apply = match flags.value(&flag)?.as_str() {
+                    "begin" => false,
+                    "apply" => true,
+                    other => return Err(format!("--claim is begin or apply, not {other}").into()),
+                }
+            }
             "--events" => options.events = Some(flags.value(&flag)?.into()),
             "--kill-after-commit-per-mille" => {
                 options.kill_after_commit_per_mille = flags.parse(&flag)?;
@@ -119,14 +147,15 @@ fn parse_options() -> Result<Options, BoxError> {
     if options.kill_after_commit_per_mille > 1000 {
         return Err("--kill-after-commit-per-mille is 0..=1000".into());
     }
+    if options.apply && options.pg.is_none() {
+        return Err("--claim apply needs --pg".into());
+    }
     Ok(options)
 }
 
 /// What every message's handling shares.
 struct Handler {
-    consumer: idemdb::Consumer,
-    orders: idemdb::BusinessTable,
-    effects: idemdb::BusinessTable,
+    claims: Claims,
     jetstream: jetstream::Context,
     ledger: Option<Ledger>,
     options: Options,
@@ -158,6 +187,20 @@ impl Handler {
         }
     }
 
+    /// The negative control's ack, sent once the effects are staged and before they are
+    /// committed (then, now and then, a SIGKILL: the order is lost).
+    async fn ack_before_commit(
+        &self,
+        message: &jetstream::Message,
+        order_id: &str,
+    ) -> Result<(), BoxError> {
+        if self.options.ack == Ack::BeforeCommit {
+            message.double_ack().await?;
+            self.kill_here(order_id);
+        }
+        Ok(())
+    }
+
     async fn handle(&self, message: jetstream::Message) -> Result<(), BoxError> {
         let order_id = message
             .headers
@@ -173,43 +216,19 @@ impl Handler {
             // Evidence that the kills bite: JetStream hands over what a dead consumer held.
             self.event("redelivered", &order_id);
         }
-        if !self.options.markers {
-            return self.apply_without_markers(message, &order_id).await;
-        }
         let fingerprint = Fingerprint::of(&message.payload);
-        let outcome = match self.consumer.begin(&order_id, fingerprint) {
-            Ok(outcome) => outcome,
-            Err(idemdb::Error::LimitExceeded { .. }) => {
-                // No usable order id: a poison message, not something a retry can fix.
-                self.dead_letter(&order_id, None, fingerprint).await?;
-                self.event("invalid", &order_id);
-                message.ack().await?;
-                return Ok(());
-            }
-            Err(error) if error.is_retryable() => {
-                return self.later(&message, "retry", &order_id).await;
-            }
-            Err(error) => return Err(error.into()),
+        let began_ns = monotonic_ns();
+        let decision = if self.options.markers {
+            self.claims
+                .claim_and_apply(self, &message, &order_id, fingerprint)
+                .await?
+        } else {
+            self.claims
+                .apply_without_markers(self, &message, &order_id)
+                .await?
         };
-        match outcome {
-            Outcome::Fresh(mut claim) => {
-                let amount = parse_amount(&message.payload).unwrap_or(0);
-                claim.put(&self.orders, &order_id, &message.payload)?;
-                claim.merge(&self.effects, &order_id, 1u64.to_be_bytes())?;
-                claim.merge(&self.effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
-                if self.options.ack == Ack::BeforeCommit {
-                    message.double_ack().await?;
-                    self.kill_here(&order_id);
-                }
-                let began_ns = monotonic_ns();
-                self.event("submit", &order_id);
-                match claim.commit_async(b"accepted").await {
-                    Ok(_) => {}
-                    Err(error) if error.is_retryable() => {
-                        return self.later(&message, "retry", &order_id).await;
-                    }
-                    Err(error) => return Err(error.into()),
-                }
+        match decision {
+            Decision::Committed => {
                 if let Some(ledger) = &self.ledger {
                     ledger.event_since("fresh", &order_id, None, began_ns);
                 }
@@ -218,71 +237,34 @@ impl Handler {
                     message.ack().await?;
                 }
             }
-            Outcome::Duplicate { .. } => {
+            Decision::Duplicate => {
                 self.event("duplicate", &order_id);
                 message.ack().await?;
             }
-            Outcome::Conflict {
-                stored_fingerprint, ..
-            } => {
-                self.dead_letter(&order_id, Some(stored_fingerprint), fingerprint)
+            Decision::Conflict(stored) => {
+                self.dead_letter(&order_id, Some(stored), fingerprint)
                     .await?;
                 self.event("conflict", &order_id);
                 message.ack().await?;
             }
-            Outcome::InProgress { .. } => {
-                self.later(&message, "in_progress", &order_id).await?;
+            Decision::Invalid => {
+                // No usable order id: a poison message, not something a retry can fix.
+                self.dead_letter(&order_id, None, fingerprint).await?;
+                self.event("invalid", &order_id);
+                message.ack().await?;
             }
-            // Neither the admission floor nor the ordering guard is used here.
-            Outcome::TooLate { .. } | Outcome::Stale { .. } => {
+            Decision::Skipped => {
                 self.event("skipped", &order_id);
                 message.ack().await?;
             }
+            Decision::Later(why) => {
+                // Nothing of it was written: redelivered in 50 ms.
+                self.event(why, &order_id);
+                message
+                    .ack_with(AckKind::Nak(Some(Duration::from_millis(50))))
+                    .await?;
+            }
         }
-        Ok(())
-    }
-
-    /// Nacks `message` for redelivery in 50 ms: nothing of it was written.
-    async fn later(
-        &self,
-        message: &jetstream::Message,
-        why: &str,
-        order_id: &str,
-    ) -> Result<(), BoxError> {
-        self.event(why, order_id);
-        message
-            .ack_with(AckKind::Nak(Some(Duration::from_millis(50))))
-            .await?;
-        Ok(())
-    }
-
-    /// The negative control without markers: the same writes committed under a key of their
-    /// own for every delivery (a store that does not deduplicate), then the ack. A redelivery
-    /// applies the order again.
-    async fn apply_without_markers(
-        &self,
-        message: jetstream::Message,
-        order_id: &str,
-    ) -> Result<(), BoxError> {
-        let delivery = format!(
-            "{order_id}/{}/{}",
-            std::process::id(),
-            self.draws.fetch_add(1, Ordering::Relaxed)
-        );
-        let Outcome::Fresh(mut claim) = self
-            .consumer
-            .begin(&delivery, Fingerprint::of(&message.payload))?
-        else {
-            return Err(format!("{delivery} was not fresh").into());
-        };
-        let amount = parse_amount(&message.payload).unwrap_or(0);
-        claim.put(&self.orders, order_id, &message.payload)?;
-        claim.merge(&self.effects, order_id, 1u64.to_be_bytes())?;
-        claim.merge(&self.effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
-        claim.commit_async(b"accepted").await?;
-        self.event("fresh", order_id);
-        self.kill_here(order_id);
-        message.ack().await?;
         Ok(())
     }
 
@@ -310,14 +292,21 @@ impl Handler {
 #[tokio::main]
 async fn main() {
     if let Err(error) = run().await {
-        eprintln!("nats_orders: {error}");
+        eprintln!("nats_orders: {}", chain(&*error));
         std::process::exit(1);
     }
 }
 
 async fn run() -> Result<(), BoxError> {
     let options = parse_options()?;
-    let engine = open_store(&options.dir)?;
+    let ledger = match &options.events {
+        Some(path) => Some(Ledger::open(path)?),
+        None => None,
+    };
+    let claims = match &options.pg {
+        Some(pg) => Claims::postgres(pg, options.apply).await?,
+        None => Claims::embedded(&options.dir)?,
+    };
     // Keeps reconnecting while the server restarts; a message whose ack cannot be sent is
     // redelivered after the ack wait, and is then a duplicate.
     let client = async_nats::ConnectOptions::new()
@@ -325,17 +314,11 @@ async fn run() -> Result<(), BoxError> {
         .connect(&options.nats)
         .await?;
     let jetstream = jetstream::new(client);
-    let ledger = match &options.events {
-        Some(path) => Some(Ledger::open(path)?),
-        None => None,
-    };
     let handler = Arc::new(Handler {
-        consumer: engine.consumer("orders")?,
-        orders: engine.business_table("orders")?,
-        effects: engine.business_table("effects")?,
+        claims,
         jetstream: jetstream.clone(),
         ledger,
-        seed: u64::from(std::process::id()) ^ engine.now_ms(),
+        seed: u64::from(std::process::id()) ^ monotonic_ns(),
         draws: AtomicU64::new(0),
         options,
     });
@@ -343,7 +326,7 @@ async fn run() -> Result<(), BoxError> {
         "nats_orders: pid {} consuming {} into {}",
         std::process::id(),
         handler.options.consumer,
-        handler.options.dir.display()
+        handler.claims.describe(&handler.options.dir)
     );
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // The pull consumer's message stream ends or fails when the server goes away; it is opened
