@@ -8,13 +8,18 @@
 # controls, each of which must be caught: the ack sent before the commit (lost > 0), and the
 # stream's Nats-Msg-Id deduplication without idemdb's markers (applied twice > 0). Then the
 # same run and controls in the other shape: competing consumer processes on one durable
-# consumer, claiming in a private PostgreSQL server (free port, 127.0.0.1).
+# consumer, claiming in a private PostgreSQL server (free port, 127.0.0.1). Last, the log
+# consumer (examples/nats_replay.rs, checked by e2e/src/bin/nats_replay_e2e.rs on
+# 127.0.0.1:14223): an ordered consumer per shard replaying from the position idemdb committed
+# with the effects, and its two controls, the position kept at the server before the commit
+# (lost > 0) and after it (read again > 0).
 #
 #   ./scripts/nats-e2e.sh                          # the CI size
 #   ./scripts/nats-e2e.sh --orders 100000 --rate 1500 --min-kills 100 --server-kills 5   # long
 #
-# Arguments go to both main runs' checker (see the header of e2e/src/bin/nats_e2e.rs); the
-# controls keep their CI size.
+# Arguments go to the two acked main runs (see the header of e2e/src/bin/nats_e2e.rs); the
+# controls and the replay keep their CI size (its long run: nats_replay_e2e --orders 100000
+# --rate 1500 --min-kills 100 --server-kills 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
@@ -26,8 +31,8 @@ if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
     apt_install "for the NATS JetStream end-to-end test on PostgreSQL" postgresql
 fi
 # The same features as the test command, so the two share one build of the crate.
-cargo build --release --all-features --example nats_orders
-cargo build --release -p idemdb-e2e --bin nats_e2e
+cargo build --release --all-features --example nats_orders --example nats_replay
+cargo build --release -p idemdb-e2e --bin nats_e2e --bin nats_replay_e2e
 
 work="$(mktemp -d -t idemdb-nats-XXXXXX)"
 # A failed run keeps its folder (the ledgers, the stores, the server's log) for a look.
@@ -46,3 +51,10 @@ checker="$CARGO_TARGET_DIR/release/nats_e2e"
     --server-kills 1 --kill-after-commit-per-mille 30 --ack before-commit
 "$checker" --work "$work/pg-unmarked" --backend postgres --orders 1000 --min-kills 5 \
     --server-kills 1 --markers off
+# Replay from a sequence with the position in idemdb's batch, and its two controls.
+replay="$CARGO_TARGET_DIR/release/nats_replay_e2e"
+"$replay" --work "$work/replay" --orders 2000 --min-kills 10 --server-kills 2
+"$replay" --work "$work/replay-before" --orders 1000 --min-kills 5 --server-kills 1 \
+    --position broker-before-commit
+"$replay" --work "$work/replay-after" --orders 1000 --min-kills 5 --server-kills 1 \
+    --position broker-after-commit

@@ -11,7 +11,8 @@
 //! - [`verdict`]: every order checked against the stores or tables and the dead letters;
 //! - [`handoffs`]: a partitioned fleet's owners, handoffs and paused zombie, from the ledgers;
 //! - [`backups`]: a fleet's online backups restored and checked whole against the ledgers;
-//! - [`reads`]: RabbitMQ streams read back, and each offset's settlement and reads again checked;
+//! - [`reads`]: RabbitMQ streams read back, and each offset's settlement and reads again checked
+//!   (for every log consumer);
 //! - [`report`]: the accounting, its pass conditions and the negative-control switch;
 //! - [`pg_cluster`]: a private PostgreSQL primary with a synchronous standby, and failovers;
 //! - [`effects_table`]: the PostgreSQL fleet's effects table, read back and after a republish;

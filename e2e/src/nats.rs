@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer, stream};
+use futures_lite::StreamExt;
 
 use crate::BoxError;
 use crate::amqp::DeadLetter;
@@ -316,4 +317,38 @@ pub async fn dead_letters(context: &jetstream::Context) -> Result<Vec<DeadLetter
         });
     }
     Ok(found)
+}
+
+/// Every shard's messages in the orders' stream, as (stream sequence, body) in stream order:
+/// the reference a replaying consumer's reads are checked against. Thirty seconds without the
+/// next message fails the run rather than hang it.
+pub async fn read_back(
+    context: &jetstream::Context,
+    shards: usize,
+) -> Result<Vec<Vec<(u64, String)>>, BoxError> {
+    let mut stream = context.get_stream(STREAM).await?;
+    let expected = stream.info().await?.state.messages;
+    let mut messages = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            filter_subject: "orders.*".to_owned(),
+            deliver_policy: consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?
+        .messages()
+        .await?;
+    let mut shards_read = vec![Vec::new(); shards];
+    for _ in 0..expected {
+        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .map_err(|_| "reading the stream back: nothing for 30 s")?
+            .ok_or("reading the stream back: the consumer ended")??;
+        let shard = (0..shards)
+            .find(|&shard| message.subject.as_str() == subject(shard))
+            .ok_or_else(|| format!("a message on {}, no shard's subject", message.subject))?;
+        let sequence = message.info()?.stream_sequence;
+        let body = String::from_utf8_lossy(&message.payload).into_owned();
+        shards_read[shard].push((sequence, body));
+    }
+    Ok(shards_read)
 }

@@ -1,5 +1,6 @@
-//! What the NATS JetStream consumer (`nats_orders`) and its end-to-end checker (`nats_e2e`)
-//! agree on: the stream, its subjects, the durable consumers' names, and the headers.
+//! What the NATS JetStream consumers (`nats_orders`, `nats_replay`) and their end-to-end checkers
+//! (`nats_e2e`, `nats_replay_e2e`) agree on: the stream, its subjects, the durable consumers'
+//! names, the headers, and where the replaying consumer's negative controls keep positions.
 
 // Each side uses its own part of this module.
 #![allow(dead_code)]
@@ -28,3 +29,15 @@ pub fn consumer_name(shard: usize) -> String {
 /// The durable pull consumer of every shard's orders that a fleet of processes shares when
 /// their claims are in PostgreSQL: each message goes to one of them.
 pub const FLEET_CONSUMER: &str = "orders-fleet";
+
+/// The stream where the replaying consumer's negative controls keep their position
+/// (`nats_replay --position broker-...`), outside idemdb's batch: the last message of each
+/// shard's subject, one kept per subject.
+pub const POSITIONS_STREAM: &str = "REPLAY_POSITIONS";
+/// Its subjects: [`position_subject`] of every shard.
+pub const POSITIONS_SUBJECTS: &str = "replay-positions.*";
+
+/// The subject of shard `shard`'s position in [`POSITIONS_STREAM`].
+pub fn position_subject(shard: usize) -> String {
+    format!("replay-positions.{shard}")
+}

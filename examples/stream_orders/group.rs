@@ -92,16 +92,3 @@ pub(crate) fn claim_group(
     }
     Ok(Some(batch))
 }
-
-/// A delivery's offset and body.
-pub(crate) fn read_of(delivery: rabbitmq_stream_client::types::Delivery) -> Result<Read, BoxError> {
-    let body = delivery
-        .message()
-        .data()
-        .map(|data| String::from_utf8_lossy(data).into_owned())
-        .ok_or("a message without a body")?;
-    Ok(Read {
-        offset: delivery.offset(),
-        body,
-    })
-}

@@ -49,7 +49,7 @@ mod orders;
 #[path = "../common/streams.rs"]
 mod streams;
 use args::Flags;
-use group::{Tables, claim_group, read_of};
+use group::{Read, Tables, claim_group};
 use idemdb::Settled;
 use ledger::Ledger;
 use orders::{BoxError, chain};
@@ -304,4 +304,17 @@ fn kill_point(draws: &mut u64, per_mille: u64, planned: Option<u64>, ledger: Opt
         // SAFETY: raising a signal at ourselves.
         unsafe { libc::raise(libc::SIGKILL) };
     }
+}
+
+/// A delivery's offset and body.
+fn read_of(delivery: rabbitmq_stream_client::types::Delivery) -> Result<Read, BoxError> {
+    let body = delivery
+        .message()
+        .data()
+        .map(|data| String::from_utf8_lossy(data).into_owned())
+        .ok_or("a message without a body")?;
+    Ok(Read {
+        offset: delivery.offset(),
+        body,
+    })
 }

@@ -149,7 +149,11 @@ fn consumers(
             .arg(work.join(format!("events-{slot}.log")));
         match &pg {
             Some(pg) => {
-                let claim = if slot.is_multiple_of(2) { "begin" } else { "apply" };
+                let claim = if slot.is_multiple_of(2) {
+                    "begin"
+                } else {
+                    "apply"
+                };
                 command.arg("--pg").arg(pg).arg("--claim").arg(claim);
             }
             None => {
