@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The NATS JetStream end-to-end test: the checker (e2e/src/bin/nats_e2e.rs) starts a private
 # nats-server with JetStream (127.0.0.1:14222, its store in the run's folder, stopped by pid),
-# runs one consumer process per shard (examples/nats_orders.rs: a durable pull consumer with
+# runs one consumer process per shard (examples/nats_orders/: a durable pull consumer with
 # explicit acks), SIGKILLs the consumers at random moments and between a commit and its ack,
 # SIGKILLs and restarts the server itself, and accounts for every order: lost = 0, applied
 # twice = 0; again with the producer's resends carrying no Nats-Msg-Id. Then the two negative
