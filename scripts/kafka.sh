@@ -90,6 +90,7 @@ kafka_wait_port() {
 kafka_start() {
     local broker="$1" dir="$2"
     rm -rf "$dir" && mkdir -p "$dir"
+    KAFKA_DIR="$dir"
     case "$broker" in
     apache)
         kafka_port_free "$KAFKA_ZOOKEEPER_PORT" && kafka_port_free "$KAFKA_APACHE_PORT" || return 1
@@ -148,6 +149,24 @@ CONF
         ;;
     esac
     echo "idemdb: $broker broker (pid $KAFKA_SERVER_PID) on $KAFKA_BOOTSTRAP" >&2
+}
+
+# kafka_create_topic BROKER NAME PARTITIONS: a topic of PARTITIONS partitions (one replica) on the
+# broker kafka_start started. Kafka 0.9 has no CreateTopics request: its own tool writes the
+# topic to ZooKeeper.
+kafka_create_topic() {
+    case "$1" in
+    apache)
+        java -Xmx128m -Dlog4j.configuration=file:"$KAFKA_DIR/log4j.properties" \
+            -cp "$KAFKA_APACHE_HOME/libs/*" kafka.admin.TopicCommand \
+            --zookeeper "127.0.0.1:$KAFKA_ZOOKEEPER_PORT" --create --topic "$2" \
+            --partitions "$3" --replication-factor 1 >/dev/null
+        ;;
+    tansu)
+        "$KAFKA_TANSU_BINARY" topic create --broker "tcp://$KAFKA_BOOTSTRAP" \
+            --partitions "$3" "$2" >/dev/null
+        ;;
+    esac
 }
 
 # Stops what kafka_start started, by pid: SIGTERM, then SIGKILL after 30 s; the broker first,
