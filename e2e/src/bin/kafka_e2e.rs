@@ -262,7 +262,16 @@ async fn run() -> Result<bool, BoxError> {
         stores.push((format!("{topic}/{partition}"), engine));
         all_events.push(events);
     }
-    // Each kill -> every partition the killed process owned assigned again at its position.
+    // Each kill -> every partition the killed process owned assigned again at its position,
+    // and whether its next owner is a member that was running before the kill (the partition
+    // moved) or the killed one's replacement.
+    let mut moved_to_survivor = 0u64;
+    let seen_before = |pid: u32, at_ns: u64| {
+        all_events
+            .iter()
+            .flatten()
+            .any(|event| event.pid == pid && event.kind == "ready" && event.at_ns < at_ns)
+    };
     for &(pid, at_ns) in &kills {
         for events in &all_events {
             let owner = events
@@ -277,6 +286,9 @@ async fn run() -> Result<bool, BoxError> {
                 .find(|event| event.kind == "ready" && event.at_ns > at_ns);
             if let Some(ready) = next {
                 resume_ms.push((ready.at_ns - at_ns) as f64 / 1_000_000.0);
+                if seen_before(ready.pid, at_ns) {
+                    moved_to_survivor += 1;
+                }
             }
         }
     }
@@ -290,9 +302,11 @@ async fn run() -> Result<bool, BoxError> {
     );
     let mut report = Report::new("kafka_e2e");
     report.figure("published (acknowledged by the broker)", published);
-    report.figure(
-        "messages in the partitions",
-        reference.iter().map(Vec::len).sum::<usize>(),
+    let in_partitions = reference.iter().map(Vec::len).sum::<usize>() as u64;
+    report.figure("messages in the partitions", in_partitions);
+    report.zero(
+        "acknowledged publishes missing from the partitions",
+        published.saturating_sub(in_partitions),
     );
     report.figure("distinct orders", plan.contents.len());
     report.figure("effects applied", verdict.effects_applied);
@@ -312,6 +326,12 @@ async fn run() -> Result<bool, BoxError> {
         consumers.self_kills,
     );
     report.figure("consumer starts", consumers.starts);
+    if options.group {
+        report.figure(
+            "partitions of a killed member resumed by a surviving member",
+            moved_to_survivor,
+        );
+    }
     report.zero(
         "consumer exits not caused by us",
         consumers.unexpected_exits,
