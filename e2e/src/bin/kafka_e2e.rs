@@ -276,8 +276,7 @@ async fn run() -> Result<bool, BoxError> {
         for events in &all_events {
             let owner = events
                 .iter()
-                .filter(|event| event.kind == "ready" && event.at_ns < at_ns)
-                .next_back();
+                .rfind(|event| event.kind == "ready" && event.at_ns < at_ns);
             if owner.is_none_or(|event| event.pid != pid) {
                 continue;
             }
