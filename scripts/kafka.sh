@@ -10,7 +10,8 @@
 #   a batch), memory storage, on 127.0.0.1:19093.
 #
 # Each keeps its data and logs under the folder given to kafka_start, listens on 127.0.0.1 only,
-# and is stopped by pid (kafka_stop).
+# is stopped by pid (kafka_stop), and gets SIGKILL if the script that started it dies first
+# (util-linux's setpriv sets the parent-death signal before it runs the server).
 
 KAFKA_APACHE_PORT=19092
 KAFKA_ZOOKEEPER_PORT=12181
@@ -121,12 +122,12 @@ CONF
             >"$dir/log4j.properties"
         local java_options=(-Djava.awt.headless=true "-Dlog4j.configuration=file:$dir/log4j.properties"
             -cp "$KAFKA_APACHE_HOME/libs/*")
-        java -Xms64m -Xmx128m "${java_options[@]}" org.apache.zookeeper.server.quorum.QuorumPeerMain \
+        setpriv --pdeathsig KILL java -Xms64m -Xmx128m "${java_options[@]}" org.apache.zookeeper.server.quorum.QuorumPeerMain \
             "$dir/zookeeper.properties" >"$dir/zookeeper.out" 2>&1 &
         KAFKA_ZOOKEEPER_PID=$!
         kafka_wait_port "$KAFKA_ZOOKEEPER_PID" "$KAFKA_ZOOKEEPER_PORT" "$dir/zookeeper.out" ||
             { kafka_stop; return 1; }
-        java -Xms256m -Xmx512m "${java_options[@]}" kafka.Kafka "$dir/server.properties" \
+        setpriv --pdeathsig KILL java -Xms256m -Xmx512m "${java_options[@]}" kafka.Kafka "$dir/server.properties" \
             >"$dir/kafka.out" 2>&1 &
         KAFKA_SERVER_PID=$!
         kafka_wait_port "$KAFKA_SERVER_PID" "$KAFKA_APACHE_PORT" "$dir/kafka.out" ||
@@ -137,7 +138,7 @@ CONF
     tansu)
         kafka_port_free "$KAFKA_TANSU_PORT" || return 1
         # Memory storage: the broker keeps nothing on disk; its folder holds its output.
-        (cd "$dir" && exec "$KAFKA_TANSU_BINARY" broker \
+        (cd "$dir" && exec setpriv --pdeathsig KILL "$KAFKA_TANSU_BINARY" broker \
             --listener-url "tcp://127.0.0.1:$KAFKA_TANSU_PORT" \
             --advertised-listener-url "tcp://127.0.0.1:$KAFKA_TANSU_PORT" \
             --storage-engine memory://tansu/ >"$dir/tansu.out" 2>&1) &
