@@ -49,7 +49,7 @@ for broker in "${brokers[@]}"; do
     if (($#)); then
         run "$broker" custom "$@"
     else
-        run "$broker" manual --orders 3000 --rate 400 --min-kills 15
+        run "$broker" manual --orders 3000 --rate 400 --min-kills 15 --kill-after-last-commit
         # Members killed every 7 to 10 s: a dead member's partitions move once its session
         # (6 s) times out.
         run "$broker" group --shape group --members 3 --orders 3000 --rate 150 --min-kills 4 \

@@ -91,10 +91,10 @@ pub fn wait_for_topic(
     }
 }
 
-/// Counts the deliveries the broker acknowledged and those it refused.
+/// Counts the deliveries the broker acknowledged, per partition, and those it refused.
 #[derive(Default)]
 struct Deliveries {
-    acknowledged: AtomicU64,
+    acknowledged: std::sync::Mutex<std::collections::BTreeMap<i32, u64>>,
     failed: AtomicU64,
 }
 
@@ -107,25 +107,32 @@ impl ProducerContext for Counting {
 
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
         match result {
-            Ok(_) => self.0.acknowledged.fetch_add(1, Ordering::SeqCst),
+            Ok(message) => {
+                let mut acknowledged = self
+                    .0
+                    .acknowledged
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                *acknowledged.entry(message.partition()).or_default() += 1;
+            }
             Err((error, _)) => {
                 eprintln!("checker: a publish failed: {error}");
-                self.0.failed.fetch_add(1, Ordering::SeqCst)
+                self.0.failed.fetch_add(1, Ordering::SeqCst);
             }
-        };
+        }
     }
 }
 
 /// Publishes `messages` (partition, key, body) to `topic` in order, `rate` per second, each
-/// acknowledged by the broker (`acks=all`); returns how many were. A refused publish fails
-/// the run: the reference would then not be what the plan says.
+/// acknowledged by the broker (`acks=all`); returns how many were, per partition. A refused
+/// publish fails the run: the reference would then not be what the plan says.
 pub fn publish(
     bootstrap: &str,
     protocol: Protocol,
     topic: &str,
     messages: &[(i32, String, String)],
     rate: u64,
-) -> Result<u64, BoxError> {
+) -> Result<std::collections::BTreeMap<i32, u64>, BoxError> {
     let deliveries = Arc::new(Deliveries::default());
     let producer: rdkafka::producer::BaseProducer<Counting> = config(bootstrap, protocol)
         .set("acks", "all")
@@ -169,22 +176,31 @@ pub fn publish(
     if failed > 0 {
         return Err(format!("the broker refused {failed} publishes").into());
     }
-    Ok(deliveries.acknowledged.load(Ordering::SeqCst))
+    let acknowledged = deliveries
+        .acknowledged
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    Ok(acknowledged.clone())
 }
 
-/// Every message of `partition` from its start to its high watermark: (offset, body). The
-/// watermark is asked again once it is reached, until it stands still (tansu has answered one
-/// that was behind messages it had acknowledged). Thirty seconds without the next message fails
-/// the run rather than hang it.
+/// Every message of `partition` from its start: (offset, body), to its high watermark and at
+/// least `published` messages (the publishes to it the broker acknowledged). The watermark is
+/// asked again once both are reached, until it stands still. The count is needed because tansu
+/// answers a ListOffsets for the latest offset with the first offset of the partition's last
+/// record batch, not the offset after it: a reader that trusted the watermark alone would stop
+/// short of the batch. Thirty seconds without the next message fails the run rather than hang
+/// it (and so does an acknowledged message the broker does not deliver).
 pub fn read_partition(
     bootstrap: &str,
     protocol: Protocol,
     topic: &str,
     partition: i32,
+    published: u64,
 ) -> Result<Vec<(u64, String)>, BoxError> {
     let client = reader(bootstrap, protocol)?;
     let watermarks = Duration::from_secs(10);
-    let (low, mut high) = client.fetch_watermarks(topic, partition, watermarks)?;
+    let (low, high) = client.fetch_watermarks(topic, partition, watermarks)?;
+    let mut high = high.max(low + i64::try_from(published)?);
     let mut list = TopicPartitionList::new();
     list.add_partition_offset(topic, partition, Offset::Offset(low))?;
     client.assign(&list)?;

@@ -28,6 +28,9 @@
 //! `scripts/kafka-e2e.sh` starts the broker and runs this. Options: `--bootstrap HOST:PORT`,
 //! `--protocol 0.9|modern`, `--topic NAME`, `--partitions N`, `--shape manual|group`,
 //! `--members N`, `--kill-gap-ms MS`, `--kill-spread-ms MS`, `--kill-at-commit-per-mille N`,
+//! `--kill-after-last-commit` (manual shape: each partition's consumer SIGKILLs itself once
+//! right after the commit of the partition's last offset, so that its successor finds nothing
+//! left to read),
 //! `--position PLACEMENT`, `--orders N`, `--resend-percent P`, `--reused N`, `--rate MSGS_PER_S`,
 //! `--min-kills N`, `--work DIR`, `--seed N`.
 
@@ -55,6 +58,7 @@ struct Options {
     kill_gap_ms: u64,
     kill_spread_ms: u64,
     kill_at_commit_per_mille: u64,
+    kill_after_last_commit: bool,
     placement: Placement,
     load: Workload,
 }
@@ -79,6 +83,7 @@ fn parse_options() -> Result<Options, BoxError> {
         kill_gap_ms: args.value("kill-gap-ms", 100)?,
         kill_spread_ms: args.value("kill-spread-ms", 700)?,
         kill_at_commit_per_mille: args.value("kill-at-commit-per-mille", 20)?,
+        kill_after_last_commit: args.flag("kill-after-last-commit"),
         placement: Placement::parse(&position)
             .ok_or_else(|| format!("unknown placement {position}"))?,
         load: Workload::parse(&mut args, "kafka-e2e", 400)?,
@@ -89,6 +94,11 @@ fn parse_options() -> Result<Options, BoxError> {
     check(
         !options.group || options.placement == Placement::Store,
         "the group shape keeps its position in the store only",
+    )?;
+    check(
+        !options.kill_after_last_commit
+            || (!options.group && options.placement == Placement::Store),
+        "--kill-after-last-commit is for the manual shape with the position in the store",
     )?;
     check(
         options.kill_at_commit_per_mille <= 1000,
@@ -103,7 +113,9 @@ fn ledger_of(work: &Path, partition: usize) -> PathBuf {
 }
 
 /// The consumer processes: one per partition (manual) or `--members` of one group.
-fn consumers(options: &Options) -> Result<Supervisor, BoxError> {
+/// `planned_kills` holds, per partition (manual shape), the offset after whose commit the
+/// consumer SIGKILLs itself once (`--kill-after-last-commit`).
+fn consumers(options: &Options, planned_kills: Vec<Option<u64>>) -> Result<Supervisor, BoxError> {
     let work = options.load.work.clone();
     let bootstrap = options.bootstrap.clone();
     let protocol = options.protocol.label();
@@ -135,6 +147,13 @@ fn consumers(options: &Options) -> Result<Supervisor, BoxError> {
             command.arg("--group").arg(format!("{topic}.group"));
         } else {
             command.arg("--partitions").arg(slot.to_string());
+        }
+        // Once: until the partition's ledger shows the kill done.
+        if let Some(offset) = planned_kills.get(slot).copied().flatten() {
+            let events = ledger::read(&ledger_of(&work, slot))?;
+            if !events.iter().any(|event| event.kind == "planned-kill") {
+                command.arg("--kill-at-commit-of").arg(offset.to_string());
+            }
         }
         Ok(())
     };
@@ -182,7 +201,17 @@ async fn run() -> Result<bool, BoxError> {
             (partition, message.order_id.clone(), message.body.clone())
         })
         .collect();
-    let mut consumers = consumers(&options)?;
+    // A fresh topic's partition holds its messages at offsets 0, 1, ...: its last offset is
+    // its count less one, the planned kill's.
+    let planned_kills: Vec<Option<u64>> = (0..partitions)
+        .map(|partition| {
+            let mine = messages.iter().filter(|(p, _, _)| *p as usize == partition);
+            (mine.count() as u64)
+                .checked_sub(1)
+                .filter(|_| options.kill_after_last_commit)
+        })
+        .collect();
+    let mut consumers = consumers(&options, planned_kills.clone())?;
     println!(
         "kafka_e2e: {} orders, {} messages at {}/s over {partitions} partitions of {topic} at \
          {bootstrap} (protocol {}), {} shape, position {}, work dir {}",
@@ -217,9 +246,10 @@ async fn run() -> Result<bool, BoxError> {
             kills.push((pid, at_ns));
         }
     }
-    let published = producer
+    let acknowledged = producer
         .join()
         .map_err(|_| "the producer thread panicked")??;
+    let published: u64 = acknowledged.values().sum();
     println!(
         "kafka_e2e: all published; {} kills done; reading the partitions and waiting for the \
          consumers",
@@ -230,16 +260,16 @@ async fn run() -> Result<bool, BoxError> {
     let mut reference = Vec::new();
     for partition in 0..partitions {
         let partition = i32::try_from(partition)?;
-        reference.push(kafka::read_partition(
-            bootstrap, protocol, topic, partition,
-        )?);
+        let published = acknowledged.get(&partition).copied().unwrap_or(0);
+        let read_back = kafka::read_partition(bootstrap, protocol, topic, partition, published)?;
+        reference.push(read_back);
     }
     wait_for_consumers(&mut consumers, &reference, work, placement).await?;
     consumers.stop_gracefully()?;
 
     // Each store checked against its partition read back and its ledger.
     let mut found = Reads::default();
-    let mut positions_not_at_end = 0u64;
+    let (mut positions_not_at_end, mut planned_kills_missing) = (0u64, 0u64);
     let mut resume_ms = Vec::new();
     let mut stores = Vec::new();
     let mut dead_letters = Vec::new();
@@ -256,6 +286,18 @@ async fn run() -> Result<bool, BoxError> {
             if stored != last {
                 positions_not_at_end += 1;
                 eprintln!("POSITION: partition {partition}: stored {stored:?}, last {last:?}");
+            }
+        }
+        // The planned kill done once, after the commit of the partition's last offset.
+        if planned_kills[partition].is_some() {
+            let done: Vec<u64> = events
+                .iter()
+                .filter(|event| event.kind == "planned-kill")
+                .filter_map(|event| event.subject.parse::<u64>().ok())
+                .collect();
+            if last.is_none() || done.len() != 1 || done.first().copied() != last {
+                planned_kills_missing += 1;
+                eprintln!("PLANNED KILL: partition {partition}: after {done:?}, last {last:?}");
             }
         }
         dead_letters.extend(reads::recorded_conflicts(&engine, read_back)?);
@@ -323,6 +365,10 @@ async fn run() -> Result<bool, BoxError> {
     report.figure(
         "consumers SIGKILLed at the commit point",
         consumers.self_kills,
+    );
+    report.zero(
+        "planned kills after a partition's last commit not done",
+        planned_kills_missing,
     );
     report.figure("consumer starts", consumers.starts);
     if options.group {

@@ -32,7 +32,9 @@
 //!
 //! For the end-to-end run (`e2e/src/bin/kafka_e2e.rs`, `scripts/kafka-e2e.sh`) it also writes
 //! an event ledger per partition (`--ledgers DIR`), a `reads` row per offset, SIGKILLs itself
-//! right after a commit (`--kill-at-commit-per-mille N`), and, as the negative controls, keeps
+//! right after a commit (`--kill-at-commit-per-mille N`; `--kill-at-commit-of OFFSET`: surely,
+//! once, after the commit that reaches OFFSET, having written `planned-kill` to the ledger, so
+//! that the restarted process finds nothing left to read), and, as the negative controls, keeps
 //! its position in the group's committed offsets instead, before or after the commit
 //! (`--position broker-before-commit`, `broker-after-commit`). A recipe copied into an
 //! application leaves those out.
@@ -75,6 +77,7 @@ struct Options {
     old_protocol: bool,
     placement: Placement,
     kill_at_commit_per_mille: u64,
+    kill_at_commit_of: Option<u64>,
     seed: u64,
 }
 
@@ -89,6 +92,7 @@ fn parse_options() -> Result<Options, BoxError> {
         old_protocol: false,
         placement: Placement::Store,
         kill_at_commit_per_mille: 0,
+        kill_at_commit_of: None,
         seed: u64::from(std::process::id()),
     };
     let mut args = std::env::args().skip(1);
@@ -111,6 +115,7 @@ fn parse_options() -> Result<Options, BoxError> {
                     Placement::parse(&text).ok_or_else(|| format!("unknown placement {text}"))?;
             }
             "--kill-at-commit-per-mille" => options.kill_at_commit_per_mille = value()?.parse()?,
+            "--kill-at-commit-of" => options.kill_at_commit_of = Some(value()?.parse()?),
             "--seed" => options.seed = value()?.parse()?,
             other => return Err(format!("unknown option {other}").into()),
         }
@@ -277,6 +282,17 @@ fn consume<C: ConsumerContext>(
                     // The position, the markers, the effects: one write batch, one fsync.
                     batch.stage_position(&options.topic, u32::try_from(number)?, last)?;
                     batch.commit(|_| b"applied")?;
+                    if options
+                        .kill_at_commit_of
+                        .is_some_and(|offset| last >= offset)
+                    {
+                        // The planned kill, once the ledger says so (nothing after it can be).
+                        if let Some(ledger) = &partition.ledger {
+                            ledger.event("planned-kill", &last.to_string(), None);
+                        }
+                        // SAFETY: raising a signal at ourselves.
+                        unsafe { libc::raise(libc::SIGKILL) };
+                    }
                     kill_point(&mut draws, per_mille);
                 }
                 Placement::BrokerBeforeCommit => {
