@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Kafka end-to-end run: the Kafka recipe (recipes/kafka, rdkafka) against a private
-# Kafka-protocol broker on 127.0.0.1, consumers SIGKILLed at random moments and right after a
-# commit and restarted, then the accounting (e2e/src/bin/kafka_e2e.rs): lost = 0, applied twice
+# Kafka-protocol broker on 127.0.0.1, consumers SIGKILLed at random moments, right after a
+# commit and (manual shape) once right after the commit of their partition's last offset, and
+# restarted, then the accounting (e2e/src/bin/kafka_e2e.rs): lost = 0, applied twice
 # = 0, read again after a restart = 0. On each broker: the manual-assignment shape, the
 # consumer-group shape (partitions moved between members as they are SIGKILLed), and the two
 # negative controls, the position kept in the group's committed offsets before and after the
