@@ -63,8 +63,8 @@ impl Layout {
     }
 }
 
-/// Where partition `partition` of `topic` starts: one past the offset `stored` (its position,
-/// or the group's committed offset in the negative controls), or at its beginning.
+/// Where a partition starts: one past the offset `stored` (its position, or in the negative
+/// controls the group's committed offset less one), or at its beginning when none is.
 pub(crate) fn start_of(stored: Option<u64>) -> Result<Offset, BoxError> {
     Ok(match stored {
         Some(offset) => Offset::Offset(i64::try_from(offset + 1)?),
