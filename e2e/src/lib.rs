@@ -11,8 +11,9 @@
 //! - [`verdict`]: every order checked against the stores or tables and the dead letters;
 //! - [`handoffs`]: a partitioned fleet's owners, handoffs and paused zombie, from the ledgers;
 //! - [`backups`]: a fleet's online backups restored and checked whole against the ledgers;
+//! - [`kafka`]: a Kafka-protocol broker: client settings, publishing, partitions read back;
 //! - [`reads`]: RabbitMQ streams read back, and each offset's settlement and reads again checked
-//!   (for every log consumer);
+//!   (for every log consumer: RabbitMQ streams, NATS replay, Kafka);
 //! - [`report`]: the accounting, its pass conditions and the negative-control switch;
 //! - [`pg_cluster`]: a private PostgreSQL primary with a synchronous standby, and failovers;
 //! - [`effects_table`]: the PostgreSQL fleet's effects table, read back and after a republish;
@@ -27,6 +28,7 @@ pub mod backups;
 pub mod effects_table;
 pub mod failover_times;
 pub mod handoffs;
+pub mod kafka;
 pub mod ledger;
 pub mod nats;
 pub mod pg_cluster;

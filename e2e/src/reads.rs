@@ -3,7 +3,9 @@
 //! consumers' commits wrote (one per offset and committing process) and their ledger, every
 //! offset settled by a commit with the outcome the stream's order makes, and none read again
 //! by a later process once an earlier one had committed it. A log has no dead-letter queue: the
-//! conflicts recorded in the store stand in for the dead letters of the shared check.
+//! conflicts recorded in the store stand in for the dead letters of the shared check. The checks
+//! take a log read back as (offset, body) pairs, so the Kafka checker runs them on its
+//! partitions (read back by `kafka.rs`) as they are.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
