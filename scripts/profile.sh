@@ -3,9 +3,10 @@
 # CPU goes, per message, counted exactly (instruction counts do not depend on what else the
 # machine is doing). Writes docs/bench/profile.md (or the folder given as $1).
 #
-# The pairs are the targets a CPU profile explains: P1 (idemdb's batch path against RocksDB
-# blind puts of the same bytes), P6 (the duplicate path against the insert path), and idemdb's
-# single claim against the hand-written get + write it replaces.
+# The pairs are the targets a CPU profile explains: idemdb's batch path against RocksDB blind
+# puts of the same bytes (P1) and against a hand-written batch dedup, a multi-get and one write
+# (P12); the duplicate path against the insert path (P6); and idemdb's single claim against the
+# hand-written get + write it replaces (P11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
@@ -26,10 +27,19 @@ trap 'rm -rf "$work"' EXIT
 contenders=(
     "idemdb default buffered, batch 64"
     "rocksdb blind put, batch 64"
+    "rocksdb multi-get + write batch, batch 64"
     "idemdb default buffered, 1 thread"
     "rocksdb get+write under lock, 1 thread"
     "idemdb duplicates, 1 thread"
 )
+# Only some of them: IDEMDB_PROFILE_ONLY="name|name" (an extended regular expression).
+if [ -n "${IDEMDB_PROFILE_ONLY:-}" ]; then
+    chosen=()
+    for contender in "${contenders[@]}"; do
+        if [[ "$contender" =~ $IDEMDB_PROFILE_ONLY ]]; then chosen+=("$contender"); fi
+    done
+    contenders=("${chosen[@]}")
+fi
 mkdir -p "$out"
 report="$out/profile.md"
 {

@@ -291,6 +291,10 @@ pub enum RawMode {
     BlindPut,
     /// `get` the marker, then write marker + business value, under one global lock.
     GetThenWrite,
+    /// A hand-written batch dedup: one `multi_get` of the batch's markers, then one write
+    /// batch of the new markers and their business values (a marker repeated inside the batch
+    /// written once), under one global lock.
+    MultiGetThenWrite,
     /// As [`RawMode::BlindPut`], made durable by a log of our own instead of RocksDB's WAL:
     /// the write batch's bytes written in place into a file filled once (a ring), then
     /// `fdatasync`, then the batch written to RocksDB without its WAL. The floor of the commit
@@ -304,7 +308,8 @@ pub struct Raw {
     db: Arc<DB>,
     mode: RawMode,
     write_options: Arc<WriteOptions>,
-    /// Guards nothing but the check-then-write sequence ([`RawMode::GetThenWrite`]).
+    /// Guards nothing but the check-then-write sequence ([`RawMode::GetThenWrite`],
+    /// [`RawMode::MultiGetThenWrite`]).
     lock: Arc<Mutex<()>>,
     /// The ring of [`RawMode::BlindPutOwnLog`].
     log: Option<Arc<Mutex<InPlaceLog>>>,
@@ -402,8 +407,27 @@ impl Session for RawSession {
         let mut batch = WriteBatch::default();
         let _guard = match self.mode {
             RawMode::BlindPut | RawMode::BlindPutOwnLog => None,
-            RawMode::GetThenWrite => Some(self.lock.lock().expect("lock")),
+            RawMode::GetThenWrite | RawMode::MultiGetThenWrite => {
+                Some(self.lock.lock().expect("lock"))
+            }
         };
+        if self.mode == RawMode::MultiGetThenWrite {
+            let keys: Vec<_> = deliveries.iter().map(Delivery::peer_key).collect();
+            let found = self.db.batched_multi_get_cf(&markers, &keys, false);
+            let mut written = Vec::with_capacity(deliveries.len());
+            for ((delivery, key), found) in deliveries.iter().zip(&keys).zip(found) {
+                if found?.is_some() || written.contains(&key) {
+                    continue;
+                }
+                written.push(key);
+                batch.put_cf(&markers, key, MARKER_VALUE);
+                batch.put_cf(&orders, delivery.key, delivery.value());
+            }
+            if !batch.is_empty() {
+                self.db.write_opt(batch, &self.write_options)?;
+            }
+            return Ok(());
+        }
         for delivery in deliveries {
             let marker = delivery.peer_key();
             if self.mode == RawMode::GetThenWrite

@@ -179,6 +179,13 @@ pub fn all() -> Vec<Spec> {
             1,
         ),
         Spec::new(
+            "rocksdb multi-get + write batch, batch 64",
+            Kind::Raw(Buffered, RawMode::MultiGetThenWrite),
+            1,
+            64,
+            1,
+        ),
+        Spec::new(
             "rocksdb TransactionDB, 2 threads",
             Kind::Transaction(Buffered),
             2,
