@@ -28,6 +28,9 @@
 //! controls (`e2e/src/bin/nats_replay_e2e.rs`). `--kill-at-commit-per-mille N` SIGKILLs the
 //! process at the placement's weak point: right after the commit (store), between the
 //! server's write and the commit (before), between the commit and the server's write (after).
+//! `--markers off` claims every read under a key of its own (its sequence and the process), so
+//! nothing is ever a duplicate: with the position written after the commit, a message read
+//! again by the next process is applied again, which the run's third control must catch.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -36,7 +39,7 @@ use async_nats::jetstream;
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use async_nats::jetstream::stream::{self, LastRawMessageErrorKind};
 use futures_lite::StreamExt;
-use idemdb::Settled;
+use idemdb::{ClaimBatch, Fingerprint, Message, Settled};
 
 #[path = "common/args.rs"]
 mod args;
@@ -54,8 +57,8 @@ use args::Flags;
 use group::{Read, Tables, claim_group};
 use ledger::Ledger;
 use names::{POSITIONS_STREAM, POSITIONS_SUBJECTS, STREAM, position_subject, subject};
-use orders::{BoxError, chain};
-use streams::{CONSUMER_ID, Placement, open_stream_store};
+use orders::{BoxError, TOTAL_AMOUNT_KEY, chain, parse_amount};
+use streams::{CONSUMER_ID, Placement, open_stream_store, order_id_of, read_key};
 
 /// The most messages committed as one group.
 const GROUP_MESSAGES_MAX: usize = 64;
@@ -71,6 +74,8 @@ struct Options {
     ledger: Option<PathBuf>,
     placement: Placement,
     kill_at_commit_per_mille: u64,
+    /// Off: no dedup at all (negative control).
+    markers: bool,
     seed: u64,
 }
 
@@ -82,6 +87,7 @@ fn parse_options() -> Result<Options, BoxError> {
         ledger: None,
         placement: Placement::Store,
         kill_at_commit_per_mille: 0,
+        markers: true,
         seed: u64::from(std::process::id()),
     };
     let mut flags = Flags::from_env();
@@ -98,6 +104,13 @@ fn parse_options() -> Result<Options, BoxError> {
             }
             "--kill-at-commit-per-mille" => {
                 options.kill_at_commit_per_mille = flags.parse(&flag)?;
+            }
+            "--markers" => {
+                options.markers = match flags.value(&flag)?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => return Err(format!("--markers is on or off, not {other}").into()),
+                }
             }
             "--seed" => options.seed = flags.parse(&flag)?,
             other => return Err(format!("unknown option {other}").into()),
@@ -323,6 +336,9 @@ impl Replay {
         }
         let last = group.last().map_or(0, |read| read.offset);
         let batch = loop {
+            if !self.options.markers {
+                break claim_unmarked(&self.consumer, &self.tables, &group)?;
+            }
             match claim_group(&self.consumer, &self.tables, &group)? {
                 Some(batch) => break batch,
                 // A resend of an order whose commit is in flight: once it is durable, the
@@ -392,6 +408,38 @@ impl Replay {
             unsafe { libc::raise(libc::SIGKILL) };
         }
     }
+}
+
+/// The negative control without markers: every read claimed under a key of its own (its
+/// sequence and this process), each fresh, its effects staged and its `reads` row written.
+fn claim_unmarked(
+    consumer: &idemdb::Consumer,
+    tables: &Tables,
+    group: &[Read],
+) -> Result<ClaimBatch, BoxError> {
+    let pid = std::process::id();
+    let keys: Vec<String> = group
+        .iter()
+        .map(|read| format!("{}/{pid}", read.offset))
+        .collect();
+    let messages: Vec<Message<'_>> = keys
+        .iter()
+        .zip(group)
+        .map(|(key, read)| Message::new(key.as_str(), Fingerprint::of(read.body.as_bytes())))
+        .collect();
+    let mut batch = consumer.begin_batch(&messages)?;
+    for (index, read) in group.iter().enumerate() {
+        let order_id = order_id_of(&read.body).unwrap_or_default();
+        let amount = parse_amount(read.body.as_bytes()).unwrap_or(0);
+        let claim = batch
+            .claim_mut(index)
+            .ok_or("a read under a key of its own that is not fresh")?;
+        claim.put(&tables.orders, order_id, &read.body)?;
+        claim.merge(&tables.effects, order_id, 1u64.to_be_bytes())?;
+        claim.merge(&tables.effects, TOTAL_AMOUNT_KEY, amount.to_be_bytes())?;
+        batch.put(&tables.reads, read_key(read.offset, pid), "fresh")?;
+    }
+    Ok(batch)
 }
 
 /// A message's stream sequence and body.

@@ -11,8 +11,8 @@
 # consumer, claiming in a private PostgreSQL server (free port, 127.0.0.1). Last, the log
 # consumer (examples/nats_replay.rs, checked by e2e/src/bin/nats_replay_e2e.rs on
 # 127.0.0.1:14223): an ordered consumer per shard replaying from the position idemdb committed
-# with the effects, and its two controls, the position kept at the server before the commit
-# (lost > 0) and after it (read again > 0).
+# with the effects, and its controls, the position kept at the server before the commit
+# (lost > 0) and after it (read again > 0; without markers, applied twice > 0).
 #
 #   ./scripts/nats-e2e.sh                          # the CI size
 #   ./scripts/nats-e2e.sh --orders 100000 --rate 1500 --min-kills 100 --server-kills 5   # long
@@ -58,3 +58,7 @@ replay="$CARGO_TARGET_DIR/release/nats_replay_e2e"
     --position broker-before-commit
 "$replay" --work "$work/replay-after" --orders 1000 --min-kills 5 --server-kills 1 \
     --position broker-after-commit
+# And after the commit without markers, no producer resends: messages read again are applied
+# twice.
+"$replay" --work "$work/replay-unmarked" --orders 1000 --min-kills 5 --server-kills 1 \
+    --position broker-after-commit --markers off --resend-percent 0 --reused 0

@@ -17,10 +17,10 @@ pub(crate) struct Read {
 
 /// The business tables a group writes to.
 pub(crate) struct Tables {
-    orders: idemdb::BusinessTable,
-    effects: idemdb::BusinessTable,
-    conflicts: idemdb::BusinessTable,
-    reads: idemdb::BusinessTable,
+    pub(crate) orders: idemdb::BusinessTable,
+    pub(crate) effects: idemdb::BusinessTable,
+    pub(crate) conflicts: idemdb::BusinessTable,
+    pub(crate) reads: idemdb::BusinessTable,
 }
 
 impl Tables {

@@ -24,11 +24,14 @@
 //! `--position broker-before-commit` or `broker-after-commit` it runs a negative control, the
 //! consumers keeping their position at the server (the last message of the shard's subject in a
 //! stream of positions), written before or after the commit: it exits 0 when the check it exists for caught the flaw (lost > 0 before; read
-//! again > 0, still applied twice = 0, after).
+//! again > 0, still applied twice = 0, after). With `--markers off` as well (the consumers claim
+//! every read under a key of its own: no dedup at all) and the position after the commit, it
+//! passes only if it finds **applied twice > 0**: run it with `--resend-percent 0 --reused 0`,
+//! so that only a message read again can be applied twice.
 //!
 //! `scripts/nats-e2e.sh` installs `nats-server` and runs this. Options: `--port PORT`,
 //! `--shards N`, `--kill-at-commit-per-mille N`, `--server-kills N`, `--duplicate-window-ms N`,
-//! `--msg-id on|off`, `--position PLACEMENT`, and the workload's `--orders N`,
+//! `--msg-id on|off`, `--position PLACEMENT`, `--markers on|off`, and the workload's `--orders N`,
 //! `--resend-percent P`, `--reused N`, `--rate MSGS_PER_S`, `--min-kills N`, `--work DIR`,
 //! `--seed N`.
 
@@ -57,6 +60,7 @@ struct Options {
     duplicate_window: Duration,
     msg_id: bool,
     placement: Placement,
+    markers: bool,
     load: Workload,
 }
 
@@ -77,6 +81,11 @@ fn parse_options() -> Result<Options, BoxError> {
         },
         placement: Placement::parse(&position)
             .ok_or_else(|| format!("unknown placement {position}"))?,
+        markers: match args.value("markers", "on".to_owned())?.as_str() {
+            "on" => true,
+            "off" => false,
+            other => return Err(format!("--markers is on or off, not {other}").into()),
+        },
         load: Workload::parse(&mut args, "nats-replay-e2e", 400)?,
     };
     args.finish()?;
@@ -88,6 +97,10 @@ fn parse_options() -> Result<Options, BoxError> {
     check(
         options.duplicate_window >= Duration::from_millis(100),
         "--duplicate-window-ms is at least 100",
+    )?;
+    check(
+        options.markers || options.placement == Placement::BrokerAfterCommit,
+        "--markers off goes with --position broker-after-commit (the control it exists for)",
     )?;
     Ok(options)
 }
@@ -104,6 +117,7 @@ fn consumers(options: &Options, url: &str) -> Result<Supervisor, BoxError> {
     let work = options.load.work.clone();
     let placement = options.placement.label();
     let kill = options.kill_at_commit_per_mille.to_string();
+    let markers = if options.markers { "on" } else { "off" };
     let seed = options.load.seed;
     let mut starts = 0u64;
     let command_line = move |shard: usize, command: &mut Command| {
@@ -122,6 +136,8 @@ fn consumers(options: &Options, url: &str) -> Result<Supervisor, BoxError> {
             .arg(placement)
             .arg("--kill-at-commit-per-mille")
             .arg(&kill)
+            .arg("--markers")
+            .arg(markers)
             .arg("--seed")
             .arg((seed ^ (starts << 20)).to_string());
         Ok(())
@@ -394,6 +410,11 @@ async fn run() -> Result<bool, BoxError> {
         Placement::BrokerBeforeCommit => Control::Negative {
             caught: verdict.lost > 0,
             flaw: "the position written at the server before the commit loses messages (lost > 0)",
+        },
+        Placement::BrokerAfterCommit if !options.markers => Control::Negative {
+            caught: verdict.applied_twice > 0,
+            flaw: "without markers, the position written at the server after the commit applies \
+                   messages read again twice (applied twice > 0)",
         },
         Placement::BrokerAfterCommit => Control::Negative {
             caught: found.read_again > 0 && verdict.applied_twice == 0,
