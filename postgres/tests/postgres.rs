@@ -3961,7 +3961,7 @@ async fn expect_rows_with_their_removal_times(
 ) -> Result<(), Failure> {
     use idemdb::format::{RecordState, printable};
     let mut expected = Vec::new();
-    for (_, record) in idemdb::transfer::read_lines(lines)? {
+    for (_, record) in idemdb::transfer::read_lines(lines)?.records {
         let removable_at_ms = match &record.record().state {
             RecordState::Completed { expires_at_ms, .. } => *expires_at_ms,
             RecordState::Released {
@@ -4740,7 +4740,7 @@ async fn migration_from_schema_4_keeps_every_live_record(url: &str) -> Result<()
         }
     }
     let exported = export_text(&source, &client).await?;
-    let records = idemdb::transfer::read_lines(exported.as_bytes())?;
+    let records = idemdb::transfer::read_lines(exported.as_bytes())?.records;
     ensure!(
         records.len() == live.len() + expired.len(),
         "{} records exported: {exported}",
