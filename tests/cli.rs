@@ -972,7 +972,22 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     claim.set_expiry(Expiry::Never).unwrap();
     claim.commit("kept").unwrap();
     commit(&engine, "tax", b"vat-1", "filed");
+    // Read positions: both exports write them after the records, by consumer id and source
+    // byte by byte (not the records' shorter-first order) and partition.
+    let billing = engine.consumer("billing").unwrap().positions();
+    billing.advance("orders", 0, 41).unwrap();
+    billing.advance("orders", 2, 7).unwrap();
+    billing.advance("aaa", 0, u64::MAX >> 1).unwrap();
+    billing.advance("zz", 4_000_000_000, 0).unwrap();
+    store.clock.set(now_ms + MINUTE_MS);
+    engine
+        .consumer("tax")
+        .unwrap()
+        .positions()
+        .advance("filings", 0, 3)
+        .unwrap();
     drop(engine);
+    let positions = 5;
 
     // One record per key made above, in the stored key's order (consumer id shorter first).
     // The export writes every record that decodes, expired and released ones included (it
@@ -1004,8 +1019,47 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     let output = idemdb(&["export", store.path()]);
     expect_code(&output, 0);
     let first = output.stdout;
-    let first_keys: Vec<Value> = String::from_utf8_lossy(&first)
+    let (record_lines, position_lines): (Vec<&str>, Vec<&str>) = std::str::from_utf8(&first)
+        .unwrap()
         .lines()
+        .partition(|line| !line.starts_with("{\"kind\":\"position\""));
+    assert_eq!(
+        position_lines,
+        [
+            ("aaa", 0, u64::MAX >> 1),
+            ("orders", 0, 41),
+            ("orders", 2, 7),
+            ("zz", 4_000_000_000u64, 0u64),
+        ]
+        .map(|(source, partition, offset)| {
+            format!(
+                "{{\"kind\":\"position\",\"consumer\":\"billing\",\"consumer_hex\":\
+                 \"62696c6c696e67\",\"source\":\"{source}\",\"partition\":{partition},\
+                 \"offset\":{offset},\"updated_at_ms\":{now_ms}}}"
+            )
+        })
+        .into_iter()
+        .chain([format!(
+            "{{\"kind\":\"position\",\"consumer\":\"tax\",\"consumer_hex\":\"746178\",\
+             \"source\":\"filings\",\"partition\":0,\"offset\":3,\"updated_at_ms\":{}}}",
+            now_ms + MINUTE_MS
+        )])
+        .collect::<Vec<String>>(),
+        "every position after every record, by consumer and source byte by byte"
+    );
+    assert_eq!(
+        record_lines.len() + position_lines.len(),
+        String::from_utf8_lossy(&first).lines().count()
+    );
+    assert!(
+        String::from_utf8_lossy(&first)
+            .lines()
+            .skip(record_lines.len())
+            .all(|line| line.starts_with("{\"kind\":\"position\"")),
+        "the positions come last"
+    );
+    let first_keys: Vec<Value> = record_lines
+        .iter()
         .map(|line| {
             let line: Value = serde_json::from_str(line).unwrap();
             serde_json::json!([line["consumer"], line["key"], line["state"]])
@@ -1034,7 +1088,10 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     let output = run(with("import", &[]), &first);
     expect_code(&output, 0);
     assert!(
-        stdout(&output).contains(&format!("imported {records}, overwritten 0, skipped 0")),
+        stdout(&output).contains(&format!(
+            "imported {records}, overwritten 0, skipped 0\nread positions: imported {positions}, \
+             advanced 0, overwritten 0, skipped 0"
+        )),
         "{}",
         stdout(&output)
     );
@@ -1055,6 +1112,10 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     let output = idemdb_with_input(&["import", back.path(), "--json"], Some(&from_postgres));
     expect_code(&output, 0);
     assert_eq!(json(&output)["imported"], records);
+    assert_eq!(
+        json(&output)["positions"],
+        serde_json::json!({"imported": positions, "advanced": 0, "overwritten": 0, "skipped": 0})
+    );
     let output = idemdb(&["export", back.path()]);
     expect_code(&output, 0);
     assert_eq!(
@@ -1069,6 +1130,18 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
         original,
         "every record, field for field, read through the library"
     );
+    let stored_positions = |path: &Path| {
+        idemdb::admin::Store::builder(path)
+            .open_read_only()
+            .unwrap()
+            .positions(None)
+            .unwrap()
+    };
+    assert_eq!(
+        stored_positions(back.dir.path()),
+        stored_positions(store.dir.path()),
+        "every read position, offset and time, read through the library"
+    );
 
     // An entity table's record has no place in PostgreSQL: refused, nothing written.
     let (entities, engine) = fixture();
@@ -1081,6 +1154,124 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     assert_eq!(
         output.stdout, from_postgres,
         "nothing of the refused input was written"
+    );
+
+    // A position moves forward only, unless --overwrite: behind the stored one it is skipped
+    // (exit 1), ahead of it it advances it, and --overwrite sets it backwards too; the same on
+    // both backends.
+    let moved = |offset: u64| {
+        format!(
+            "{{\"kind\":\"position\",\"consumer\":\"billing\",\"consumer_hex\":\
+             \"62696c6c696e67\",\"source\":\"orders\",\"partition\":0,\"offset\":{offset},\
+             \"updated_at_ms\":5}}\n"
+        )
+    };
+    let pg_offset = || {
+        let listed = idemdb_pg(
+            &pg_tool,
+            &[
+                "positions",
+                "list",
+                "--url",
+                &url,
+                "--schema",
+                "moved",
+                "--consumer",
+                "billing",
+            ],
+            b"",
+        );
+        expect_code(&listed, 0);
+        stdout(&listed)
+            .lines()
+            .find(|line| line.starts_with("orders ") && line.split_whitespace().nth(1) == Some("0"))
+            .and_then(|line| line.split_whitespace().nth(2))
+            .unwrap()
+            .to_owned()
+    };
+    let embedded_offset = || {
+        stored_positions(back.dir.path())
+            .into_iter()
+            .find(|entry| entry.position.source == "orders" && entry.position.partition == 0)
+            .unwrap()
+            .position
+            .offset
+            .to_string()
+    };
+    for (offset, overwrite, code, counts, after) in [
+        (
+            40,
+            false,
+            1,
+            "imported 0, advanced 0, overwritten 0, skipped 1",
+            "41",
+        ),
+        (
+            41,
+            false,
+            1,
+            "imported 0, advanced 0, overwritten 0, skipped 1",
+            "41",
+        ),
+        (
+            50,
+            false,
+            0,
+            "imported 0, advanced 1, overwritten 0, skipped 0",
+            "50",
+        ),
+        (
+            40,
+            true,
+            0,
+            "imported 0, advanced 0, overwritten 1, skipped 0",
+            "40",
+        ),
+    ] {
+        let flag: &[&str] = if overwrite { &["--overwrite"] } else { &[] };
+        let output = run(with("import", flag), moved(offset).as_bytes());
+        expect_code(&output, code);
+        assert!(
+            stdout(&output).contains(&format!("read positions: {counts}")),
+            "{offset}: {}",
+            stdout(&output)
+        );
+        assert_eq!(pg_offset(), after, "PostgreSQL, {offset}");
+        let mut args = vec!["import", back.path()];
+        args.extend(flag);
+        let output = idemdb_with_input(&args, Some(moved(offset).as_bytes()));
+        expect_code(&output, code);
+        assert!(
+            stdout(&output).contains(&format!("read positions: {counts}")),
+            "{offset}: {}",
+            stdout(&output)
+        );
+        assert_eq!(embedded_offset(), after, "embedded, {offset}");
+    }
+    // Refused before anything is written, on both backends: a position given twice, one
+    // PostgreSQL cannot store (offset past i64::MAX; the embedded store takes it), a line of a
+    // kind this release does not know.
+    let twice = format!("{}{}", moved(60), moved(61));
+    let too_far = moved(u64::MAX);
+    let unknown = moved(60).replace("\"position\"", "\"watermark\"");
+    for (input, embedded_refuses) in [(&twice, true), (&too_far, false), (&unknown, true)] {
+        let output = run(with("import", &["--overwrite"]), input.as_bytes());
+        expect_code(&output, 2);
+        assert_eq!(pg_offset(), "40", "nothing written: {}", stderr(&output));
+        if embedded_refuses {
+            let output = idemdb_with_input(&["import", back.path()], Some(input.as_bytes()));
+            expect_code(&output, 2);
+            assert_eq!(
+                embedded_offset(),
+                "40",
+                "nothing written: {}",
+                stderr(&output)
+            );
+        }
+    }
+    assert!(
+        stderr(&run(with("import", &[]), unknown.as_bytes())).contains("\"watermark\""),
+        "the refusal names the kind"
     );
     drop(server);
 }
@@ -1426,7 +1617,6 @@ fn a_log_consumer_moves_to_postgres_and_back_mid_stream_without_loss_or_double()
             .await
             .unwrap();
         let start = moved_postgres_run(&store, &mut client, &log, 45, 51).await;
-        assert_eq!(start, 30 - MOVED_REPLAY, "resumed at the imported position");
         let rows = client
             .query(
                 "SELECT message_key, count(*) FROM moved.applied GROUP BY 1",
@@ -1434,10 +1624,13 @@ fn a_log_consumer_moves_to_postgres_and_back_mid_stream_without_loss_or_double()
             )
             .await
             .unwrap();
-        rows.iter()
+        let effects = rows
+            .iter()
             .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1) as u64))
-            .collect::<std::collections::BTreeMap<String, u64>>()
+            .collect::<std::collections::BTreeMap<String, u64>>();
+        (start, effects)
     });
+    let (pg_start, pg_effects) = pg_effects;
 
     // Back to a new embedded store, opened once by its application (its tables made).
     let output = pg("export", &[], b"");
@@ -1456,11 +1649,7 @@ fn a_log_consumer_moves_to_postgres_and_back_mid_stream_without_loss_or_double()
         stdout(&output)
     );
     let engine = moved_builder(back.dir.path(), &clock).open().unwrap();
-    assert_eq!(
-        moved_embedded_run(&engine, &log, 60, 59),
-        51 - MOVED_REPLAY,
-        "resumed at the position PostgreSQL exported"
-    );
+    let back_start = moved_embedded_run(&engine, &log, 60, 59);
     let end = engine
         .consumer("mover")
         .unwrap()
@@ -1494,5 +1683,16 @@ fn a_log_consumer_moves_to_postgres_and_back_mid_stream_without_loss_or_double()
         "messages applied more than once: {twice:?}"
     );
     assert_eq!(applied, expected);
+    // Each move resumed exactly at the position exported (less the replay).
+    assert_eq!(
+        pg_start,
+        30 - MOVED_REPLAY,
+        "PostgreSQL resumed at the imported position"
+    );
+    assert_eq!(
+        back_start,
+        51 - MOVED_REPLAY,
+        "the embedded engine resumed at the position PostgreSQL exported"
+    );
     drop(server);
 }

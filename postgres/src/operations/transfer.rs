@@ -82,8 +82,8 @@ pub struct CorruptRow {
 impl PgStore {
     /// Writes every record, of every consumer, to `out` as export lines, then every read
     /// position as a position line, in the order `idemdb export` writes them: by consumer id
-    /// (shorter first), then by key; positions by consumer, source (shorter first, then byte
-    /// by byte) and partition. One statement, so one snapshot: claims go on meanwhile, each
+    /// (shorter first), then by key; positions by consumer id and source, byte by byte, and
+    /// partition. One statement, so one snapshot: claims go on meanwhile, each
     /// line is a record or position as it was at that snapshot, and no position points past
     /// a record the export lacks. Expired rows not yet removed are exported as they are, as
     /// the embedded store's export does.
@@ -428,10 +428,10 @@ async fn export_rows(
     } else {
         ""
     };
-    // The embedded store's order: its stored keys are the consumer's length, the consumer and
-    // the key (a record), or the source's length, the source and the partition big-endian (a
-    // position), compared byte by byte (bytea, and text in the "C" collation, compare that
-    // way too); its export writes the records first.
+    // The embedded export's order: records first, in their stored keys' order (the consumer's
+    // length, the consumer and the key, compared byte by byte, as bytea compares); then
+    // positions as its positions are listed, by consumer and source byte by byte (text in the
+    // "C" collation) and partition.
     let statement = format!(
         "SELECT * FROM ( \
              SELECT 0 AS kind, consumer, message_key, record, NULL::text AS source, \
@@ -442,7 +442,7 @@ async fn export_rows(
              SELECT 1, consumer, NULL, NULL, source, partition, read_offset, updated_at_ms \
              FROM {positions_table} {only} \
          ) AS lines \
-         ORDER BY kind, length(consumer), consumer, message_key, octet_length(source), \
+         ORDER BY kind, CASE WHEN kind = 0 THEN length(consumer) END, consumer, message_key, \
                   source COLLATE \"C\", partition"
     );
     let params: Vec<&(dyn ToSql + Sync)> = match &consumer {
