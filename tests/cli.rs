@@ -4,8 +4,11 @@
 //! and backup / restore (round trip with unflushed merge operands, busy and existing targets
 //! refused, the backup never changed, a copy to another file system), and a store moved to
 //! PostgreSQL and back through `idemdb export`, `idemdb-pg import`, `idemdb-pg export` and
-//! `idemdb import`, every record exact (needs PostgreSQL and the idemdb-pg binary; skipped
-//! without them unless `IDEMDB_PG_BIN` is set).
+//! `idemdb import`, every record and read position exact, positions imported forward only
+//! unless `--overwrite` and bad position lines refused on both backends, and a log consumer
+//! moved from the embedded engine to PostgreSQL and back mid-stream with every message applied
+//! once (needs PostgreSQL and the idemdb-pg binary; skipped without them unless
+//! `IDEMDB_PG_BIN` is set).
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};

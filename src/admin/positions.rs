@@ -161,6 +161,35 @@ impl Store {
     /// ([`Store::import`]): a consumer resuming from an imported position then finds the
     /// records of every message before it. Written in one batch, fsynced before it returns.
     ///
+    /// ```
+    /// use idemdb::admin::{ImportPosition, Store};
+    /// use idemdb::{Engine, Position};
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let engine = Engine::builder(dir.path()).open()?;
+    /// engine.consumer("billing")?.positions().advance("orders", 0, 41)?;
+    /// drop(engine);
+    ///
+    /// // Another store's export, read back: partition 0 behind this store's, 1 new here.
+    /// let exported = [
+    ///     ImportPosition::new(b"billing", Position::new("orders", 0, 40, 1_000))?,
+    ///     ImportPosition::new(b"billing", Position::new("orders", 1, 7, 1_000))?,
+    /// ];
+    /// let store = Store::builder(dir.path()).open_exclusive()?;
+    /// let counts = store.import_positions(&exported, false)?;
+    /// assert_eq!((counts.imported, counts.skipped), (1, 1));
+    /// let offsets: Vec<u64> = store
+    ///     .positions(Some(b"billing"))?
+    ///     .iter()
+    ///     .map(|entry| entry.position.offset)
+    ///     .collect();
+    /// assert_eq!(offsets, [41, 7], "partition 0 stays ahead; partition 1 imported");
+    /// // With overwrite, backwards too.
+    /// assert_eq!(store.import_positions(&exported, true)?.overwritten, 2);
+    /// assert_eq!(store.positions(Some(b"billing"))?[0].position.offset, 40);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
     /// Checked before anything is written: [`Error::InvalidArgument`] for a position given
     /// twice (consumer, source and partition), or for a store with no positions table
