@@ -1254,13 +1254,25 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     // Refused before anything is written, on both backends: a position given twice, one
     // PostgreSQL cannot store (offset past i64::MAX; the embedded store takes it), a line of a
     // kind this release does not know.
-    let twice = format!("{}{}", moved(60), moved(61));
-    let too_far = moved(u64::MAX);
-    let unknown = moved(60).replace("\"position\"", "\"watermark\"");
+    // Each after a record of a new key (`tax` `new`), which is not written either.
+    let new_record = format!(
+        "{}\n",
+        record_lines[0].replace("\"key_hex\":\"7661742d31\"", "\"key_hex\":\"6e6577\"")
+    );
+    assert_ne!(new_record.trim_end(), record_lines[0]);
+    let twice = format!("{new_record}{}{}", moved(60), moved(61));
+    let too_far = format!("{new_record}{}", moved(u64::MAX));
+    let unknown = format!("{new_record}{}", moved(60)).replace("\"position\"", "\"watermark\"");
     for (input, embedded_refuses) in [(&twice, true), (&too_far, false), (&unknown, true)] {
         let output = run(with("import", &["--overwrite"]), input.as_bytes());
         expect_code(&output, 2);
         assert_eq!(pg_offset(), "40", "nothing written: {}", stderr(&output));
+        let exported = run(with("export", &[]), b"");
+        assert!(
+            !stdout(&exported).contains("6e6577"),
+            "no record written: {}",
+            stderr(&output)
+        );
         if embedded_refuses {
             let output = idemdb_with_input(&["import", back.path()], Some(input.as_bytes()));
             expect_code(&output, 2);
@@ -1268,6 +1280,13 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
                 embedded_offset(),
                 "40",
                 "nothing written: {}",
+                stderr(&output)
+            );
+            assert!(
+                !stored_records(back.dir.path())
+                    .iter()
+                    .any(|(_, _, key, _)| key == b"new"),
+                "no record written: {}",
                 stderr(&output)
             );
         }

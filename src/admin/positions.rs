@@ -152,14 +152,42 @@ impl Store {
         Ok(previous)
     }
 
+    /// What [`Store::import_positions`] checks before it writes anything: run it before
+    /// [`Store::import`] writes the records, so that a refused position leaves the store as it
+    /// was.
+    ///
+    /// # Errors
+    /// As the refusals of [`Store::import_positions`] made before anything is written:
+    /// [`Error::ReadOnly`]; [`Error::InvalidArgument`] for a position given twice, or for
+    /// positions given to a store with no positions table.
+    pub fn check_import_positions(&self, positions: &[ImportPosition]) -> Result<()> {
+        let engine = self.engine()?;
+        if positions.is_empty() {
+            return Ok(());
+        }
+        positions_table(engine.storage())?;
+        let mut seen = HashSet::with_capacity(positions.len());
+        for given in positions {
+            if !seen.insert(given.stored_key.as_slice()) {
+                return Err(Error::invalid_argument(format!(
+                    "the position of consumer {} in partition {} of {:?} is given twice",
+                    printable(&given.consumer),
+                    given.position.partition,
+                    given.position.source
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Writes `positions` (an export's, typically) into the store, each with its offset and
     /// time as given. As the positions API moves a position, an import moves it forward only:
     /// where the store holds none, or one behind, the imported one is written; where it holds
     /// one at or ahead of it, that one stays (counted as skipped), since this store's consumer
     /// has read further. With `overwrite`, every position is written whatever the stored one
     /// (an operator's reset, as [`Store::set_position`]). Import the records first
-    /// ([`Store::import`]): a consumer resuming from an imported position then finds the
-    /// records of every message before it. Written in one batch, fsynced before it returns.
+    /// ([`Store::import`], after [`Store::check_import_positions`]): a consumer resuming from
+    /// an imported position then finds the records of every message before it. Written in one batch, fsynced before it returns.
     ///
     /// ```
     /// use idemdb::admin::{ImportPosition, Store};
@@ -191,10 +219,11 @@ impl Store {
     /// ```
     ///
     /// # Errors
-    /// Checked before anything is written: [`Error::InvalidArgument`] for a position given
-    /// twice (consumer, source and partition), or for a store with no positions table
-    /// (written before positions existed: open it once with the application).
-    /// [`Error::ReadOnly`] on a read-only open; [`Error::Corrupt`] for a stored position that
+    /// Checked before anything is written ([`Store::check_import_positions`]):
+    /// [`Error::InvalidArgument`] for a position given twice (consumer, source and
+    /// partition), or for positions given to a store with no positions table (written before
+    /// positions existed: open it once with the application); [`Error::ReadOnly`] on a
+    /// read-only open. [`Error::Corrupt`] for a stored position that
     /// does not decode (without `overwrite`; with it, it is replaced); [`Error::Storage`] if a
     /// read or the write fails.
     pub fn import_positions(
@@ -202,21 +231,14 @@ impl Store {
         positions: &[ImportPosition],
         overwrite: bool,
     ) -> Result<PositionImportCounts> {
+        self.check_import_positions(positions)?;
+        let mut counts = PositionImportCounts::default();
+        if positions.is_empty() {
+            return Ok(counts);
+        }
         let engine = self.engine()?;
         let storage = engine.storage();
         let cf = positions_table(storage)?;
-        let mut seen = HashSet::with_capacity(positions.len());
-        for given in positions {
-            if !seen.insert(given.stored_key.as_slice()) {
-                return Err(Error::invalid_argument(format!(
-                    "the position of consumer {} in partition {} of {:?} is given twice",
-                    printable(&given.consumer),
-                    given.position.partition,
-                    given.position.source
-                )));
-            }
-        }
-        let mut counts = PositionImportCounts::default();
         let mut batch = WriteBatch::default();
         for given in positions {
             let stored = match storage.read_position(&given.stored_key) {

@@ -155,7 +155,9 @@ pub fn import(args: &ImportArgs, json: bool, out: &mut impl Write) -> Result<u8,
     let (records, positions) = read_import_lines(args.input.as_deref())?;
     let store = open_write(&args.store.store, None, &args.wait)?;
     // The records first: a consumer resuming from an imported position finds the records of
-    // every message before it, even if the positions' write fails.
+    // every message before it, even if the positions' write fails. Their checks first of all:
+    // a refused position writes nothing.
+    store.check_import_positions(&positions)?;
     let counts = store.import(&records, args.overwrite)?;
     let moved = store.import_positions(&positions, args.overwrite)?;
     if json {
