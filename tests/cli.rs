@@ -4,8 +4,11 @@
 //! and backup / restore (round trip with unflushed merge operands, busy and existing targets
 //! refused, the backup never changed, a copy to another file system), and a store moved to
 //! PostgreSQL and back through `idemdb export`, `idemdb-pg import`, `idemdb-pg export` and
-//! `idemdb import`, every record exact (needs PostgreSQL and the idemdb-pg binary; skipped
-//! without them unless `IDEMDB_PG_BIN` is set).
+//! `idemdb import`, every record and read position exact, positions imported forward only
+//! unless `--overwrite` and bad position lines refused on both backends, and a log consumer
+//! moved from the embedded engine to PostgreSQL and back mid-stream with every message applied
+//! once (needs PostgreSQL and the idemdb-pg binary; skipped without them unless
+//! `IDEMDB_PG_BIN` is set).
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -972,7 +975,22 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     claim.set_expiry(Expiry::Never).unwrap();
     claim.commit("kept").unwrap();
     commit(&engine, "tax", b"vat-1", "filed");
+    // Read positions: both exports write them after the records, by consumer id and source
+    // byte by byte (not the records' shorter-first order) and partition.
+    let billing = engine.consumer("billing").unwrap().positions();
+    billing.advance("orders", 0, 41).unwrap();
+    billing.advance("orders", 2, 7).unwrap();
+    billing.advance("aaa", 0, u64::MAX >> 1).unwrap();
+    billing.advance("zz", 4_000_000_000, 0).unwrap();
+    store.clock.set(now_ms + MINUTE_MS);
+    engine
+        .consumer("tax")
+        .unwrap()
+        .positions()
+        .advance("filings", 0, 3)
+        .unwrap();
     drop(engine);
+    let positions = 5;
 
     // One record per key made above, in the stored key's order (consumer id shorter first).
     // The export writes every record that decodes, expired and released ones included (it
@@ -1004,8 +1022,47 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     let output = idemdb(&["export", store.path()]);
     expect_code(&output, 0);
     let first = output.stdout;
-    let first_keys: Vec<Value> = String::from_utf8_lossy(&first)
+    let (record_lines, position_lines): (Vec<&str>, Vec<&str>) = std::str::from_utf8(&first)
+        .unwrap()
         .lines()
+        .partition(|line| !line.starts_with("{\"kind\":\"position\""));
+    assert_eq!(
+        position_lines,
+        [
+            ("aaa", 0, u64::MAX >> 1),
+            ("orders", 0, 41),
+            ("orders", 2, 7),
+            ("zz", 4_000_000_000u64, 0u64),
+        ]
+        .map(|(source, partition, offset)| {
+            format!(
+                "{{\"kind\":\"position\",\"consumer\":\"billing\",\"consumer_hex\":\
+                 \"62696c6c696e67\",\"source\":\"{source}\",\"partition\":{partition},\
+                 \"offset\":{offset},\"updated_at_ms\":{now_ms}}}"
+            )
+        })
+        .into_iter()
+        .chain([format!(
+            "{{\"kind\":\"position\",\"consumer\":\"tax\",\"consumer_hex\":\"746178\",\
+             \"source\":\"filings\",\"partition\":0,\"offset\":3,\"updated_at_ms\":{}}}",
+            now_ms + MINUTE_MS
+        )])
+        .collect::<Vec<String>>(),
+        "every position after every record, by consumer and source byte by byte"
+    );
+    assert_eq!(
+        record_lines.len() + position_lines.len(),
+        String::from_utf8_lossy(&first).lines().count()
+    );
+    assert!(
+        String::from_utf8_lossy(&first)
+            .lines()
+            .skip(record_lines.len())
+            .all(|line| line.starts_with("{\"kind\":\"position\"")),
+        "the positions come last"
+    );
+    let first_keys: Vec<Value> = record_lines
+        .iter()
         .map(|line| {
             let line: Value = serde_json::from_str(line).unwrap();
             serde_json::json!([line["consumer"], line["key"], line["state"]])
@@ -1034,7 +1091,10 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     let output = run(with("import", &[]), &first);
     expect_code(&output, 0);
     assert!(
-        stdout(&output).contains(&format!("imported {records}, overwritten 0, skipped 0")),
+        stdout(&output).contains(&format!(
+            "imported {records}, overwritten 0, skipped 0\nread positions: imported {positions}, \
+             advanced 0, overwritten 0, skipped 0"
+        )),
         "{}",
         stdout(&output)
     );
@@ -1055,6 +1115,10 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     let output = idemdb_with_input(&["import", back.path(), "--json"], Some(&from_postgres));
     expect_code(&output, 0);
     assert_eq!(json(&output)["imported"], records);
+    assert_eq!(
+        json(&output)["positions"],
+        serde_json::json!({"imported": positions, "advanced": 0, "overwritten": 0, "skipped": 0})
+    );
     let output = idemdb(&["export", back.path()]);
     expect_code(&output, 0);
     assert_eq!(
@@ -1069,6 +1133,18 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
         original,
         "every record, field for field, read through the library"
     );
+    let stored_positions = |path: &Path| {
+        idemdb::admin::Store::builder(path)
+            .open_read_only()
+            .unwrap()
+            .positions(None)
+            .unwrap()
+    };
+    assert_eq!(
+        stored_positions(back.dir.path()),
+        stored_positions(store.dir.path()),
+        "every read position, offset and time, read through the library"
+    );
 
     // An entity table's record has no place in PostgreSQL: refused, nothing written.
     let (entities, engine) = fixture();
@@ -1081,6 +1157,143 @@ fn a_store_moves_to_postgres_and_back_through_the_operator_tools() {
     assert_eq!(
         output.stdout, from_postgres,
         "nothing of the refused input was written"
+    );
+
+    // A position moves forward only, unless --overwrite: behind the stored one it is skipped
+    // (exit 1), ahead of it it advances it, and --overwrite sets it backwards too; the same on
+    // both backends.
+    let moved = |offset: u64| {
+        format!(
+            "{{\"kind\":\"position\",\"consumer\":\"billing\",\"consumer_hex\":\
+             \"62696c6c696e67\",\"source\":\"orders\",\"partition\":0,\"offset\":{offset},\
+             \"updated_at_ms\":5}}\n"
+        )
+    };
+    let pg_offset = || {
+        let listed = idemdb_pg(
+            &pg_tool,
+            &[
+                "positions",
+                "list",
+                "--url",
+                &url,
+                "--schema",
+                "moved",
+                "--consumer",
+                "billing",
+            ],
+            b"",
+        );
+        expect_code(&listed, 0);
+        stdout(&listed)
+            .lines()
+            .find(|line| line.starts_with("orders ") && line.split_whitespace().nth(1) == Some("0"))
+            .and_then(|line| line.split_whitespace().nth(2))
+            .unwrap()
+            .to_owned()
+    };
+    let embedded_offset = || {
+        stored_positions(back.dir.path())
+            .into_iter()
+            .find(|entry| entry.position.source == "orders" && entry.position.partition == 0)
+            .unwrap()
+            .position
+            .offset
+            .to_string()
+    };
+    for (offset, overwrite, code, counts, after) in [
+        (
+            40,
+            false,
+            1,
+            "imported 0, advanced 0, overwritten 0, skipped 1",
+            "41",
+        ),
+        (
+            41,
+            false,
+            1,
+            "imported 0, advanced 0, overwritten 0, skipped 1",
+            "41",
+        ),
+        (
+            50,
+            false,
+            0,
+            "imported 0, advanced 1, overwritten 0, skipped 0",
+            "50",
+        ),
+        (
+            40,
+            true,
+            0,
+            "imported 0, advanced 0, overwritten 1, skipped 0",
+            "40",
+        ),
+    ] {
+        let flag: &[&str] = if overwrite { &["--overwrite"] } else { &[] };
+        let output = run(with("import", flag), moved(offset).as_bytes());
+        expect_code(&output, code);
+        assert!(
+            stdout(&output).contains(&format!("read positions: {counts}")),
+            "{offset}: {}",
+            stdout(&output)
+        );
+        assert_eq!(pg_offset(), after, "PostgreSQL, {offset}");
+        let mut args = vec!["import", back.path()];
+        args.extend(flag);
+        let output = idemdb_with_input(&args, Some(moved(offset).as_bytes()));
+        expect_code(&output, code);
+        assert!(
+            stdout(&output).contains(&format!("read positions: {counts}")),
+            "{offset}: {}",
+            stdout(&output)
+        );
+        assert_eq!(embedded_offset(), after, "embedded, {offset}");
+    }
+    // Refused before anything is written, on both backends: a position given twice, one
+    // PostgreSQL cannot store (offset past i64::MAX; the embedded store takes it), a line of a
+    // kind this release does not know.
+    // Each after a record of a new key (`tax` `new`), which is not written either.
+    let new_record = format!(
+        "{}\n",
+        record_lines[0].replace("\"key_hex\":\"7661742d31\"", "\"key_hex\":\"6e6577\"")
+    );
+    assert_ne!(new_record.trim_end(), record_lines[0]);
+    let twice = format!("{new_record}{}{}", moved(60), moved(61));
+    let too_far = format!("{new_record}{}", moved(u64::MAX));
+    let unknown = format!("{new_record}{}", moved(60)).replace("\"position\"", "\"watermark\"");
+    for (input, embedded_refuses) in [(&twice, true), (&too_far, false), (&unknown, true)] {
+        let output = run(with("import", &["--overwrite"]), input.as_bytes());
+        expect_code(&output, 2);
+        assert_eq!(pg_offset(), "40", "nothing written: {}", stderr(&output));
+        let exported = run(with("export", &[]), b"");
+        assert!(
+            !stdout(&exported).contains("6e6577"),
+            "no record written: {}",
+            stderr(&output)
+        );
+        if embedded_refuses {
+            let output = idemdb_with_input(&["import", back.path()], Some(input.as_bytes()));
+            expect_code(&output, 2);
+            assert_eq!(
+                embedded_offset(),
+                "40",
+                "nothing written: {}",
+                stderr(&output)
+            );
+            assert!(
+                !stored_records(back.dir.path())
+                    .iter()
+                    .any(|(_, _, key, _)| key == b"new"),
+                "no record written: {}",
+                stderr(&output)
+            );
+        }
+    }
+    assert!(
+        stderr(&run(with("import", &[]), unknown.as_bytes())).contains("\"watermark\""),
+        "the refusal names the kind"
     );
     drop(server);
 }
@@ -1190,4 +1403,318 @@ fn positions_are_listed_beside_a_live_consumer_and_reset_only_when_it_is_stopped
     let none = idemdb(&["positions", "list", path_str(empty.path())]);
     expect_code(&none, 0);
     assert_eq!(stdout(&none).trim(), "no read positions");
+}
+
+/// The log of the moved consumer: the message at offset `i` is `log[i]`, its key. A key
+/// published again later (a producer's retry) is the same message: its second delivery is a
+/// duplicate, never applied.
+fn moved_log(length: usize) -> Vec<String> {
+    (0..length)
+        .map(|offset| {
+            let original = if offset % 7 == 3 { offset - 2 } else { offset };
+            format!("order-{original}")
+        })
+        .collect()
+}
+
+/// How many messages before its position a consumer reads again when it starts: a broker
+/// redelivering what was not acknowledged. Their claims are duplicates.
+const MOVED_REPLAY: u64 = 3;
+
+/// Where a run of the moved consumer starts: one past its position, less the replay; without
+/// a position, at the log's end as published so far (a consumer configured to start at the
+/// latest offset, as a new Kafka consumer group is by default), so a position lost on the way
+/// skips the messages published before the consumer started.
+fn moved_start(position: Option<idemdb::Position>, published: usize) -> u64 {
+    position.map_or(published as u64, |position| {
+        position.next_offset().saturating_sub(MOVED_REPLAY)
+    })
+}
+
+/// One run of the moved consumer on the embedded engine: from its start (`moved_start`) to
+/// `until`, each fresh message's effect (one more in `applied`, under its key) and the read
+/// position in its claim's batch, a duplicate past the position moving the position alone;
+/// then the message at `until` claimed, its effect staged and the claim dropped (a crash
+/// before its commit). Returns where it started.
+fn moved_embedded_run(engine: &Engine, log: &[String], published: usize, until: usize) -> u64 {
+    let consumer = engine.consumer("mover").unwrap();
+    let applied = engine.business_table("applied").unwrap();
+    let positions = consumer.positions();
+    let start = moved_start(positions.get("orders", 0).unwrap(), published);
+    for offset in start..=until as u64 {
+        let key = &log[offset as usize];
+        let stored = positions.get("orders", 0).unwrap().map(|p| p.offset);
+        match consumer.begin(key, Fingerprint::of(key)).unwrap() {
+            Outcome::Fresh(mut claim) => {
+                claim.merge(&applied, key, 1u64.to_be_bytes()).unwrap();
+                claim.stage_position("orders", 0, offset).unwrap();
+                if offset == until as u64 {
+                    drop(claim);
+                } else {
+                    claim.commit(format!("applied at {offset}")).unwrap();
+                }
+            }
+            Outcome::Duplicate { .. } if stored.is_none_or(|stored| stored < offset) => {
+                positions.advance("orders", 0, offset).unwrap();
+            }
+            Outcome::Duplicate { .. } => {}
+            other => panic!("offset {offset}: {other:?}"),
+        }
+    }
+    start
+}
+
+/// The same run on PostgreSQL: each fresh message's effect is a row of `moved.applied` in the
+/// claim's transaction, with the read position.
+async fn moved_postgres_run(
+    store: &idemdb_postgres::PgStore,
+    client: &mut tokio_postgres::Client,
+    log: &[String],
+    published: usize,
+    until: usize,
+) -> u64 {
+    use tokio_postgres::types::Type;
+    let consumer = store.consumer("mover").unwrap();
+    let positions = consumer.positions();
+    let start = moved_start(
+        positions.get(&*client, "orders", 0).await.unwrap(),
+        published,
+    );
+    let insert = "INSERT INTO moved.applied (message_key, at_offset) VALUES ($1, $2)";
+    for offset in start..=until as u64 {
+        let key = log[offset as usize].as_str();
+        let stored = positions
+            .get(&*client, "orders", 0)
+            .await
+            .unwrap()
+            .map(|p| p.offset);
+        let duplicate = match consumer
+            .begin(client, key, Fingerprint::of(key))
+            .await
+            .unwrap()
+        {
+            Outcome::Fresh(mut claim) => {
+                claim.stage_position("orders", 0, offset).unwrap();
+                if offset == until as u64 {
+                    drop(claim);
+                    continue;
+                }
+                let at = offset as i64;
+                claim
+                    .commit_with(
+                        format!("applied at {offset}"),
+                        &[(insert, &[(&key, Type::TEXT), (&at, Type::INT8)])],
+                    )
+                    .await
+                    .unwrap();
+                false
+            }
+            Outcome::Duplicate { .. } => true,
+            other => panic!("offset {offset}: {other:?}"),
+        };
+        // Past the match: the outcome borrowed the connection.
+        if duplicate && stored.is_none_or(|stored| stored < offset) {
+            positions
+                .advance(client, "orders", 0, offset)
+                .await
+                .unwrap();
+        }
+    }
+    start
+}
+
+/// The effects the embedded store at `path` holds: key -> times applied.
+fn moved_embedded_effects(
+    path: &Path,
+    clock: &MockClock,
+    log: &[String],
+) -> std::collections::BTreeMap<String, u64> {
+    let engine = moved_builder(path, clock).open().unwrap();
+    let applied = engine.business_table("applied").unwrap();
+    let mut effects = std::collections::BTreeMap::new();
+    for key in log {
+        if let Some(count) = applied.get(key).unwrap() {
+            effects.insert(key.clone(), u64::from_be_bytes(count.try_into().unwrap()));
+        }
+    }
+    effects
+}
+
+fn moved_builder(path: &Path, clock: &MockClock) -> EngineBuilder {
+    Engine::builder(path)
+        .clock(clock.clone())
+        .durability(Durability::Buffered)
+        .business_table(TableOptions::new("applied").merge_operator("add_u64", merge_ops::add_u64))
+}
+
+#[test]
+fn a_log_consumer_moves_to_postgres_and_back_mid_stream_without_loss_or_double() {
+    let Some(pg_tool) = idemdb_pg_binary() else {
+        eprintln!(
+            "skipped: no idemdb-pg binary (cargo build --release -p idemdb-postgres, or set \
+             IDEMDB_PG_BIN)"
+        );
+        return;
+    };
+    let server = match pg_server::Server::start() {
+        Ok(server) => server,
+        Err(why) => {
+            eprintln!("skipped: cannot start PostgreSQL ({why})");
+            return;
+        }
+    };
+    let url = server.url();
+    let connection = ["--url", url.as_str(), "--schema", "moved"];
+    let pg = |command: &str, extra: &[&str], stdin: &[u8]| {
+        let mut args = vec![command];
+        args.extend(connection.iter().chain(extra));
+        idemdb_pg(&pg_tool, &args, stdin)
+    };
+    let log = moved_log(60);
+    let clock = MockClock::new(real_now_ms());
+
+    // On the embedded engine: a first run from the log's start (nothing published yet), to
+    // offset 12, a crash there; a second from its position to offset 30 of the 45 published.
+    let first = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: clock.clone(),
+    };
+    let engine = moved_builder(first.dir.path(), &clock).open().unwrap();
+    assert_eq!(moved_embedded_run(&engine, &log, 0, 12), 0);
+    assert_eq!(moved_embedded_run(&engine, &log, 25, 30), 12 - MOVED_REPLAY);
+    let stopped_at = engine
+        .consumer("mover")
+        .unwrap()
+        .positions()
+        .get("orders", 0)
+        .unwrap()
+        .expect("a position")
+        .offset;
+    assert_eq!(stopped_at, 29, "the crashed claim at 30 moved nothing");
+    drop(engine);
+
+    // Moved to PostgreSQL by the operator tools, position and all.
+    let output = idemdb(&["export", first.path()]);
+    expect_code(&output, 0);
+    let exported = output.stdout;
+    let last_line = String::from_utf8_lossy(&exported)
+        .lines()
+        .last()
+        .unwrap()
+        .to_owned();
+    assert!(
+        last_line.starts_with("{\"kind\":\"position\"") && last_line.contains("\"offset\":29,"),
+        "the position is the export's last line: {last_line}"
+    );
+    expect_code(&pg("install", &[], b""), 0);
+    let output = pg("import", &[], &exported);
+    expect_code(&output, 0);
+    assert!(
+        stdout(&output)
+            .contains("read positions: imported 1, advanced 0, overwritten 0, skipped 0"),
+        "{}",
+        stdout(&output)
+    );
+
+    // On PostgreSQL: resumes where the embedded consumer stopped (the replay's duplicates
+    // found among the imported records), to offset 51 of the 60 published, a crash there.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let pg_effects = runtime.block_on(async {
+        let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        client
+            .batch_execute(
+                "CREATE TABLE moved.applied (message_key text NOT NULL, at_offset bigint NOT NULL)",
+            )
+            .await
+            .unwrap();
+        let store = idemdb_postgres::PgStore::builder()
+            .names(idemdb_postgres::Names::new("moved", "records").unwrap())
+            .open(&client)
+            .await
+            .unwrap();
+        let start = moved_postgres_run(&store, &mut client, &log, 45, 51).await;
+        let rows = client
+            .query(
+                "SELECT message_key, count(*) FROM moved.applied GROUP BY 1",
+                &[],
+            )
+            .await
+            .unwrap();
+        let effects = rows
+            .iter()
+            .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1) as u64))
+            .collect::<std::collections::BTreeMap<String, u64>>();
+        (start, effects)
+    });
+    let (pg_start, pg_effects) = pg_effects;
+
+    // Back to a new embedded store, opened once by its application (its tables made).
+    let output = pg("export", &[], b"");
+    expect_code(&output, 0);
+    let back = Fixture {
+        dir: tempfile::tempdir().unwrap(),
+        clock: clock.clone(),
+    };
+    drop(moved_builder(back.dir.path(), &clock).open().unwrap());
+    let back_import = idemdb_with_input(&["import", back.path(), "--json"], Some(&output.stdout));
+    expect_code(&back_import, 0);
+    let engine = moved_builder(back.dir.path(), &clock).open().unwrap();
+    let back_start = moved_embedded_run(&engine, &log, 60, 59);
+    let end = engine
+        .consumer("mover")
+        .unwrap()
+        .positions()
+        .get("orders", 0)
+        .unwrap()
+        .map(|position| position.offset);
+    drop(engine);
+
+    // Every message of the log applied exactly once, over the three stores.
+    let mut applied = moved_embedded_effects(first.dir.path(), &clock, &log);
+    for (key, count) in
+        pg_effects
+            .into_iter()
+            .chain(moved_embedded_effects(back.dir.path(), &clock, &log))
+    {
+        *applied.entry(key).or_default() += count;
+    }
+    let expected: std::collections::BTreeMap<String, u64> =
+        log.iter().map(|key| (key.clone(), 1)).collect();
+    let lost: Vec<&String> = expected
+        .keys()
+        .filter(|key| !applied.contains_key(*key))
+        .collect();
+    let twice: Vec<(&String, &u64)> = applied.iter().filter(|(_, count)| **count > 1).collect();
+    assert!(lost.is_empty(), "messages never applied: {lost:?}");
+    assert!(
+        twice.is_empty(),
+        "messages applied more than once: {twice:?}"
+    );
+    assert_eq!(applied, expected);
+    assert_eq!(
+        json(&back_import)["positions"]["imported"],
+        1,
+        "{}",
+        stdout(&back_import)
+    );
+    // The message at 59 is a duplicate (of 57): it moves the position on its own.
+    assert_eq!(end, Some(59), "read to the log's end");
+    // Each move resumed exactly at the position exported (less the replay).
+    assert_eq!(
+        pg_start,
+        30 - MOVED_REPLAY,
+        "PostgreSQL resumed at the imported position"
+    );
+    assert_eq!(
+        back_start,
+        51 - MOVED_REPLAY,
+        "the embedded engine resumed at the position PostgreSQL exported"
+    );
+    drop(server);
 }

@@ -74,7 +74,8 @@ pub enum Error {
     #[error("{0}; nothing was imported")]
     ImportInput(#[from] idemdb::transfer::ReadError),
     /// An import's record that PostgreSQL does not keep (an entity table's, or one without a
-    /// consumer) or a key given twice; nothing was written.
+    /// consumer) or a key given twice, or a read position it cannot keep (an offset past
+    /// [`crate::POSITION_OFFSET_MAX`]) or given twice; nothing was written.
     #[error("import record {position}: {reason}; nothing was imported")]
     NotImportable {
         /// Where it is in the input, from 1: its line number in lines read, its index + 1 in

@@ -196,7 +196,7 @@ pub use operations::maintain::{Maintenance, Removal};
 pub use operations::positions::{PgPositions, ReadPosition};
 pub use operations::ticket::PgLeaseTicket;
 pub use operations::transfer::{
-    CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts,
+    CorruptRow, ExportReport, IMPORT_TRANSACTION_RECORDS, ImportCounts, PositionImportCounts,
 };
 pub use sql::prepared::CALLER_STATEMENTS_MAX;
 pub use storage::positions::POSITION_OFFSET_MAX;

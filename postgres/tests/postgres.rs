@@ -58,7 +58,9 @@
 //! Read positions of log consumers (`scenarios/positions.rs`): written with the claim's, the
 //! batch's or `apply_at`'s record and rows or not at all, the highest offset per partition, a
 //! stale writer refused with nothing written, racing connections leaving the highest offset,
-//! checked inputs, and the migration of a version 5 schema.
+//! checked inputs, the migration of a version 5 schema, and imports of read positions (forward
+//! only unless overwritten, bad input refused with nothing written, a writer of the row waited
+//! for).
 //!
 //! An injected clock read once per call (`scenarios/clock.rs`): a clock that moves on every
 //! read, past `CLOCK_MS_MAX` from the second, changes no call's decision or writes. `install`
@@ -253,6 +255,7 @@ fn main() {
     scenario!(bad_positions_are_refused_before_anything_is_sent);
     scenario!(a_version_5_schema_gains_positions_on_install);
     scenario!(apply_at_moves_the_position_with_its_record_in_one_round_trip_or_not_at_all);
+    scenario!(an_import_moves_positions_forward_only_and_waits_for_a_writer_of_the_row);
     use cli::*;
     scenario!(the_operator_tool_lists_sets_and_removes_read_positions);
     scenario!(the_operator_tools_maintain_runs_at_the_busy_share_it_is_given);
@@ -3961,7 +3964,7 @@ async fn expect_rows_with_their_removal_times(
 ) -> Result<(), Failure> {
     use idemdb::format::{RecordState, printable};
     let mut expected = Vec::new();
-    for (_, record) in idemdb::transfer::read_lines(lines)? {
+    for (_, record) in idemdb::transfer::read_lines(lines)?.records {
         let removable_at_ms = match &record.record().state {
             RecordState::Completed { expires_at_ms, .. } => *expires_at_ms,
             RecordState::Released {
@@ -4740,7 +4743,7 @@ async fn migration_from_schema_4_keeps_every_live_record(url: &str) -> Result<()
         }
     }
     let exported = export_text(&source, &client).await?;
-    let records = idemdb::transfer::read_lines(exported.as_bytes())?;
+    let records = idemdb::transfer::read_lines(exported.as_bytes())?.records;
     ensure!(
         records.len() == live.len() + expired.len(),
         "{} records exported: {exported}",

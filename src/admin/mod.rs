@@ -60,7 +60,7 @@ mod scan;
 
 pub use backup::{Backup, Transfer, TransferReport, check_new_dir};
 pub use open::{Store, StoreBuilder, TableInfo, TableKind};
-pub use positions::PositionEntry;
+pub use positions::{ImportPosition, PositionEntry, PositionImportCounts};
 pub use repair::{ImportCounts, ImportRecord, Invalidation, PurgeReport};
 pub use report::{
     FileSystemSpace, GroupStats, Problem, StateCounts, StoreStats, VERIFY_PROBLEMS_MAX,

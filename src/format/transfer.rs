@@ -8,6 +8,18 @@
 //! is read (limits, epoch, the fields its state needs), so a backend writes only what it could
 //! have written itself.
 //!
+//! A log consumer's read position travels in the same stream as a line of its own kind,
+//! `"kind":"position"` first, then the consumer (printable and exact hex), the source, the
+//! partition, the offset of the last message committed and the time it moved
+//! ([`PositionLine`]). Record lines carry no `kind`: they are the format's first lines and stay
+//! as they were. A reader of this release refuses a line of a kind it does not know
+//! ([`LineError::UnknownKind`]); a reader of a release before positions travelled refuses a
+//! position line as malformed (it has no `table`), naming its line number, and writes
+//! nothing: a position is never dropped on the way without a word. Every backend's export
+//! writes its position lines after all its record lines, and every import writes them after
+//! the records, so that a consumer resuming from an imported position finds the records of
+//! every message before it.
+//!
 //! ```
 //! use idemdb::format::Record;
 //! use idemdb::transfer::{CONSUMERS_TABLE, ExportLine};
@@ -22,6 +34,25 @@
 //! assert_eq!(read.record(), &record);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! A stream of both kinds, read back as [`read_lines`] reads an import:
+//!
+//! ```
+//! use idemdb::format::Record;
+//! use idemdb::transfer::{CONSUMERS_TABLE, ExportLine, PositionLine, read_lines};
+//! use idemdb::{Fingerprint, Position};
+//!
+//! let record = Record::new(1, 1_000, 2_000, Fingerprint::of(b"body"), "accepted".into());
+//! let mut text = Vec::new();
+//! ExportLine::of(CONSUMERS_TABLE, Some(b"billing"), b"order-7", &record).write_to(&mut text)?;
+//! PositionLine::of(b"billing", &Position::new("orders", 3, 41, 1_000)).write_to(&mut text)?;
+//! let lines = read_lines(&text[..])?;
+//! assert_eq!(lines.records.len(), 1);
+//! let (line, moved) = &lines.positions[0];
+//! assert_eq!((*line, moved.consumer()), (2, &b"billing"[..]));
+//! assert_eq!(moved.position().next_offset(), 42);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::io::{self, BufRead, Write};
 
@@ -31,6 +62,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::format::fingerprint::Fingerprint;
 use crate::format::key::{RECORDS_TABLE, check_message_key, consumer_prefix};
+use crate::format::position::{Position, check_position_source};
 use crate::format::printable::printable;
 use crate::format::record::{Record, RecordState, check_given_record};
 
@@ -326,6 +358,153 @@ impl TransferRecord {
     }
 }
 
+/// The `kind` of a read position's line. Record lines have no `kind`.
+pub const POSITION_KIND: &str = "position";
+
+/// One line of an export holding a log consumer's read position: `kind` (always
+/// [`POSITION_KIND`], written first), the consumer, printable and as exact hex, and the
+/// position's source, partition, offset (of the last message committed) and time.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PositionLine {
+    kind: String,
+    consumer: String,
+    consumer_hex: String,
+    source: String,
+    partition: u32,
+    offset: u64,
+    updated_at_ms: u64,
+}
+
+impl PositionLine {
+    /// The line of `consumer`'s `position`.
+    #[must_use]
+    pub fn of(consumer: &[u8], position: &Position) -> PositionLine {
+        PositionLine {
+            kind: POSITION_KIND.to_owned(),
+            consumer: printable(consumer),
+            consumer_hex: hex::encode(consumer),
+            source: position.source.clone(),
+            partition: position.partition,
+            offset: position.offset,
+            updated_at_ms: position.updated_at_ms,
+        }
+    }
+
+    /// Writes the line: compact JSON and a newline.
+    ///
+    /// # Errors
+    /// What `out` returns.
+    pub fn write_to(&self, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+        serde_json::to_writer(&mut *out, self).map_err(io::Error::from)?;
+        out.write_all(b"\n")
+    }
+
+    /// The position this line describes, checked: the exact consumer (`consumer_hex`) and a
+    /// source within the limits every backend keeps.
+    ///
+    /// # Errors
+    /// [`LineError::NotHex`] for `consumer_hex`; [`LineError::Invalid`] for a consumer id or a
+    /// source outside its limits, or a source containing NUL.
+    pub fn into_position(self) -> Result<TransferPosition, LineError> {
+        let consumer = unhex(&self.consumer_hex, "consumer_hex")?;
+        let position = Position::new(self.source, self.partition, self.offset, self.updated_at_ms);
+        TransferPosition::new(consumer, position).map_err(LineError::from)
+    }
+}
+
+/// A read position read from a position line and checked: the consumer id and the source
+/// within their limits. Any offset is taken here; a backend that stores fewer (PostgreSQL's
+/// `bigint`) refuses the rest when it imports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferPosition {
+    consumer: Vec<u8>,
+    position: Position,
+}
+
+impl TransferPosition {
+    /// Checks and keeps `consumer`'s `position`.
+    ///
+    /// # Errors
+    /// [`crate::Error::LimitExceeded`] for a consumer id or source outside its limits;
+    /// [`crate::Error::InvalidArgument`] for a source containing NUL.
+    pub fn new(
+        consumer: Vec<u8>,
+        position: Position,
+    ) -> crate::format::error::Result<TransferPosition> {
+        consumer_prefix(&consumer)?;
+        check_position_source(&position.source)?;
+        Ok(TransferPosition { consumer, position })
+    }
+
+    /// The consumer id.
+    #[must_use]
+    pub fn consumer(&self) -> &[u8] {
+        &self.consumer
+    }
+
+    /// The position, exactly as exported (offset and time).
+    #[must_use]
+    pub fn position(&self) -> &Position {
+        &self.position
+    }
+
+    /// The line that exports this position.
+    #[must_use]
+    pub fn to_line(&self) -> PositionLine {
+        PositionLine::of(&self.consumer, &self.position)
+    }
+}
+
+/// One line of an export read and checked: a record or a read position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransferLine {
+    /// A record line (no `kind`).
+    Record(TransferRecord),
+    /// A read position's line (`"kind":"position"`).
+    Position(TransferPosition),
+}
+
+/// Reads one line of either kind (without its newline) and checks it: a line without `kind`
+/// is a record ([`ExportLine::parse`]), one of kind [`POSITION_KIND`] a read position.
+///
+/// # Errors
+/// [`LineError::UnknownKind`] for another kind; otherwise what reading a line of its kind
+/// returns.
+pub fn parse_line(text: &str) -> Result<TransferLine, LineError> {
+    /// Only the kind: every other field is passed over.
+    #[derive(Deserialize)]
+    struct Kind {
+        #[serde(default)]
+        kind: Option<String>,
+    }
+    let json = |error: serde_json::Error| LineError::Json {
+        reason: error.to_string(),
+    };
+    let Kind { kind } = serde_json::from_str(text).map_err(json)?;
+    match kind.as_deref() {
+        None => ExportLine::parse(text).map(TransferLine::Record),
+        Some(POSITION_KIND) => serde_json::from_str::<PositionLine>(text)
+            .map_err(json)?
+            .into_position()
+            .map(TransferLine::Position),
+        Some(other) => Err(LineError::UnknownKind {
+            kind: other.to_owned(),
+        }),
+    }
+}
+
+/// The lines of an input read and checked ([`read_lines`]), each with its line number (from
+/// 1), in the input's order within its kind.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransferLines {
+    /// The record lines.
+    pub records: Vec<(u64, TransferRecord)>,
+    /// The read positions' lines.
+    pub positions: Vec<(u64, TransferPosition)>,
+}
+
 /// Why an export line cannot be read.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -351,6 +530,13 @@ pub enum LineError {
     /// `fingerprint` is not 32 hex digits.
     #[error("\"fingerprint\" is not 32 hex digits")]
     BadFingerprint,
+    /// A line of a kind this release does not know (a later release's): refused rather
+    /// than passed over, so that nothing an export holds is lost on the way unseen.
+    #[error("a line of kind {kind:?}, which this release cannot import")]
+    UnknownKind {
+        /// The kind the line names.
+        kind: String,
+    },
     /// A state no backend writes (`corrupt`, or one this release does not know).
     #[error("state {state:?} cannot be imported")]
     UnknownState {
@@ -381,23 +567,25 @@ pub enum ReadError {
 }
 
 /// Reads every line of `input` and checks each, before the caller writes any: blank lines are
-/// passed over; the first malformed one is the error, naming its line number. Each record is
-/// returned with its line number.
+/// passed over; the first malformed one is the error, naming its line number. Records and read
+/// positions are returned apart, each with its line number.
 ///
 /// # Errors
 /// [`ReadError`].
-pub fn read_lines(input: impl BufRead) -> Result<Vec<(u64, TransferRecord)>, ReadError> {
-    let mut records = Vec::new();
+pub fn read_lines(input: impl BufRead) -> Result<TransferLines, ReadError> {
+    let mut lines = TransferLines::default();
     for (index, text) in input.lines().enumerate() {
         let text = text?;
         if text.trim().is_empty() {
             continue;
         }
         let line = index as u64 + 1;
-        let record = ExportLine::parse(&text).map_err(|error| ReadError::Line { line, error })?;
-        records.push((line, record));
+        match parse_line(&text).map_err(|error| ReadError::Line { line, error })? {
+            TransferLine::Record(record) => lines.records.push((line, record)),
+            TransferLine::Position(position) => lines.positions.push((line, position)),
+        }
     }
-    Ok(records)
+    Ok(lines)
 }
 
 /// A field a line must have for its state.
@@ -567,5 +755,117 @@ mod tests {
             Err(ReadError::Line { line: 3, .. }) => {}
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_position_line_reads_back_as_its_position_and_names_its_kind_first() {
+        let position = Position::new("orders", 7, u64::MAX, 1_234);
+        let mut text = Vec::new();
+        PositionLine::of(b"c\x00", &position)
+            .write_to(&mut text)
+            .unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert_eq!(
+            text,
+            "{\"kind\":\"position\",\"consumer\":\"0x6300\",\"consumer_hex\":\"6300\",\
+             \"source\":\"orders\",\"partition\":7,\"offset\":18446744073709551615,\
+             \"updated_at_ms\":1234}\n"
+        );
+        match parse_line(text.trim_end()).unwrap() {
+            TransferLine::Position(read) => {
+                assert_eq!(
+                    (read.consumer(), read.position()),
+                    (&b"c\x00"[..], &position)
+                );
+                assert_eq!(read.to_line(), PositionLine::of(b"c\x00", &position));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_record_reader_refuses_a_position_line_and_unknown_kinds_are_refused() {
+        let mut text = Vec::new();
+        PositionLine::of(b"c", &Position::new("s", 0, 1, 2))
+            .write_to(&mut text)
+            .unwrap();
+        let text = String::from_utf8(text).unwrap();
+        // What an importer of a release before position lines runs: a typed refusal.
+        assert!(matches!(
+            ExportLine::parse(text.trim_end()),
+            Err(LineError::Json { .. })
+        ));
+        let later = text.replace("\"position\"", "\"watermark\"");
+        assert!(matches!(
+            parse_line(later.trim_end()),
+            Err(LineError::UnknownKind { kind }) if kind == "watermark"
+        ));
+        let position: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let with = |field: &str, value: serde_json::Value| {
+            let mut line = position.clone();
+            line[field] = value;
+            parse_line(&line.to_string())
+        };
+        assert!(matches!(
+            with("consumer_hex", "zz".into()),
+            Err(LineError::NotHex {
+                field: "consumer_hex"
+            })
+        ));
+        assert!(matches!(
+            with("consumer_hex", "".into()),
+            Err(LineError::Invalid(_))
+        ));
+        assert!(matches!(
+            with("source", "".into()),
+            Err(LineError::Invalid(_))
+        ));
+        assert!(matches!(
+            with("source", "s".repeat(256).into()),
+            Err(LineError::Invalid(_))
+        ));
+        assert!(matches!(
+            with("source", "a\u{0}b".into()),
+            Err(LineError::Invalid(_))
+        ));
+        assert!(matches!(
+            with("partition", (-1).into()),
+            Err(LineError::Json { .. })
+        ));
+        assert!(matches!(
+            with("partition", (u64::from(u32::MAX) + 1).into()),
+            Err(LineError::Json { .. })
+        ));
+        assert!(matches!(
+            with("offset", (-1).into()),
+            Err(LineError::Json { .. })
+        ));
+        assert!(matches!(
+            with("offset", serde_json::Value::Null),
+            Err(LineError::Json { .. })
+        ));
+        assert!(matches!(parse_line("[]"), Err(LineError::Json { .. })));
+        assert!(matches!(
+            parse_line("{\"kind\":3}"),
+            Err(LineError::Json { .. })
+        ));
+        let record = serde_json::to_value(ExportLine::of("t", None, b"k", &completed())).unwrap();
+        let text = text.trim_end();
+        let lines = format!("{text}\n{record}\n{text}");
+        let read = read_lines(lines.as_bytes()).unwrap();
+        assert_eq!(
+            read.records
+                .iter()
+                .map(|(line, _)| *line)
+                .collect::<Vec<_>>(),
+            [2]
+        );
+        assert_eq!(
+            read.positions
+                .iter()
+                .map(|(line, _)| *line)
+                .collect::<Vec<_>>(),
+            [1, 3]
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! Read positions of log consumers: written in the same write batch as the claims (or not at
 //! all), the highest offset per partition for a batch, never moving backwards (a stale writer
 //! refused with nothing written, racing threads leaving the highest), kept across reopens,
-//! checkpoints and operator resets, and absent from stores written before they existed.
+//! checkpoints, operator resets and imports (forward only unless overwritten, checked before
+//! anything is written), and absent from stores written before they existed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -648,4 +649,124 @@ fn listings_are_in_name_order_whatever_the_lengths() {
             (b"b".to_vec(), "b".to_owned())
         ]
     );
+}
+
+#[test]
+fn an_import_moves_positions_forward_only_unless_overwritten_and_checks_first() {
+    use idemdb::Position;
+    use idemdb::admin::ImportPosition;
+    let store = TestStore::new();
+    let engine = store.open();
+    engine
+        .consumer("c")
+        .unwrap()
+        .positions()
+        .advance("s", 0, 10)
+        .unwrap();
+    drop(engine);
+    let given = |consumer: &[u8], partition: u32, offset: u64| {
+        ImportPosition::new(consumer, Position::new("s", partition, offset, 77)).unwrap()
+    };
+    let counts = |counts: idemdb::admin::PositionImportCounts| {
+        (
+            counts.imported,
+            counts.advanced,
+            counts.overwritten,
+            counts.skipped,
+        )
+    };
+
+    // Refused on a read-only open, and checked before anything is written.
+    let reader = Store::builder(store.dir.path()).open_read_only().unwrap();
+    assert!(matches!(
+        reader.import_positions(&[given(b"c", 0, 11)], false),
+        Err(Error::ReadOnly)
+    ));
+    drop(reader);
+    let admin = Store::builder(store.dir.path()).open_exclusive().unwrap();
+    let twice = [given(b"c", 1, 1), given(b"c", 0, 11), given(b"c", 0, 12)];
+    assert!(matches!(
+        admin.check_import_positions(&twice),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        admin.import_positions(&twice, true),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        ImportPosition::new(b"c", Position::new("", 0, 1, 1)),
+        Err(Error::LimitExceeded {
+            limit: Limit::PositionSourceBytes,
+            ..
+        })
+    ));
+    assert!(matches!(
+        ImportPosition::new(b"", Position::new("s", 0, 1, 1)),
+        Err(Error::LimitExceeded { .. })
+    ));
+    let offsets = |admin: &Store| -> Vec<(Vec<u8>, u32, u64, u64)> {
+        admin
+            .positions(None)
+            .unwrap()
+            .into_iter()
+            .map(|entry| {
+                let p = entry.position;
+                (entry.consumer, p.partition, p.offset, p.updated_at_ms)
+            })
+            .collect()
+    };
+    let before = offsets(&admin);
+    assert_eq!(before.len(), 1, "nothing written by a refused import");
+
+    // Forward only: behind and equal kept, ahead advanced, new ones imported with their time.
+    let imported = admin
+        .import_positions(
+            &[
+                given(b"c", 0, 9),
+                given(b"c", 1, 3),
+                given(b"d", 0, u64::MAX),
+            ],
+            false,
+        )
+        .unwrap();
+    assert_eq!(counts(imported), (2, 0, 0, 1));
+    assert_eq!(
+        counts(
+            admin
+                .import_positions(&[given(b"c", 0, 10)], false)
+                .unwrap()
+        ),
+        (0, 0, 0, 1)
+    );
+    assert_eq!(
+        counts(
+            admin
+                .import_positions(&[given(b"c", 0, 20)], false)
+                .unwrap()
+        ),
+        (0, 1, 0, 0)
+    );
+    // Overwrite: backwards too.
+    assert_eq!(
+        counts(admin.import_positions(&[given(b"c", 1, 0)], true).unwrap()),
+        (0, 0, 1, 0)
+    );
+    assert_eq!(
+        offsets(&admin),
+        [
+            (b"c".to_vec(), 0, 20, 77),
+            (b"c".to_vec(), 1, 0, 77),
+            (b"d".to_vec(), 0, u64::MAX, 77),
+        ]
+    );
+    drop(admin);
+
+    // The consumer resumes from the imported positions and is held to them.
+    let engine = store.open();
+    assert_eq!(offset_of(&engine, "c", "s", 0), Some(20));
+    let c = engine.consumer("c").unwrap();
+    assert!(matches!(
+        c.positions().advance("s", 0, 15),
+        Err(Error::PositionBehind { stored: 20, .. })
+    ));
 }

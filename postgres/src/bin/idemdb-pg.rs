@@ -30,12 +30,17 @@ bytes as exact hex), so a store moves either way:
     idemdb-pg export > lines.jsonl && idemdb import NEW_STORE lines.jsonl
 
 export   every record (of one consumer with --consumer), in the order `idemdb export` writes
-         them: by consumer id (shorter first), then by key. One snapshot; claims go on.
+         them: by consumer id (shorter first), then by key; then every read position of a log
+         consumer, as a position line (kind \"position\"). One snapshot; claims go on.
 import   reads every line and checks it before anything is written. A key that holds a record
          keeps it (counted as skipped) unless --overwrite. Records are written as they are
          (epochs, timestamps, in-progress leases and tokens), in transactions under each key's
          lock, so a claim running meanwhile is never doubled. PostgreSQL keeps consumers'
-         records only: a line of an embedded store's entity table is refused.
+         records only: a line of an embedded store's entity table is refused. Read positions
+         are written after the records, with their offsets and times, forward only: one
+         stored at or ahead of the imported one stays (counted as skipped) unless
+         --overwrite, which sets each as `positions set` does. An offset past
+         9223372036854775807 is refused.
 install  creates the tables (as idemdb_postgres::install does), if they are missing, or
          migrates older ones.
 maintain deletes the records that have expired (as PgStore::maintain does: oldest first, in
@@ -65,7 +70,8 @@ OPTIONS:
 
 EXIT CODES:
     0  done
-    1  done, with records left alone: import skipped keys that held a record (no --overwrite);
+    1  done, with records left alone: import skipped keys that held a record, or read
+       positions at or ahead of the imported ones (no --overwrite);
        export left out rows that do not decode (named on standard error); positions remove
        found no position to remove
     2  bad usage or input: nothing was written
@@ -338,7 +344,16 @@ async fn run(args: &Args) -> Result<u8, Error> {
         "imported {}, overwritten {}, skipped {}",
         counts.imported, counts.overwritten, counts.skipped
     );
-    Ok(if counts.skipped == 0 { 0 } else { EXIT_PROBLEM })
+    let moved = &counts.positions;
+    println!(
+        "read positions: imported {}, advanced {}, overwritten {}, skipped {}",
+        moved.imported, moved.advanced, moved.overwritten, moved.skipped
+    );
+    Ok(if counts.skipped == 0 && moved.skipped == 0 {
+        0
+    } else {
+        EXIT_PROBLEM
+    })
 }
 
 /// `maintain`'s share of the time without `--busy-percent`: `Removal`'s default.

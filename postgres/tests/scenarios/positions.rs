@@ -2,7 +2,8 @@
 //! `apply_at`'s) transaction with its record and business rows or not at all, the highest
 //! offset per partition for a batch, never moving backwards (a stale writer refused with
 //! nothing written, connections racing over one partition leaving the highest), checked
-//! inputs, an operator's set and remove, and the migration of a version 5 schema.
+//! inputs, an operator's set and remove, the migration of a version 5 schema, and imports of
+//! positions (forward only unless overwritten, waiting for a writer of the row).
 
 use idemdb::{Fingerprint, Message, Outcome};
 use idemdb_postgres::{Applied, Error, PgConsumer, PgStore, ReadPosition, install};
@@ -491,5 +492,147 @@ pub async fn apply_at_moves_the_position_with_its_record_in_one_round_trip_or_no
         );
     }
     ensure!(c.get(&client, "m-8").await?.is_none(), "m-8's record");
+    Ok(())
+}
+
+/// Checks `counts` against (imported, advanced, overwritten, skipped).
+fn expect_counts(
+    counts: idemdb_postgres::PositionImportCounts,
+    expected: (u64, u64, u64, u64),
+) -> Result<(), Failure> {
+    let got = (
+        counts.imported,
+        counts.advanced,
+        counts.overwritten,
+        counts.skipped,
+    );
+    ensure!(got == expected, "counts {got:?}, expected {expected:?}");
+    Ok(())
+}
+
+pub async fn an_import_moves_positions_forward_only_and_waits_for_a_writer_of_the_row(
+    url: &str,
+) -> Result<(), Failure> {
+    use idemdb::Position;
+    use idemdb::transfer::TransferPosition;
+    let schema = "t_positions_import";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let c = store.consumer("c")?;
+    let d = store.consumer("d")?;
+    commit_at(&c, &mut client, schema, "k1", 0, 10).await??;
+    let given = |consumer: &str, partition: u32, offset: u64| {
+        TransferPosition::new(
+            consumer.as_bytes().to_vec(),
+            Position::new("orders", partition, offset, 1_000),
+        )
+    };
+
+    // Behind the stored one: kept. New partitions and consumers: written, time as given.
+    let counts = store
+        .import_positions(
+            &mut client,
+            &[given("c", 0, 5)?, given("c", 1, 3)?, given("d", 0, 7)?],
+            false,
+        )
+        .await?;
+    expect_counts(counts, (2, 0, 0, 1))?;
+    ensure!(offset(&c, &client, 0).await? == Some(10), "kept ahead");
+    ensure!(offset(&c, &client, 1).await? == Some(3), "imported");
+    let moved = d.positions().get(&client, "orders", 0).await?;
+    ensure!(
+        moved.as_ref().map(|p| (p.offset, p.updated_at_ms)) == Some((7, 1_000)),
+        "imported with its time: {moved:?}"
+    );
+    // Equal: kept. Ahead: advanced, and a consumer's later commit is held to it.
+    expect_counts(
+        store
+            .import_positions(&mut client, &[given("c", 0, 10)?], false)
+            .await?,
+        (0, 0, 0, 1),
+    )?;
+    expect_counts(
+        store
+            .import_positions(&mut client, &[given("c", 0, 20)?], false)
+            .await?,
+        (0, 1, 0, 0),
+    )?;
+    let stale = commit_at(&c, &mut client, schema, "k2", 0, 15).await?;
+    ensure!(
+        behind(&stale) == Some((0, 20, 15)),
+        "a commit behind the imported position is refused: {stale:?}"
+    );
+    // Overwrite: backwards too.
+    expect_counts(
+        store
+            .import_positions(&mut client, &[given("c", 0, 2)?, given("c", 2, 1)?], true)
+            .await?,
+        (1, 0, 1, 0),
+    )?;
+    ensure!(offset(&c, &client, 0).await? == Some(2), "overwritten");
+
+    // Refused before anything is written: an offset past bigint, a position given twice.
+    for refused in [
+        vec![given("c", 3, 1)?, given("c", 0, u64::MAX)?],
+        vec![given("c", 3, 1)?, given("c", 0, 9)?, given("c", 0, 9)?],
+    ] {
+        match store.import_positions(&mut client, &refused, true).await {
+            Err(Error::NotImportable { position, .. }) => {
+                ensure!(position >= 2, "names the bad position: {position}")
+            }
+            other => return Err(format!("expected NotImportable, got {other:?}").into()),
+        }
+        ensure!(offset(&c, &client, 3).await?.is_none(), "nothing written");
+        ensure!(offset(&c, &client, 0).await? == Some(2), "nothing written");
+    }
+
+    // A writer of the row holds it (a consumer's commit in flight): the import waits for it
+    // and compares against what it committed, so its count says what happened.
+    let mut holder = connect(url).await?;
+    let held = holder.transaction().await?;
+    held.execute(
+        &format!(
+            "UPDATE {schema}.records_position SET read_offset = 30 \
+             WHERE consumer = 'c'::bytea AND source = 'orders' AND partition = 0"
+        ),
+        &[],
+    )
+    .await?;
+    let importer = {
+        let store = store.clone();
+        let url = url.to_owned();
+        let position = given("c", 0, 25)?;
+        tokio::spawn(async move {
+            let mut client = connect(&url).await?;
+            Ok::<_, Failure>(
+                store
+                    .import_positions(&mut client, &[position], false)
+                    .await?,
+            )
+        })
+    };
+    let mut waiting = false;
+    for _ in 0..2_000 {
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND datname = current_database()",
+                &[],
+            )
+            .await?;
+        if row.get::<_, i64>(0) > 0 {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    ensure!(waiting, "the import never waited for the row's writer");
+    held.commit().await?;
+    expect_counts(importer.await??, (0, 0, 0, 1))?;
+    ensure!(
+        offset(&c, &client, 0).await? == Some(30),
+        "the writer's offset stays"
+    );
     Ok(())
 }

@@ -41,7 +41,8 @@ const EXIT_CODES: &str = "\
 Exit codes:
   0  done
   1  the command ran and found a problem: verify found corrupt entries; get found no record;
-     export skipped corrupt entries; import left existing records alone (no --overwrite);
+     export skipped corrupt entries; import left existing records, or read positions at or
+     ahead of the imported ones, alone (no --overwrite);
      resolve/release found the key not in progress; invalidate found no live completed record
   2  usage error: bad arguments, a malformed key, cursor or duration, malformed import input
   3  store busy: a write command or backup found the store open by another process (the
@@ -87,9 +88,12 @@ pub enum Command {
     Invalidate(InvalidateArgs),
     /// Compact the marker tables so expired records are removed now (needs the store stopped).
     PurgeExpired(PurgeArgs),
-    /// Every record as JSON lines, exact bytes in the *_hex fields (read-only).
+    /// Every record, then every log consumer's read position, as JSON lines, exact bytes in
+    /// the *_hex fields (read-only).
     Export(ExportArgs),
-    /// Records from JSON lines made by export into a store (needs the store stopped).
+    /// Records and read positions from JSON lines made by export into a store (needs the
+    /// store stopped). A stored position at or ahead of the imported one stays unless
+    /// --overwrite.
     Import(ImportArgs),
     /// Decode every record; print the corrupt ones (read-only). Exit 1 if any.
     Verify(StoreArg),
@@ -246,6 +250,16 @@ impl ScopeArgs {
         }
         filter
     }
+
+    /// Whose read positions `export` writes: `None` for none (an entity table's scope),
+    /// `Some(None)` for every consumer's, `Some(Some(id))` for one consumer's.
+    pub fn positions(&self) -> Option<Option<&[u8]>> {
+        let consumers = self
+            .table
+            .as_deref()
+            .is_none_or(|table| table == idemdb::admin::CONSUMERS_TABLE);
+        consumers.then(|| self.consumer.as_ref().map(|consumer| consumer.0.as_slice()))
+    }
 }
 
 #[derive(Args)]
@@ -384,7 +398,9 @@ pub struct ImportArgs {
     /// JSON lines made by export; `-` or nothing for standard input. Read whole before
     /// anything is written.
     pub input: Option<PathBuf>,
-    /// Replace records the store already holds (by default they are left alone).
+    /// Replace records the store already holds (by default they are left alone), and set
+    /// read positions to the imported ones, backwards too (by default a stored position
+    /// moves forward only).
     #[arg(long)]
     pub overwrite: bool,
     #[command(flatten)]

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use idemdb::admin::{
-    Entry, ImportCounts, Page, PurgeReport, StateCounts, Store, StoreStats, Transfer,
-    TransferReport, VerifyReport,
+    Entry, ImportCounts, Page, PositionImportCounts, PurgeReport, StateCounts, Store, StoreStats,
+    Transfer, TransferReport, VerifyReport,
 };
 use idemdb::format::printable;
 use idemdb::transfer::{LineKey, LineRecord};
@@ -158,11 +158,18 @@ pub fn purge_json(report: &PurgeReport) -> Value {
 }
 
 /// `import`: what was imported, replaced and left alone.
-pub fn import_json(counts: &ImportCounts) -> Value {
+/// `import`: the records' counts, and the read positions' under `positions`.
+pub fn import_json(counts: &ImportCounts, positions: &PositionImportCounts) -> Value {
     serde_json::json!({
         "imported": counts.imported,
         "overwritten": counts.overwritten,
         "skipped": counts.skipped,
+        "positions": {
+            "imported": positions.imported,
+            "advanced": positions.advanced,
+            "overwritten": positions.overwritten,
+            "skipped": positions.skipped,
+        },
     })
 }
 

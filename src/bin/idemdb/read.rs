@@ -8,7 +8,7 @@ use std::path::Path;
 
 use idemdb::admin::{Filter, Store};
 use idemdb::format::printable;
-use idemdb::transfer::ExportLine;
+use idemdb::transfer::{ExportLine, PositionLine};
 
 use crate::args::{ExportArgs, InProgressArgs, KeyArgs, ListArgs, PageArgs, StoreArg};
 use crate::json::{RecordJson, page_json, stats_json, verify_json, write_json};
@@ -137,6 +137,13 @@ pub fn export(args: &ExportArgs, out: &mut impl Write) -> Result<u8, Failure> {
     })?;
     if let Some(error) = failed {
         return Err(error.into());
+    }
+    // After every record: an import writes the positions last too, so that a consumer resuming
+    // from one finds the records of every message before it.
+    if let Some(consumer) = args.scope.positions() {
+        for entry in store.positions(consumer)? {
+            PositionLine::of(&entry.consumer, &entry.position).write_to(&mut *writer)?;
+        }
     }
     writer.flush()?;
     Ok(if skipped == 0 { EXIT_OK } else { EXIT_PROBLEM })

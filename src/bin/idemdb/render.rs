@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::{Duration, UNIX_EPOCH};
 
 use idemdb::admin::{
-    CONSUMERS_TABLE, Entry, EntryState, ImportCounts, Page, PurgeReport, StateCounts, Store,
-    StoreStats, TableKind, TransferReport, VerifyReport,
+    CONSUMERS_TABLE, Entry, EntryState, ImportCounts, Page, PositionImportCounts, PurgeReport,
+    StateCounts, Store, StoreStats, TableKind, TransferReport, VerifyReport,
 };
 use idemdb::format::{decode_key, printable};
 use idemdb::{Record, RecordState};
@@ -331,19 +331,24 @@ pub fn write_purge(out: &mut impl Write, report: &PurgeReport) -> io::Result<()>
 pub fn write_import(
     out: &mut impl Write,
     counts: &ImportCounts,
+    positions: &PositionImportCounts,
     overwrite: bool,
 ) -> io::Result<()> {
+    let hint = if overwrite {
+        ""
+    } else {
+        "; --overwrite replaces them"
+    };
     writeln!(
         out,
-        "imported {}, overwritten {}, skipped {} (already present{})",
-        counts.imported,
-        counts.overwritten,
-        counts.skipped,
-        if overwrite {
-            ""
-        } else {
-            "; --overwrite replaces them"
-        }
+        "imported {}, overwritten {}, skipped {} (already present{hint})",
+        counts.imported, counts.overwritten, counts.skipped,
+    )?;
+    writeln!(
+        out,
+        "read positions: imported {}, advanced {}, overwritten {}, skipped {} (at or ahead \
+         of the imported ones{hint})",
+        positions.imported, positions.advanced, positions.overwritten, positions.skipped,
     )
 }
 

@@ -6,7 +6,7 @@ use std::io::{self, BufRead, IsTerminal, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use idemdb::admin::{ImportRecord, Invalidation, Store};
+use idemdb::admin::{ImportPosition, ImportRecord, Invalidation, Store};
 use idemdb::format::printable;
 use idemdb::transfer::{ReadError, read_lines};
 use idemdb::{Error, Resolution};
@@ -152,25 +152,32 @@ fn compaction_progress(json: bool) -> ProgressBar {
 
 pub fn import(args: &ImportArgs, json: bool, out: &mut impl Write) -> Result<u8, Failure> {
     // Parse everything first: malformed input writes nothing.
-    let records = read_import_lines(args.input.as_deref())?;
+    let (records, positions) = read_import_lines(args.input.as_deref())?;
     let store = open_write(&args.store.store, None, &args.wait)?;
+    // The records first: a consumer resuming from an imported position finds the records of
+    // every message before it, even if the positions' write fails. Their checks first of all:
+    // a refused position writes nothing.
+    store.check_import_positions(&positions)?;
     let counts = store.import(&records, args.overwrite)?;
+    let moved = store.import_positions(&positions, args.overwrite)?;
     if json {
-        write_json(out, &import_json(&counts))?;
+        write_json(out, &import_json(&counts, &moved))?;
     } else {
-        write_import(out, &counts, args.overwrite)?;
+        write_import(out, &counts, &moved, args.overwrite)?;
     }
-    Ok(if counts.skipped == 0 {
+    Ok(if counts.skipped == 0 && moved.skipped == 0 {
         EXIT_OK
     } else {
         EXIT_PROBLEM
     })
 }
 
-/// The records of export's JSON lines in `input` (standard input for `-` or none), all read and
-/// checked before any is written: blank lines are passed over, a malformed one is an input error
-/// naming its line number.
-fn read_import_lines(input: Option<&Path>) -> Result<Vec<ImportRecord>, Failure> {
+/// The records and read positions of export's JSON lines in `input` (standard input for `-` or
+/// none), all read and checked before any is written: blank lines are passed over, a malformed
+/// one is an input error naming its line number.
+fn read_import_lines(
+    input: Option<&Path>,
+) -> Result<(Vec<ImportRecord>, Vec<ImportPosition>), Failure> {
     let input: Box<dyn BufRead> = match input {
         Some(path) if path.as_os_str() != "-" => Box::new(io::BufReader::new(File::open(path)?)),
         _ => Box::new(io::stdin().lock()),
@@ -179,7 +186,16 @@ fn read_import_lines(input: Option<&Path>) -> Result<Vec<ImportRecord>, Failure>
         ReadError::Io(error) => Failure::from(error),
         line => Failure::Input(line.to_string()),
     })?;
-    lines
+    let positions = lines
+        .positions
+        .into_iter()
+        .map(|(line, moved)| {
+            ImportPosition::new(moved.consumer(), moved.position().clone())
+                .map_err(|error| Failure::Input(format!("import line {line}: {error}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let records = lines
+        .records
         .into_iter()
         .map(|(line, record)| {
             let stored = record.record();
@@ -193,5 +209,6 @@ fn read_import_lines(input: Option<&Path>) -> Result<Vec<ImportRecord>, Failure>
             )
             .map_err(|error| Failure::Input(format!("import line {line}: {error}")))
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((records, positions))
 }
