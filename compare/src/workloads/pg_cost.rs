@@ -81,10 +81,8 @@ pub fn run(args: &PgCostArgs) -> Result<Vec<Cost>> {
         redis_fsync: 0,
         postgres: args.port,
     };
-    let mut observer = postgres::Client::connect(
-        &servers::postgres_url(args.port),
-        postgres::NoTls,
-    )?;
+    let mut observer =
+        postgres::Client::connect(&servers::postgres_url(args.port), postgres::NoTls)?;
     observer.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")?;
     let mut costs = Vec::new();
     for name in CONTENDERS {

@@ -136,6 +136,10 @@ impl StoreBuilder {
                 read: format!(
                     "SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2"
                 ),
+                claim: format!(
+                    "SELECT o_locked, o_now_ms, o_record FROM {}($1, $2, $3)",
+                    self.names.claim_function()
+                ),
                 insert: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      VALUES ($1, $2, $3, $4)"
@@ -303,6 +307,9 @@ impl ClockReading {
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) read: String,
+    /// A claim's key lock, the database's time and the key's row, in one statement
+    /// (`<table>_claim`).
+    pub(crate) claim: String,
     pub(crate) insert: String,
     /// Writes a record that replaces the key's row (expired, released, a lease run out).
     pub(crate) upsert: String,

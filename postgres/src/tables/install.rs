@@ -11,12 +11,13 @@ use crate::tables::names::Names;
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 6 adds the read positions of log consumers (`<table>_position`, and the function
+/// Version 7 adds the function a claim takes its key's lock and reads its row with
+/// (`<table>_claim`); version 6 adds the read positions of log consumers (`<table>_position`, and the function
 /// that moves them, `<table>_advance_positions`); version 5 keeps the records in one plain table whose primary key is the key, with an index
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 6;
+pub const SCHEMA_VERSION: i32 = 7;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -58,14 +59,17 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=5) => {
+        Some(version @ 1..=6) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
             if version <= 4 {
                 migrate_records(&tx, names).await?;
             }
-            create_positions(&tx, names).await?;
+            if version <= 5 {
+                create_positions(&tx, names).await?;
+            }
+            create_claim_function(&tx, names).await?;
             tx.batch_execute(&format!(
                 "ALTER TABLE {} DROP COLUMN IF EXISTS partition_days; \
                  UPDATE {} SET version = {SCHEMA_VERSION}",
@@ -84,6 +88,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             create_records(&tx, names).await?;
             create_entity_versions(&tx, names).await?;
             create_positions(&tx, names).await?;
+            create_claim_function(&tx, names).await?;
             tx.execute(
                 &format!(
                     "INSERT INTO {} (version) VALUES ({SCHEMA_VERSION})",
@@ -201,6 +206,38 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
          $idemdb$;",
         positions = names.positions(),
         advance = names.advance_positions(),
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Creates the claim's function (new at version 7): the key's advisory lock tried without
+/// waiting, the database's time, and, when the lock was granted, the key's row; one statement,
+/// parsed and planned once per connection (PL/pgSQL keeps the plan of its read).
+///
+/// The read runs after the lock was granted and takes its own snapshot then (a volatile
+/// function's statements each take a new one under READ COMMITTED), so it sees the commit of
+/// whoever held the lock before; a plain statement's one snapshot would be taken before its
+/// lock. Sequential scans are off while the function runs, so that the read's kept plan,
+/// however small the table was when it was made, looks the key up in the index; the caller's
+/// own setting is back when the function returns.
+async fn create_claim_function(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.batch_execute(&format!(
+        "CREATE OR REPLACE FUNCTION {claim}(p_lock bigint, p_consumer bytea, p_key bytea,
+                                           OUT o_locked boolean, OUT o_now_ms bigint,
+                                           OUT o_record bytea)
+         LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $idemdb$
+         BEGIN
+             o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8;
+             o_locked := pg_try_advisory_xact_lock(p_lock);
+             IF o_locked THEN
+                 SELECT r.record INTO o_record FROM {records} AS r
+                  WHERE r.consumer = p_consumer AND r.message_key = p_key;
+             END IF;
+         END
+         $idemdb$;",
+        claim = names.claim_function(),
+        records = names.records(),
     ))
     .await?;
     Ok(())

@@ -193,6 +193,12 @@ impl Names {
         format!("{}.{}_advance_positions", self.schema, self.table)
     }
 
+    /// `schema.table_claim`: the function that takes a key's lock and reads its row in one
+    /// statement (a claim's first round trip).
+    pub(crate) fn claim_function(&self) -> String {
+        format!("{}.{}_claim", self.schema, self.table)
+    }
+
     /// `schema.table_version`.
     pub(crate) fn version(&self) -> String {
         format!("{}.{}_version", self.schema, self.table)
