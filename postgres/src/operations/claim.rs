@@ -185,7 +185,7 @@ impl PgConsumer {
             (&key, Type::BYTEA),
         ];
         // The key's lock, the time and the key's row in one call of the store's function,
-        // which reads after the lock was granted (see `create_claim_function`); with an
+        // which reads after the lock was granted (see `create_claim_functions`); with an
         // entity version, the entity's lock and then its read behind it, each read's snapshot
         // taken after its lock.
         let (mut tx, answers) = if entity.is_none() {
