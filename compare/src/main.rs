@@ -23,7 +23,7 @@ use crate::contenders::{Kind, Ports, Spec};
 use crate::report::{charts, machine};
 use crate::workloads::{Generator, Sample};
 use crate::workloads::{
-    footprint, http_peer, http_peer_crash, neighbour, pg_expiry, profile, scale, tuning,
+    footprint, http_peer, http_peer_crash, neighbour, pg_cost, pg_expiry, profile, scale, tuning,
 };
 
 #[derive(Parser)]
@@ -47,6 +47,8 @@ enum Command {
     ReadOptions(tuning::ReadArgs),
     /// Commit latency of the PostgreSQL backend while millions of expired records are removed.
     PgExpiry(pg_expiry::PgExpiryArgs),
+    /// What the PostgreSQL server spends per claim: the claim floor beside idemdb-postgres.
+    PgCost(pg_cost::PgCostArgs),
     /// The default durable path's footprint: a new store's first open (time, bytes), and the
     /// log after a burst and a quiet spell.
     Footprint(footprint::FootprintArgs),
@@ -126,6 +128,11 @@ fn main() -> Result<()> {
         Command::PgExpiry(args) => {
             let runs = pg_expiry::run(&args)?;
             report::write_pg_expiry(&args.out, &args, &runs)?;
+        }
+        Command::PgCost(args) => {
+            let costs = pg_cost::run(&args)?;
+            std::fs::create_dir_all(&args.out)?;
+            std::fs::write(args.out.join("pg-cost.md"), pg_cost::table(&args, &costs))?;
         }
         Command::Profile(args) => profile::run(&args)?,
         Command::Footprint(args) => footprint::run(&args)?,

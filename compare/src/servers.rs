@@ -88,6 +88,11 @@ pub fn redis(dir: &Path, port: u16, fsync_always: bool) -> Result<Server> {
 /// `initdb` and `postgres` refuse to run as root; when root, both run as the `postgres` system
 /// user (created by Debian's package), which then owns the cluster directory.
 pub fn postgres(dir: &Path, port: u16) -> Result<Server> {
+    postgres_with(dir, port, &[])
+}
+
+/// [`postgres`] with more settings (`name=value`, each passed as `-c`).
+pub fn postgres_with(dir: &Path, port: u16, settings: &[&str]) -> Result<Server> {
     ensure_free(port)?;
     let bin = postgres_bin()?;
     let data = dir.join("postgres");
@@ -128,6 +133,9 @@ pub fn postgres(dir: &Path, port: u16) -> Result<Server> {
     // Durable by default (fsync on, synchronous_commit on); sessions relax it where a run says.
     command.args(["-c", "fsync=on", "-c", "max_connections=200"]);
     command.args(["-c", "shared_buffers=512MB", "-c", "max_wal_size=4GB"]);
+    for setting in settings {
+        command.args(["-c", setting]);
+    }
     as_server_user(&mut command);
     stop_with_parent(&mut command, libc::SIGINT);
     let log = std::fs::File::create(dir.join("postgres.log"))?;

@@ -245,6 +245,7 @@ fn main() {
     scenario!(a_claim_given_up_mid_round_trip_frees_its_key);
     scenario!(setup_and_import_given_up_during_their_transaction_leave_the_connection_clean);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
+    scenario!(a_version_6_schema_gains_the_claims_function_on_install);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
     use clock::*;
     scenario!(every_call_reads_an_injected_clock_once);
@@ -3179,9 +3180,12 @@ async fn missing_tables_are_typed_errors_and_a_reinstall_is_used_again(
         .await?;
     // Every call of the open store is a typed error: undefined_table, not worth a retry.
     let body = Fingerprint::of(b"body");
+    // A claim calls the store's function: its schema is gone with the tables.
     let claimed = consumer.begin(&mut client, "k", body).await.map(|_| ());
     ensure!(
-        postgres_error(&claimed, &SqlState::UNDEFINED_TABLE)
+        (postgres_error(&claimed, &SqlState::UNDEFINED_TABLE)
+            || postgres_error(&claimed, &SqlState::INVALID_SCHEMA_NAME)
+            || postgres_error(&claimed, &SqlState::UNDEFINED_FUNCTION))
             && !claimed.as_ref().is_err_and(Error::is_retryable),
         "a claim without the tables: {claimed:?}"
     );
@@ -4490,6 +4494,51 @@ fn completed_row(consumer: &str, key: &str, now_ms: u64, result: &'static [u8]) 
     )
 }
 
+/// Version 6 (no claim function) is refused until `install` adds the function; its records
+/// answer as before, and claims (with and without an entity version) go through the function.
+async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> Result<(), Failure> {
+    let schema = "t_migrate6";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    commit_one(&store.consumer("c")?, &mut client, "kept", "kept", "done").await?;
+    // As version 6 left it: no claim function.
+    client
+        .batch_execute(&format!(
+            "DROP FUNCTION {schema}.records_claim; \
+             UPDATE {schema}.records_version SET version = 6"
+        ))
+        .await?;
+    let old = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(old, Err(Error::SchemaTooOld { found: 6, .. })),
+        "version 6 before install: {old:?}"
+    );
+    install(&mut client, &names).await?;
+    // A second install leaves the migrated schema as it is.
+    install(&mut client, &names).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let outcome = consumer
+        .begin(&mut client, "kept", Fingerprint::of(b"kept"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"done"),
+        "the record answers as before: {outcome:?}"
+    );
+    drop(outcome);
+    commit_one(&consumer, &mut client, "new", "new", "done").await?;
+    let versioned = Message::new("v", Fingerprint::of(b"v")).version("entity", 3);
+    let Outcome::Fresh(claim) = consumer.begin_message(&mut client, &versioned).await? else {
+        return Err("a versioned claim after the migration is not fresh".into());
+    };
+    claim.commit(b"ok").await?;
+    Ok(())
+}
+
 /// Version 2 (day partitions, no versions table) is refused until `install` migrates it: its
 /// live record answers as before, and the ordering guard works on the new versions table.
 async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Failure> {
@@ -4517,7 +4566,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 6,
+        version == SCHEMA_VERSION && version == 7,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;
@@ -5745,8 +5794,27 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
              FROM t_plans.records, generate_series(1, 5000) AS g",
         )
         .await?;
+    // The claim's read runs in the store's function, whose plan PL/pgSQL keeps for the
+    // connection: what it did is in the transaction's own statistics.
+    let Outcome::Fresh(claim) = consumer.begin(&mut planned, "k-grown", body).await? else {
+        return Err("k-grown not fresh".into());
+    };
+    let scans = claim
+        .transaction()
+        .query_one(
+            "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables \
+             WHERE relid = 't_plans.records'::regclass",
+            &[],
+        )
+        .await?;
+    let (seq_scans, index_scans): (i64, i64) = (scans.get(0), scans.get(1));
+    ensure!(
+        seq_scans == 0 && index_scans >= 1,
+        "the claim's kept read: {seq_scans} sequential scans, {index_scans} index scans"
+    );
+    claim.commit(b"ok").await?;
+    // The other calls' reads, kept as prepared statements.
     let plans = kept_plans(&planned, "t_plans.records").await?;
-    ensure!(!plans.is_empty(), "no kept plan of the claim's read");
     for plan in &plans {
         ensure!(
             plan.contains("Index") && !plan.contains("Seq Scan"),

@@ -68,6 +68,11 @@ pub enum Kind {
     /// and `COMMIT` are sent: two round trips, as a claim API that answers before the caller's
     /// SQL runs must take.
     PostgresClaimFloorTwoTrips,
+    /// [`Kind::PostgresClaimFloor`]'s batch that answers duplicates in one round trip: the
+    /// markers' `INSERT ... ON CONFLICT DO NOTHING RETURNING key` and the winners' business rows
+    /// in one statement, sent with `BEGIN` and `COMMIT` (the floor's batch waits for its
+    /// winners before writing their rows).
+    PostgresClaimFloorOneTripBatch,
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit; or with `apply`, the deliveries through
     /// `PgConsumer::apply` (the business row sent with the claim, one round trip for a new
@@ -116,6 +121,8 @@ impl Spec {
             Kind::Postgres { .. }
                 | Kind::PostgresWithRow
                 | Kind::PostgresClaimFloor
+                | Kind::PostgresClaimFloorTwoTrips
+                | Kind::PostgresClaimFloorOneTripBatch
                 | Kind::IdemdbPostgres { .. }
         )
     }
@@ -502,6 +509,13 @@ pub fn all() -> Vec<Spec> {
         1,
     ));
     specs.push(Spec::new(
+        "postgres claim floor answering duplicates, 8 clients, batch 64",
+        Kind::PostgresClaimFloorOneTripBatch,
+        8,
+        64,
+        1,
+    ));
+    specs.push(Spec::new(
         "idemdb-postgres, 8 clients, batch 64",
         PG_CLAIM,
         8,
@@ -527,6 +541,7 @@ pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
             | Kind::PostgresWithRow
             | Kind::PostgresClaimFloor
             | Kind::PostgresClaimFloorTwoTrips
+            | Kind::PostgresClaimFloorOneTripBatch
             | Kind::IdemdbPostgres { .. }
     ) {
         "clients"
@@ -699,14 +714,18 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 )?))
             })
         }
-        Kind::PostgresClaimFloor | Kind::PostgresClaimFloorTwoTrips => {
+        Kind::PostgresClaimFloor
+        | Kind::PostgresClaimFloorTwoTrips
+        | Kind::PostgresClaimFloorOneTripBatch => {
             crate::contenders::pg_floor::reset(ports.postgres)?;
             let two_trips = spec.kind == Kind::PostgresClaimFloorTwoTrips;
+            let one_trip_batch = spec.kind == Kind::PostgresClaimFloorOneTripBatch;
             Prepared::connected(threads, || {
                 Ok(Box::new(
                     crate::contenders::pg_floor::ClaimFloorSession::connect(
                         ports.postgres,
                         two_trips,
+                        one_trip_batch,
                     )?,
                 ))
             })

@@ -7,7 +7,9 @@
 //! was there, which aborts the rest, the business row, `COMMIT`; all four sent together, in
 //! one round trip, as `PgConsumer::apply` sends its statements. A batch claims its keys with
 //! one multi-row insert that returns the winners (first round trip) and writes the winners'
-//! business rows and commits (second), as `begin_batch` and `commit_with` do.
+//! business rows and commits (second), as `begin_batch` and `commit_with` do. Its batch that
+//! answers duplicates in one round trip does both in one statement: the markers' insert returns
+//! the winners, whose business rows the same statement inserts, sent with `BEGIN` and `COMMIT`.
 //!
 //! What it leaves out, and idemdb-postgres does not: a second claimant of a held key waits
 //! for the holder's transaction to end instead of hearing "in progress" at once; a duplicate
@@ -16,7 +18,7 @@
 //! tokio-postgres sends them, could reach on the same server, whatever it does about those.
 
 use anyhow::Result;
-use futures_util::future::{join, join4};
+use futures_util::future::{join, join3, join4};
 use tokio::runtime::Runtime;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, Statement};
@@ -40,6 +42,16 @@ const ORDER: &str = "INSERT INTO bench_floor.orders (key, value) VALUES ($1, $2)
 const CLAIM_MANY: &str = "INSERT INTO bench_floor.inbox (key, value) \
      SELECT * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT DO NOTHING \
      RETURNING key, value";
+
+/// A batch's keys claimed and the winners' business rows written in one statement, which
+/// answers the winners (every key it does not return was a duplicate).
+const CLAIM_MANY_WITH_ROWS: &str = "WITH claimed AS ( \
+         INSERT INTO bench_floor.inbox (key, value) \
+         SELECT * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT DO NOTHING \
+         RETURNING key, value \
+     ), ordered AS ( \
+         INSERT INTO bench_floor.orders (key, value) SELECT key, value FROM claimed \
+     ) SELECT key FROM claimed";
 
 /// The business rows of a batch's winners.
 const ORDERS: &str = "INSERT INTO bench_floor.orders (key, value) \
@@ -65,36 +77,43 @@ pub struct ClaimFloorSession {
     /// A single delivery waits for its claim's answer before sending the business row and
     /// `COMMIT` (two round trips).
     two_trips: bool,
+    /// A batch claims its keys, writes the winners' business rows and commits in one round
+    /// trip ([`CLAIM_MANY_WITH_ROWS`]) instead of two.
+    one_trip_batch: bool,
     runtime: Runtime,
     client: Client,
     claim: Statement,
     order: Statement,
     claim_many: Statement,
     orders: Statement,
+    claim_many_with_rows: Statement,
 }
 
 impl ClaimFloorSession {
-    pub fn connect(port: u16, two_trips: bool) -> Result<ClaimFloorSession> {
+    pub fn connect(port: u16, two_trips: bool, one_trip_batch: bool) -> Result<ClaimFloorSession> {
         let runtime = runtime()?;
-        let (client, [claim, order, claim_many, orders]) = runtime.block_on(async {
-            let client = crate::contenders::pg_backend::connect(port, true).await?;
-            let mut prepared = Vec::new();
-            for sql in [CLAIM, ORDER, CLAIM_MANY, ORDERS] {
-                prepared.push(client.prepare(sql).await?);
-            }
-            let prepared: [Statement; 4] = prepared
-                .try_into()
-                .map_err(|_| anyhow::anyhow!("four statements prepared"))?;
-            anyhow::Ok((client, prepared))
-        })?;
+        let (client, [claim, order, claim_many, orders, claim_many_with_rows]) =
+            runtime.block_on(async {
+                let client = crate::contenders::pg_backend::connect(port, true).await?;
+                let mut prepared = Vec::new();
+                for sql in [CLAIM, ORDER, CLAIM_MANY, ORDERS, CLAIM_MANY_WITH_ROWS] {
+                    prepared.push(client.prepare(sql).await?);
+                }
+                let prepared: [Statement; 5] = prepared
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("five statements prepared"))?;
+                anyhow::Ok((client, prepared))
+            })?;
         Ok(ClaimFloorSession {
             two_trips,
+            one_trip_batch,
             runtime,
             client,
             claim,
             order,
             claim_many,
             orders,
+            claim_many_with_rows,
         })
     }
 }
@@ -103,12 +122,14 @@ impl Session for ClaimFloorSession {
     fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
         let ClaimFloorSession {
             two_trips,
+            one_trip_batch,
             runtime,
             client,
             claim,
             order,
             claim_many,
             orders,
+            claim_many_with_rows,
         } = self;
         let client: &Client = client;
         runtime.block_on(async {
@@ -167,6 +188,21 @@ impl Session for ClaimFloorSession {
             }
             let keys: Vec<Vec<u8>> = deliveries.iter().map(|d| d.peer_key().to_vec()).collect();
             let values: Vec<Vec<u8>> = deliveries.iter().map(|d| d.value().to_vec()).collect();
+            if *one_trip_batch {
+                let (begun, winners, committed) = join3(
+                    client.batch_execute("BEGIN"),
+                    client.query(claim_many_with_rows, &[&keys, &values]),
+                    client.batch_execute("COMMIT"),
+                )
+                .await;
+                begun?;
+                // The winners are the answer a consumer acknowledges by; a failed statement
+                // rolled everything back (the COMMIT then answers a rollback).
+                let winners = winners?;
+                committed?;
+                anyhow::ensure!(winners.len() <= keys.len(), "more winners than keys");
+                return Ok(());
+            }
             let (begun, winners) = join(
                 client.batch_execute("BEGIN"),
                 client.query(claim_many, &[&keys, &values]),

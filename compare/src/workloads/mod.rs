@@ -3,7 +3,8 @@
 //!
 //! The runs beside it, each a workload of its own: `scale` (the store as it grows, and over many
 //! retention periods), `tuning` (RocksDB options on idemdb's access patterns), `pg_expiry`
-//! (PostgreSQL commits while expired records are removed), `neighbour` (durable commits
+//! (PostgreSQL commits while expired records are removed), `pg_cost` (what the PostgreSQL
+//! server spends per claim), `neighbour` (durable commits
 //! while another process writes to the same file system), `profile` (one contender under a
 //! profiler).
 
@@ -11,6 +12,7 @@ pub mod footprint;
 pub mod http_peer;
 pub mod http_peer_crash;
 pub mod neighbour;
+pub mod pg_cost;
 pub mod pg_expiry;
 pub mod profile;
 pub mod scale;

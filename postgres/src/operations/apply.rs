@@ -3,13 +3,14 @@
 //! [`PgConsumer::begin`] and [`PgClaim::commit_with`](crate::operations::claim::PgClaim::commit_with) cost two
 //! round trips: the claim's answer must come back before the caller knows what to run. A
 //! handler whose SQL does not depend on the answer (insert the order, add to the balance) can
-//! send everything at once: `BEGIN`, one statement that takes the key's lock and inserts the
-//! completed record when the key has no row (and fails otherwise), the caller's SQL and
-//! `COMMIT`: four statements, as a hand-written dedup insert in front of the same SQL would
-//! send. When the key is new (most deliveries), that one round trip is the whole of it. When
-//! it is not, the statement fails, the transaction rolls back with the caller's SQL, and the
-//! key's row, read in one more round trip, decides: a duplicate, a conflict or a live external
-//! claim is answered from it; a record that can be taken over (expired, released, a lease run
+//! send everything at once: `BEGIN`, one call of the store's function `<table>_apply`, which
+//! takes the key's lock and inserts the completed record when the key has no row (and fails
+//! otherwise, with the key's row in its error), the caller's SQL and `COMMIT`: four
+//! statements, as a hand-written dedup insert in front of the same SQL would send. When the key
+//! is new (most deliveries), that one round trip is the whole of it. When it is not, the
+//! statement fails, the transaction rolls back with the caller's SQL, and the key's row, from
+//! the error, decides: a duplicate, a conflict or a live external claim is answered from it,
+//! in the same round trip; a record that can be taken over (expired, released, a lease run
 //! out), or a key held by a claim in flight, is decided and committed as
 //! [`PgConsumer::begin_message`] and `commit_with` do.
 //!
@@ -114,10 +115,11 @@ impl PgConsumer {
     /// lock, the record, the statements and `COMMIT` go out together. Any other message is
     /// first tried that way too (the record's insert then fails and the transaction rolls back,
     /// statements included), and is then decided and committed in two more round trips. The
-    /// first call on a store takes the longer way, to learn the database's clock. That failed
-    /// insert is an error on the server's side like any other: with PostgreSQL's default
-    /// `log_min_error_statement`, each duplicate's failed insert writes a line to the server's
-    /// log, with the key in its detail (the unique key's violation).
+    /// first call on a store takes the longer way, to learn the database's clock. A key that is
+    /// not new fails the first statement, which carries the key's row back in its error (a
+    /// duplicate is answered in the one round trip): an error on the server's side like any
+    /// other, so with PostgreSQL's default logging each one writes a line to the server's log,
+    /// with the statement and the stored record (in hex) in its detail.
     ///
     /// ```no_run
     /// # async fn example(client: &mut tokio_postgres::Client, orders: idemdb_postgres::PgConsumer)
@@ -360,8 +362,19 @@ impl PgConsumer {
             }
         };
         match claimed {
-            Ok(rows) => learn(single_row(rows)?.get(1)),
-            // Nothing inserted, nothing of the transaction written: the key's row decides.
+            Ok(rows) => learn(single_row(rows)?.get(0)),
+            // Nothing inserted, nothing of the transaction written: the key's row, in the
+            // error's detail, decides.
+            Err(error)
+                if error.code().map(SqlState::code)
+                    == Some(crate::tables::install::NOT_NEW_SQLSTATE) =>
+            {
+                let (db_now_ms, stored) = not_new_detail(&error)?;
+                learn(db_now_ms);
+                return self.settle(call, db_now_ms, stored.as_deref());
+            }
+            // The insert met a row its read did not see (the unique key backs the read up):
+            // the key's row, read in one more round trip, decides.
             Err(error)
                 if error.code() == Some(LOST_ROW)
                     || error.code() == Some(&SqlState::UNIQUE_VIOLATION) =>
@@ -375,25 +388,7 @@ impl PgConsumer {
                 let row = single_row(client.query_typed(&inner.read_at, &read_params).await?)?;
                 let db_now_ms: i64 = row.get(1);
                 learn(db_now_ms);
-                // No row: the lock was held (a claim in flight) or the clocks were apart.
-                let Some(bytes) = row.get::<_, Option<&[u8]>>(0) else {
-                    return Ok(OneTrip::LongWay);
-                };
-                let db_now = clock.now_ms(db_now_ms);
-                let found = inspect_record(
-                    Some(decode_record(key, bytes)?),
-                    message.fingerprint(),
-                    db_now,
-                );
-                let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
-                return match admit(found, message.production_time_ms(), db_now, floor_ms) {
-                    Found::Settled(outcome) => {
-                        metrics.begun(&outcome, db_now, started.elapsed(), key, correlation);
-                        Ok(OneTrip::Settled(outcome))
-                    }
-                    // Expired, released, or a lease run out: taken over at the next epoch.
-                    Found::Claimable { .. } => Ok(OneTrip::LongWay),
-                };
+                return self.settle(call, db_now_ms, row.get::<_, Option<&[u8]>>(0));
             }
             Err(error) => return Err(store.write_failed(error, key)),
         }
@@ -413,4 +408,78 @@ impl PgConsumer {
         metrics.log_step("commit", stored_key, EPOCH, None, correlation);
         Ok(OneTrip::Applied)
     }
+
+    /// What a one-round-trip claim that inserted nothing settles to, from the key's row
+    /// `stored` (none: the lock was held or the clocks were apart) at the database's time.
+    fn settle(&self, call: &Call<'_>, db_now_ms: i64, stored: Option<&[u8]>) -> Result<OneTrip> {
+        let Call {
+            message,
+            started,
+            clock,
+            ..
+        } = *call;
+        let inner = &self.store.inner;
+        let key = message.key();
+        let Some(bytes) = stored else {
+            return Ok(OneTrip::LongWay);
+        };
+        let db_now = clock.now_ms(db_now_ms);
+        let found = inspect_record(
+            Some(decode_record(key, bytes)?),
+            message.fingerprint(),
+            db_now,
+        );
+        let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
+        match admit(found, message.production_time_ms(), db_now, floor_ms) {
+            Found::Settled(outcome) => {
+                self.metrics.begun(
+                    &outcome,
+                    db_now,
+                    started.elapsed(),
+                    key,
+                    message.correlation(),
+                );
+                Ok(OneTrip::Settled(outcome))
+            }
+            // Expired, released, or a lease run out: taken over at the next epoch.
+            Found::Claimable { .. } => Ok(OneTrip::LongWay),
+        }
+    }
+}
+
+/// The database's time and the key's row (none when it has none) from the detail of
+/// `<table>_apply`'s refusal: `<time> <row in hex>`.
+///
+/// # Errors
+/// [`Error::UnexpectedAnswer`] for a detail of another shape.
+fn not_new_detail(error: &tokio_postgres::Error) -> Result<(i64, Option<Vec<u8>>)> {
+    let malformed = || Error::UnexpectedAnswer {
+        detail: "the one-round-trip insert's refusal carries no time and row",
+    };
+    let detail = error
+        .as_db_error()
+        .and_then(|db| db.detail())
+        .ok_or_else(malformed)?;
+    let (time, row) = detail.split_once(' ').ok_or_else(malformed)?;
+    let db_now_ms: i64 = time.parse().map_err(|_| malformed())?;
+    if row.is_empty() {
+        return Ok((db_now_ms, None));
+    }
+    let hex = row.as_bytes();
+    if hex.len() % 2 != 0 {
+        return Err(malformed());
+    }
+    let digit = |byte: u8| match byte {
+        b'0'..=b'9' => Some(byte - b'0'),
+        b'a'..=b'f' => Some(byte - b'a' + 10),
+        _ => None,
+    };
+    let mut bytes = Vec::with_capacity(hex.len() / 2);
+    for pair in hex.chunks_exact(2) {
+        match (digit(pair[0]), digit(pair[1])) {
+            (Some(high), Some(low)) => bytes.push(high << 4 | low),
+            _ => return Err(malformed()),
+        }
+    }
+    Ok((db_now_ms, Some(bytes)))
 }

@@ -169,36 +169,36 @@ impl PgConsumer {
             Some(clock) => clock,
             None => self.store.read_clock()?,
         };
-        // BEGIN, the locks and the reads go out together (one round trip), as separate
-        // statements: the server runs them in order, and each read's snapshot is taken when it
-        // starts, after the locks were granted, so it sees the commit of whoever held the lock
-        // before. (One statement would read with a snapshot taken before the lock.) Without
-        // its lock, a read's answer is not looked at.
+        // BEGIN, the locks and the reads go out together (one round trip). Each read's
+        // snapshot is taken after its lock was granted, so it sees the commit of whoever held
+        // the lock before; without its lock, a read's answer is not looked at.
         let (high, low) = entity.map_or((0, 0), |(_, _, high, low)| (high, low));
-        let lock_params: [(&(dyn ToSql + Sync), Type); 3] = [
-            (&lock_number, Type::INT8),
-            (&high, Type::INT4),
-            (&low, Type::INT4),
-        ];
+        let entity_params: [(&(dyn ToSql + Sync), Type); 2] =
+            [(&high, Type::INT4), (&low, Type::INT4)];
         let id: &[u8] = &self.id;
         let entity_key: &[u8] = entity.map_or(&[], |(entity_key, ..)| entity_key);
-        let read_params: [(&(dyn ToSql + Sync), Type); 2] =
-            [(&id, Type::BYTEA), (&key, Type::BYTEA)];
         let version_params: [(&(dyn ToSql + Sync), Type); 2] =
             [(&id, Type::BYTEA), (&entity_key, Type::BYTEA)];
-        let mut statements: Vec<TypedStatement<'_>> = vec![
-            if entity.is_some() {
-                (LOCK_KEY_AND_ENTITY, &lock_params[..])
-            } else {
-                (LOCK_KEY, &lock_params[..1])
-            },
-            (&inner.read, &read_params),
+        let claim_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&lock_number, Type::INT8),
+            (&id, Type::BYTEA),
+            (&key, Type::BYTEA),
         ];
-        if entity.is_some() {
-            statements.push((&inner.read_version, &version_params));
-        }
-        let (mut tx, answers) =
-            ClaimTransaction::begin_with(client, &inner.statements, &statements).await?;
+        // The key's lock, the time and the key's row in one call of the store's function,
+        // which reads after the lock was granted (see `create_claim_functions`); with an
+        // entity version, the entity's lock and then its read behind it, each read's snapshot
+        // taken after its lock.
+        let (mut tx, answers) = if entity.is_none() {
+            let statements: [TypedStatement<'_>; 1] = [(&inner.claim, &claim_params)];
+            ClaimTransaction::begin_with_functions(client, &inner.statements, &statements).await?
+        } else {
+            let statements: [TypedStatement<'_>; 3] = [
+                (&inner.claim, &claim_params),
+                (LOCK_ENTITY, &entity_params),
+                (&inner.read_version, &version_params),
+            ];
+            ClaimTransaction::begin_with(client, &inner.statements, &statements).await?
+        };
         let decided_at = Instant::now();
         let entity = entity.map(|(entity_key, version, ..)| (entity_key, version));
         // An error here (a record that does not decode, say) leaves the key's lock held until
@@ -267,8 +267,9 @@ struct Claimable {
     version: Option<(Vec<u8>, u64)>,
 }
 
-/// Decides a claim from the answers of its lock statement, its read and (with an entity
-/// version) the entity's read, at `clock`'s time: no I/O.
+/// Decides a claim from the answers of the claim's function (the key's lock, the time and
+/// the key's row in one row) and, with an entity version, of the entity's lock and read, at
+/// `clock`'s time: no I/O.
 fn decide_claim(
     consumer: &PgConsumer,
     answers: crate::sql::txn::Answers,
@@ -281,7 +282,7 @@ fn decide_claim(
     let mut answers = answers.into_iter();
     let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
     let lock = crate::sql::txn::single_row(next_rows()?)?;
-    let record = next_rows();
+    let entity_lock = next_rows();
     let current_version = next_rows();
     let db_now_ms: i64 = lock.get(1);
     inner.clock_offset.learn(db_now_ms);
@@ -296,9 +297,9 @@ fn decide_claim(
     if !lock.get::<_, bool>(0) {
         return decided(Err(Outcome::held_by_claim(now_ms)));
     }
-    let record = record?
-        .first()
-        .map(|row| decode_record(key, row.get(0)))
+    let record = lock
+        .get::<_, Option<&[u8]>>(2)
+        .map(|bytes| decode_record(key, bytes))
         .transpose()?;
     let found = inspect_record(record, message.fingerprint(), now_ms);
     let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
@@ -312,7 +313,7 @@ fn decide_claim(
         };
     let mut version = None;
     if let Some((entity_key, new_version)) = entity {
-        if !lock.get::<_, bool>(2) {
+        if !crate::sql::txn::single_row(entity_lock?)?.get::<_, bool>(0) {
             // Another claim of the same entity is in flight.
             return decided(Err(Outcome::held_by_claim(now_ms)));
         }
@@ -591,13 +592,6 @@ impl<'c> PgClaim<'c> {
     }
 }
 
-/// A claim's lock statement: the key's lock, and the statement's time (the claim's "now" on
-/// the database's clock).
-const LOCK_KEY: &str = "SELECT pg_try_advisory_xact_lock($1), \
-     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8";
-
-/// A claim's lock statement with the ordering guard: the key's lock, the time, and the
-/// entity's lock (two `int4`s: see [`entity_lock_id`]).
-const LOCK_KEY_AND_ENTITY: &str = "SELECT pg_try_advisory_xact_lock($1), \
-     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8, \
-     pg_try_advisory_xact_lock($2, $3)";
+/// The ordering guard's lock of a claim's entity (two `int4`s: see [`entity_lock_id`]), taken
+/// after the key's.
+const LOCK_ENTITY: &str = "SELECT pg_try_advisory_xact_lock($1, $2)";

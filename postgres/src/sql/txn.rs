@@ -175,9 +175,33 @@ impl<'c> ClaimTransaction<'c> {
         cache: &Arc<StatementCache>,
         statements: &[Statement<'_>],
     ) -> Result<(ClaimTransaction<'c>, Answers)> {
+        let (begin, guarded) = begin_and_guarded(cache, statements);
+        ClaimTransaction::begin_sending(client, cache, statements.len(), begin, guarded).await
+    }
+
+    /// [`ClaimTransaction::begin_with`] for statements that need no guard around their plans:
+    /// calls of the store's functions, which turn sequential scans off themselves while they
+    /// run. Only `BEGIN` goes in front of them, nothing behind.
+    pub(crate) async fn begin_with_functions(
+        client: impl Into<Connection<'c>>,
+        cache: &Arc<StatementCache>,
+        statements: &[Statement<'_>],
+    ) -> Result<(ClaimTransaction<'c>, Answers)> {
+        ClaimTransaction::begin_sending(client, cache, statements.len(), BEGIN, statements.to_vec())
+            .await
+    }
+
+    /// Sends `begin` and then `guarded`, whose first `count` statements are the caller's (the
+    /// rest restore what `begin` set aside).
+    async fn begin_sending(
+        client: impl Into<Connection<'c>>,
+        cache: &Arc<StatementCache>,
+        count: usize,
+        begin: &'static str,
+        guarded: Vec<Statement<'_>>,
+    ) -> Result<(ClaimTransaction<'c>, Answers)> {
         let mut connection = client.into();
         let mut retried = false;
-        let (begin, guarded) = begin_and_guarded(cache, statements);
         loop {
             let client = connection.get_mut();
             let prepared = cache.prepare(client, &types_of(&guarded)).await?;
@@ -205,7 +229,7 @@ impl<'c> ClaimTransaction<'c> {
                 .iter()
                 .any(|answer| answer.as_ref().is_err_and(is_stale));
             // The caller's statements' answers only.
-            let restored = answers.split_off(statements.len());
+            let restored = answers.split_off(count);
             if stale && !retried && begun.is_ok() {
                 retried = true;
                 cache.forget(client);

@@ -136,6 +136,10 @@ impl StoreBuilder {
                 read: format!(
                     "SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2"
                 ),
+                claim: format!(
+                    "SELECT o_locked, o_now_ms, o_record FROM {}($1, $2, $3)",
+                    self.names.claim_function()
+                ),
                 insert: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
                      VALUES ($1, $2, $3, $4)"
@@ -158,7 +162,10 @@ impl StoreBuilder {
                          WHERE consumer = $1 AND message_key = k.message_key) \
                      FROM unnest($2::bytea[]) AS k(message_key)"
                 ),
-                insert_if_new: insert_if_new_sql(&records),
+                insert_if_new: format!(
+                    "SELECT {}($1, $2, $3, $4, $5, $6)",
+                    self.names.apply_function()
+                ),
                 read_at: read_at_sql(&records),
                 insert_many: format!(
                     "INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
@@ -303,6 +310,9 @@ impl ClockReading {
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) read: String,
+    /// A claim's key lock, the database's time and the key's row, in one statement
+    /// (`<table>_claim`).
+    pub(crate) claim: String,
     pub(crate) insert: String,
     /// Writes a record that replaces the key's row (expired, released, a lease run out).
     pub(crate) upsert: String,
@@ -427,42 +437,7 @@ pub struct PgConsumer {
     pub(crate) metrics: Arc<ConsumerMetrics>,
 }
 
-/// How far the record's time (this process's clock with the last offset seen) may be from the
-/// database's clock when the record is written in one round trip; further, the message takes
-/// the two-round-trip path, which writes the database's own time.
-pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
-
-/// A new key's whole claim in one statement ([`PgConsumer::apply`]'s one round trip): takes the
-/// key's lock without waiting and inserts the completed record when the key has no row, and
-/// the record's time `$5` is within the tolerance of the database's clock (`$5` null skips
-/// that check: an injected clock decides the store's time). Answers the database's time, or
-/// fails when it inserted nothing, which aborts the transaction and the caller's statements
-/// behind it: with `unique_violation` (23505) when the key has a row, with `LOST_ROW`
-/// (`storage/records.rs`) when
-/// the lock is held elsewhere or the clocks are apart.
-///
-/// The lock is taken in the same statement as the insert: the insert's check of the unique
-/// key sees every row committed or being written, whatever the statement's snapshot, so a
-/// row the lock's previous holder committed is found. The lock keeps out claims that hold the
-/// key without a row yet (a [`PgConsumer::begin`] writes its row at its commit).
-///
-/// A plain insert, not `ON CONFLICT DO NOTHING`: the conflict fails the statement either way,
-/// and the plain insert skips the speculative insertion and its WAL record (46 us against
-/// 56 us per statement in `pg_stat_statements`, PostgreSQL 15). A duplicate's insert leaves a
-/// dead row behind, as any failed insert does, for vacuum.
-pub(crate) fn insert_if_new_sql(records: &str) -> String {
-    format!(
-        "WITH inserted AS ( \
-             INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
-             SELECT $1, $2, $3, $4 \
-             WHERE pg_try_advisory_xact_lock($6) AND ($5::int8 IS NULL OR abs( \
-                 floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 - $5::int8 \
-             ) <= {CLOCK_TOLERANCE_MS}) \
-             RETURNING 1 \
-         ) SELECT 1 / count(*)::int4, \
-             floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 FROM inserted"
-    )
-}
+pub use crate::tables::names::CLOCK_TOLERANCE_MS;
 
 /// The key's row as it is, if any, and the database's time: what a one-round-trip claim that
 /// inserted nothing is answered from.

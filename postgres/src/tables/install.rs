@@ -11,12 +11,13 @@ use crate::tables::names::Names;
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 6 adds the read positions of log consumers (`<table>_position`, and the function
+/// Version 7 adds the function a claim takes its key's lock and reads its row with
+/// (`<table>_claim`); version 6 adds the read positions of log consumers (`<table>_position`, and the function
 /// that moves them, `<table>_advance_positions`); version 5 keeps the records in one plain table whose primary key is the key, with an index
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 6;
+pub const SCHEMA_VERSION: i32 = 7;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -58,14 +59,17 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=5) => {
+        Some(version @ 1..=6) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
             if version <= 4 {
                 migrate_records(&tx, names).await?;
             }
-            create_positions(&tx, names).await?;
+            if version <= 5 {
+                create_positions(&tx, names).await?;
+            }
+            create_claim_functions(&tx, names).await?;
             tx.batch_execute(&format!(
                 "ALTER TABLE {} DROP COLUMN IF EXISTS partition_days; \
                  UPDATE {} SET version = {SCHEMA_VERSION}",
@@ -84,6 +88,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             create_records(&tx, names).await?;
             create_entity_versions(&tx, names).await?;
             create_positions(&tx, names).await?;
+            create_claim_functions(&tx, names).await?;
             tx.execute(
                 &format!(
                     "INSERT INTO {} (version) VALUES ({SCHEMA_VERSION})",
@@ -205,6 +210,77 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
     .await?;
     Ok(())
 }
+
+/// Creates the claim's functions (new at version 7), each one statement parsed and planned once
+/// per connection (PL/pgSQL keeps the plans of its statements).
+///
+/// `<table>_claim`, a claim's first round trip: the key's advisory lock tried without waiting,
+/// the database's time, and, when the lock was granted, the key's row. `<table>_apply`,
+/// `apply`'s one round trip: the key's lock, the key's row, and the new key's completed record
+/// inserted when the key has no row, the lock was granted and the record's time `p_check_ms`
+/// is within the tolerance of the database's clock (null: an injected clock decides); else it
+/// fails with [`NOT_NEW_SQLSTATE`], which aborts the caller's statements behind it, and its
+/// detail carries the database's time and the key's row, so that a duplicate is answered
+/// without a second round trip. The row is read after the lock was granted or refused; the
+/// insert's unique key backs the read up (a row it did not see fails the insert).
+///
+/// The reads run after the lock was granted and takes its own snapshot then (a volatile
+/// function's statements each take a new one under READ COMMITTED), so it sees the commit of
+/// whoever held the lock before; a plain statement's one snapshot would be taken before its
+/// lock. Sequential scans are off while the function runs, so that the read's kept plan,
+/// however small the table was when it was made, looks the key up in the index; the caller's
+/// own setting is back when the function returns.
+async fn create_claim_functions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
+    tx.batch_execute(&format!(
+        "CREATE OR REPLACE FUNCTION {claim}(p_lock bigint, p_consumer bytea, p_key bytea,
+                                           OUT o_locked boolean, OUT o_now_ms bigint,
+                                           OUT o_record bytea)
+         LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $idemdb$
+         BEGIN
+             o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8;
+             o_locked := pg_try_advisory_xact_lock(p_lock);
+             IF o_locked THEN
+                 SELECT r.record INTO o_record FROM {records} AS r
+                  WHERE r.consumer = p_consumer AND r.message_key = p_key;
+             END IF;
+         END
+         $idemdb$;
+         CREATE OR REPLACE FUNCTION {apply}(p_consumer bytea, p_key bytea, p_record bytea,
+                                           p_expires_at_ms bigint, p_check_ms bigint,
+                                           p_lock bigint)
+         RETURNS bigint
+         LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $idemdb$
+         DECLARE
+             v_now_ms bigint := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8;
+             v_locked boolean := pg_try_advisory_xact_lock(p_lock);
+             v_stored bytea;
+         BEGIN
+             SELECT r.record INTO v_stored FROM {records} AS r
+              WHERE r.consumer = p_consumer AND r.message_key = p_key;
+             IF v_stored IS NOT NULL OR NOT v_locked
+                OR (p_check_ms IS NOT NULL AND abs(v_now_ms - p_check_ms) > {tolerance}) THEN
+                 RAISE EXCEPTION 'idemdb: the key is not new'
+                     USING ERRCODE = '{NOT_NEW_SQLSTATE}',
+                           DETAIL = v_now_ms::text || ' ' || coalesce(encode(v_stored, 'hex'), '');
+             END IF;
+             INSERT INTO {records} (consumer, message_key, record, expires_at_ms)
+             VALUES (p_consumer, p_key, p_record, p_expires_at_ms);
+             RETURN v_now_ms;
+         END
+         $idemdb$;",
+        claim = names.claim_function(),
+        apply = names.apply_function(),
+        records = names.records(),
+        tolerance = crate::tables::names::CLOCK_TOLERANCE_MS,
+    ))
+    .await?;
+    Ok(())
+}
+
+/// The SQLSTATE `<table>_apply` raises when it inserted nothing: the key has a row, its lock is
+/// held elsewhere, or the record's time is too far from the database's clock. Its detail is
+/// the database's time and the key's row in hex (empty without a row).
+pub(crate) const NOT_NEW_SQLSTATE: &str = "IP002";
 
 /// Versions 1 to 4 to 5: the records move into the plain table. The old table (plain at
 /// version 1, partitioned by removal day at 2 to 4) is renamed aside, the new one created, and

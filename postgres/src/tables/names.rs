@@ -9,6 +9,11 @@ const NAME_BYTES_MAX: usize = 63 - "_version".len();
 /// One day in milliseconds.
 pub const DAY_MS: i64 = 86_400_000;
 
+/// How far the record's time (this process's clock with the last offset seen) may be from the
+/// database's clock when the record is written in one round trip; further, the message takes
+/// the two-round-trip path, which writes the database's own time.
+pub const CLOCK_TOLERANCE_MS: u64 = 1_000;
+
 /// The `expires_at_ms` of a row that is never removable by time (in-progress records, and
 /// removal times past what `int8` holds).
 pub(crate) const NEVER_MS: i64 = i64::MAX;
@@ -191,6 +196,18 @@ impl Names {
     /// fails the transaction.
     pub(crate) fn advance_positions(&self) -> String {
         format!("{}.{}_advance_positions", self.schema, self.table)
+    }
+
+    /// `schema.table_claim`: the function that takes a key's lock and reads its row in one
+    /// statement (a claim's first round trip).
+    pub(crate) fn claim_function(&self) -> String {
+        format!("{}.{}_claim", self.schema, self.table)
+    }
+
+    /// `schema.table_apply`: the function that inserts a new key's completed record, or
+    /// fails with the key's row in its error (`apply`'s one round trip).
+    pub(crate) fn apply_function(&self) -> String {
+        format!("{}.{}_apply", self.schema, self.table)
     }
 
     /// `schema.table_version`.
