@@ -2259,3 +2259,50 @@ fn postgres_import_lines_writes_nothing_when_reading_its_input_fails() {
     });
     assert_eq!(pg.export("fail"), (vec![], vec![]));
 }
+
+#[test]
+fn the_moved_position_is_listed_with_where_it_resumes_on_both_backends() {
+    // 07: `idemdb-pg positions list --url "$DB" --consumer billing   # where it resumes`;
+    // `idemdb export --json` prints "JSON lines for export": the same lines.
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::builder(dir.path()).open().unwrap();
+    commit(&engine, "billing", "order-1");
+    engine
+        .consumer("billing")
+        .unwrap()
+        .positions()
+        .advance("orders", 3, 41)
+        .unwrap();
+    drop(engine);
+    let plain = idemdb(&["export", path_str(dir.path())], b"");
+    let json_lines = idemdb(&["export", path_str(dir.path()), "--json"], b"");
+    expect_code(&json_lines, 0);
+    assert_eq!(out(&json_lines), out(&plain), "--json: the same lines");
+    let target = new_store();
+    expect_code(
+        &idemdb(&["import", path_str(target.path())], &plain.stdout),
+        0,
+    );
+    let listed = idemdb(&["positions", "list", path_str(target.path())], b"");
+    expect_code(&listed, 0);
+    assert!(
+        out(&listed).contains("41") && out(&listed).contains("42"),
+        "offset 41, resumes at 42: {}",
+        out(&listed)
+    );
+    let Some(pg) = Pg::start() else { return };
+    pg.install("listed");
+    expect_code(&pg.tool(&["import"], "listed", &[], &plain.stdout), 0);
+    let listed = pg.tool(
+        &["positions", "list"],
+        "listed",
+        &["--consumer", "billing"],
+        b"",
+    );
+    expect_code(&listed, 0);
+    let text = out(&listed);
+    assert!(
+        text.contains("orders") && text.contains("41") && text.contains("42"),
+        "offset 41, resumes at 42: {text}"
+    );
+}
