@@ -509,6 +509,9 @@ pub struct TransferLines {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LineError {
+    /// Not UTF-8 text: no export line is.
+    #[error("not UTF-8 text")]
+    NotUtf8,
     /// Not a JSON object with an export line's fields.
     #[error("{reason}")]
     Json {
@@ -575,11 +578,22 @@ pub enum ReadError {
 pub fn read_lines(input: impl BufRead) -> Result<TransferLines, ReadError> {
     let mut lines = TransferLines::default();
     for (index, text) in input.lines().enumerate() {
-        let text = text?;
+        let line = index as u64 + 1;
+        let text = match text {
+            Ok(text) => text,
+            // Bytes that are not UTF-8 are the input's fault, not the reader's: a malformed
+            // line, named, as any other.
+            Err(error) if error.kind() == io::ErrorKind::InvalidData => {
+                return Err(ReadError::Line {
+                    line,
+                    error: LineError::NotUtf8,
+                });
+            }
+            Err(error) => return Err(error.into()),
+        };
         if text.trim().is_empty() {
             continue;
         }
-        let line = index as u64 + 1;
         match parse_line(&text).map_err(|error| ReadError::Line { line, error })? {
             TransferLine::Record(record) => lines.records.push((line, record)),
             TransferLine::Position(position) => lines.positions.push((line, position)),

@@ -29,6 +29,8 @@ bytes as exact hex), so a store moves either way:
     idemdb export STORE > lines.jsonl && idemdb-pg import < lines.jsonl
     idemdb-pg export > lines.jsonl && idemdb import NEW_STORE lines.jsonl
 
+(NEW_STORE made by the application, which declares its tables, and stopped.)
+
 export   every record (of one consumer with --consumer), in the order `idemdb export` writes
          them: by consumer id (shorter first), then by key; then every read position of a log
          consumer, as a position line (kind \"position\"). One snapshot; claims go on.

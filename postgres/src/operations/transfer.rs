@@ -190,7 +190,9 @@ impl PgStore {
     ///
     /// # Errors
     /// Before anything is written: [`Error::NotImportable`] for an offset past
-    /// [`POSITION_OFFSET_MAX`] or a position given twice (consumer, source and partition).
+    /// [`POSITION_OFFSET_MAX`], an `updated_at_ms` past `i64::MAX` (the column's range: a time
+    /// is kept as exported or refused, never changed), or a position given twice (consumer,
+    /// source and partition).
     /// [`Error::Postgres`] when a statement fails; the transactions before it stay written.
     pub async fn import_positions(
         &self,
@@ -593,6 +595,15 @@ fn check_positions<'a>(
                 moved.offset
             ))
         })?;
+        // Kept as it is, or refused: a time changed on the way would not be the one exported.
+        let updated_at_ms = i64::try_from(moved.updated_at_ms).map_err(|_| {
+            refuse(format!(
+                "{}: updated_at_ms {} is past {}, the largest PostgreSQL stores",
+                label(),
+                moved.updated_at_ms,
+                i64::MAX
+            ))
+        })?;
         if !seen.insert((given.consumer(), moved.source.as_str(), moved.partition)) {
             return Err(refuse(format!("{} is given twice", label())));
         }
@@ -601,8 +612,7 @@ fn check_positions<'a>(
             source: &moved.source,
             partition: i64::from(moved.partition),
             offset,
-            // A time past the column's range is kept at its end (no clock reads so far).
-            updated_at_ms: i64::try_from(moved.updated_at_ms).unwrap_or(i64::MAX),
+            updated_at_ms,
         });
     }
     rows.sort_by(|a, b| {
