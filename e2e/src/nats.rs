@@ -21,13 +21,28 @@ use crate::jetstream::{
 };
 use crate::supervisor::{Supervisor, die_with_parent};
 
-/// The server process: `nats-server -js` on 127.0.0.1:`port`, its store under `dir`.
+/// The server process: `nats-server` with JetStream on 127.0.0.1:`port`, its store under
+/// `dir`, every write synced before it is acknowledged where the server can be told to
+/// (`sync_interval: always`, from 2.10). The binary is `$IDEMDB_NATS_SERVER` when set (what
+/// `scripts/nats-e2e.sh` fetches), else `nats-server` on the `PATH`.
 pub struct Server {
     port: u16,
     dir: PathBuf,
+    binary: PathBuf,
+    /// The server's version, from `--version` (`v2.10.26`).
+    pub version: String,
+    /// Whether it syncs every write before acknowledging it.
+    pub sync_always: bool,
     child: Option<Child>,
     /// Times it was SIGKILLed (and started again).
     pub kills: u64,
+}
+
+/// The `(major, minor)` of a `nats-server --version` line (`nats-server: v2.10.26`).
+fn major_minor(version: &str) -> Option<(u32, u32)> {
+    let digits = version.trim().rsplit('v').next()?;
+    let mut parts = digits.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
 impl Server {
@@ -36,9 +51,29 @@ impl Server {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
             return Err(format!("127.0.0.1:{port} is already in use; pick another --port").into());
         }
+        let binary = std::env::var_os("IDEMDB_NATS_SERVER")
+            .map_or_else(|| PathBuf::from("nats-server"), PathBuf::from);
+        let output = Command::new(&binary)
+            .arg("--version")
+            .output()
+            .map_err(|error| {
+                format!(
+                    "running {} (scripts/nats-e2e.sh installs it): {error}",
+                    binary.display()
+                )
+            })?;
+        let version = String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .trim_start_matches("nats-server: ")
+            .to_owned();
+        // 2.9 has no setting for it: its file store leaves writes to the page cache.
+        let sync_always = major_minor(&version).is_some_and(|version| version >= (2, 10));
         let mut server = Server {
             port,
             dir: dir.to_owned(),
+            binary,
+            version,
+            sync_always,
             child: None,
             kills: 0,
         };
@@ -56,22 +91,33 @@ impl Server {
             .create(true)
             .append(true)
             .open(self.dir.join("nats-server.log"))?;
-        let mut command = Command::new("nats-server");
+        let store = self.dir.join("jetstream");
+        let sync = if self.sync_always {
+            "sync_interval: always\n    "
+        } else {
+            ""
+        };
+        let config = self.dir.join("server.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "listen: \"127.0.0.1:{}\"\njetstream {{\n    {sync}store_dir: {:?}\n}}\n",
+                self.port,
+                store.display().to_string()
+            ),
+        )?;
+        let mut command = Command::new(&self.binary);
         command
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(self.dir.join("jetstream"))
+            .arg("-c")
+            .arg(&config)
             .stdout(Stdio::null())
             .stderr(log);
         die_with_parent(&mut command);
         self.child = Some(command.spawn().map_err(|error| {
-            format!("starting nats-server (scripts/nats.sh installs it): {error}")
+            format!(
+                "starting {} (scripts/nats-e2e.sh installs it): {error}",
+                self.binary.display()
+            )
         })?);
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {

@@ -345,6 +345,14 @@ async fn run() -> Result<bool, BoxError> {
         consumers.self_kills,
     );
     report.figure("server SIGKILLed and restarted", server.kills);
+    report.figure(
+        "server, every write synced before its acknowledgement",
+        format!(
+            "{} ({})",
+            if server.sync_always { "yes" } else { "no" },
+            server.version
+        ),
+    );
     // A consumer's resume: from its SIGKILL to its restarted process pulling again; after a
     // server SIGKILL, from the kill to each consumer pulling again from the restarted server.
     let mut consumer_resume_ms = Vec::new();

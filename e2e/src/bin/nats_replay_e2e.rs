@@ -367,6 +367,14 @@ async fn run() -> Result<bool, BoxError> {
         consumers.self_kills,
     );
     report.figure("server SIGKILLed and restarted", server.kills);
+    report.figure(
+        "server, every write synced before its acknowledgement",
+        format!(
+            "{} ({})",
+            if server.sync_always { "yes" } else { "no" },
+            server.version
+        ),
+    );
     report.figure("consumer starts", consumers.starts);
     report.zero(
         "consumer exits not caused by us",
