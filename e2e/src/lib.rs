@@ -12,8 +12,9 @@
 //! - [`handoffs`]: a partitioned fleet's owners, handoffs and paused zombie, from the ledgers;
 //! - [`backups`]: a fleet's online backups restored and checked whole against the ledgers;
 //! - [`kafka`]: a Kafka-protocol broker: client settings, publishing, partitions read back;
-//! - [`reads`]: RabbitMQ streams read back, and each offset's settlement and reads again checked
-//!   (for every log consumer: RabbitMQ streams, NATS replay, Kafka);
+//! - [`reads`]: RabbitMQ streams read back; for every log consumer (RabbitMQ streams, NATS
+//!   replay, Kafka) the wait until each log is committed to its end, and each offset's settlement
+//!   and reads again checked;
 //! - [`report`]: the accounting, its pass conditions and the negative-control switch;
 //! - [`pg_cluster`]: a private PostgreSQL primary with a synchronous standby, and failovers;
 //! - [`effects_table`]: the PostgreSQL fleet's effects table, read back and after a republish;

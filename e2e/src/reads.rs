@@ -8,6 +8,7 @@
 //! partitions (read back by `kafka.rs`) as they are.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
@@ -17,8 +18,9 @@ use rabbitmq_stream_client::types::OffsetSpecification;
 
 use crate::BoxError;
 use crate::amqp::DeadLetter;
-use crate::ledger::Event;
+use crate::ledger::{self, Event};
 use crate::streams::{Placement, conflict_key, order_id_of, read_key};
+use crate::supervisor::Supervisor;
 
 /// Connects to the broker's stream port on 127.0.0.1, waiting up to a minute for it to accept
 /// connections.
@@ -92,6 +94,61 @@ pub fn committed_through(events: &[Event], placement: Placement) -> Option<u64> 
     }
     let resumed = highest_offset(events, "ready").and_then(|start| start.checked_sub(1));
     committed.max(resumed)
+}
+
+/// How long a log's ledger must stand still, its last offset read, before the
+/// broker-before-commit control stops waiting for a commit of it that will never come.
+const LEDGER_STILL: Duration = Duration::from_secs(5);
+
+/// Waits (restarting exited consumers) until each log of `reference` (a stream, a shard or a
+/// partition: `what`, for the error) is committed to its last offset by its consumers, as the
+/// ledger at `ledger_of(log)` shows; five minutes at most. With the position stored at the
+/// broker before the commit, a consumer killed between the two never reads that offset again:
+/// there a log is done once its last offset was read and its ledger has stood still for a
+/// while (what was read and not committed is what the control loses).
+pub async fn wait_until_consumed(
+    consumers: &mut Supervisor,
+    reference: &[Vec<(u64, String)>],
+    ledger_of: impl Fn(usize) -> PathBuf,
+    placement: Placement,
+    what: &str,
+) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut still_since: Vec<(usize, Instant)> = vec![(0, Instant::now()); reference.len()];
+    loop {
+        consumers.restart_exited()?;
+        let mut behind = Vec::new();
+        for (log, messages) in reference.iter().enumerate() {
+            let last = messages.last().map(|(offset, _)| *offset);
+            let events = ledger::read(&ledger_of(log))?;
+            let committed = committed_through(&events, placement);
+            if last.is_none() || committed >= last {
+                continue;
+            }
+            let read = highest_offset(&events, "read");
+            if placement == Placement::BrokerBeforeCommit {
+                if events.len() != still_since[log].0 {
+                    still_since[log] = (events.len(), Instant::now());
+                }
+                if read >= last && still_since[log].1.elapsed() >= LEDGER_STILL {
+                    continue;
+                }
+            }
+            behind.push(format!(
+                "{what} {log}: last offset {last:?}, committed up to {committed:?}, read up to \
+                 {read:?}"
+            ));
+        }
+        if behind.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let (count, behind) = (behind.len(), behind.join("; "));
+            let error = format!("{count} {what}(s) not consumed to the end in 300 s ({behind})");
+            return Err(error.into());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// What the check of the streams' offsets found, summed over the streams.

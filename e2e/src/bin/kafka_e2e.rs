@@ -42,7 +42,7 @@ use idemdb_e2e::args::{Args, Workload, check};
 use idemdb_e2e::kafka::{self, Protocol};
 use idemdb_e2e::ledger::{self, Event, monotonic_ns};
 use idemdb_e2e::orders::shard_of;
-use idemdb_e2e::reads::{self, Reads, committed_through, highest_offset};
+use idemdb_e2e::reads::{self, Reads};
 use idemdb_e2e::report::{Control, Report, median_max};
 use idemdb_e2e::streams::{CONSUMER_ID, Placement, open_stream_store};
 use idemdb_e2e::supervisor::Supervisor;
@@ -174,10 +174,6 @@ fn consumers(options: &Options, planned_kills: Vec<Option<u64>>) -> Result<Super
     Ok(Supervisor::new(binary, work, slots, Box::new(command_line)))
 }
 
-/// How long a partition's ledger must stand still, its last offset read, before the
-/// broker-before-commit control stops waiting for a commit of it that will never come.
-const LEDGER_STILL: Duration = Duration::from_secs(5);
-
 fn main() {
     idemdb_e2e::main("kafka_e2e", run());
 }
@@ -264,7 +260,9 @@ async fn run() -> Result<bool, BoxError> {
         let read_back = kafka::read_partition(bootstrap, protocol, topic, partition, published)?;
         reference.push(read_back);
     }
-    wait_for_consumers(&mut consumers, &reference, work, placement).await?;
+    // Wait until each partition's consumers committed its last offset.
+    let ledger = |partition: usize| ledger_of(work, partition);
+    reads::wait_until_consumed(&mut consumers, &reference, ledger, placement, "partition").await?;
     consumers.stop_gracefully()?;
 
     // Each store checked against its partition read back and its ledger.
@@ -414,52 +412,4 @@ async fn run() -> Result<bool, BoxError> {
                    again (read again > 0; the markers keep applied twice = 0)",
         },
     }))
-}
-
-/// Waits until each partition's consumers committed its last offset (five minutes at most).
-/// With the offset committed to Kafka before the commit, a consumer killed between the two
-/// never reads that group again: there a partition is done once its last offset was read and
-/// its ledger has stood still for a while.
-async fn wait_for_consumers(
-    consumers: &mut Supervisor,
-    reference: &[Vec<(u64, String)>],
-    work: &Path,
-    placement: Placement,
-) -> Result<(), BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut still_since: Vec<(usize, Instant)> = vec![(0, Instant::now()); reference.len()];
-    loop {
-        consumers.restart_exited()?;
-        let mut behind = Vec::new();
-        for (partition, messages) in reference.iter().enumerate() {
-            let last = messages.last().map(|(offset, _)| *offset);
-            let events = ledger::read(&ledger_of(work, partition))?;
-            let committed = committed_through(&events, placement);
-            if last.is_none() || committed >= last {
-                continue;
-            }
-            let read = highest_offset(&events, "read");
-            if placement == Placement::BrokerBeforeCommit {
-                if events.len() != still_since[partition].0 {
-                    still_since[partition] = (events.len(), Instant::now());
-                }
-                if read >= last && still_since[partition].1.elapsed() >= LEDGER_STILL {
-                    continue;
-                }
-            }
-            behind.push(format!(
-                "partition {partition}: last offset {last:?}, committed up to {committed:?}, \
-                 read up to {read:?}"
-            ));
-        }
-        if behind.is_empty() {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            let (count, behind) = (behind.len(), behind.join("; "));
-            let error = format!("{count} partition(s) not consumed to the end in 300 s ({behind})");
-            return Err(error.into());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }

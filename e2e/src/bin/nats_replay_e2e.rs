@@ -46,7 +46,7 @@ use idemdb_e2e::jetstream::{STREAM, subject};
 use idemdb_e2e::ledger::{self, monotonic_ns};
 use idemdb_e2e::nats::{self, Outgoing, Published, Server};
 use idemdb_e2e::orders::shard_of;
-use idemdb_e2e::reads::{self, Reads, committed_through, highest_offset};
+use idemdb_e2e::reads::{self, Reads};
 use idemdb_e2e::report::{Control, Report, median_max};
 use idemdb_e2e::streams::{CONSUMER_ID, Placement, open_stream_store};
 use idemdb_e2e::supervisor::{Supervisor, recipe};
@@ -150,10 +150,6 @@ fn consumers(options: &Options, url: &str) -> Result<Supervisor, BoxError> {
     ))
 }
 
-/// How long a shard's ledger must stand still, its last sequence read, before the
-/// before-commit control stops waiting for a commit of it that will never come.
-const LEDGER_STILL: Duration = Duration::from_secs(5);
-
 fn main() {
     idemdb_e2e::main("nats_replay_e2e", run());
 }
@@ -251,46 +247,9 @@ async fn run() -> Result<bool, BoxError> {
 
     // The reference: the stream read back, by shard.
     let reference = nats::read_back(&context, shards).await?;
-    // Wait until each shard's consumers committed its last sequence. With the position written
-    // before the commit, a consumer killed between the two never reads that message again:
-    // there a shard is done once its last sequence was read and its ledger stood still.
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut still_since: Vec<(usize, Instant)> = vec![(0, Instant::now()); shards];
-    loop {
-        consumers.restart_exited()?;
-        let mut behind = Vec::new();
-        for (shard, messages) in reference.iter().enumerate() {
-            let last = messages.last().map(|(sequence, _)| *sequence);
-            let events = ledger::read(&ledger_of(work, shard))?;
-            let committed = committed_through(&events, placement);
-            if last.is_none() || committed >= last {
-                continue;
-            }
-            let read = highest_offset(&events, "read");
-            if placement == Placement::BrokerBeforeCommit {
-                if events.len() != still_since[shard].0 {
-                    still_since[shard] = (events.len(), Instant::now());
-                }
-                if read >= last && still_since[shard].1.elapsed() >= LEDGER_STILL {
-                    continue;
-                }
-            }
-            behind.push(format!(
-                "shard {shard}: last sequence {last:?}, committed up to {committed:?}, read up \
-                 to {read:?}"
-            ));
-        }
-        if behind.is_empty() {
-            break;
-        }
-        if Instant::now() > deadline {
-            let (count, behind) = (behind.len(), behind.join("; "));
-            return Err(
-                format!("{count} shard(s) not consumed to the end in 300 s ({behind})").into(),
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // Wait until each shard's consumers committed its last sequence.
+    let ledger = |shard: usize| ledger_of(work, shard);
+    reads::wait_until_consumed(&mut consumers, &reference, ledger, placement, "shard").await?;
     consumers.stop_gracefully()?;
 
     // Each store checked against its shard read back and its ledger.

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use idemdb_e2e::args::{Args, Workload, check};
 use idemdb_e2e::ledger::{self, monotonic_ns};
 use idemdb_e2e::orders::shard_of;
-use idemdb_e2e::reads::{self, Reads, committed_through, highest_offset};
+use idemdb_e2e::reads::{self, Reads};
 use idemdb_e2e::report::{Control, Report, median_max};
 use idemdb_e2e::streams::{CONSUMER_ID, Placement, open_stream_store, stream_name};
 use idemdb_e2e::supervisor::{Supervisor, recipe};
@@ -129,10 +129,6 @@ fn consumers(options: &Options, planned_kills: Vec<Option<u64>>) -> Result<Super
     let command_line = Box::new(command_line);
     Ok(Supervisor::new(binary, work, streams, command_line))
 }
-
-/// How long a stream's ledger must stand still, its last offset read, before the
-/// broker-before-commit control stops waiting for a commit of it that will never come.
-const LEDGER_STILL: Duration = Duration::from_secs(5);
 
 fn main() {
     idemdb_e2e::main("stream_e2e", run());
@@ -234,46 +230,9 @@ async fn run() -> Result<bool, BoxError> {
     for (stream, &count) in published.iter().enumerate() {
         reference.push(reads::read_stream(&environment, &stream_name(stream), count).await?);
     }
-    // Wait until each stream's consumers committed its last offset. With the position stored
-    // at the broker before the commit, a consumer killed between the two never reads that
-    // offset again: there a stream is done once its last offset was read and its ledger has
-    // stood still for a while (what was read and not committed is what the control loses).
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut still_since: Vec<(usize, Instant)> = vec![(0, Instant::now()); reference.len()];
-    loop {
-        consumers.restart_exited()?;
-        let mut behind = Vec::new();
-        for (stream, messages) in reference.iter().enumerate() {
-            let last = messages.last().map(|(offset, _)| *offset);
-            let events = ledger::read(&ledger_of(work, stream))?;
-            let committed = committed_through(&events, placement);
-            if last.is_none() || committed >= last {
-                continue;
-            }
-            let read = highest_offset(&events, "read");
-            if placement == Placement::BrokerBeforeCommit {
-                if events.len() != still_since[stream].0 {
-                    still_since[stream] = (events.len(), Instant::now());
-                }
-                if read >= last && still_since[stream].1.elapsed() >= LEDGER_STILL {
-                    continue;
-                }
-            }
-            behind.push(format!(
-                "stream {stream}: last offset {last:?}, committed up to {committed:?}, \
-                 read up to {read:?}"
-            ));
-        }
-        if behind.is_empty() {
-            break;
-        }
-        if Instant::now() > deadline {
-            let (count, behind) = (behind.len(), behind.join("; "));
-            let error = format!("{count} stream(s) not consumed to the end in 300 s ({behind})");
-            return Err(error.into());
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // Wait until each stream's consumers committed its last offset.
+    let ledger = |stream: usize| ledger_of(work, stream);
+    reads::wait_until_consumed(&mut consumers, &reference, ledger, placement, "stream").await?;
     consumers.stop_gracefully()?;
 
     // Each store checked against its stream read back and its ledger.
