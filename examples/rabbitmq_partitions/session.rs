@@ -96,24 +96,33 @@ pub(crate) async fn session(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut partitions = tokio::task::JoinSet::new();
-    // Subscribing takes a while (the pause between preferred and other partitions): a
-    // connection lost meanwhile must still release the partitions already owned, below.
-    let subscribed = subscribe(
-        shared,
-        &connection,
-        &publisher,
-        &connected,
-        &lost_tx,
-        &stop_rx,
-        &mut partitions,
-    )
-    .await;
-    let ended = match subscribed {
-        Err(error) => {
-            eprintln!("rabbitmq_partitions: subscribing: {error}");
-            Ended::ConnectionLost
-        }
-        Ok(()) => tokio::select! {
+    // Subscribing takes a while (the pause between preferred and other partitions), and the
+    // partitions subscribed first may be owned, and committing, before it is done. A lost
+    // connection or a SIGTERM meanwhile ends it: a request to the broker on a connection that
+    // went away during a pause (SIGSTOP) can wait forever, and this session must still notice,
+    // and release the partitions already owned, below.
+    let subscribing = tokio::select! {
+        subscribed = subscribe(
+            shared,
+            &connection,
+            &publisher,
+            &connected,
+            &lost_tx,
+            &stop_rx,
+            &mut partitions,
+        ) => match subscribed {
+            Ok(()) => None,
+            Err(error) => {
+                eprintln!("rabbitmq_partitions: subscribing: {error}");
+                Some(Ended::ConnectionLost)
+            }
+        },
+        _ = lost_rx.wait_for(|lost| *lost) => Some(Ended::ConnectionLost),
+        _ = terminate.recv() => Some(Ended::Terminated),
+    };
+    let ended = match subscribing {
+        Some(ended) => ended,
+        None => tokio::select! {
             _ = terminate.recv() => Ended::Terminated,
             _ = lost_rx.wait_for(|lost| *lost) => Ended::ConnectionLost,
             // A partition task that fails (a poisoned store) ends the session too.
