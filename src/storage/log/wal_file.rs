@@ -44,7 +44,7 @@ pub(crate) fn batch_count(rep: &[u8]) -> Option<u32> {
 /// One write batch holding every record of `batches`, in order: RocksDB applies it atomically,
 /// as it would each of them.
 pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch {
-    let mut batches: Vec<WriteBatch> = batches.into_iter().collect();
+    let mut batches: smallvec::SmallVec<[WriteBatch; 1]> = batches.into_iter().collect();
     if batches.len() == 1 {
         return batches.pop().unwrap_or_default();
     }

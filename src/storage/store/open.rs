@@ -14,8 +14,8 @@ use crate::format::position::POSITIONS_TABLE;
 use crate::storage::latch::Latches;
 use crate::storage::options::{Durability, EngineBuilder, MergeOperator, OpenMode};
 use crate::storage::rocksdb_options::{
-    admin_db_options, db_options, marker_table_options, positions_table_options,
-    set_opaque_merge_operator, table_options,
+    admin_db_options, db_options, marker_table_options, meta_table_options,
+    positions_table_options, set_opaque_merge_operator, table_options,
 };
 use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{
@@ -88,6 +88,7 @@ impl Storage {
             retention_ms: builder.retention_ms,
             admission_floor: builder.admission_floor,
             write_options,
+            point_reads: rocksdb::ReadOptions::default(),
             sync_writes: builder.durability == Durability::Sync,
             committer: crate::storage::log::committer::CommitterSlot::default(),
             poisoned: AtomicBool::new(false),
@@ -160,7 +161,7 @@ fn open_db(builder: &EngineBuilder) -> Result<DB> {
     let mut descriptors = vec![
         ColumnFamilyDescriptor::new(
             rocksdb::DEFAULT_COLUMN_FAMILY_NAME,
-            table_options(builder, &cache),
+            meta_table_options(builder, &cache),
         ),
         ColumnFamilyDescriptor::new(RECORDS_TABLE, marker_table_options(builder, &cache)),
         ColumnFamilyDescriptor::new(VERSIONS_TABLE, table_options(builder, &cache)),

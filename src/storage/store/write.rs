@@ -84,7 +84,7 @@ impl Storage {
                 .collect(),
             StagedWrite::Logged(group) => {
                 let log = self.log.as_ref().expect("a logged write has the log");
-                let outcomes = log.apply(self.db(), group);
+                let outcomes = log.apply(self.db(), group).into_vec();
                 for (_, outcome) in &outcomes {
                     if let Err(error) = outcome {
                         self.poison_after_log(error);

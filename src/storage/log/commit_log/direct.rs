@@ -57,12 +57,18 @@ pub(super) fn block_above(at: u64) -> u64 {
     block_below(at + DIRECT_BLOCK as u64 - 1)
 }
 
+/// The writes of a group, taken out together: most groups' records are contiguous, one write,
+/// kept inline (no allocation on a lone writer's path).
+pub(crate) type PendingWrites = smallvec::SmallVec<[PendingWrite; 1]>;
+
 /// A write the log has taken out to be made ([`perform_writes`]).
 pub(crate) struct PendingWrite {
     pub(super) file: Arc<File>,
     /// The slot's `O_DIRECT | O_DSYNC` descriptor, for a write of whole aligned blocks.
     pub(super) direct: Option<Arc<File>>,
-    pub(super) path: PathBuf,
+    /// The log's folder and the slot's number: its file's path, made only for an error.
+    pub(super) dir: Arc<Path>,
+    pub(super) slot: usize,
     pub(super) at: u64,
     pub(super) bytes: Written,
 }
@@ -74,6 +80,10 @@ pub(super) enum Written {
 }
 
 impl PendingWrite {
+    fn path(&self) -> PathBuf {
+        super::slot_path(&self.dir, self.slot)
+    }
+
     pub(super) fn bytes(&self) -> &[u8] {
         match &self.bytes {
             Written::Plain(bytes) => bytes,
@@ -92,19 +102,20 @@ pub(crate) fn perform_writes(writes: &[PendingWrite], sync: bool) -> Result<()> 
             _ => &write.file,
         };
         file.write_all_at(write.bytes(), write.at)
-            .map_err(|error| io_error("writing", &write.path, &error))?;
+            .map_err(|error| io_error("writing", &write.path(), &error))?;
     }
     if sync {
-        let mut synced: Vec<&Path> = Vec::new();
+        // Every write is to a slot of the same log: the slot names the file.
+        let mut synced: Vec<usize> = Vec::new();
         for write in writes {
-            if write.direct.is_some() || synced.contains(&write.path.as_path()) {
+            if write.direct.is_some() || synced.contains(&write.slot) {
                 continue;
             }
             write
                 .file
                 .sync_data()
-                .map_err(|error| io_error("syncing", &write.path, &error))?;
-            synced.push(&write.path);
+                .map_err(|error| io_error("syncing", &write.path(), &error))?;
+            synced.push(write.slot);
         }
     }
     Ok(())

@@ -48,6 +48,7 @@ mod power_cut_tests;
 mod tests;
 
 use chain::{Access, Chain, read_segment_header};
+pub(crate) use direct::PendingWrites;
 pub(crate) use direct::perform_writes;
 use direct::{Aligned, Direct, PendingWrite, Written, block_above, block_below, refuses_direct};
 use growth::{growing_path, make_segment_file};
@@ -82,7 +83,9 @@ struct Slot {
 
 /// The open commit log.
 pub(crate) struct CommitLog {
-    dir: PathBuf,
+    /// Shared with each write taken out ([`PendingWrite`]), which names its file only if it
+    /// fails: a path made for every write cost a thousand instructions a commit.
+    dir: Arc<Path>,
     /// The size of the ring's slots (a slot made for a larger record is larger).
     segment_bytes: u64,
     slots: Vec<Slot>,
@@ -225,7 +228,7 @@ impl CommitLog {
                 .map_err(|error| io_error("syncing", parent, &error))?;
         }
         let mut log = CommitLog {
-            dir: target.to_path_buf(),
+            dir: Arc::from(target),
             segment_bytes,
             slots: files
                 .into_iter()
@@ -275,7 +278,7 @@ impl CommitLog {
                 .map_err(|error| io_error("removing", &growing, &error))?;
         }
         let mut log = CommitLog {
-            dir: dir.to_path_buf(),
+            dir: Arc::from(dir),
             segment_bytes: chain.segment_bytes,
             slots_max: chain.slots.len(),
             slots: chain.slots,
@@ -450,16 +453,16 @@ impl CommitLog {
     /// # Errors
     /// [`Error::Storage`] if the bytes before a write in its first block must be read back and
     /// cannot be (not on the engine's path: each write starts where the last one ended).
-    pub(crate) fn take_writes(&mut self) -> Result<Vec<PendingWrite>> {
-        let mut writes = Vec::with_capacity(self.pending.len());
+    pub(crate) fn take_writes(&mut self) -> Result<PendingWrites> {
+        let mut writes = PendingWrites::with_capacity(self.pending.len());
         for (slot, at, bytes) in std::mem::take(&mut self.pending) {
-            let path = slot_path(&self.dir, slot);
             let file = self.slots[slot].file.clone();
             let Some(direct) = &mut self.direct else {
                 writes.push(PendingWrite {
                     file,
                     direct: None,
-                    path,
+                    dir: self.dir.clone(),
+                    slot,
                     at,
                     bytes: Written::Plain(bytes),
                 });
@@ -478,8 +481,9 @@ impl CommitLog {
                 {
                     buffer.copy_from_slice(&direct.tail);
                 } else {
-                    file.read_exact_at(buffer, first)
-                        .map_err(|error| io_error("reading", &path, &error))?;
+                    file.read_exact_at(buffer, first).map_err(|error| {
+                        io_error("reading", &slot_path(&self.dir, slot), &error)
+                    })?;
                 }
             }
             blocks.bytes_mut()[before..before + bytes.len()].copy_from_slice(&bytes);
@@ -493,7 +497,8 @@ impl CommitLog {
             writes.push(PendingWrite {
                 file,
                 direct: Some(direct.files[slot].clone()),
-                path,
+                dir: self.dir.clone(),
+                slot,
                 at: first,
                 bytes: Written::Blocks(blocks),
             });
