@@ -348,9 +348,18 @@ impl ClaimBatch {
             + self.staged.bytes;
         let mut batch = batch_for(bytes);
         let mut committed: Vec<Option<Committed>> = Vec::with_capacity(self.claims.len());
+        // The write clock is read once for the whole batch (its claims commit together), when
+        // the first claim still held needs it.
+        let mut now_ms = None;
         for (index, claim) in self.claims.iter_mut().enumerate() {
             committed.push(match claim {
-                Some(claim) => Some(claim.append_commit(&mut batch, result_of(index).as_ref())?),
+                Some(claim) => {
+                    let at = match now_ms {
+                        Some(at) => at,
+                        None => *now_ms.insert(self.inner.write_clock_ms()?),
+                    };
+                    Some(claim.append_commit(&mut batch, result_of(index).as_ref(), at)?)
+                }
                 None => None,
             });
         }

@@ -369,7 +369,8 @@ impl Claim {
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
         let started = Instant::now();
         let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
-        let committed = self.append_commit(&mut batch, result.as_ref())?;
+        let now_ms = self.inner.write_clock_ms()?;
+        let committed = self.append_commit(&mut batch, result.as_ref(), now_ms)?;
         let positions = std::mem::take(&mut self.positions).append_to(
             &self.inner,
             &mut batch,
@@ -402,15 +403,16 @@ impl Claim {
             + self.positions.batch_bytes()
     }
 
-    /// Appends this claim's staged writes, its ordering-guard version and its marker to `batch`.
+    /// Appends this claim's staged writes, its ordering-guard version and its marker to `batch`,
+    /// committed at `committed_at_ms` (the engine's write clock, read once for a whole batch).
     /// Nothing is appended on error.
     pub(crate) fn append_commit(
         &mut self,
         batch: &mut WriteBatch,
         result: &[u8],
+        committed_at_ms: u64,
     ) -> Result<Committed> {
         self.staged.check_result(result)?;
-        let committed_at_ms = self.inner.write_clock_ms()?;
         let expires_at_ms = expires_at_ms(self.expiry, committed_at_ms);
         let epoch = self.replaces_epoch + 1;
         let record = Record::new(
@@ -588,8 +590,9 @@ impl Claim {
         };
         let mut batch = batch_for(self.commit_bytes(result.len()));
         // Nothing is appended on error, and the claim is released as `commit` would.
-        let prepared = self
-            .append_commit(&mut batch, result)
+        let prepared = storage
+            .write_clock_ms()
+            .and_then(|now_ms| self.append_commit(&mut batch, result, now_ms))
             .and_then(|committed| {
                 let now_ms = committed.committed_at_ms;
                 let positions = std::mem::take(&mut self.positions);
