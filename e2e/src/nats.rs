@@ -140,6 +140,58 @@ impl Server {
     }
 }
 
+/// What [`kill_while_publishing`] did: each consumer SIGKILL (its slot, and when on the
+/// monotonic clock), and when each server SIGKILL was made, from which the resume times are
+/// measured.
+#[derive(Default)]
+pub struct Kills {
+    pub consumers: Vec<(usize, u64)>,
+    pub server_at: Vec<u64>,
+}
+
+/// The chaos of a NATS run while `producer` publishes for about `publishing`: the `server`
+/// SIGKILLed and restarted `server_kills` times, spread over that time, and a random one of the
+/// `consumers`' slots SIGKILLed and restarted every 100-800 ms (a consumer that exited on its
+/// own restarted too), until the producer is done and at least `min_kills` consumer kills were
+/// made. `label` names the run in what it prints.
+#[allow(clippy::too_many_arguments)]
+pub async fn kill_while_publishing(
+    server: &mut Server,
+    consumers: &mut Supervisor,
+    producer: &tokio::task::JoinHandle<Result<(), BoxError>>,
+    publishing: Duration,
+    server_kills: u64,
+    min_kills: u64,
+    rng: &mut crate::plan::Rng,
+    label: &str,
+) -> Result<Kills, BoxError> {
+    let server_kill_every = publishing / u32::try_from(server_kills + 1)?;
+    let mut next_server_kill = Instant::now() + server_kill_every;
+    let mut kills = Kills::default();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
+        consumers.restart_exited()?;
+        if producer.is_finished()
+            && kills.consumers.len() as u64 >= min_kills
+            && server.kills >= server_kills
+        {
+            return Ok(kills);
+        }
+        if server.kills < server_kills && Instant::now() >= next_server_kill {
+            kills.server_at.push(crate::ledger::monotonic_ns());
+            server.kill_and_restart()?;
+            next_server_kill += server_kill_every;
+            println!("{label}: server SIGKILLed and restarted ({})", server.kills);
+            continue;
+        }
+        let slot = usize::try_from(rng.below(consumers.slots() as u64))?;
+        let at_ns = crate::ledger::monotonic_ns();
+        if consumers.kill_and_restart(slot)?.is_some() {
+            kills.consumers.push((slot, at_ns));
+        }
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -37,7 +37,6 @@ use std::time::{Duration, Instant};
 
 use idemdb_e2e::args::{Args, Workload, check};
 use idemdb_e2e::jetstream::subject;
-use idemdb_e2e::ledger::monotonic_ns;
 use idemdb_e2e::nats::{self, Durable, Outgoing, Published, Server};
 use idemdb_e2e::orders::{open_store, shard_of};
 use idemdb_e2e::pg_cluster::Cluster;
@@ -254,38 +253,23 @@ async fn run() -> Result<bool, BoxError> {
         published.clone(),
     ));
     // The server's kills are spread over the publishing time; the consumers' come every
-    // 100-800 ms until both the producer is done and enough were made.
+    // 100-800 ms until both the producer is done and enough were made. Each kill is kept with
+    // its time, from which the restarted consumers' resume is measured.
     let publishing = Duration::from_secs_f64(plan.messages.len() as f64 / load.rate as f64);
-    let server_kill_every = publishing / u32::try_from(options.server_kills + 1)?;
-    let mut next_server_kill = Instant::now() + server_kill_every;
-    // Each kill with its time, from which the restarted consumers' resume is measured.
-    let mut kills: Vec<(usize, u64)> = Vec::new();
-    let mut server_kills_at: Vec<u64> = Vec::new();
-    loop {
-        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
-        if producer.is_finished()
-            && kills.len() as u64 >= load.min_kills
-            && server.kills >= options.server_kills
-        {
-            break;
-        }
-        if server.kills < options.server_kills && Instant::now() >= next_server_kill {
-            server_kills_at.push(monotonic_ns());
-            server.kill_and_restart()?;
-            next_server_kill += server_kill_every;
-            println!(
-                "nats_e2e: server SIGKILLed and restarted ({})",
-                server.kills
-            );
-            continue;
-        }
-        let slot = usize::try_from(rng.below(processes as u64))?;
-        let at_ns = monotonic_ns();
-        if consumers.kill_and_restart(slot)?.is_some() {
-            kills.push((slot, at_ns));
-        }
-        consumers.restart_exited()?;
-    }
+    let nats::Kills {
+        consumers: kills,
+        server_at: server_kills_at,
+    } = nats::kill_while_publishing(
+        &mut server,
+        &mut consumers,
+        &producer,
+        publishing,
+        options.server_kills,
+        load.min_kills,
+        &mut rng,
+        "nats_e2e",
+    )
+    .await?;
     producer.await??;
     println!(
         "nats_e2e: all published; {} consumer kills done; draining",

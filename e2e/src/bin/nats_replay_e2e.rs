@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use idemdb_e2e::args::{Args, Workload, check};
 use idemdb_e2e::jetstream::{STREAM, subject};
-use idemdb_e2e::ledger::{self, monotonic_ns};
+use idemdb_e2e::ledger;
 use idemdb_e2e::nats::{self, Outgoing, Published, Server};
 use idemdb_e2e::orders::shard_of;
 use idemdb_e2e::reads::{self, Reads};
@@ -209,35 +209,20 @@ async fn run() -> Result<bool, BoxError> {
     // As the acked run: the server's kills spread over the publishing time, the consumers'
     // every 100-800 ms until both the producer is done and enough were made.
     let publishing = Duration::from_secs_f64(plan.messages.len() as f64 / load.rate as f64);
-    let server_kill_every = publishing / u32::try_from(options.server_kills + 1)?;
-    let mut next_server_kill = Instant::now() + server_kill_every;
-    let mut kills: Vec<(usize, u64)> = Vec::new();
-    let mut server_kills_at: Vec<u64> = Vec::new();
-    loop {
-        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
-        consumers.restart_exited()?;
-        if producer.is_finished()
-            && kills.len() as u64 >= load.min_kills
-            && server.kills >= options.server_kills
-        {
-            break;
-        }
-        if server.kills < options.server_kills && Instant::now() >= next_server_kill {
-            server_kills_at.push(monotonic_ns());
-            server.kill_and_restart()?;
-            next_server_kill += server_kill_every;
-            println!(
-                "nats_replay_e2e: server SIGKILLed and restarted ({})",
-                server.kills
-            );
-            continue;
-        }
-        let shard = usize::try_from(rng.below(shards as u64))?;
-        let at_ns = monotonic_ns();
-        if consumers.kill_and_restart(shard)?.is_some() {
-            kills.push((shard, at_ns));
-        }
-    }
+    let nats::Kills {
+        consumers: kills,
+        server_at: server_kills_at,
+    } = nats::kill_while_publishing(
+        &mut server,
+        &mut consumers,
+        &producer,
+        publishing,
+        options.server_kills,
+        load.min_kills,
+        &mut rng,
+        "nats_replay_e2e",
+    )
+    .await?;
     producer.await??;
     println!(
         "nats_replay_e2e: all published; {} consumer kills done; reading the stream back and \
