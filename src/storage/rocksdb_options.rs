@@ -162,9 +162,12 @@ pub(crate) fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::
 /// the log writes to the tables: updated in place, it stays one entry of the memtable instead of
 /// one more entry per commit in its skiplist (the lone writer's commit measured 1,100
 /// instructions fewer). In-place updates need RocksDB's memtable writes to be serial
-/// ([`db_options`] makes them so), and give this table's iterators and snapshots no
-/// point-in-time view: nothing reads it through either. One lock, as the log's applier is the
-/// only writer while the store is open.
+/// ([`db_options`] makes them so). Their price: this table's iterators get no point-in-time
+/// view, and RocksDB then refuses explicit snapshots for the **whole** database
+/// (`GetSnapshot` returns none, and a read "at" it reads the latest data). Nothing in the engine
+/// takes one (iterators of the other tables keep their implicit point in time): code that needs
+/// a consistent view across reads must not reach for `DB::snapshot`. One lock, as the log's
+/// applier is the only writer while the store is open.
 pub(crate) fn meta_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     let mut options = table_options(builder, cache);
     options.set_inplace_update_support(true);
