@@ -50,8 +50,8 @@ pub(crate) struct Storage {
     pub(crate) retention_ms: u64,
     pub(crate) admission_floor: bool,
     write_options: WriteOptions,
-    /// The options of a marker's point read, made once: made for every read, they cost 260
-    /// instructions a claim.
+    /// The options of a point read (a marker, an entity's version), made once: made for every
+    /// read, they cost 260 instructions a claim.
     point_reads: rocksdb::ReadOptions,
     /// Whether every write fsyncs the WAL ([`Durability::Sync`]).
     sync_writes: bool,
@@ -156,7 +156,10 @@ impl Storage {
 
     /// The ordering guard's highest applied version of an entity (its versions-table key).
     pub(crate) fn read_version(&self, version_key: &[u8]) -> Result<Option<u64>> {
-        let Some(value) = self.db().get_pinned_cf(self.versions_cf(), version_key)? else {
+        let Some(value) =
+            self.db()
+                .get_pinned_cf_opt(self.versions_cf(), version_key, &self.point_reads)?
+        else {
             return Ok(None);
         };
         let version = decode_entity_version(&value).map_err(|reason| Error::Corrupt {
