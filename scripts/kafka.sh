@@ -174,16 +174,8 @@ kafka_create_topic() {
 # Stops what kafka_start started, by pid: SIGTERM, then SIGKILL after 30 s; the broker first,
 # ZooKeeper after it.
 kafka_stop() {
-    local pid
-    for pid in ${KAFKA_SERVER_PID:-} ${KAFKA_ZOOKEEPER_PID:-}; do
-        kill -TERM "$pid" 2>/dev/null || continue
-        for _ in $(seq 60); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.5
-        done
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
+    # shellcheck disable=SC2086 # an unset pid is left out
+    stop_pids ${KAFKA_SERVER_PID:-} ${KAFKA_ZOOKEEPER_PID:-}
     KAFKA_SERVER_PID=""
     KAFKA_ZOOKEEPER_PID=""
 }

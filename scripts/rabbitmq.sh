@@ -90,19 +90,12 @@ CONF
 # pid (the Erlang VM, which the start script may not have exec'd into) comes from the pid file
 # the node writes.
 rabbitmq_stop() {
-    local pid node_pid=""
+    local node_pid=""
     if [ -n "${RABBITMQ_E2E_NODE_PID_FILE:-}" ] && [ -s "$RABBITMQ_E2E_NODE_PID_FILE" ]; then
         node_pid="$(tr -dc 0-9 <"$RABBITMQ_E2E_NODE_PID_FILE")"
     fi
-    for pid in ${RABBITMQ_SERVER_PID:-} $node_pid ${RABBITMQ_EPMD_PID:-}; do
-        kill -TERM "$pid" 2>/dev/null || continue
-        for _ in $(seq 60); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.5
-        done
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
+    # shellcheck disable=SC2086 # an unset pid is left out
+    stop_pids ${RABBITMQ_SERVER_PID:-} $node_pid ${RABBITMQ_EPMD_PID:-}
     RABBITMQ_SERVER_PID=""
     RABBITMQ_EPMD_PID=""
 }

@@ -34,6 +34,21 @@ apt_install() {
     return "$status"
 }
 
+# stop_pids PID...: stops each process of a private server a script started, in the order given:
+# SIGTERM, then SIGKILL if it still runs 30 s later; reaped when it is this shell's child.
+stop_pids() {
+    local pid
+    for pid in "$@"; do
+        kill -TERM "$pid" 2>/dev/null || continue
+        for _ in $(seq 60); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.5
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+}
+
 missing=()
 for package in clang libclang-dev g++; do
     if ! dpkg -s "$package" >/dev/null 2>&1; then
