@@ -121,11 +121,13 @@
 //! same shape. An operator resets a stopped consumer's position with [`PgPositions::set`]
 //! (forwards or backwards) or [`PgPositions::remove`], or with `idemdb-pg positions`.
 //!
-//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 7. A store opened on tables at
-//! versions 1 to 6 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 8. A store opened on tables at
+//! versions 1 to 7 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock. Version 6 gains the claim's function (`<table>_claim`: a claim's lock and read in one
-//! statement); version 5 also the read positions' table and function. From versions 1 to 4 the old
+//! lock. Version 7 gains the batch claim's function (`<table>_claim_many`: a batch's locks and
+//! reads in one statement); version 6 also the claim's functions (`<table>_claim`, a claim's
+//! lock and read in one statement, and `<table>_apply`); version 5 also the read positions'
+//! table and function. From versions 1 to 4 the old
 //! records table (plain at version 1, partitioned by removal day at 2 to 4) is
 //! renamed aside, the new one made, every record whose removal time has not passed copied into
 //! it (those whose has read as absent already, and removal would delete them), and the old

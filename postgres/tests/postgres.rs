@@ -246,6 +246,7 @@ fn main() {
     scenario!(setup_and_import_given_up_during_their_transaction_leave_the_connection_clean);
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(a_version_6_schema_gains_the_claims_function_on_install);
+    scenario!(a_version_7_schema_gains_the_batch_function_on_install);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
     use clock::*;
     scenario!(every_call_reads_an_injected_clock_once);
@@ -3198,8 +3199,12 @@ async fn missing_tables_are_typed_errors_and_a_reinstall_is_used_again(
         .begin_batch(&mut client, &messages(&[("k", "body")]))
         .await
         .map(|_| ());
+    // A batch calls the store's function too.
     ensure!(
-        postgres_error(&batch, &SqlState::UNDEFINED_TABLE),
+        (postgres_error(&batch, &SqlState::UNDEFINED_TABLE)
+            || postgres_error(&batch, &SqlState::INVALID_SCHEMA_NAME)
+            || postgres_error(&batch, &SqlState::UNDEFINED_FUNCTION))
+            && !batch.as_ref().is_err_and(Error::is_retryable),
         "a batch without the tables: {batch:?}"
     );
     let external = consumer
@@ -4508,7 +4513,8 @@ async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> R
     // As version 6 left it: no claim function.
     client
         .batch_execute(&format!(
-            "DROP FUNCTION {schema}.records_claim; \
+            "DROP FUNCTION {schema}.records_claim; DROP FUNCTION {schema}.records_apply; \
+             DROP FUNCTION {schema}.records_claim_many; \
              UPDATE {schema}.records_version SET version = 6"
         ))
         .await?;
@@ -4539,6 +4545,49 @@ async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> R
     Ok(())
 }
 
+/// Version 7 (no batch claim function) is refused until `install` adds the function; a batch
+/// then answers the stored record and claims new keys through it.
+async fn a_version_7_schema_gains_the_batch_function_on_install(url: &str) -> Result<(), Failure> {
+    let schema = "t_migrate7";
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, schema).await?;
+    let store = PgStore::builder()
+        .names(names.clone())
+        .open(&client)
+        .await?;
+    commit_one(&store.consumer("c")?, &mut client, "kept", "kept", "done").await?;
+    client
+        .batch_execute(&format!(
+            "DROP FUNCTION {schema}.records_claim_many; \
+             UPDATE {schema}.records_version SET version = 7"
+        ))
+        .await?;
+    let old = PgStore::builder().names(names.clone()).open(&client).await;
+    ensure!(
+        matches!(old, Err(Error::SchemaTooOld { found: 7, .. })),
+        "version 7 before install: {old:?}"
+    );
+    install(&mut client, &names).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("kept", "kept"), ("new", "new")]))
+        .await?;
+    ensure!(
+        matches!(
+            batch.outcomes(),
+            [
+                PgBatchOutcome::Settled(Outcome::Duplicate { result, .. }),
+                PgBatchOutcome::Fresh
+            ] if result.as_ref() == b"done"
+        ),
+        "a batch after the migration: {:?}",
+        batch.outcomes()
+    );
+    batch.commit(|_| "ok").await?;
+    Ok(())
+}
+
 /// Version 2 (day partitions, no versions table) is refused until `install` migrates it: its
 /// live record answers as before, and the ordering guard works on the new versions table.
 async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Failure> {
@@ -4566,7 +4615,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 7,
+        version == SCHEMA_VERSION && version == 8,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;

@@ -1,14 +1,15 @@
 //! Batch claims: a broker batch of messages claimed in one transaction, and its winners'
 //! records committed in one statement with the business SQL of the whole batch.
 //!
-//! The claim is two statements sent together (one round trip): the first takes the advisory
-//! lock of every key with `pg_try_advisory_xact_lock`, the second reads the row of every key.
-//! They are two statements for the reason [`PgConsumer::begin`]'s are: under READ COMMITTED a
-//! statement's snapshot is taken when it starts, and the server starts the read only after the
-//! lock statement finished, so the read sees the commit of every earlier holder of each key it
-//! locked (PostgreSQL makes a commit visible before it frees the committer's locks). One
-//! statement would read with a snapshot taken before its own locks. The read's answer for a key
-//! whose lock was not granted is not looked at: that key is `InProgress`.
+//! The claim is one call of the store's function `<table>_claim_many`, sent with `BEGIN` (one
+//! round trip): it tries the advisory lock of every key with `pg_try_advisory_xact_lock`, then
+//! reads the row of every key in a statement of its own. The function is volatile, so under
+//! READ COMMITTED its read takes its snapshot after every lock was granted or refused, and sees
+//! the commit of every earlier holder of each key it locked (PostgreSQL makes a commit visible
+//! before it frees the committer's locks); one plain statement would read with a snapshot taken
+//! before its own locks. The read's answer for a key whose lock was refused is not looked at:
+//! that key is `InProgress`. The answer is one row of arrays (the locks refused, the keys found
+//! and their rows), not a row per key.
 //!
 //! Every key the batch locked stays locked until the batch commits or drops, the keys settled
 //! as duplicates or conflicts too: PostgreSQL frees a transaction-level advisory lock only at
@@ -49,18 +50,6 @@ use crate::storage::store::PgConsumer;
 /// from many connections, raise `max_locks_per_transaction` or keep batches smaller. A claim
 /// that finds the table full fails with [`Error::Postgres`] and writes nothing.
 pub const BATCH_MESSAGES_MAX: usize = 4096;
-
-/// Takes the lock of every key of a batch, in ascending order of lock number, each once.
-///
-/// `pg_try_advisory_xact_lock` never waits, so no order of taking the locks can deadlock two
-/// batches: a lock another session holds is answered `false` at once. The order is fixed
-/// anyway (the caller sorts and deduplicates, and `ORDER BY` makes the server take them in
-/// that order: it evaluates a volatile output function after the sort) so that a later change
-/// to waiting locks cannot make two overlapping batches wait for each other in a cycle.
-/// Every row carries the statement's time, the claim's "now" on the database's clock.
-const LOCK_MANY: &str = "SELECT l.id, pg_try_advisory_xact_lock(l.id), \
-     floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 \
-     FROM unnest($1::int8[]) AS l(id) ORDER BY l.id";
 
 /// Takes the lock of every entity of a batch's fresh messages that carry a version (the
 /// ordering guard), in ascending order, each once: the two-`int4` locks of
@@ -221,10 +210,16 @@ impl PgConsumer {
             }));
         }
         let namespace = &self.store.inner.lock_namespace;
-        let lock_numbers = messages
+        // Each key as stored, made once: its lock number is hashed from it, and a fresh
+        // message's claim keeps it.
+        let stored_keys = messages
             .iter()
-            .map(|message| Ok(lock_id(namespace, &encode_key(&self.id, message.key())?)))
-            .collect::<Result<Vec<i64>>>()?;
+            .map(|message| Ok(encode_key(&self.id, message.key())?))
+            .collect::<Result<Vec<Vec<u8>>>>()?;
+        let lock_numbers: Vec<i64> = stored_keys
+            .iter()
+            .map(|stored| lock_id(namespace, stored))
+            .collect();
         // Every entity key is checked before anything is sent.
         for message in messages {
             if let Some((entity_key, _)) = message.entity_version() {
@@ -244,27 +239,24 @@ impl PgConsumer {
         // The store's clock, read once (an injected one checked before anything is sent):
         // every message of the batch is decided at this reading.
         let clock = self.store.read_clock()?;
-        // BEGIN, the lock statement and the read go out together (one round trip). The
-        // server runs them in the order sent, so the read's snapshot is taken after every lock
-        // was granted or refused. From here every error drops `tx`, which rolls back and frees
-        // every lock taken.
-        let lock_params: [(&(dyn ToSql + Sync), Type); 1] = [(&distinct_locks, Type::INT8_ARRAY)];
+        // BEGIN and the call go out together (one round trip). The function takes the locks
+        // (in ascending order, each once) before it reads, so its read sees the commit of every
+        // earlier holder of a key it locked. From here every error drops `tx`, which rolls back
+        // and frees every lock taken.
         let consumer: &[u8] = &self.id;
-        let read_params: [(&(dyn ToSql + Sync), Type); 2] = [
+        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&distinct_locks, Type::INT8_ARRAY),
             (&consumer, Type::BYTEA),
             (&distinct_keys, Type::BYTEA_ARRAY),
         ];
-        let statements: [Statement<'_>; 2] = [
-            (LOCK_MANY, &lock_params),
-            (&self.store.inner.read_many, &read_params),
-        ];
-        let statements: &[Statement<'_>] = if messages.is_empty() {
-            &[]
-        } else {
-            &statements
-        };
-        let (mut tx, answers) =
-            ClaimTransaction::begin_with(client, &self.store.inner.statements, statements).await?;
+        let call: [Statement<'_>; 1] = [(&self.store.inner.claim_many, &params)];
+        let statements: &[Statement<'_>] = if messages.is_empty() { &[] } else { &call };
+        let (mut tx, answers) = ClaimTransaction::begin_with_functions(
+            client,
+            &self.store.inner.statements,
+            statements,
+        )
+        .await?;
         let taken = if messages.is_empty() {
             Ok(Taken::default())
         } else {
@@ -282,7 +274,14 @@ impl PgConsumer {
             positions: crate::storage::positions::StagedPositions::default(),
         };
         let decided = self
-            .decide_batch(&mut batch, messages, &taken, &lock_numbers, &first_of)
+            .decide_batch(
+                &mut batch,
+                messages,
+                stored_keys,
+                &taken,
+                &lock_numbers,
+                &first_of,
+            )
             .await;
         batch.tx.release_on_error(decided).await?;
         self.observe_batch(&batch, messages, taken.now_ms, started);
@@ -296,17 +295,20 @@ impl PgConsumer {
         &self,
         batch: &mut PgClaimBatch<'_>,
         messages: &[Message<'_>],
+        stored_keys: Vec<Vec<u8>>,
         taken: &Taken,
         lock_numbers: &[i64],
         first_of: &[usize],
     ) -> Result<()> {
         let floor_ms = admission_floor_ms(self);
+        let mut stored_keys = stored_keys.into_iter();
         let mut other_content = Vec::new();
         for (index, message) in messages.iter().enumerate() {
             let first = first_of[index];
+            let stored_key = stored_keys.next().unwrap_or_default();
             let (outcome, claim) = if first == index {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(&self.id, message, locked, taken, floor_ms)?
+                decide(message, stored_key, locked, taken, floor_ms)?
             } else {
                 if message.fingerprint() != messages[first].fingerprint() {
                     other_content.push(index);
@@ -336,7 +338,8 @@ impl PgConsumer {
                 (PgBatchOutcome::Settled(held), None)
             } else {
                 let locked = taken.locked(lock_numbers[index]);
-                decide(&self.id, &messages[index], locked, taken, floor_ms)?
+                let stored_key = encode_key(&self.id, key)?;
+                decide(&messages[index], stored_key, locked, taken, floor_ms)?
             };
             if claim.is_some() {
                 claimed_by_repeat.insert(key);
@@ -459,36 +462,34 @@ impl PgConsumer {
         }
     }
 
-    /// What the lock statement and the read answered: the lock answer of every lock number,
-    /// the database's time (and the batch's on the store's clock, `clock`'s reading), and the
-    /// stored (undecoded) row of every key that has one.
+    /// What the batch's call answered: the locks refused, the database's time (and the
+    /// batch's on the store's clock, `clock`'s reading), and the stored (undecoded) row of
+    /// every key that has one.
     fn taken(&self, answers: crate::sql::txn::Answers, clock: ClockReading) -> Result<Taken> {
-        let mut answers = answers.into_iter();
-        let mut next_rows = || answers.next().unwrap_or_else(|| Ok(Vec::new()));
-        let locks = next_rows()?;
-        let rows = next_rows()?;
-        let db_now_ms: i64 = locks.first().map_or(0, |row| row.get(2));
+        let rows = answers
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Ok(Vec::new()))?;
+        let row = crate::sql::txn::single_row(rows)?;
+        let db_now_ms: i64 = row.get(0);
+        let refused: Vec<i64> = row.get(1);
+        let keys: Vec<Vec<u8>> = row.get(2);
+        let records: Vec<Vec<u8>> = row.get(3);
         Ok(Taken {
             db_now_ms,
-            locked: locks.iter().map(|row| (row.get(0), row.get(1))).collect(),
+            refused: refused.into_iter().collect(),
             now_ms: clock.now_ms(db_now_ms),
-            rows: rows
-                .iter()
-                .filter_map(|row| {
-                    let key: &[u8] = row.get(0);
-                    let record: Option<&[u8]> = row.get(1);
-                    record.map(|record| (key.to_vec(), record.to_vec()))
-                })
-                .collect(),
+            rows: keys.into_iter().zip(records).collect(),
         })
     }
 }
 
-/// What a batch's lock statement and read found.
+/// What a batch's call found.
 #[derive(Default)]
 struct Taken {
-    /// By lock number: whether this transaction holds it.
-    locked: HashMap<i64, bool>,
+    /// The lock numbers another session holds (every other lock of the batch is this
+    /// transaction's).
+    refused: HashSet<i64>,
     /// The claim's time on the store's clock.
     now_ms: u64,
     /// The claim's time on the database's clock.
@@ -499,15 +500,15 @@ struct Taken {
 
 impl Taken {
     fn locked(&self, lock_number: i64) -> bool {
-        self.locked.get(&lock_number).copied().unwrap_or(false)
+        !self.refused.contains(&lock_number)
     }
 }
 
 /// Decides one message of a batch as [`PgConsumer::begin`] decides a claim: `InProgress`
 /// without the key's lock, else from the key's record read after the lock.
 fn decide(
-    consumer_id: &[u8],
     message: &Message<'_>,
+    stored_key: Vec<u8>,
     locked: bool,
     taken: &Taken,
     floor_ms: Option<u64>,
@@ -531,7 +532,7 @@ fn decide(
             } => {
                 let claim = BatchClaim {
                     key: key.to_vec(),
-                    stored_key: encode_key(consumer_id, key)?,
+                    stored_key,
                     fingerprint,
                     replaces_epoch,
                     previous,

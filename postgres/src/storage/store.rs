@@ -152,15 +152,9 @@ impl StoreBuilder {
                      VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, message_key) DO UPDATE \
                      SET record = excluded.record, expires_at_ms = excluded.expires_at_ms"
                 ),
-                // One lookup per key, the key as a parameter of its own lookup: a kept plan
-                // of `message_key = ANY($2)` made while the table was small looks up only
-                // `consumer` in the index and filters every row of the consumer, and goes on
-                // doing so as the table grows. Every key answers, with a null record when it
-                // has no row.
-                read_many: format!(
-                    "SELECT k.message_key, (SELECT record FROM {records} \
-                         WHERE consumer = $1 AND message_key = k.message_key) \
-                     FROM unnest($2::bytea[]) AS k(message_key)"
+                claim_many: format!(
+                    "SELECT o_now_ms, o_refused, o_keys, o_records FROM {}($1, $2, $3)",
+                    self.names.claim_many_function()
                 ),
                 insert_if_new: format!(
                     "SELECT {}($1, $2, $3, $4, $5, $6)",
@@ -316,8 +310,9 @@ pub(crate) struct Inner {
     pub(crate) insert: String,
     /// Writes a record that replaces the key's row (expired, released, a lease run out).
     pub(crate) upsert: String,
-    /// The record of each of many keys of one consumer, null where none (a batch's read).
-    pub(crate) read_many: String,
+    /// A batch claim's key locks, the database's time and the keys' rows, in one statement
+    /// (`<table>_claim_many`).
+    pub(crate) claim_many: String,
     /// Inserts a new key's completed record unless the key has a row ([`PgConsumer::apply`]).
     pub(crate) insert_if_new: String,
     /// The key's row and the database's time, read after a one-round-trip claim inserted

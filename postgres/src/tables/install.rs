@@ -11,13 +11,14 @@ use crate::tables::names::Names;
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 7 adds the function a claim takes its key's lock and reads its row with
-/// (`<table>_claim`); version 6 adds the read positions of log consumers (`<table>_position`, and the function
+/// Version 8 adds the function a batch claim takes its keys' locks and reads their rows with
+/// (`<table>_claim_many`); version 7 adds the function a claim takes its key's lock and reads
+/// its row with (`<table>_claim`); version 6 adds the read positions of log consumers (`<table>_position`, and the function
 /// that moves them, `<table>_advance_positions`); version 5 keeps the records in one plain table whose primary key is the key, with an index
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 7;
+pub const SCHEMA_VERSION: i32 = 8;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -59,7 +60,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=6) => {
+        Some(version @ 1..=7) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
@@ -211,11 +212,20 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
     Ok(())
 }
 
-/// Creates the claim's functions (new at version 7), each one statement parsed and planned once
-/// per connection (PL/pgSQL keeps the plans of its statements).
+/// Creates the claim's functions (new at version 7; `<table>_claim_many` at version 8), each one
+/// statement parsed and planned once per connection (PL/pgSQL keeps the plans of its
+/// statements).
 ///
 /// `<table>_claim`, a claim's first round trip: the key's advisory lock tried without waiting,
-/// the database's time, and, when the lock was granted, the key's row. `<table>_apply`,
+/// the database's time, and, when the lock was granted, the key's row. `<table>_claim_many`,
+/// a batch claim's first round trip: the lock of every key (the caller gives them sorted and
+/// each once) tried without waiting, in that order, the database's time, the locks refused,
+/// and the row of every key that has one, as one row of arrays: the batch's answer is one row
+/// to send and parse instead of two per key. Its read is one statement that looks each key up
+/// on its own (a subquery per key, kept from being merged into a join by `OFFSET 0`): a kept
+/// plan of `message_key = ANY(...)` made while the table was small searches the index by
+/// `consumer` alone and filters every row of the consumer, and goes on doing so as the table
+/// grows. `<table>_apply`,
 /// `apply`'s one round trip: the key's lock, the key's row, and the new key's completed record
 /// inserted when the key has no row, the lock was granted and the record's time `p_check_ms`
 /// is within the tolerance of the database's clock (null: an injected clock decides); else it
@@ -245,6 +255,31 @@ async fn create_claim_functions(tx: &Transaction<'_>, names: &Names) -> Result<(
              END IF;
          END
          $idemdb$;
+         CREATE OR REPLACE FUNCTION {claim_many}(p_locks bigint[], p_consumer bytea,
+                                                p_keys bytea[], OUT o_now_ms bigint,
+                                                OUT o_refused bigint[], OUT o_keys bytea[],
+                                                OUT o_records bytea[])
+         LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $idemdb$
+         DECLARE
+             v_lock bigint;
+         BEGIN
+             o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8;
+             o_refused := '{{}}';
+             FOREACH v_lock IN ARRAY p_locks LOOP
+                 IF NOT pg_try_advisory_xact_lock(v_lock) THEN
+                     o_refused := o_refused || v_lock;
+                 END IF;
+             END LOOP;
+             SELECT coalesce(array_agg(f.message_key), '{{}}'), coalesce(array_agg(f.record), '{{}}')
+               INTO o_keys, o_records
+               FROM (SELECT k.message_key,
+                            (SELECT r.record FROM {records} AS r
+                              WHERE r.consumer = p_consumer AND r.message_key = k.message_key)
+                                AS record
+                       FROM unnest(p_keys) AS k(message_key) OFFSET 0) AS f
+              WHERE f.record IS NOT NULL;
+         END
+         $idemdb$;
          CREATE OR REPLACE FUNCTION {apply}(p_consumer bytea, p_key bytea, p_record bytea,
                                            p_expires_at_ms bigint, p_check_ms bigint,
                                            p_lock bigint)
@@ -269,6 +304,7 @@ async fn create_claim_functions(tx: &Transaction<'_>, names: &Names) -> Result<(
          END
          $idemdb$;",
         claim = names.claim_function(),
+        claim_many = names.claim_many_function(),
         apply = names.apply_function(),
         records = names.records(),
         tolerance = crate::tables::names::CLOCK_TOLERANCE_MS,

@@ -204,6 +204,12 @@ impl Names {
         format!("{}.{}_claim", self.schema, self.table)
     }
 
+    /// `schema.table_claim_many`: the function that takes the locks of a batch's keys and reads
+    /// their rows in one statement (a batch claim's first round trip).
+    pub(crate) fn claim_many_function(&self) -> String {
+        format!("{}.{}_claim_many", self.schema, self.table)
+    }
+
     /// `schema.table_apply`: the function that inserts a new key's completed record, or
     /// fails with the key's row in its error (`apply`'s one round trip).
     pub(crate) fn apply_function(&self) -> String {
