@@ -297,6 +297,31 @@ async fn fresh_schema(client: &mut Client, schema: &str) -> Result<Names, Failur
     Ok(names)
 }
 
+/// A fresh schema with one committed record ("kept", result "done"), then taken back to an
+/// older `version` by `downgrade` (SQL that drops what that version lacked; `{schema}` stands
+/// for the schema): a store opened on it is refused with `SchemaTooOld`.
+async fn older_schema(
+    client: &mut Client,
+    schema: &str,
+    version: i32,
+    downgrade: &str,
+) -> Result<Names, Failure> {
+    let names = fresh_schema(client, schema).await?;
+    let store = PgStore::builder().names(names.clone()).open(client).await?;
+    commit_one(&store.consumer("c")?, client, "kept", "kept", "done").await?;
+    client
+        .batch_execute(&format!(
+            "{} UPDATE {schema}.records_version SET version = {version}",
+            downgrade.replace("{schema}", schema)
+        ))
+        .await?;
+    let old = PgStore::builder().names(names.clone()).open(client).await;
+    if !matches!(old, Err(Error::SchemaTooOld { found, .. }) if found == version) {
+        return Err(format!("version {version} before install: {old:?}").into());
+    }
+    Ok(names)
+}
+
 macro_rules! ensure {
     ($condition:expr, $($message:tt)*) => {
         if !$condition {
@@ -4502,27 +4527,16 @@ fn completed_row(consumer: &str, key: &str, now_ms: u64, result: &'static [u8]) 
 /// Version 6 (no claim function) is refused until `install` adds the function; its records
 /// answer as before, and claims (with and without an entity version) go through the function.
 async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> Result<(), Failure> {
-    let schema = "t_migrate6";
     let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, schema).await?;
-    let store = PgStore::builder()
-        .names(names.clone())
-        .open(&client)
-        .await?;
-    commit_one(&store.consumer("c")?, &mut client, "kept", "kept", "done").await?;
-    // As version 6 left it: no claim function.
-    client
-        .batch_execute(&format!(
-            "DROP FUNCTION {schema}.records_claim; DROP FUNCTION {schema}.records_apply; \
-             DROP FUNCTION {schema}.records_claim_many; \
-             UPDATE {schema}.records_version SET version = 6"
-        ))
-        .await?;
-    let old = PgStore::builder().names(names.clone()).open(&client).await;
-    ensure!(
-        matches!(old, Err(Error::SchemaTooOld { found: 6, .. })),
-        "version 6 before install: {old:?}"
-    );
+    // As version 6 left it: no claim functions.
+    let names = older_schema(
+        &mut client,
+        "t_migrate6",
+        6,
+        "DROP FUNCTION {schema}.records_claim; DROP FUNCTION {schema}.records_apply; \
+         DROP FUNCTION {schema}.records_claim_many;",
+    )
+    .await?;
     install(&mut client, &names).await?;
     // A second install leaves the migrated schema as it is.
     install(&mut client, &names).await?;
@@ -4548,25 +4562,14 @@ async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> R
 /// Version 7 (no batch claim function) is refused until `install` adds the function; a batch
 /// then answers the stored record and claims new keys through it.
 async fn a_version_7_schema_gains_the_batch_function_on_install(url: &str) -> Result<(), Failure> {
-    let schema = "t_migrate7";
     let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, schema).await?;
-    let store = PgStore::builder()
-        .names(names.clone())
-        .open(&client)
-        .await?;
-    commit_one(&store.consumer("c")?, &mut client, "kept", "kept", "done").await?;
-    client
-        .batch_execute(&format!(
-            "DROP FUNCTION {schema}.records_claim_many; \
-             UPDATE {schema}.records_version SET version = 7"
-        ))
-        .await?;
-    let old = PgStore::builder().names(names.clone()).open(&client).await;
-    ensure!(
-        matches!(old, Err(Error::SchemaTooOld { found: 7, .. })),
-        "version 7 before install: {old:?}"
-    );
+    let names = older_schema(
+        &mut client,
+        "t_migrate7",
+        7,
+        "DROP FUNCTION {schema}.records_claim_many;",
+    )
+    .await?;
     install(&mut client, &names).await?;
     let store = PgStore::builder().names(names).open(&client).await?;
     let consumer = store.consumer("c")?;

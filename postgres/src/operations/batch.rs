@@ -129,7 +129,7 @@ impl BatchClaim {
 /// writes for a RocksDB write batch; this one holds a PostgreSQL transaction.
 pub struct PgClaimBatch<'c> {
     pub(crate) tx: ClaimTransaction<'c>,
-    /// When the batch was decided: the database's clock in its lock statement, and this
+    /// When the batch was decided: the database's clock in its call, and this
     /// process's monotonic clock then (see `PgClaim`'s field of the same name).
     pub(crate) decided_at: (i64, Instant),
     pub(crate) consumer: PgConsumer,

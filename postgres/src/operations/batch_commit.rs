@@ -229,9 +229,11 @@ impl<'c> PgClaimBatch<'c> {
                 return Err(consumer.store.write_failed(error, key));
             }
         }
-        // Each claim's commit is counted and logged, as the embedded batch reports its claims.
+        // Each claim's commit is counted and logged, as the embedded batch reports its claims:
+        // each with the batch's commit time, read once.
+        let elapsed = started.elapsed();
         for (claim, _) in &held {
-            consumer.metrics.commit(started.elapsed());
+            consumer.metrics.commit(elapsed);
             consumer
                 .metrics
                 .log_step("commit", &claim.stored_key, claim.epoch(), None, None);

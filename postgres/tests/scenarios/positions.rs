@@ -307,27 +307,17 @@ pub async fn bad_positions_are_refused_before_anything_is_sent(url: &str) -> Res
 }
 
 pub async fn a_version_5_schema_gains_positions_on_install(url: &str) -> Result<(), Failure> {
-    let schema = "t_positions_v5";
     let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, schema).await?;
-    let store = PgStore::builder()
-        .names(names.clone())
-        .open(&client)
-        .await?;
-    super::commit_one(&store.consumer("c")?, &mut client, "kept", "kept", "done").await?;
-    // As version 5 left it: no positions table, no function.
-    client
-        .batch_execute(&format!(
-            "DROP FUNCTION {schema}.records_advance_positions; \
-             DROP TABLE {schema}.records_position; \
-             UPDATE {schema}.records_version SET version = 5"
-        ))
-        .await?;
-    let old = PgStore::builder().names(names.clone()).open(&client).await;
-    ensure!(
-        matches!(old, Err(Error::SchemaTooOld { found: 5, .. })),
-        "{old:?}"
-    );
+    // As version 5 left it: no positions table, no function (and none of the claims').
+    let names = super::older_schema(
+        &mut client,
+        "t_positions_v5",
+        5,
+        "DROP FUNCTION {schema}.records_advance_positions; DROP TABLE {schema}.records_position; \
+         DROP FUNCTION {schema}.records_claim; DROP FUNCTION {schema}.records_apply; \
+         DROP FUNCTION {schema}.records_claim_many;",
+    )
+    .await?;
     install(&mut client, &names).await?;
     let store = PgStore::builder().names(names).open(&client).await?;
     let c = store.consumer("c")?;
