@@ -20,19 +20,20 @@
 //! takes no key's lock: it deletes only expired rows, and a claim that replaces an expired row
 //! writes its record whether removal got there first or not.
 //!
-//! **Two round trips.** `BEGIN`, the lock and the read go out together, and so do the caller's
-//! SQL, the record's write and `COMMIT`: a claim and its commit cost two round trips and six
-//! statements, and three more with prepared statements on (the default), which turn sequential
-//! scans off for the claim's reads and back to the session's setting before the caller's SQL
-//! (see [`StoreBuilder::prepared_statements`]): the caller's SQL sees the session's own.
-//! The commit's time is the database's clock read by the claim's lock statement, advanced by
+//! **Two round trips.** `BEGIN` and a call of the store's function `<table>_claim` (the key's
+//! lock, the database's time, and then the key's row) go out together, and so do the caller's
+//! SQL, the record's write and `COMMIT`: a claim and its commit cost two round trips and five
+//! statements. The function turns sequential scans off for its own read only, so the caller's
+//! SQL sees the session's own setting (see [`StoreBuilder::prepared_statements`]).
+//! The commit's time is the database's clock read by the claim's function, advanced by
 //! this process's monotonic clock since. A handler whose SQL does not depend on the answer
 //! sends it with the claim instead: [`PgConsumer::apply`] costs one round trip for a new key,
 //! and four statements (`BEGIN`, one that takes the key's lock and inserts the record,
 //! the caller's SQL, `COMMIT`): what a hand-written dedup insert in front of the same SQL sends.
 //!
 //! **Batches.** [`PgConsumer::begin_batch`] claims a broker batch in one transaction: one
-//! statement takes every key's lock, one reads every key's row, sent together; each message
+//! call of the store's function `<table>_claim_many` takes every key's lock and then reads
+//! every key's row, sent with `BEGIN`; each message
 //! gets a [`PgBatchOutcome`] (a key repeated in the batch is a duplicate of, or a conflict with,
 //! its first copy), and [`PgClaimBatch::commit`] writes every winner's record in one statement
 //! with the business SQL of the whole batch. Every key the batch locked stays locked until it

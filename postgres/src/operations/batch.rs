@@ -142,8 +142,9 @@ pub struct PgClaimBatch<'c> {
 
 impl PgConsumer {
     /// Claims a whole broker batch, `(message key, fingerprint)` by message, in a new
-    /// transaction on `client`: one statement takes every key's lock and one reads every key's
-    /// record, sent together; each message gets a [`PgBatchOutcome`], in the order given. A key
+    /// transaction on `client`: one call of the store's function takes every key's lock and
+    /// then reads every key's record, sent with `BEGIN` (one round trip); each message gets a
+    /// [`PgBatchOutcome`], in the order given. A key
     /// repeated in the batch is decided once, by its first copy: a later copy is a
     /// [`PgBatchOutcome::DuplicateInBatch`] of it, or with another fingerprint a
     /// [`PgBatchOutcome::ConflictInBatch`]. Never waits for another holder. An empty batch is
@@ -301,12 +302,13 @@ impl PgConsumer {
         first_of: &[usize],
     ) -> Result<()> {
         let floor_ms = admission_floor_ms(self);
-        let mut stored_keys = stored_keys.into_iter();
+        // Each message's stored key, taken by the claim that decides it.
+        let mut stored_keys: Vec<Option<Vec<u8>>> = stored_keys.into_iter().map(Some).collect();
         let mut other_content = Vec::new();
         for (index, message) in messages.iter().enumerate() {
             let first = first_of[index];
-            let stored_key = stored_keys.next().unwrap_or_default();
             let (outcome, claim) = if first == index {
+                let stored_key = stored_keys[index].take().unwrap_or_default();
                 let locked = taken.locked(lock_numbers[index]);
                 decide(message, stored_key, locked, taken, floor_ms)?
             } else {
@@ -338,7 +340,7 @@ impl PgConsumer {
                 (PgBatchOutcome::Settled(held), None)
             } else {
                 let locked = taken.locked(lock_numbers[index]);
-                let stored_key = encode_key(&self.id, key)?;
+                let stored_key = stored_keys[index].take().unwrap_or_default();
                 decide(&messages[index], stored_key, locked, taken, floor_ms)?
             };
             if claim.is_some() {

@@ -13,7 +13,8 @@ use crate::tables::names::Names;
 ///
 /// Version 8 adds the function a batch claim takes its keys' locks and reads their rows with
 /// (`<table>_claim_many`); version 7 adds the function a claim takes its key's lock and reads
-/// its row with (`<table>_claim`); version 6 adds the read positions of log consumers (`<table>_position`, and the function
+/// its row with (`<table>_claim`), and the one `apply` inserts a new key's record with
+/// (`<table>_apply`); version 6 adds the read positions of log consumers (`<table>_position`, and the function
 /// that moves them, `<table>_advance_positions`); version 5 keeps the records in one plain table whose primary key is the key, with an index
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
@@ -222,10 +223,11 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
 /// each once) tried without waiting, in that order, the database's time, the locks refused,
 /// and the row of every key that has one, as one row of arrays: the batch's answer is one row
 /// to send and parse instead of two per key. Its read is one statement that looks each key up
-/// on its own (a subquery per key, kept from being merged into a join by `OFFSET 0`): a kept
-/// plan of `message_key = ANY(...)` made while the table was small searches the index by
-/// `consumer` alone and filters every row of the consumer, and goes on doing so as the table
-/// grows. `<table>_apply`,
+/// on its own (a scalar subquery per key; `OFFSET 0` keeps the outer query from being
+/// flattened, which would copy that subquery into the filter and the aggregate and look each
+/// key up twice): a kept plan of `message_key = ANY(...)` made while the table was small
+/// searches the index by `consumer` alone and filters every row of the consumer, and goes on
+/// doing so as the table grows. `<table>_apply`,
 /// `apply`'s one round trip: the key's lock, the key's row, and the new key's completed record
 /// inserted when the key has no row, the lock was granted and the record's time `p_check_ms`
 /// is within the tolerance of the database's clock (null: an injected clock decides); else it
