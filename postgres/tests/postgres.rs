@@ -5807,6 +5807,18 @@ async fn kept_plans(client: &Client, part: &str) -> Result<Vec<String>, Failure>
     Ok(plans)
 }
 
+/// The sequential and index scans of `t_plans.records` in `client`'s transaction so far.
+async fn records_scans(client: &Client) -> Result<(i64, i64), Failure> {
+    let scans = client
+        .query_one(
+            "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables \
+             WHERE relid = 't_plans.records'::regclass",
+            &[],
+        )
+        .await?;
+    Ok((scans.get(0), scans.get(1)))
+}
+
 /// A claim's read and a batch's, prepared once and their plans kept while the table held a few
 /// rows, still look their keys up in the primary key's index once the table holds a hundred
 /// thousand (a
@@ -5860,15 +5872,7 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
     let Outcome::Fresh(claim) = consumer.begin(&mut planned, "k-grown", body).await? else {
         return Err("k-grown not fresh".into());
     };
-    let scans = claim
-        .transaction()
-        .query_one(
-            "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables \
-             WHERE relid = 't_plans.records'::regclass",
-            &[],
-        )
-        .await?;
-    let (seq_scans, index_scans): (i64, i64) = (scans.get(0), scans.get(1));
+    let (seq_scans, index_scans) = records_scans(claim.transaction()).await?;
     ensure!(
         seq_scans == 0 && index_scans >= 1,
         "the claim's kept read: {seq_scans} sequential scans, {index_scans} index scans"
@@ -5878,15 +5882,7 @@ async fn kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_plann
     let batch = consumer
         .begin_batch(&mut planned, &messages(&[("k-1", "m"), ("b-grown", "m")]))
         .await?;
-    let scans = batch
-        .transaction()
-        .query_one(
-            "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables \
-             WHERE relid = 't_plans.records'::regclass",
-            &[],
-        )
-        .await?;
-    let (seq_scans, index_scans): (i64, i64) = (scans.get(0), scans.get(1));
+    let (seq_scans, index_scans) = records_scans(batch.transaction()).await?;
     ensure!(
         seq_scans == 0 && index_scans >= 1,
         "the batch's kept read: {seq_scans} sequential scans, {index_scans} index scans"
