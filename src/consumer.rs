@@ -12,7 +12,7 @@ use crate::format::fingerprint::Fingerprint;
 use crate::format::key::{decode_key, encode_with_prefix, stored_key};
 use crate::format::message::Message;
 use crate::format::record::{Record, RecordState};
-use crate::operations::claim::{Expiry, Outcome, Request, begin};
+use crate::operations::claim::{Expiry, Outcome, Request, begin_at};
 use crate::operations::lease::{ExternalClaim, InProgressEntry, LeaseTicket, Resolution};
 use crate::storage::observe::{ConsumerMetrics, OutcomeKind};
 use crate::storage::store::{RECORDS_MARKER, Storage};
@@ -52,17 +52,24 @@ impl Consumer {
     pub fn begin_message(&self, message: &Message<'_>) -> Result<Outcome> {
         let started = Instant::now();
         let request = self.request(message)?;
-        let mut outcome = begin(&self.inner, RECORDS_MARKER, request)?;
+        // Read once: the claim's decision and a duplicate's age take the same instant.
+        let now_ms = self.inner.clock.now_ms();
+        let mut outcome = begin_at(&self.inner, RECORDS_MARKER, request, now_ms)?;
         if let Outcome::Fresh(claim) = &mut outcome {
             claim.observe(self.metrics.clone(), message.correlation_id);
         }
-        self.observe(message, &outcome, started);
+        self.observe(message, &outcome, started, now_ms);
         Ok(outcome)
     }
 
-    /// Counts an outcome and logs it.
-    fn observe<C>(&self, message: &Message<'_>, outcome: &Outcome<C>, started: Instant) {
-        let now_ms = self.inner.clock.now_ms();
+    /// Counts an outcome decided at `now_ms` and logs it.
+    fn observe<C>(
+        &self,
+        message: &Message<'_>,
+        outcome: &Outcome<C>,
+        started: Instant,
+        now_ms: u64,
+    ) {
         let age_ms = outcome.duplicate_age_ms(now_ms);
         self.metrics
             .outcome(outcome.kind(), started.elapsed(), age_ms);
@@ -203,7 +210,7 @@ impl Consumer {
         if let Outcome::Fresh(claim) = &mut outcome {
             claim.observe(self.metrics.clone(), message.correlation_id);
         }
-        self.observe(message, &outcome, started);
+        self.observe(message, &outcome, started, self.inner.clock.now_ms());
         Ok(outcome)
     }
 

@@ -142,18 +142,49 @@ pub(crate) struct Request {
     pub(crate) expiry: Expiry,
 }
 
-/// Takes the latch on the request's key, then reads its record while holding it.
+/// Reads the request's record, then takes its key's latch unless the record settles the
+/// request: a completed record stays as it is until it expires (only a claimable or in-progress
+/// record is ever replaced, under its key's latch), so a duplicate or a conflict is answered
+/// without the latch. The read is kept for the decision if no record of the latch's shard was
+/// written between the read and the latch ([`crate::storage::latch::Latches::try_acquire_after`]),
+/// and made again under the latch if one was.
 pub(crate) fn begin(inner: &Arc<Storage>, marker: usize, request: Request) -> Result<Outcome> {
+    begin_at(inner, marker, request, inner.clock.now_ms())
+}
+
+/// [`begin`] at `now_ms`, the engine's clock read by the caller.
+pub(crate) fn begin_at(
+    inner: &Arc<Storage>,
+    marker: usize,
+    request: Request,
+    now_ms: u64,
+) -> Result<Outcome> {
     // A poisoned engine cannot commit: say so now rather than hand out a claim that must fail.
     inner.check_not_poisoned()?;
-    let now_ms = inner.clock.now_ms();
     let latches = &inner.markers[marker].latches;
-    if let Err(since_ms) = latches.try_acquire(&request.stored_key, now_ms) {
-        return Ok(Outcome::held_by_claim(since_ms));
+    let look = latches.look(&request.stored_key);
+    let found = inspect(
+        inner,
+        marker,
+        &request.stored_key,
+        request.fingerprint,
+        now_ms,
+    )?;
+    if let Found::Settled(settled @ (Outcome::Duplicate { .. } | Outcome::Conflict { .. })) = found
+    {
+        return Ok(Outcome::settled(settled));
     }
+    let unchanged = match latches.try_acquire_after(&request.stored_key, now_ms, look) {
+        Ok(unchanged) => unchanged,
+        Err(since_ms) => return Ok(Outcome::held_by_claim(since_ms)),
+    };
     // The claim owns the latch from here: its drop releases it on every path below.
     let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
-    let found = inspect(inner, marker, &claim.stored_key, claim.fingerprint, now_ms)?;
+    let found = if unchanged {
+        found
+    } else {
+        inspect(inner, marker, &claim.stored_key, claim.fingerprint, now_ms)?
+    };
     decide(claim, found, pending, now_ms)
 }
 

@@ -4,6 +4,11 @@
 //! concurrent `begin` calls for one key exactly one takes it. The winner reads the stored record
 //! and writes its commit while holding the latch; RocksDB's LOCK file keeps every other process
 //! out of the store. Together they leave no unguarded window between the read and the write.
+//!
+//! A claimant may also read first and latch after ([`Latches::look`], then
+//! [`Latches::try_acquire_after`]): every write of a record is made under its key's latch, and
+//! each shard counts the latches released in it, so a claimant that finds the count unchanged
+//! when it takes the latch knows that no record of the shard was written since it read.
 
 use std::collections::HashMap;
 use std::collections::hash_map::{Entry, RandomState};
@@ -13,8 +18,12 @@ use std::hash::{BuildHasher, Hasher};
 use crossbeam::utils::CachePadded;
 #[cfg(loom)]
 use loom::sync::Mutex;
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]
 use parking_lot::Mutex;
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Under loom the shard is loom's mutex, unpadded (loom models the lock, not cache lines).
 #[cfg(loom)]
@@ -38,7 +47,23 @@ const SHARDS: usize = 64;
 /// ([`KeyHashBuilder`]), not std's SipHash: a latch is taken and released on every claim, and
 /// the seed (random per table) keeps message keys chosen by a producer from piling into one
 /// bucket.
-type Shard = CachePadded<Mutex<HashMap<LatchKey, u64, KeyHashBuilder>>>;
+type Shard = CachePadded<ShardState>;
+
+/// A shard's latched keys, with the time each was taken, and how many latches were released in
+/// it: the count changes after every write of a record of the shard (each is made under its
+/// key's latch), which is what [`Latches::try_acquire_after`] compares.
+struct ShardState {
+    held: Mutex<HashMap<LatchKey, u64, KeyHashBuilder>>,
+    releases: AtomicU64,
+}
+
+/// Where a claimant looked before reading a record without the latch ([`Latches::look`]): the
+/// key's shard and its count of releases then.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Look {
+    shard: usize,
+    releases: u64,
+}
 
 /// A latch's copy of its key: inline up to 48 bytes (the claim's own copy keeps as many inline,
 /// `crate::format::key::StoredKey`), so taking a latch on a common key does not allocate.
@@ -113,7 +138,12 @@ impl Latches {
         let seed = RandomState::new().hash_one(0x1de3_u64);
         Latches {
             shards: (0..SHARDS)
-                .map(|_| pad(Mutex::new(HashMap::with_hasher(KeyHashBuilder::new(seed)))))
+                .map(|_| {
+                    pad(ShardState {
+                        held: Mutex::new(HashMap::with_hasher(KeyHashBuilder::new(seed))),
+                        releases: AtomicU64::new(0),
+                    })
+                })
                 .collect(),
             seed,
         }
@@ -124,20 +154,65 @@ impl Latches {
         KeyHashBuilder::new(self.seed)
     }
 
-    fn shard(&self, key: &[u8]) -> &Shard {
+    fn shard_index(&self, key: &[u8]) -> usize {
         let hash = xxhash_rust::xxh3::xxh3_64_with_seed(key, self.seed);
         // The top bits pick the shard: the map inside hashes the same way and places entries by
         // the low bits, which would otherwise be equal for every key of a shard.
-        &self.shards[(hash >> (64 - SHARDS.trailing_zeros())) as usize]
+        (hash >> (64 - SHARDS.trailing_zeros())) as usize
+    }
+
+    fn shard(&self, key: &[u8]) -> &Shard {
+        &self.shards[self.shard_index(key)]
     }
 
     /// Takes the latch on `key`, or returns when the current holder took it.
     pub(crate) fn try_acquire(&self, key: &[u8], now_ms: u64) -> Result<(), u64> {
-        match lock(self.shard(key)).entry(LatchKey::from_slice(key)) {
+        Self::take(&self.shard(key).held, key, now_ms)
+    }
+
+    fn take(
+        held: &Mutex<HashMap<LatchKey, u64, KeyHashBuilder>>,
+        key: &[u8],
+        now_ms: u64,
+    ) -> Result<(), u64> {
+        match lock(held).entry(LatchKey::from_slice(key)) {
             Entry::Occupied(held) => Err(*held.get()),
             Entry::Vacant(slot) => {
                 slot.insert(now_ms);
                 Ok(())
+            }
+        }
+    }
+
+    /// Looks at `key`'s shard before a read of its record made without the latch: pass the
+    /// answer to [`Latches::try_acquire_after`].
+    pub(crate) fn look(&self, key: &[u8]) -> Look {
+        let shard = self.shard_index(key);
+        Look {
+            shard,
+            // Acquire: a release counted here was made after its write, which the read that
+            // follows then sees.
+            releases: self.shards[shard].releases.load(Ordering::Acquire),
+        }
+    }
+
+    /// Takes the latch on `key` as [`Latches::try_acquire`] does, after a read of its record
+    /// made since `look`: `Ok(true)` when no latch of the shard was released since, so that no
+    /// record of it was written since the read (which then stands), `Ok(false)` when one was.
+    pub(crate) fn try_acquire_after(
+        &self,
+        key: &[u8],
+        now_ms: u64,
+        look: Look,
+    ) -> Result<bool, u64> {
+        let shard = &self.shards[look.shard];
+        let mut held = lock(&shard.held);
+        match held.entry(LatchKey::from_slice(key)) {
+            Entry::Occupied(held) => Err(*held.get()),
+            Entry::Vacant(slot) => {
+                slot.insert(now_ms);
+                // Under the shard's lock, as every release counts: this is the count now.
+                Ok(shard.releases.load(Ordering::Relaxed) == look.releases)
             }
         }
     }
@@ -184,13 +259,21 @@ impl Latches {
 
     /// Releases the latch on `key`. The caller must hold it.
     pub(crate) fn release(&self, key: &[u8]) {
-        let removed = lock(self.shard(key)).remove(key);
+        let shard = self.shard(key);
+        let mut held = lock(&shard.held);
+        let removed = held.remove(key);
+        // Release: a claimant that looks and sees this count sees the holder's write too.
+        shard.releases.fetch_add(1, Ordering::Release);
+        drop(held);
         assert!(removed.is_some(), "released a latch that was not held");
     }
 
     /// How many keys are latched right now.
     pub(crate) fn held(&self) -> usize {
-        self.shards.iter().map(|shard| lock(shard).len()).sum()
+        self.shards
+            .iter()
+            .map(|shard| lock(&shard.held).len())
+            .sum()
     }
 }
 
@@ -214,7 +297,7 @@ impl Drop for LatchGuard<'_> {
 mod loom_tests {
     use super::*;
     use loom::sync::Arc;
-    use loom::sync::atomic::{AtomicUsize, Ordering};
+    use loom::sync::atomic::AtomicUsize;
 
     #[test]
     fn loom_exactly_one_of_three_wins() {
@@ -238,6 +321,36 @@ mod loom_tests {
                 thread.join().unwrap();
             }
             assert_eq!(wins.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    /// A claimant that reads a record before taking its latch keeps that read only if no
+    /// write could have come between: a write made under the latch and released before the
+    /// claimant took it is always seen (RocksDB's write and read are modelled as a release
+    /// store and an acquire load of the record).
+    #[test]
+    fn loom_a_read_before_the_latch_stands_only_if_nothing_was_written_since() {
+        loom::model(|| {
+            let latches = Arc::new(Latches::new());
+            let record = Arc::new(loom::sync::atomic::AtomicU64::new(0));
+            let writer = {
+                let (latches, record) = (latches.clone(), record.clone());
+                loom::thread::spawn(move || {
+                    if latches.try_acquire(b"key", 0).is_ok() {
+                        record.store(1, Ordering::Release);
+                        latches.release(b"key");
+                    }
+                })
+            };
+            let look = latches.look(b"key");
+            let read = record.load(Ordering::Acquire);
+            if let Ok(unchanged) = latches.try_acquire_after(b"key", 0, look) {
+                if unchanged {
+                    assert_eq!(read, record.load(Ordering::Acquire), "a stale read stood");
+                }
+                latches.release(b"key");
+            }
+            writer.join().unwrap();
         });
     }
 

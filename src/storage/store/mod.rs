@@ -273,9 +273,9 @@ impl Storage {
     pub(crate) fn flush_tables(&self) -> Result<()> {
         self.check_not_poisoned()?;
         if let Some(log) = &self.log {
-            let written = log.written_lsn();
+            let marked = log.mark_tables(self.db())?;
             self.flush_every_table()?;
-            log.flushed(written);
+            log.flushed(marked);
             return Ok(());
         }
         for table in self.table_names() {

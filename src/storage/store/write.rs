@@ -115,9 +115,12 @@ impl Storage {
         let mut shrinker = self.shrinker.lock();
         let tables: Vec<String> = self.table_names().into_iter().map(str::to_owned).collect();
         let db = self.open.borrow_owner().clone();
+        let marking = log.clone();
         let flush = move || {
+            let marked = marking.mark_tables(&db)?;
             let names: Vec<&str> = tables.iter().map(String::as_str).collect();
-            Ok(super::flush_all(&db, &names)?)
+            super::flush_all(&db, &names)?;
+            Ok(marked)
         };
         match Shrinker::start(log.clone(), Box::new(flush), self.shrink_after) {
             Ok(started) => *shrinker = Some(started),
