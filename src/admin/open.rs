@@ -136,10 +136,9 @@ impl StoreBuilder {
         // A store on the commit log: the commits after the LSN its table files hold are only in
         // the log (the application writes its tables without RocksDB's WAL). They are handed to
         // another open as a WAL file (without their LSN puts), and that open is kept if its
-        // table files hold the same LSN (a flush in between may have added groups of puts and
-        // deletions, which apply again harmlessly, but no merge: a group holding one moves the
-        // LSN); a read during which the log's segments were reused (records may be missing) is
-        // refused by `log_as_wal` itself. Else again from the LSN that open found,
+        // table files hold the same LSN (the application did not flush in between: no record
+        // is applied twice); a read during which the log's segments were reused (records may
+        // be missing) is refused by `log_as_wal` itself. Else again from the LSN that open found,
         // or from the tables' LSN after a refused read.
         let mut db = open(None)?;
         // Whether `db` holds the table files alone (no record of the log applied).

@@ -20,11 +20,19 @@ use rocksdb::{DB, WriteBatch, WriteOptions};
 use crate::format::error::Result;
 
 /// Writes `batch` with `options`, which must have `no_slowdown` set, trying again while RocksDB
-/// holds writes back (see the module's docs).
+/// holds writes back (see the module's docs). `flush` flushes the tables while a background
+/// error stands: every table together behind the commit log (a table flushed alone would put
+/// the log's LSN in files that other tables' files lag behind), the `default` table on
+/// RocksDB's WAL.
 ///
 /// # Errors
 /// RocksDB's error for the write, or the standing background error.
-pub(crate) fn write_unstalled(db: &DB, batch: WriteBatch, options: &WriteOptions) -> Result<()> {
+pub(crate) fn write_unstalled(
+    db: &DB,
+    batch: WriteBatch,
+    options: &WriteOptions,
+    flush: &dyn Fn() -> Result<()>,
+) -> Result<()> {
     let mut attempt = batch;
     loop {
         // A write held back is not applied, and takes its batch with it: the bytes are kept
@@ -39,9 +47,7 @@ pub(crate) fn write_unstalled(db: &DB, batch: WriteBatch, options: &WriteOptions
                     .unwrap_or(0);
                 if background_errors > 0 {
                     // Fails with the standing error, or makes room for the write.
-                    let mut flush = rocksdb::FlushOptions::default();
-                    flush.set_wait(true);
-                    db.flush_opt(&flush)?;
+                    flush()?;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(1));
                 attempt = WriteBatch::from_data(&again);

@@ -1,17 +1,11 @@
 //! The durable path through the commit log (`EngineBuilder::commit_log`): each
 //! write batch is appended to the log under the next log sequence number (LSN), made durable
 //! there, and only then written to RocksDB, whose tables run without their WAL and flush
-//! atomically (all together). A group's batches go to RocksDB as one write batch.
-//!
-//! The tables' LSN ([`LOG_LSN_KEY`]) says where a replay starts. A group puts its last LSN in
-//! that write when a replay could not apply it twice harmlessly (it holds a merge operand, or
-//! anything but puts and deletions: [`only_puts_and_deletions`]), when its LSNs cross a multiple
-//! of [`LSN_PUT_EVERY`], and whenever the tables are flushed for the log's room
-//! ([`LogWriter::mark_tables`]). RocksDB applies a batch whole and flushes a prefix of the
-//! batches, so the table files hold every batch up to the LSN they record and, after it, only
-//! batches of puts and deletions: replayed again, in order, with every record after them, they
-//! leave each key with the last value written to it. (A put of the LSN in every group cost a
-//! lone writer's commit 1,850 instructions of its 16,250: a third memtable insert, in place.)
+//! atomically (all together). A group's batches go to RocksDB as one write batch that also
+//! puts the group's last LSN ([`LOG_LSN_KEY`]): RocksDB applies a batch whole, so the table
+//! files always hold exactly the batches up to the LSN they record. (Each batch carried its own
+//! LSN put before: one memtable insert more per commit, and one RocksDB write per batch; logs
+//! written then still open, their records' puts being the same values.)
 //!
 //! Group commit: writers queue their batches; one of them at a time leads, takes the queue,
 //! appends it to the log under the lock, then writes and syncs the log without the lock while
@@ -21,9 +15,8 @@
 //! ([`LogWriter::write_durable`], [`LogWriter::apply`]) from two threads.
 //!
 //! Recovery (at open): the table files' LSN says where the log's replay starts; the records
-//! after it are written to RocksDB in order (those the files hold already are puts and
-//! deletions: merge operands are not idempotent, and a batch holding one is never in the files
-//! without its LSN). A reader beside the owner gets them as a RocksDB WAL file instead
+//! after it are written to RocksDB in order, each exactly once (merge operands are not
+//! idempotent). A reader beside the owner gets them as a RocksDB WAL file instead
 //! (`reader_wal.rs`).
 
 use std::collections::HashMap;
@@ -37,31 +30,6 @@ use crate::storage::log::commit_log::{CommitLog, LOG_SLOTS_FIRST, perform_writes
 use crate::storage::log::replay::{
     LOG_DIR, LOG_LSN_KEY, default_table, no_wal, numbered, persisted_lsn, tables_lsn,
 };
-use crate::storage::log::wal_file::only_puts_and_deletions;
-
-/// A group whose LSNs cross a multiple of this puts its last LSN in the tables whatever it
-/// holds: the tables' files then never lag the log by more than this many records of puts and
-/// deletions, which bounds a replay's extra work and keeps the segments RocksDB's own flushes
-/// free again ([`persisted_lsn`]) close to the log's end.
-const LSN_PUT_EVERY: u64 = 64;
-
-/// A group of more entries than this puts its LSN without reading them: one more put is then a
-/// small share of its write (a batch of 64 claims holds 128 entries).
-const LSN_SCAN_ENTRIES_MAX: usize = 16;
-
-/// Whether a group of `batches` (LSNs up to `last_lsn`, one each) must put its last LSN in the
-/// tables: see the module's docs.
-fn puts_lsn(batches: &[WriteBatch], last_lsn: u64) -> bool {
-    let first_lsn = last_lsn + 1 - batches.len() as u64;
-    if (first_lsn - 1) / LSN_PUT_EVERY != last_lsn / LSN_PUT_EVERY {
-        return true;
-    }
-    let mut entries = 0;
-    batches.iter().any(|batch| {
-        entries += batch.len();
-        entries > LSN_SCAN_ENTRIES_MAX || !only_puts_and_deletions(batch.data())
-    })
-}
 
 /// The options of a durable group's write to the tables (their memtables; they have no WAL of
 /// their own): never waiting inside RocksDB (`storage/unstalled_write.rs`), as the commit is in
@@ -296,7 +264,7 @@ impl LogWriter {
                 &flush,
             );
             drop(state);
-            return match self.apply(db, group).pop() {
+            return match self.apply(db, group, &flush).pop() {
                 Some((_, outcome)) => outcome,
                 // (Never: the batch is written, refused or failed, and answered either way.)
                 None => Err(Error::Storage {
@@ -326,7 +294,7 @@ impl LogWriter {
             let (group, _) = self.lead(&mut state, db, OwnBatches::new(), &io, &flush);
             drop(state);
             // The caller's own outcome is among the members'.
-            let _ = self.apply(db, group);
+            let _ = self.apply(db, group, &flush);
             if let Some(outcome) = waiter.take() {
                 return outcome;
             }
@@ -436,25 +404,21 @@ impl LogWriter {
                         state.turn_waiters.insert(group, std::thread::current());
                         park(state);
                     }
-                    // The tables' LSN first: their flushed files then say they hold every
-                    // record up to it, which is what lets the log release them.
-                    let written = state.written_lsn;
-                    self.put_tables_lsn(db, written)
-                        .and_then(|()| flush())
-                        .and_then(|()| {
-                            state.log.release_through(written + 1);
-                            trim(&mut state.log);
-                            // Every slot is free now; a record larger than a segment still needs
-                            // one enlarged.
-                            let appended = state.log.append(batch.data());
-                            if appended.as_ref().is_err_and(Error::is_retryable)
-                                && grow(&mut state.log, batch.data().len())
-                            {
-                                state.log.append(batch.data())
-                            } else {
-                                appended
-                            }
-                        })
+                    flush().and_then(|()| {
+                        let written = state.written_lsn;
+                        state.log.release_through(written + 1);
+                        trim(&mut state.log);
+                        // Every slot is free now; a record larger than a segment still needs
+                        // one enlarged.
+                        let appended = state.log.append(batch.data());
+                        if appended.as_ref().is_err_and(Error::is_retryable)
+                            && grow(&mut state.log, batch.data().len())
+                        {
+                            state.log.append(batch.data())
+                        } else {
+                            appended
+                        }
+                    })
                 }
                 other => other,
             };
@@ -503,7 +467,15 @@ impl LogWriter {
     /// Applies a group led by [`LogWriter::lead`] to `db` once every earlier group is applied,
     /// and answers its queued members. Returns the outcomes of the group's own batches (those
     /// given to [`LogWriter::write_durable`]), by the caller's numbers.
-    pub(crate) fn apply(&self, db: &DB, group: DurableGroup) -> OwnOutcomes {
+    ///
+    /// `flush` flushes every table, for a write RocksDB holds back while a background error
+    /// stands (`storage/unstalled_write.rs`).
+    pub(crate) fn apply(
+        &self,
+        db: &DB,
+        group: DurableGroup,
+        flush: &dyn Fn() -> Result<()>,
+    ) -> OwnOutcomes {
         let DurableGroup {
             group,
             batches,
@@ -531,12 +503,9 @@ impl LogWriter {
             if writes.is_empty() {
                 return Ok(());
             }
-            let put_lsn = puts_lsn(&writes, last_lsn);
             let mut group = crate::storage::log::wal_file::join(writes);
-            if put_lsn {
-                group.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
-            }
-            crate::storage::unstalled_write::write_unstalled(db, group, &self.table_writes)
+            group.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
+            crate::storage::unstalled_write::write_unstalled(db, group, &self.table_writes, flush)
         });
         let mut state = self.state.lock();
         state.applied_groups += 1;
@@ -575,56 +544,22 @@ impl LogWriter {
         own
     }
 
-    /// Puts `lsn` as the tables' LSN, alone. The caller makes sure that no group is being
-    /// applied and that the tables hold every group up to `lsn`.
-    fn put_tables_lsn(&self, db: &DB, lsn: u64) -> Result<()> {
-        let mut batch = WriteBatch::default();
-        batch.put_cf(default_table(db), LOG_LSN_KEY, lsn.to_be_bytes());
-        crate::storage::unstalled_write::write_unstalled(db, batch, &self.table_writes)
-    }
-
-    /// Brings the tables' LSN up to the last group written to them, for a flush that is to free
-    /// the log's segments ([`LogWriter::flushed`]): takes its turn after every group led so far,
-    /// as a group of its own with no record, and puts the LSN while the next group waits for
-    /// its turn. Returns that LSN: once the tables are flushed, their files hold every record
-    /// up to it.
-    ///
-    /// # Errors
-    /// The first failure of an earlier group (the tables may lack a record before the LSN:
-    /// nothing is put), or RocksDB's error for the put.
-    pub(crate) fn mark_tables(&self, db: &DB) -> Result<u64> {
-        let mut state = self.state.lock();
-        let group = state.next_group;
-        state.next_group += 1;
-        while state.applied_groups != group {
-            state.turn_waiters.insert(group, std::thread::current());
-            park(&mut state);
-        }
-        let written = state.written_lsn;
-        let outcome = match &state.failed {
-            Some(earlier) => Err(earlier.clone()),
-            None => self.put_tables_lsn(db, written),
-        };
-        state.applied_groups += 1;
-        let next = state.applied_groups;
-        if let Some(waiter) = state.turn_waiters.remove(&next) {
-            waiter.unpark();
-        }
-        outcome.map(|()| written)
-    }
-
     /// Syncs the log's files: every commit so far becomes durable (`Engine::flush_wal`).
     pub(crate) fn sync(&self) -> Result<()> {
         self.state.lock().log.sync_files()
     }
 
-    /// After every table was flushed (all of them together) following
-    /// [`LogWriter::mark_tables`], which returned `marked`: the records up to it are in table
-    /// files, which say so; their segments may be reused.
-    pub(crate) fn flushed(&self, marked: u64) {
+    /// After every table was flushed (all of them together): the records up to the last
+    /// written LSN are in table files; their segments may be reused.
+    pub(crate) fn flushed(&self, written_before_flush: u64) {
         let log = &mut self.state.lock().log;
-        log.release_through(marked + 1);
+        log.release_through(written_before_flush + 1);
         trim(log);
+    }
+
+    /// The LSN of the last batch written to the tables.
+    pub(crate) fn written_lsn(&self) -> u64 {
+        self.state.lock().written_lsn
     }
 
     /// The LSN the next record gets: unchanged while nothing is written.
@@ -684,7 +619,6 @@ mod tests {
     use super::*;
     use crate::storage::log::commit_log::LOG_SEGMENT_BYTES_MIN;
     use crate::storage::log::reader_wal::{log_as_wal, without_lsn_put};
-    use std::path::Path;
 
     fn value(db: &DB, key: &[u8]) -> Option<Vec<u8>> {
         db.get(key).unwrap()
@@ -726,14 +660,12 @@ mod tests {
                 Some(format!("value-{lsn}").into_bytes())
             );
         }
-        // A group written now, of puts only, puts no LSN; marked, the tables say its LSN.
+        // A group written now: one write with the group's last LSN.
         let mut batch = WriteBatch::default();
         batch.put("key-5", "value-5");
         writer
             .write(&db, batch, |call| call(true), || Ok(()))
             .unwrap();
-        assert_eq!(tables_lsn(&db).unwrap(), 4);
-        assert_eq!(writer.mark_tables(&db).unwrap(), 5);
         assert_eq!(tables_lsn(&db).unwrap(), 5);
         // The reader's copies: the old records lose their put, the new ones are as written.
         for (lsn, payload) in (1..).zip(&payloads) {
@@ -742,96 +674,6 @@ mod tests {
             assert!(!copy.windows(LOG_LSN_KEY.len()).any(|w| w == LOG_LSN_KEY));
         }
         assert!(without_lsn_put(9, &[0u8; 4]).is_err());
-    }
-
-    /// A counter's merge operator: the operands are u64 BE, added.
-    fn add(
-        _key: &[u8],
-        existing: Option<&[u8]>,
-        operands: &rocksdb::MergeOperands,
-    ) -> Option<Vec<u8>> {
-        let read = |bytes: &[u8]| u64::from_be_bytes(bytes.try_into().unwrap());
-        let sum = operands.iter().map(read).sum::<u64>() + existing.map_or(0, read);
-        Some(sum.to_be_bytes().to_vec())
-    }
-
-    /// Tables written as the engine writes them behind the log: no WAL, all flushed together,
-    /// nothing flushed at close (what the memtables held is lost, as by a crash).
-    fn open_tables(dir: &Path) -> DB {
-        let mut base = rocksdb::Options::default();
-        base.create_if_missing(true);
-        base.set_atomic_flush(true);
-        base.set_merge_operator_associative("add", add);
-        let options = base
-            .get_options_from_string("avoid_flush_during_shutdown=true")
-            .unwrap();
-        let default = rocksdb::ColumnFamilyDescriptor::new("default", options.clone());
-        DB::open_cf_descriptors(&options, dir.join("tables"), [default]).unwrap()
-    }
-
-    /// Groups of puts and deletions put no LSN; a group with a merge operand does. Table files
-    /// flushed between the two (by RocksDB, say, when a memtable fills) hold puts and deletions
-    /// after their LSN, and a replay after a crash applies those again and the merge once.
-    #[test]
-    fn a_replay_applies_again_only_puts_and_deletions_the_files_hold() {
-        let dir = tempfile::tempdir().unwrap();
-        let write = |writer: &LogWriter, db: &DB, batch: WriteBatch| {
-            writer
-                .write(db, batch, |call| call(true), || Ok(()))
-                .unwrap();
-        };
-        let put = |key: &str, value: &str| {
-            let mut batch = WriteBatch::default();
-            batch.put(key, value);
-            batch
-        };
-        let count = || {
-            let mut batch = WriteBatch::default();
-            batch.merge("counter", 1u64.to_be_bytes());
-            batch
-        };
-        {
-            let db = open_tables(dir.path());
-            let writer = LogWriter::open(dir.path(), &db, 2, LOG_SEGMENT_BYTES_MIN, true).unwrap();
-            write(&writer, &db, put("a", "1"));
-            assert_eq!(tables_lsn(&db).unwrap(), 0, "a group of puts put its LSN");
-            write(&writer, &db, count());
-            assert_eq!(
-                tables_lsn(&db).unwrap(),
-                2,
-                "a group with a merge put no LSN"
-            );
-            write(&writer, &db, put("a", "3"));
-            let mut delete = WriteBatch::default();
-            delete.delete("b");
-            delete.put("c", "4");
-            write(&writer, &db, delete);
-            db.flush().unwrap();
-            assert_eq!(persisted_lsn(&db).unwrap(), 2);
-            write(&writer, &db, count());
-            write(&writer, &db, put("c", "6"));
-            assert_eq!(tables_lsn(&db).unwrap(), 5);
-        }
-        let db = open_tables(dir.path());
-        assert_eq!(tables_lsn(&db).unwrap(), 2, "the files' LSN");
-        let writer = LogWriter::open(dir.path(), &db, 2, LOG_SEGMENT_BYTES_MIN, true).unwrap();
-        assert_eq!(tables_lsn(&db).unwrap(), 6);
-        assert_eq!(value(&db, b"counter"), Some(2u64.to_be_bytes().to_vec()));
-        assert_eq!(value(&db, b"a"), Some(b"3".to_vec()));
-        assert_eq!(value(&db, b"b"), None);
-        assert_eq!(value(&db, b"c"), Some(b"6".to_vec()));
-        // Marked for a flush: the tables' LSN is the last group's, and a group of puts whose
-        // LSNs cross a multiple of LSN_PUT_EVERY puts its own.
-        write(&writer, &db, put("d", "7"));
-        assert_eq!(tables_lsn(&db).unwrap(), 6);
-        assert_eq!(writer.mark_tables(&db).unwrap(), 7);
-        assert_eq!(tables_lsn(&db).unwrap(), 7);
-        for _ in 8..LSN_PUT_EVERY {
-            write(&writer, &db, put("e", "8"));
-        }
-        assert_eq!(tables_lsn(&db).unwrap(), 7);
-        write(&writer, &db, put("e", "8"));
-        assert_eq!(tables_lsn(&db).unwrap(), LSN_PUT_EVERY);
     }
 
     /// A reader beside the owner reads the segment headers, then the records; the owner may

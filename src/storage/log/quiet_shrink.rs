@@ -25,9 +25,8 @@ use std::time::Duration;
 use crate::format::error::{Error, Result};
 use crate::storage::log::logged_writes::LogWriter;
 
-/// Brings the tables' LSN up to date ([`LogWriter::mark_tables`]) and flushes every table of
-/// the store at once: returns the LSN marked, which the table files then hold.
-pub(crate) type FlushTables = Box<dyn Fn() -> Result<u64> + Send>;
+/// Flushes every table of the store at once.
+pub(crate) type FlushTables = Box<dyn Fn() -> Result<()> + Send>;
 
 /// The running shrinker; dropping it stops the thread and waits for it.
 pub(crate) struct Shrinker {
@@ -103,15 +102,13 @@ fn run(log: &LogWriter, flush: &FlushTables, period: Duration, stop: &Stop) {
         }
         // Quiet for a whole period: the tables' files take every record written so far, and
         // every segment is free.
-        let marked = match flush() {
-            Ok(marked) => marked,
-            Err(error) => {
-                tracing::warn!(target: "idemdb", %error, "the commit log keeps its segments: the flush failed");
-                log.shrinker_ended();
-                return;
-            }
-        };
-        log.flushed(marked);
+        let written = log.written_lsn();
+        if let Err(error) = flush() {
+            tracing::warn!(target: "idemdb", %error, "the commit log keeps its segments: the flush failed");
+            log.shrinker_ended();
+            return;
+        }
+        log.flushed(written);
         match log.shrink_if_quiet(seen) {
             Ok(true) => {
                 tracing::debug!(target: "idemdb", "commit log shrunk");

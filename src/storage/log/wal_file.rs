@@ -41,72 +41,6 @@ pub(crate) fn batch_count(rep: &[u8]) -> Option<u32> {
         .map(|count| u32::from_le_bytes(count.try_into().expect("4 bytes")))
 }
 
-/// An entry's type (RocksDB's `ValueType`, `db/dbformat.h`): a put or a deletion, in the
-/// `default` table or, with a varint32 table id after the type, in another.
-const TYPE_DELETION: u8 = 0x0;
-const TYPE_VALUE: u8 = 0x1;
-const TYPE_TABLE_DELETION: u8 = 0x4;
-const TYPE_TABLE_VALUE: u8 = 0x5;
-
-/// Whether the write batch `rep` holds puts and deletions only (of any table), and at least
-/// one entry. Such a batch can be applied again to tables that hold it already, followed by
-/// every batch after it, and leave them as applying it once would: each key ends with the last
-/// value written to it. A merge operand, an empty batch, and any entry or encoding this does
-/// not know (a range deletion, a single deletion) answer `false`.
-pub(crate) fn only_puts_and_deletions(rep: &[u8]) -> bool {
-    let (Some(count), Some(mut rest)) = (batch_count(rep), rep.get(BATCH_HEADER_BYTES..)) else {
-        return false;
-    };
-    for _ in 0..count {
-        let Some((&kind, after)) = rest.split_first() else {
-            return false;
-        };
-        rest = after;
-        let has_value = match kind {
-            TYPE_VALUE => true,
-            TYPE_DELETION => false,
-            TYPE_TABLE_VALUE | TYPE_TABLE_DELETION => {
-                let Some((_, after)) = read_varint(rest) else {
-                    return false;
-                };
-                rest = after;
-                kind == TYPE_TABLE_VALUE
-            }
-            _ => return false,
-        };
-        let Some(after) = skip_length_prefixed(rest) else {
-            return false;
-        };
-        rest = after;
-        if has_value {
-            let Some(after) = skip_length_prefixed(rest) else {
-                return false;
-            };
-            rest = after;
-        }
-    }
-    count > 0 && rest.is_empty()
-}
-
-/// A varint32 at the start of `bytes`, and the bytes after it; `None` if there is none.
-fn read_varint(bytes: &[u8]) -> Option<(u32, &[u8])> {
-    let mut value = 0u32;
-    for (index, &byte) in bytes.iter().take(5).enumerate() {
-        value |= u32::from(byte & 0x7f) << (7 * index);
-        if byte & 0x80 == 0 {
-            return Some((value, &bytes[index + 1..]));
-        }
-    }
-    None
-}
-
-/// `bytes` after a varint32 length and that many bytes at their start; `None` if they are
-/// not all there.
-fn skip_length_prefixed(bytes: &[u8]) -> Option<&[u8]> {
-    let (length, after) = read_varint(bytes)?;
-    after.get(length as usize..)
-}
-
 /// One write batch holding every record of `batches`, in order: RocksDB applies it atomically,
 /// as it would each of them.
 pub(crate) fn join(batches: impl IntoIterator<Item = WriteBatch>) -> WriteBatch {
@@ -237,37 +171,6 @@ impl WalFileWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Every entry is read, whatever its table and size; a merge, a range deletion, an empty
-    /// batch and a batch cut anywhere are not taken for puts and deletions.
-    #[test]
-    fn only_puts_and_deletions_reads_every_entry() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut options = rocksdb::Options::default();
-        options.create_if_missing(true);
-        options.create_missing_column_families(true);
-        let db = rocksdb::DB::open_cf(&options, dir.path(), ["default", "other"]).unwrap();
-        let other = db.cf_handle("other").unwrap();
-        let mut batch = WriteBatch::default();
-        batch.put(b"key", vec![7u8; 300]);
-        batch.delete(b"gone");
-        batch.put_cf(&other, vec![1u8; 200], b"value");
-        batch.delete_cf(&other, b"gone too");
-        assert!(only_puts_and_deletions(batch.data()));
-        for end in 0..batch.data().len() {
-            assert!(
-                !only_puts_and_deletions(&batch.data()[..end]),
-                "cut at {end}"
-            );
-        }
-        let mut merged = WriteBatch::from_data(batch.data());
-        merged.merge_cf(&other, b"counter", b"1");
-        assert!(!only_puts_and_deletions(merged.data()));
-        let mut ranged = WriteBatch::from_data(batch.data());
-        ranged.delete_range_cf(&other, b"a", b"b");
-        assert!(!only_puts_and_deletions(ranged.data()));
-        assert!(!only_puts_and_deletions(WriteBatch::default().data()));
-    }
 
     /// RocksDB itself reads what the writer wrote: batches of every size (fragments across
     /// blocks, block rests too short for a header) come back whole, in order, with their

@@ -273,9 +273,9 @@ impl Storage {
     pub(crate) fn flush_tables(&self) -> Result<()> {
         self.check_not_poisoned()?;
         if let Some(log) = &self.log {
-            let marked = log.mark_tables(self.db())?;
+            let written = log.written_lsn();
             self.flush_every_table()?;
-            log.flushed(marked);
+            log.flushed(written);
             return Ok(());
         }
         for table in self.table_names() {

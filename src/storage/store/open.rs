@@ -284,8 +284,15 @@ impl Storage {
             // this one small batch kept every later WAL file until they reached RocksDB's
             // bound on their total size (8 times all the memtables: 1.5 GB at the default size
             // with no business table, more with each; seen in the scale run), and a reopen
-            // after a crash read them all.
-            self.db().flush_cf(meta)?;
+            // after a crash read them all. With the commit log every table is flushed with it:
+            // this table holds the log's LSN, which the open's replay has just advanced, and
+            // its files alone would say that the tables hold records the others have only in
+            // memory (a crash then lost them: the next open replayed nothing).
+            if self.log.is_some() {
+                super::flush_all(self.db(), &self.table_names())?;
+            } else {
+                self.db().flush_cf(meta)?;
+            }
         }
         Ok(())
     }

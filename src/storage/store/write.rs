@@ -84,7 +84,9 @@ impl Storage {
                 .collect(),
             StagedWrite::Logged(group) => {
                 let log = self.log.as_ref().expect("a logged write has the log");
-                let outcomes = log.apply(self.db(), group).into_vec();
+                let outcomes = log
+                    .apply(self.db(), group, &|| self.flush_every_table())
+                    .into_vec();
                 for (_, outcome) in &outcomes {
                     if let Err(error) = outcome {
                         self.poison_after_log(error);
@@ -115,12 +117,9 @@ impl Storage {
         let mut shrinker = self.shrinker.lock();
         let tables: Vec<String> = self.table_names().into_iter().map(str::to_owned).collect();
         let db = self.open.borrow_owner().clone();
-        let marking = log.clone();
         let flush = move || {
-            let marked = marking.mark_tables(&db)?;
             let names: Vec<&str> = tables.iter().map(String::as_str).collect();
-            super::flush_all(&db, &names)?;
-            Ok(marked)
+            Ok(super::flush_all(&db, &names)?)
         };
         match Shrinker::start(log.clone(), Box::new(flush), self.shrink_after) {
             Ok(started) => *shrinker = Some(started),
@@ -135,16 +134,26 @@ impl Storage {
     fn write_without_log(&self, batch: WriteBatch) -> Result<()> {
         self.io_result(IoPoint::Write, |synced| {
             if synced {
-                write_unstalled(self.db(), batch, &self.write_options)
+                write_unstalled(self.db(), batch, &self.write_options, &|| {
+                    self.flush_default_table()
+                })
             } else {
                 let mut unsynced = WriteOptions::default();
                 unsynced.set_sync(false);
                 unsynced.set_no_slowdown(true);
-                write_unstalled(self.db(), batch, &unsynced)
+                write_unstalled(self.db(), batch, &unsynced, &|| self.flush_default_table())
             }
         })?;
         self.write_batches.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Flushes the `default` table, waiting for it: on RocksDB's WAL, what a write held back by
+    /// a background error asks for (`storage/unstalled_write.rs`).
+    fn flush_default_table(&self) -> Result<()> {
+        let mut flush = rocksdb::FlushOptions::default();
+        flush.set_wait(true);
+        Ok(self.db().flush_opt(&flush)?)
     }
 
     /// Poisons the engine after a failed write through the commit log, as a failed write to
