@@ -167,21 +167,8 @@ impl Latches {
 
     /// Takes the latch on `key`, or returns when the current holder took it.
     pub(crate) fn try_acquire(&self, key: &[u8], now_ms: u64) -> Result<(), u64> {
-        Self::take(&self.shard(key).held, key, now_ms)
-    }
-
-    fn take(
-        held: &Mutex<HashMap<LatchKey, u64, KeyHashBuilder>>,
-        key: &[u8],
-        now_ms: u64,
-    ) -> Result<(), u64> {
-        match lock(held).entry(LatchKey::from_slice(key)) {
-            Entry::Occupied(held) => Err(*held.get()),
-            Entry::Vacant(slot) => {
-                slot.insert(now_ms);
-                Ok(())
-            }
-        }
+        self.try_acquire_after(key, now_ms, self.look(key))
+            .map(drop)
     }
 
     /// Looks at `key`'s shard before a read of its record made without the latch: pass the

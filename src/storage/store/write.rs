@@ -132,16 +132,15 @@ impl Storage {
 
     /// A write through RocksDB's WAL (no commit log).
     fn write_without_log(&self, batch: WriteBatch) -> Result<()> {
+        let flush = || self.flush_default_table();
         self.io_result(IoPoint::Write, |synced| {
             if synced {
-                write_unstalled(self.db(), batch, &self.write_options, &|| {
-                    self.flush_default_table()
-                })
+                write_unstalled(self.db(), batch, &self.write_options, &flush)
             } else {
                 let mut unsynced = WriteOptions::default();
                 unsynced.set_sync(false);
                 unsynced.set_no_slowdown(true);
-                write_unstalled(self.db(), batch, &unsynced, &|| self.flush_default_table())
+                write_unstalled(self.db(), batch, &unsynced, &flush)
             }
         })?;
         self.write_batches.fetch_add(1, Ordering::Relaxed);
