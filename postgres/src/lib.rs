@@ -122,10 +122,12 @@
 //! same shape. An operator resets a stopped consumer's position with [`PgPositions::set`]
 //! (forwards or backwards) or [`PgPositions::remove`], or with `idemdb-pg positions`.
 //!
-//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 8. A store opened on tables at
-//! versions 1 to 7 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 9. A store opened on tables at
+//! versions 1 to 8 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock. Version 7 gains the batch claim's function (`<table>_claim_many`: a batch's locks and
+//! lock. Version 8 gains no table, only the version: the records written from then on are in
+//! the shorter record format 2, which earlier releases cannot read (the records already there
+//! stay in format 1 and read as before). Version 7 gains the batch claim's function (`<table>_claim_many`: a batch's locks and
 //! reads in one statement); version 6 also the claim's functions (`<table>_claim`, a claim's
 //! lock and read in one statement, and `<table>_apply`); version 5 also the read positions'
 //! table and function. From versions 1 to 4 the old

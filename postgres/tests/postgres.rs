@@ -247,6 +247,7 @@ fn main() {
     scenario!(one_winner_per_key_while_claims_hold_release_expire_and_reclaim);
     scenario!(a_version_6_schema_gains_the_claims_function_on_install);
     scenario!(a_version_7_schema_gains_the_batch_function_on_install);
+    scenario!(a_version_8_schema_keeps_its_format_1_records_and_writes_format_2);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
     use clock::*;
     scenario!(every_call_reads_an_injected_clock_once);
@@ -4506,7 +4507,7 @@ async fn partitioned_layout(
 }
 
 /// A completed record of `consumer`'s `key` committed at `now_ms`, expiring an hour later, as
-/// a row.
+/// a row written by an earlier release (record format 1).
 fn completed_row(consumer: &str, key: &str, now_ms: u64, result: &'static [u8]) -> RecordRow {
     let expires_at_ms = now_ms + 3_600_000;
     let record = idemdb::format::Record::new(
@@ -4519,7 +4520,7 @@ fn completed_row(consumer: &str, key: &str, now_ms: u64, result: &'static [u8]) 
     (
         consumer.as_bytes().to_vec(),
         key.as_bytes().to_vec(),
-        record.encode(),
+        record.encode_v1(),
         i64::try_from(expires_at_ms).unwrap_or(i64::MAX),
     )
 }
@@ -4556,6 +4557,57 @@ async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> R
         return Err("a versioned claim after the migration is not fresh".into());
     };
     claim.commit(b"ok").await?;
+    Ok(())
+}
+
+/// Version 8 tables hold records in format 1 (every release before version 9 wrote it): they
+/// are refused until `install` moves the version (a release before it cannot read format 2, and
+/// refuses version 9), then read as before, while new records are written in format 2.
+async fn a_version_8_schema_keeps_its_format_1_records_and_writes_format_2(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = older_schema(&mut client, "t_migrate8", 8, "").await?;
+    // The kept record as version 8 wrote it.
+    let row = client
+        .query_one(
+            "SELECT record FROM t_migrate8.records WHERE message_key = 'kept'",
+            &[],
+        )
+        .await?;
+    let kept = idemdb::format::Record::decode(row.get(0))?;
+    client
+        .execute(
+            "UPDATE t_migrate8.records SET record = $1 WHERE message_key = 'kept'",
+            &[&kept.encode_v1()],
+        )
+        .await?;
+    install(&mut client, &names).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let outcome = consumer
+        .begin(&mut client, "kept", Fingerprint::of(b"kept"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"done"),
+        "the format-1 record answers as before: {outcome:?}"
+    );
+    drop(outcome);
+    commit_one(&consumer, &mut client, "new", "new", "done").await?;
+    let formats: Vec<(String, i32)> = client
+        .query(
+            "SELECT convert_from(message_key, 'UTF8'), get_byte(record, 0) \
+             FROM t_migrate8.records ORDER BY message_key",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    ensure!(
+        formats == [("kept".to_owned(), 1), ("new".to_owned(), 2)],
+        "record formats: {formats:?}"
+    );
     Ok(())
 }
 
@@ -4618,7 +4670,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 8,
+        version == SCHEMA_VERSION && version == 9,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;

@@ -311,7 +311,7 @@ pub(super) fn discover(path: &Path) -> Result<(StoredMeta, Vec<TableInfo>)> {
     check_store_exists(path)?;
     let meta = StoredMeta::read(path)?.ok_or_else(|| no_store(path))?;
     meta.check_format(path)?;
-    if meta.format != FormatMarker::Current {
+    if !matches!(meta.format, FormatMarker::Current | FormatMarker::Earlier) {
         // An application's first open that crashed before writing the marker: the tools do
         // not finish it for the application.
         return Err(incompatible(

@@ -19,6 +19,7 @@ pub(crate) mod position;
 pub(crate) mod printable;
 pub(crate) mod record;
 pub(crate) mod ttl;
+pub(crate) mod varint;
 
 pub use commit_log::{
     LOG_RECORD_HEADER_BYTES, LOG_RECORD_PAYLOAD_MAX, LOG_SEGMENT_HEADER_BYTES, LogEnd, LogRead,

@@ -3,7 +3,7 @@
 //! describes. The merge operator (`merge.rs`) applies them.
 
 use crate::format::error::DecodeError;
-use crate::format::record::{EncodedBytes, RECORD_HEADER_BYTES, Reader, Record, RecordHeader};
+use crate::format::record::{EncodedBytes, RECORD_HEADER_BYTES_MAX, Reader, Record, RecordHeader};
 
 /// The merge-operand format this build writes and reads.
 const OPERAND_FORMAT_VERSION: u8 = 1;
@@ -51,7 +51,7 @@ pub fn encode_replace_operand(epoch: u64, token: u64, record: &Record) -> Vec<u8
 impl Operand<'_> {
     pub(crate) fn encode_install(replaces_epoch: u64, record: &Record) -> EncodedBytes {
         let mut out = EncodedBytes::with_capacity(
-            OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES + record.payload_len(),
+            OPERAND_HEADER_BYTES + RECORD_HEADER_BYTES_MAX + record.payload_len(),
         );
         out.push(OPERAND_FORMAT_VERSION);
         out.push(OPERAND_INSTALL);
@@ -62,7 +62,7 @@ impl Operand<'_> {
 
     pub(crate) fn encode_replace(epoch: u64, token: u64, record: &Record) -> EncodedBytes {
         let mut out = EncodedBytes::with_capacity(
-            OPERAND_HEADER_BYTES + 8 + RECORD_HEADER_BYTES + record.payload_len(),
+            OPERAND_HEADER_BYTES + 8 + RECORD_HEADER_BYTES_MAX + record.payload_len(),
         );
         out.push(OPERAND_FORMAT_VERSION);
         out.push(OPERAND_REPLACE);

@@ -425,7 +425,7 @@ impl Claim {
             .map_or(0, |(key, _)| BATCH_ENTRY_OVERHEAD_BYTES + key.len() + 8);
         let marker = BATCH_ENTRY_OVERHEAD_BYTES
             + self.stored_key.len()
-            + crate::format::record::RECORD_HEADER_BYTES
+            + crate::format::record::RECORD_HEADER_BYTES_MAX
             + result_len;
         self.staged.writes() * BATCH_ENTRY_OVERHEAD_BYTES
             + self.staged.bytes

@@ -22,7 +22,12 @@ pub(crate) use crate::format::key::RECORDS_TABLE;
 pub(crate) const VERSIONS_TABLE: &str = "idemdb.versions";
 /// Meta key (default column family) holding the store format marker.
 pub(crate) const META_FORMAT_KEY: &[u8] = b"idemdb.format";
-/// Store format marker: magic and format version 1.
+/// Store format marker: magic and format version 2, the stores whose records may be in record
+/// format 2. An open for writing of a format-1 store rewrites its marker to this one before any
+/// record, so that an earlier release, which reads record format 1 alone, refuses the store
+/// instead of finding records it cannot read.
+pub(crate) const STORE_FORMAT_V2: &[u8] = b"idemdb store format 2";
+/// The marker of stores written by earlier releases: every record in format 1.
 pub(crate) const STORE_FORMAT_V1: &[u8] = b"idemdb store format 1";
 /// Meta key prefix recording each table's kind, so a table cannot change kind between opens.
 pub(crate) const META_TABLE_KIND_PREFIX: &str = "idemdb.table-kind/";
@@ -77,6 +82,9 @@ impl DeclaredKind {
 pub(crate) enum FormatMarker {
     /// The marker of the format this build reads and writes.
     Current,
+    /// The marker of stores written by earlier releases (record format 1): read as they are,
+    /// rewritten to the current one by an open for writing.
+    Earlier,
     /// Another value: another format, or not idemdb's.
     Unknown,
     /// No marker, and the records table holds no record: a store whose very first open
@@ -159,7 +167,8 @@ impl StoredMeta {
             .cf_handle(rocksdb::DEFAULT_COLUMN_FAMILY_NAME)
             .ok_or_else(|| incompatible(path, "no default column family".to_owned()))?;
         let format = match meta.get_cf(default, META_FORMAT_KEY)? {
-            Some(format) if format == STORE_FORMAT_V1 => FormatMarker::Current,
+            Some(format) if format == STORE_FORMAT_V2 => FormatMarker::Current,
+            Some(format) if format == STORE_FORMAT_V1 => FormatMarker::Earlier,
             Some(_) => FormatMarker::Unknown,
             // A creation cut short before the records table existed holds no record either.
             None if !has_records || records_table_is_empty(path)? => {
@@ -199,7 +208,9 @@ impl StoredMeta {
     /// [`Error::IncompatibleStore`] for another marker, or none on a store holding records.
     pub(crate) fn check_format(&self, path: &Path) -> Result<()> {
         match self.format {
-            FormatMarker::Current | FormatMarker::MissingOnEmptyStore => Ok(()),
+            FormatMarker::Current | FormatMarker::Earlier | FormatMarker::MissingOnEmptyStore => {
+                Ok(())
+            }
             FormatMarker::Unknown => Err(incompatible(
                 path,
                 "written by an unknown idemdb store format".to_owned(),

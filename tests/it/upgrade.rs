@@ -39,7 +39,11 @@ fn write_install_operands(store: &TestStore, records: &[(&str, format::Record)])
     let table = db.cf_handle("idemdb.records").unwrap();
     for (key, record) in records {
         let stored_key = format::encode_key(b"c", key.as_bytes()).unwrap();
-        let operand = format::encode_commit_operand(record.epoch - 1, record);
+        // An install operand as the older engine wrote it: the operand's 10-byte header
+        // (docs/design.md, section 5), then the record in format 1.
+        let mut operand = format::encode_commit_operand(record.epoch - 1, record);
+        operand.truncate(10);
+        operand.extend(record.encode_v1());
         db.merge_cf(table, stored_key, operand).unwrap();
     }
 }
@@ -173,6 +177,102 @@ fn a_store_written_on_the_wal_by_the_release_before_opens_on_the_default_log() {
         assert_eq!(log.exists(), open != "without the log", "{open}");
         answers_as_written(&engine, open);
     }
+}
+
+/// The format marker of the store at `path` and the stored value of billing's `key`, read with
+/// plain RocksDB (no idemdb code between the test and the bytes).
+fn marker_and_value(path: &std::path::Path, key: &str) -> (Vec<u8>, Option<Vec<u8>>) {
+    let tables = rocksdb::DB::list_cf(&rocksdb::Options::default(), path).unwrap();
+    let db = rocksdb::DB::open_cf_for_read_only(&rocksdb::Options::default(), path, &tables, false)
+        .unwrap();
+    let marker = db.get(b"idemdb.format").unwrap().expect("a format marker");
+    let stored_key = format::encode_key(b"billing", key.as_bytes()).unwrap();
+    let value = db
+        .get_cf(db.cf_handle("idemdb.records").unwrap(), stored_key)
+        .unwrap();
+    (marker, value)
+}
+
+/// The fixture's records are in record format 1, under store format 1. Read-only opens leave
+/// the store as it is; the first open for writing moves the marker to store format 2 (an
+/// earlier release then refuses the store instead of misreading a record), and new records are
+/// written in record format 2, shorter, beside the old ones, which read as before.
+#[test]
+fn a_store_of_record_format_1_reads_as_before_and_is_marked_format_2_by_a_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/wal-store-976bea9.tar.gz");
+    let untar = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&fixture)
+        .arg("-C")
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(untar.success());
+    let path = dir.path().join("store");
+    let (marker, old) = marker_and_value(&path, "order-0007");
+    assert_eq!(marker, b"idemdb store format 1");
+    assert_eq!(
+        old.expect("a plain value")[0],
+        1,
+        "the fixture's record format"
+    );
+
+    let reader = idemdb::admin::Store::builder(&path)
+        .clock(idemdb::MockClock::new(FIXTURE_NOW_MS))
+        .open_read_only()
+        .unwrap();
+    assert!(!reader.tables().is_empty());
+    drop(reader);
+    assert_eq!(
+        marker_and_value(&path, "order-0007").0,
+        b"idemdb store format 1"
+    );
+
+    // RocksDB's WAL, so that plain RocksDB sees the new commit without the engine's log.
+    let builder = || {
+        idemdb::Engine::builder(&path)
+            .clock(idemdb::MockClock::new(FIXTURE_NOW_MS))
+            .business_table(idemdb::TableOptions::new("orders"))
+            .business_table(
+                idemdb::TableOptions::new("totals")
+                    .associative_merge_operator("add_u64", idemdb::merge_ops::add_u64),
+            )
+            .entity_table("accounts")
+            .without_commit_log()
+    };
+    let engine = builder().open().unwrap();
+    let billing = engine.consumer("billing").unwrap();
+    let Outcome::Fresh(claim) = billing
+        .begin("order-new", Fingerprint::of(b"order-new"))
+        .unwrap()
+    else {
+        panic!("a new key is fresh");
+    };
+    claim.commit(b"new").unwrap();
+    answers_as_written(&engine, "after the upgrade");
+    drop((billing, engine));
+
+    let (marker, new) = marker_and_value(&path, "order-new");
+    assert_eq!(marker, b"idemdb store format 2");
+    let new = new.expect("the new record, a plain value");
+    assert_eq!(new[0], 2, "the record format this release writes");
+    let written = format::Record::decode(&new).unwrap();
+    assert!(new.len() < written.encode_v1().len());
+
+    let engine = builder().open().unwrap();
+    answers_as_written(&engine, "reopened");
+    engine.compact().unwrap();
+    answers_as_written(&engine, "compacted");
+    assert!(matches!(
+        engine
+            .consumer("billing")
+            .unwrap()
+            .begin("order-new", Fingerprint::of(b"order-new"))
+            .unwrap(),
+        Outcome::Duplicate { .. }
+    ));
 }
 
 /// Every key of the fixture, as its writer left it.

@@ -2,7 +2,8 @@
 //! (no dedup at all, a get-then-write under a lock, a pessimistic transaction).
 //!
 //! Every RocksDB contender writes the same bytes per new message: a 22-byte marker key with a
-//! 46-byte marker value (the size of an idemdb record without a result) and the 16-byte business
+//! 31-byte marker value (the size of an idemdb record without a result, kept the default
+//! retention; 46 bytes before record format 2) and the 16-byte business
 //! key with its 64-byte value, in one write batch. The RocksDB options are idemdb's own, so only
 //! the dedup logic differs.
 
@@ -18,8 +19,9 @@ use rocksdb::{
 
 use crate::workloads::{Delivery, Session};
 
-/// Bytes of an idemdb record with an empty result: the marker value the raw contenders write.
-const MARKER_VALUE: [u8; 46] = [1; 46];
+/// Bytes of an idemdb record with an empty result, kept the default retention: the marker value
+/// the raw contenders write.
+const MARKER_VALUE: [u8; 31] = [1; 31];
 
 pub struct Idemdb {
     engine: Engine,
@@ -553,6 +555,8 @@ fn table_options() -> rocksdb::Options {
     options.set_memtable_prefix_bloom_ratio(0.02);
     options.set_memtable_whole_key_filtering(true);
     options.set_compression_type(DBCompressionType::Lz4);
+    options.set_bottommost_compression_type(DBCompressionType::Zstd);
+    options.set_bottommost_compression_options(-14, 3, 0, 0, true);
     options.set_write_buffer_size(64 << 20);
     options.set_level_compaction_dynamic_level_bytes(true);
     options

@@ -20,7 +20,7 @@ use crate::storage::rocksdb_options::{
 use crate::storage::store_lock::StoreLock;
 use crate::storage::store_meta::{
     DeclaredKind, META_FORMAT_KEY, META_MERGE_OPERATOR_PREFIX, META_TABLE_KIND_PREFIX, MetaToWrite,
-    STORE_FORMAT_V1, StoredMeta, encode_merge_operator, new_store_meta, stored_merge_operators,
+    STORE_FORMAT_V2, StoredMeta, encode_merge_operator, new_store_meta, stored_merge_operators,
 };
 
 impl Storage {
@@ -265,7 +265,7 @@ impl Storage {
         let meta = self.cf(rocksdb::DEFAULT_COLUMN_FAMILY_NAME);
         let mut batch = WriteBatch::default();
         if to_write.format {
-            batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V1);
+            batch.put_cf(meta, META_FORMAT_KEY, STORE_FORMAT_V2);
         }
         for (name, kind) in to_write.kinds {
             let key = format!("{META_TABLE_KIND_PREFIX}{name}");
