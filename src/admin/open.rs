@@ -188,7 +188,9 @@ impl StoreBuilder {
     /// Opens the store for writing, which needs it to itself: the application must be stopped.
     /// Business tables are opened with a stand-in for their merge operators (which a tool does
     /// not have) and are never compacted or flushed; their unflushed data stays in the WAL
-    /// until the application's next open. Writes are fsynced before they return.
+    /// until the application's next open. Writes are fsynced before they return. Like the
+    /// application's open, it marks a store an earlier release left with the current store
+    /// format, whatever it then writes: earlier releases refuse the store from then on.
     ///
     /// Limit: the WAL is replayed into memtables of [`crate::WRITE_BUFFER_BYTES_MAX`]; if a
     /// business table with merge operands has more unflushed data than that, RocksDB would

@@ -1,8 +1,9 @@
 //! The stored record (the value under a marker key); the merge operands that change it are in
 //! `operand.rs`.
 //!
-//! The encoding is specified byte by byte in docs/design.md. Integers are fixed-width
-//! big-endian. Decoding is total: every byte string either decodes or yields a [`DecodeError`].
+//! The encoding is specified byte by byte in docs/design.md, section 4: format 2 (varints) is
+//! written, format 1 (fixed-width big-endian integers, earlier releases') is read too. Decoding
+//! is total: every byte string either decodes or yields a [`DecodeError`].
 
 use bytes::Bytes;
 

@@ -112,7 +112,7 @@ pub(crate) struct StoredMeta {
 /// Metadata an accepted open must still write, with an fsync, before any record.
 #[derive(Debug, Default)]
 pub(crate) struct MetaToWrite {
-    /// The format marker (a new store).
+    /// The format marker (a new store, or one an earlier release marked format 1).
     pub(crate) format: bool,
     /// Kinds of tables declared for the first time.
     pub(crate) kinds: Vec<(String, DeclaredKind)>,
@@ -371,8 +371,6 @@ pub(crate) fn new_store_meta(
     }
 }
 
-/// Whether the records table holds nothing, read through a second read-only open (only needed
-/// for a store without a format marker, so it is not paid on every open).
 /// Marks the creation of a new store at `path` as begun, durably, before RocksDB writes there.
 pub(crate) fn begin_creation(path: &Path) -> Result<()> {
     let marker = path.join(CREATING_MARKER_FILE);
@@ -390,6 +388,8 @@ pub(crate) fn finish_creation(path: &Path) -> Result<()> {
         .map_err(|error| Error::io("removing the creation marker", &error))
 }
 
+/// Whether the records table holds nothing, read through a second read-only open (only needed
+/// for a store without a format marker, so it is not paid on every open).
 fn records_table_is_empty(path: &Path) -> Result<bool> {
     let mut records = rocksdb::Options::default();
     // Records are merge operands until compacted: an iterator needs the operator to fold them.

@@ -16,6 +16,7 @@ mod entity;
 mod fault;
 #[path = "../support/files.rs"]
 mod files;
+mod format2_docs;
 mod full_disk;
 mod guard;
 mod lease;
