@@ -554,7 +554,8 @@ fn table_options() -> rocksdb::Options {
     options.set_block_based_table_factory(&block);
     options.set_memtable_prefix_bloom_ratio(0.02);
     options.set_memtable_whole_key_filtering(true);
-    options.set_compression_type(DBCompressionType::Lz4);
+    options.set_compression_type(DBCompressionType::Zstd);
+    options.set_compression_options(-14, 1, 0, 0);
     options.set_bottommost_compression_type(DBCompressionType::Zstd);
     options.set_bottommost_compression_options(-14, 3, 0, 0, true);
     options.set_write_buffer_size(64 << 20);
