@@ -4525,6 +4525,23 @@ fn completed_row(consumer: &str, key: &str, now_ms: u64, result: &'static [u8]) 
     )
 }
 
+/// After a migration: `older_schema`'s kept record is a duplicate with its result, and a new key
+/// commits.
+async fn kept_answers_as_before_and_new_keys_commit(
+    consumer: &idemdb_postgres::PgConsumer,
+    client: &mut Client,
+) -> Result<(), Failure> {
+    let outcome = consumer
+        .begin(client, "kept", Fingerprint::of(b"kept"))
+        .await?;
+    ensure!(
+        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"done"),
+        "the record answers as before: {outcome:?}"
+    );
+    drop(outcome);
+    commit_one(consumer, client, "new", "new", "done").await
+}
+
 /// Version 6 (no claim function) is refused until `install` adds the function; its records
 /// answer as before, and claims (with and without an entity version) go through the function.
 async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> Result<(), Failure> {
@@ -4543,15 +4560,7 @@ async fn a_version_6_schema_gains_the_claims_function_on_install(url: &str) -> R
     install(&mut client, &names).await?;
     let store = PgStore::builder().names(names).open(&client).await?;
     let consumer = store.consumer("c")?;
-    let outcome = consumer
-        .begin(&mut client, "kept", Fingerprint::of(b"kept"))
-        .await?;
-    ensure!(
-        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"done"),
-        "the record answers as before: {outcome:?}"
-    );
-    drop(outcome);
-    commit_one(&consumer, &mut client, "new", "new", "done").await?;
+    kept_answers_as_before_and_new_keys_commit(&consumer, &mut client).await?;
     let versioned = Message::new("v", Fingerprint::of(b"v")).version("entity", 3);
     let Outcome::Fresh(claim) = consumer.begin_message(&mut client, &versioned).await? else {
         return Err("a versioned claim after the migration is not fresh".into());
@@ -4585,15 +4594,7 @@ async fn a_version_8_schema_keeps_its_format_1_records_and_writes_format_2(
     install(&mut client, &names).await?;
     let store = PgStore::builder().names(names).open(&client).await?;
     let consumer = store.consumer("c")?;
-    let outcome = consumer
-        .begin(&mut client, "kept", Fingerprint::of(b"kept"))
-        .await?;
-    ensure!(
-        matches!(&outcome, Outcome::Duplicate { result, .. } if result.as_ref() == b"done"),
-        "the format-1 record answers as before: {outcome:?}"
-    );
-    drop(outcome);
-    commit_one(&consumer, &mut client, "new", "new", "done").await?;
+    kept_answers_as_before_and_new_keys_commit(&consumer, &mut client).await?;
     let formats: Vec<(String, i32)> = client
         .query(
             "SELECT convert_from(message_key, 'UTF8'), get_byte(record, 0) \

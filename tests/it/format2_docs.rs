@@ -12,7 +12,6 @@
 //! keys. Stored bytes are read back with plain RocksDB too, with no idemdb code between the
 //! test and the bytes (but the merge operator, so that keys holding operands fold).
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -21,7 +20,7 @@ use idemdb::admin::{Store, Target};
 use idemdb::format::{self, DecodeError, Record, RecordState};
 use idemdb::{EXPIRES_NEVER_MS, Error, Fingerprint, Outcome, RecordCounts, Resolution};
 
-use crate::util::{START_MS, TABLES, TestStore};
+use crate::util::{START_MS, TABLES, TestStore, store_files};
 
 const HOUR_MS: u64 = 3_600_000;
 const DAY_MS: u64 = 24 * HOUR_MS;
@@ -184,23 +183,6 @@ fn earlier_release_store(records: &[(&str, &str, &Record)]) -> TestStore {
     store
 }
 
-/// Every file of the store at `path` and its bytes, but RocksDB's info logs (`LOG`,
-/// `LOG.old.<time>`), which any open, read-only ones included, starts anew (docs/design.md
-/// section 2, step 2).
-fn store_files(path: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(path)
-        .unwrap()
-        .map(|entry| entry.unwrap())
-        .filter(|entry| entry.file_type().unwrap().is_file())
-        .map(|entry| entry.file_name().into_string().unwrap())
-        .filter(|name| name != "LOG" && !name.starts_with("LOG.old."))
-        .map(|name| {
-            let bytes = std::fs::read(path.join(&name)).unwrap();
-            (name, bytes)
-        })
-        .collect()
-}
-
 fn assert_duplicate(outcome: Outcome, epoch: u64, result: &[u8], what: &str) {
     match outcome {
         Outcome::Duplicate {
@@ -208,6 +190,27 @@ fn assert_duplicate(outcome: Outcome, epoch: u64, result: &[u8], what: &str) {
             result: found_result,
             ..
         } => assert_eq!((found, &found_result[..]), (epoch, result), "{what}"),
+        other => panic!("{what}: expected a duplicate, got {other:?}"),
+    }
+}
+
+/// A duplicate's result, first commit, expiry, epoch and success, in that order.
+fn duplicate_in_full(outcome: Outcome, what: &str) -> (Vec<u8>, u64, u64, u64, bool) {
+    match outcome {
+        Outcome::Duplicate {
+            result,
+            first_committed_at_ms,
+            expires_at_ms,
+            epoch,
+            succeeded,
+            ..
+        } => (
+            result.to_vec(),
+            first_committed_at_ms,
+            expires_at_ms,
+            epoch,
+            succeeded,
+        ),
         other => panic!("{what}: expected a duplicate, got {other:?}"),
     }
 }
@@ -300,32 +303,19 @@ fn records_of_an_earlier_release_answer_as_before() {
     {
         let engine = store.open();
         let consumer = engine.consumer(CONSUMER).unwrap();
-        match consumer.begin("live", Fingerprint::of("live")).unwrap() {
-            Outcome::Duplicate {
-                result,
-                first_committed_at_ms,
-                expires_at_ms,
-                epoch,
-                succeeded,
-                ..
-            } => assert_eq!(
-                (
-                    &result[..],
-                    first_committed_at_ms,
-                    expires_at_ms,
-                    epoch,
-                    succeeded
-                ),
-                (
-                    &b"kept"[..],
-                    START_MS - HOUR_MS,
-                    START_MS + HOUR_MS,
-                    4,
-                    true
-                )
+        assert_eq!(
+            duplicate_in_full(
+                consumer.begin("live", Fingerprint::of("live")).unwrap(),
+                "live"
             ),
-            other => panic!("live: expected a duplicate, got {other:?}"),
-        }
+            (
+                b"kept".to_vec(),
+                START_MS - HOUR_MS,
+                START_MS + HOUR_MS,
+                4,
+                true
+            )
+        );
         match consumer.begin("live", Fingerprint::of("other")).unwrap() {
             Outcome::Conflict {
                 stored_fingerprint,
@@ -558,26 +548,19 @@ fn an_operator_resolves_a_lease_of_an_earlier_release() {
     consumer
         .resolve("stuck", Resolution::Complete("by hand".into()))
         .unwrap();
-    match consumer.begin("stuck", Fingerprint::of("a")).unwrap() {
-        Outcome::Duplicate {
-            result,
-            first_committed_at_ms,
-            expires_at_ms,
-            epoch,
-            succeeded,
-            ..
-        } => assert_eq!(
-            (
-                &result[..],
-                first_committed_at_ms,
-                expires_at_ms,
-                epoch,
-                succeeded
-            ),
-            (&b"by hand"[..], START_MS, START_MS + RETENTION_MS, 3, true)
+    assert_eq!(
+        duplicate_in_full(
+            consumer.begin("stuck", Fingerprint::of("a")).unwrap(),
+            "the resolved record"
         ),
-        other => panic!("expected the resolved record, got {other:?}"),
-    }
+        (
+            b"by hand".to_vec(),
+            START_MS,
+            START_MS + RETENTION_MS,
+            3,
+            true
+        )
+    );
 
     consumer.resolve("to-release", Resolution::Release).unwrap();
     assert_eq!(consumer.get("to-release").unwrap(), None);

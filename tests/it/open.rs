@@ -3,13 +3,12 @@
 //! business-table merge operators) that do not match is refused with a reason, before RocksDB
 //! recovers anything: a refused open leaves every file as it was.
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::util::TestStore;
+use crate::util::{TestStore, store_files};
 use idemdb::{Engine, EngineBuilder, Error, Fingerprint, Outcome, TableOptions, merge_ops};
 
 /// Environment variable telling the child test which store to hold open.
@@ -358,22 +357,6 @@ fn already_open_wins_over_a_mismatched_declaration() {
         matches!(result, Err(Error::AlreadyOpen { .. })),
         "{result:?}"
     );
-}
-
-/// Every file of the store at `path` and its bytes, but RocksDB's info logs (`LOG`,
-/// `LOG.old.<time>`), which any open, read-only ones included, starts anew.
-fn store_files(path: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(path)
-        .unwrap()
-        .map(|entry| entry.unwrap())
-        .filter(|entry| entry.file_type().unwrap().is_file())
-        .map(|entry| entry.file_name().into_string().unwrap())
-        .filter(|name| name != "LOG" && !name.starts_with("LOG.old."))
-        .map(|name| {
-            let bytes = std::fs::read(path.join(&name)).unwrap();
-            (name, bytes)
-        })
-        .collect()
 }
 
 /// Asserts that `open` is refused with the error `expected` accepts and leaves every file of

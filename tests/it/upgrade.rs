@@ -136,14 +136,9 @@ fn records_held_as_install_operands_by_an_older_engine_read_and_are_replaced_as_
 /// The clock of the fixture's writer (`tests/fixtures/make_wal_store.rs`).
 const FIXTURE_NOW_MS: u64 = 1_800_000_000_000;
 
-/// A store written on RocksDB's WAL by the release before the commit log became the default
-/// (`tests/fixtures/wal-store-976bea9.tar.gz`: records with results, a lease in progress and a
-/// released one, read positions, business rows and a merged total, an entity, two consumers;
-/// half flushed, half in the WAL) opens on the default path, moves to the commit log and
-/// answers every key as before, again after a reopen on the log, and once more after a reopen
-/// with the opt-out, which replays the log into RocksDB's WAL and removes it.
-#[test]
-fn a_store_written_on_the_wal_by_the_release_before_opens_on_the_default_log() {
+/// The fixture of the tests below, unpacked into a new directory (removed when the first value
+/// is dropped), and the store's path in it.
+fn untar_fixture() -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/wal-store-976bea9.tar.gz");
@@ -156,18 +151,33 @@ fn a_store_written_on_the_wal_by_the_release_before_opens_on_the_default_log() {
         .unwrap();
     assert!(untar.success());
     let path = dir.path().join("store");
+    (dir, path)
+}
+
+/// The fixture's declaration, as its writer made it.
+fn fixture_builder(path: &std::path::Path) -> idemdb::EngineBuilder {
+    idemdb::Engine::builder(path)
+        .clock(idemdb::MockClock::new(FIXTURE_NOW_MS))
+        .business_table(idemdb::TableOptions::new("orders"))
+        .business_table(
+            idemdb::TableOptions::new("totals")
+                .associative_merge_operator("add_u64", idemdb::merge_ops::add_u64),
+        )
+        .entity_table("accounts")
+}
+
+/// A store written on RocksDB's WAL by the release before the commit log became the default
+/// (`tests/fixtures/wal-store-976bea9.tar.gz`: records with results, a lease in progress and a
+/// released one, read positions, business rows and a merged total, an entity, two consumers;
+/// half flushed, half in the WAL) opens on the default path, moves to the commit log and
+/// answers every key as before, again after a reopen on the log, and once more after a reopen
+/// with the opt-out, which replays the log into RocksDB's WAL and removes it.
+#[test]
+fn a_store_written_on_the_wal_by_the_release_before_opens_on_the_default_log() {
+    let (_dir, path) = untar_fixture();
     let log = path.join("idemdb-log");
     assert!(!log.exists());
-    let builder = || {
-        idemdb::Engine::builder(&path)
-            .clock(idemdb::MockClock::new(FIXTURE_NOW_MS))
-            .business_table(idemdb::TableOptions::new("orders"))
-            .business_table(
-                idemdb::TableOptions::new("totals")
-                    .associative_merge_operator("add_u64", idemdb::merge_ops::add_u64),
-            )
-            .entity_table("accounts")
-    };
+    let builder = || fixture_builder(&path);
     for open in ["default", "default again", "without the log"] {
         let engine = if open == "without the log" {
             builder().without_commit_log().open().unwrap()
@@ -199,18 +209,7 @@ fn marker_and_value(path: &std::path::Path, key: &str) -> (Vec<u8>, Option<Vec<u
 /// written in record format 2, shorter, beside the old ones, which read as before.
 #[test]
 fn a_store_of_record_format_1_reads_as_before_and_is_marked_format_2_by_a_writer() {
-    let dir = tempfile::tempdir().unwrap();
-    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/wal-store-976bea9.tar.gz");
-    let untar = std::process::Command::new("tar")
-        .arg("-xzf")
-        .arg(&fixture)
-        .arg("-C")
-        .arg(dir.path())
-        .status()
-        .unwrap();
-    assert!(untar.success());
-    let path = dir.path().join("store");
+    let (_dir, path) = untar_fixture();
     let (marker, old) = marker_and_value(&path, "order-0007");
     assert_eq!(marker, b"idemdb store format 1");
     assert_eq!(
@@ -231,17 +230,7 @@ fn a_store_of_record_format_1_reads_as_before_and_is_marked_format_2_by_a_writer
     );
 
     // RocksDB's WAL, so that plain RocksDB sees the new commit without the engine's log.
-    let builder = || {
-        idemdb::Engine::builder(&path)
-            .clock(idemdb::MockClock::new(FIXTURE_NOW_MS))
-            .business_table(idemdb::TableOptions::new("orders"))
-            .business_table(
-                idemdb::TableOptions::new("totals")
-                    .associative_merge_operator("add_u64", idemdb::merge_ops::add_u64),
-            )
-            .entity_table("accounts")
-            .without_commit_log()
-    };
+    let builder = || fixture_builder(&path).without_commit_log();
     let engine = builder().open().unwrap();
     let billing = engine.consumer("billing").unwrap();
     let Outcome::Fresh(claim) = billing

@@ -68,3 +68,19 @@ pub fn counter(engine: &Engine, name: &str) -> u64 {
         merge_ops::read_u64(&value).expect("8-byte counter")
     })
 }
+
+/// Every file of the store at `path` and its bytes, but RocksDB's info logs (`LOG`,
+/// `LOG.old.<time>`), which any open, read-only ones included, starts anew.
+pub fn store_files(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(path)
+        .unwrap()
+        .map(|entry| entry.unwrap())
+        .filter(|entry| entry.file_type().unwrap().is_file())
+        .map(|entry| entry.file_name().into_string().unwrap())
+        .filter(|name| name != "LOG" && !name.starts_with("LOG.old."))
+        .map(|name| {
+            let bytes = std::fs::read(path.join(&name)).unwrap();
+            (name, bytes)
+        })
+        .collect()
+}
