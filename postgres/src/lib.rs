@@ -127,7 +127,10 @@
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
 //! lock. Version 8 gains no table, only the version: the records written from then on are in
 //! the shorter record format 2, which earlier releases cannot read (the records already there
-//! stay in format 1 and read as before). Version 7 gains the batch claim's function (`<table>_claim_many`: a batch's locks and
+//! stay in format 1 and read as before). Stop every process of an earlier release before that
+//! `install`: a store checks the version when it opens, so one still running would read the new
+//! records as [`Error::Corrupt`] (failing those messages, never processing them twice).
+//! Version 7 gains the batch claim's function (`<table>_claim_many`: a batch's locks and
 //! reads in one statement); version 6 also the claim's functions (`<table>_claim`, a claim's
 //! lock and read in one statement, and `<table>_apply`); version 5 also the read positions'
 //! table and function. From versions 1 to 4 the old

@@ -184,8 +184,15 @@ pub(crate) fn table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::
 /// takes one (iterators of the other tables keep their implicit point in time): code that needs
 /// a consistent view across reads must not reach for `DB::snapshot`. One lock, as the log's
 /// applier is the only writer while the store is open.
+///
+/// Uncompressed: the format marker lives here, and a release built without ZSTD (every release
+/// before record format 2) must read it to refuse the store as `IncompatibleStore`; a ZSTD block
+/// would fail its read with RocksDB's "unsupported compression" instead. The table holds a few
+/// hundred bytes.
 pub(crate) fn meta_table_options(builder: &EngineBuilder, cache: &Cache) -> rocksdb::Options {
     let mut options = table_options(builder, cache);
+    options.set_compression_type(DBCompressionType::None);
+    options.set_bottommost_compression_type(DBCompressionType::None);
     options.set_inplace_update_support(true);
     options.set_inplace_update_locks(1);
     options

@@ -12,6 +12,7 @@
 //! keys. Stored bytes are read back with plain RocksDB too, with no idemdb code between the
 //! test and the bytes (but the merge operator, so that keys holding operands fold).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -228,6 +229,66 @@ fn counts(live: u64, expired: u64, in_progress: u64, released: u64) -> RecordCou
 /// format 2` (21 ASCII bytes) once its first open returns, before any record; section 4: a
 /// claim's record is written in record format 2, and one with an empty result kept the default
 /// retention (7 days) is 31 bytes.
+/// RocksDB's aggregated table properties of `table`'s files in the store at `path`, as numbers
+/// by name ("# data blocks", "data block size", ...).
+fn table_properties(path: &Path, table: &str) -> BTreeMap<String, u64> {
+    let tables = rocksdb::DB::list_cf(&rocksdb::Options::default(), path).unwrap();
+    let db = rocksdb::DB::open_cf_for_read_only(&rocksdb::Options::default(), path, &tables, false)
+        .unwrap();
+    let properties = db
+        .property_value_cf(
+            db.cf_handle(table).unwrap(),
+            "rocksdb.aggregated-table-properties",
+        )
+        .unwrap()
+        .expect("table properties");
+    properties
+        .split(';')
+        .filter_map(|pair| {
+            let (name, value) = pair.split_once('=')?;
+            Some((name.trim().to_owned(), value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The marker's table is stored uncompressed, so that an earlier release, built without the
+/// ZSTD the other tables are in, can read the marker and refuse the store as
+/// `IncompatibleStore` (README, "Stores of earlier releases open"), while the records' table is
+/// compressed.
+#[test]
+fn the_marker_is_stored_uncompressed_and_the_records_compressed() {
+    let store = TestStore::new();
+    {
+        let engine = store.open();
+        let consumer = engine.consumer(CONSUMER).unwrap();
+        for n in 0..2_000 {
+            let key = format!("order-{n}");
+            let Outcome::Fresh(claim) = consumer.begin(&key, Fingerprint::of(&key)).unwrap() else {
+                panic!("{key}: a new key is fresh");
+            };
+            claim.commit(b"accepted").unwrap();
+        }
+        engine.flush().unwrap();
+    }
+    let meta = table_properties(store.dir.path(), "default");
+    let blocks = meta["# data blocks"];
+    assert!(blocks > 0, "the marker's table has a file: {meta:?}");
+    assert_eq!(
+        meta["# data blocks compression bypassed"], blocks,
+        "the marker's table is not compressed: {meta:?}"
+    );
+    let records = table_properties(store.dir.path(), RECORDS);
+    // Blocks are compressed unless bypassed (no codec) or rejected (too little gain).
+    assert_eq!(
+        records["# data blocks compression bypassed"], 0,
+        "{records:?}"
+    );
+    assert!(
+        records["# data blocks compression rejected"] < records["# data blocks"],
+        "the records are compressed: {records:?}"
+    );
+}
+
 #[test]
 fn a_new_store_is_marked_format_2_and_a_claim_writes_a_31_byte_record() {
     let store = TestStore::new();
