@@ -21,7 +21,9 @@ use idemdb::admin::{Store, Target};
 use idemdb::format::{self, DecodeError, Record, RecordState};
 use idemdb::{EXPIRES_NEVER_MS, Error, Fingerprint, Outcome, RecordCounts, Resolution};
 
-use crate::util::{START_MS, TABLES, TestStore, store_files};
+use crate::util::{
+    START_MS, TABLES, TestStore, assert_refused_without_change, incompatible, store_files,
+};
 
 const HOUR_MS: u64 = 3_600_000;
 const DAY_MS: u64 = 24 * HOUR_MS;
@@ -737,31 +739,19 @@ fn a_store_of_another_format_is_refused_by_every_open_and_left_as_it_was() {
     for marker in [&b"idemdb store format 3"[..], b"idemdb store format 20"] {
         let what = String::from_utf8_lossy(marker).into_owned();
         write_raw(path, Some(marker), &[]);
-        let before = store_files(path);
-        let engine = store.builder().open();
-        assert!(
-            matches!(engine, Err(Error::IncompatibleStore { .. })),
-            "{what}, engine: {engine:?}"
-        );
-        let tool = Store::builder(path)
-            .clock(store.clock.clone())
-            .open_exclusive();
-        assert!(
-            matches!(tool, Err(Error::IncompatibleStore { .. })),
-            "{what}, exclusive: {tool:?}"
-        );
-        let reader = Store::builder(path)
-            .clock(store.clock.clone())
-            .open_read_only();
-        assert!(
-            matches!(reader, Err(Error::IncompatibleStore { .. })),
-            "{what}, read-only: {reader:?}"
-        );
-        assert_eq!(
-            store_files(path),
-            before,
-            "{what}: a refused open changes nothing"
-        );
+        assert_refused_without_change(path, &format!("{what}, engine"), incompatible, || {
+            store.builder().open()
+        });
+        assert_refused_without_change(path, &format!("{what}, exclusive"), incompatible, || {
+            Store::builder(path)
+                .clock(store.clock.clone())
+                .open_exclusive()
+        });
+        assert_refused_without_change(path, &format!("{what}, read-only"), incompatible, || {
+            Store::builder(path)
+                .clock(store.clock.clone())
+                .open_read_only()
+        });
         assert_eq!(raw_marker(path), marker, "{what}");
     }
 

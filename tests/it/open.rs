@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::util::{TestStore, store_files};
+use crate::util::{TestStore, assert_refused_without_change, incompatible};
 use idemdb::{Engine, EngineBuilder, Error, Fingerprint, Outcome, TableOptions, merge_ops};
 
 /// Environment variable telling the child test which store to hold open.
@@ -357,35 +357,6 @@ fn already_open_wins_over_a_mismatched_declaration() {
         matches!(result, Err(Error::AlreadyOpen { .. })),
         "{result:?}"
     );
-}
-
-/// Asserts that `open` is refused with the error `expected` accepts and leaves every file of
-/// the store at `path` as it was.
-fn assert_refused_without_change(
-    path: &Path,
-    what: &str,
-    expected: impl Fn(&Error) -> bool,
-    open: impl FnOnce() -> idemdb::Result<Engine>,
-) {
-    let before = store_files(path);
-    match open() {
-        Err(error) if expected(&error) => {}
-        other => panic!("{what}: expected a refusal, got {other:?}"),
-    }
-    let after = store_files(path);
-    let changed: Vec<&String> = before
-        .keys()
-        .chain(after.keys())
-        .filter(|name| before.get(*name) != after.get(*name))
-        .collect();
-    assert!(
-        changed.is_empty(),
-        "{what}: the refused open changed {changed:?}"
-    );
-}
-
-fn incompatible(error: &Error) -> bool {
-    matches!(error, Error::IncompatibleStore { .. })
 }
 
 #[test]

@@ -84,3 +84,33 @@ pub fn store_files(path: &std::path::Path) -> std::collections::BTreeMap<String,
         })
         .collect()
 }
+
+/// Asserts that `open` is refused with the error `expected` accepts and leaves every file of
+/// the store at `path` as it was.
+pub fn assert_refused_without_change<T: std::fmt::Debug>(
+    path: &std::path::Path,
+    what: &str,
+    expected: impl Fn(&idemdb::Error) -> bool,
+    open: impl FnOnce() -> idemdb::Result<T>,
+) {
+    let before = store_files(path);
+    match open() {
+        Err(error) if expected(&error) => {}
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    }
+    let after = store_files(path);
+    let changed: Vec<&String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|name| before.get(*name) != after.get(*name))
+        .collect();
+    assert!(
+        changed.is_empty(),
+        "{what}: the refused open changed {changed:?}"
+    );
+}
+
+/// An `IncompatibleStore` refusal.
+pub fn incompatible(error: &idemdb::Error) -> bool {
+    matches!(error, idemdb::Error::IncompatibleStore { .. })
+}

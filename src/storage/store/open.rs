@@ -259,8 +259,8 @@ fn token_seed() -> u64 {
 
 impl Storage {
     /// Writes the metadata an accepted open found missing (a new store's format marker, or the
-    /// current marker over an earlier release's, the kinds of newly declared tables), fsynced whatever the durability mode: the marker must be
-    /// durable before any record is.
+    /// current marker over an earlier release's, the kinds of newly declared tables), fsynced
+    /// whatever the durability mode: the marker must be durable before any record is.
     fn write_meta(&self, to_write: MetaToWrite) -> Result<()> {
         let meta = self.cf(rocksdb::DEFAULT_COLUMN_FAMILY_NAME);
         let mut batch = WriteBatch::default();
