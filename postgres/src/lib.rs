@@ -122,10 +122,13 @@
 //! same shape. An operator resets a stopped consumer's position with [`PgPositions::set`]
 //! (forwards or backwards) or [`PgPositions::remove`], or with `idemdb-pg positions`.
 //!
-//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 9. A store opened on tables at
-//! versions 1 to 8 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
+//! **Upgrading an older install.** [`SCHEMA_VERSION`] is 10. A store opened on tables at
+//! versions 1 to 9 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock. Version 8 gains no table, only the version: the records written from then on are in
+//! lock. Version 9 gains no table: the claim's function (`<table>_claim`) is replaced by one
+//! that also inserts a new key's record; a process of an earlier release still running then fails
+//! its claims (the function it calls is gone) and processes nothing twice. Version 8 gains
+//! no table, only the version: the records written from then on are in
 //! the shorter record format 2, which earlier releases cannot read (the records already there
 //! stay in format 1 and read as before). Stop every process of an earlier release before that
 //! `install`: a store checks the version when it opens, so one still running would read the new

@@ -248,6 +248,8 @@ fn main() {
     scenario!(a_version_6_schema_gains_the_claims_function_on_install);
     scenario!(a_version_7_schema_gains_the_batch_function_on_install);
     scenario!(a_version_8_schema_keeps_its_format_1_records_and_writes_format_2);
+    scenario!(a_version_9_schema_gains_the_claim_function_that_inserts_on_install);
+    scenario!(a_new_keys_record_goes_with_its_claim_and_is_written_once);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
     use clock::*;
     scenario!(every_call_reads_an_injected_clock_once);
@@ -4612,6 +4614,134 @@ async fn a_version_8_schema_keeps_its_format_1_records_and_writes_format_2(
     Ok(())
 }
 
+/// Version 9's claim function takes the key alone; `install` replaces it with the one that
+/// also inserts a new key's record (the old one is dropped, not left beside it as an overload),
+/// and claims then answer and commit through it.
+async fn a_version_9_schema_gains_the_claim_function_that_inserts_on_install(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = older_schema(
+        &mut client,
+        "t_migrate9",
+        9,
+        "DROP FUNCTION {schema}.records_claim; \
+         CREATE FUNCTION {schema}.records_claim(p_lock bigint, p_consumer bytea, p_key bytea, \
+             OUT o_locked boolean, OUT o_now_ms bigint, OUT o_record bytea) \
+         LANGUAGE plpgsql AS $f$ BEGIN \
+             o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8; \
+             o_locked := pg_try_advisory_xact_lock(p_lock); \
+             SELECT r.record INTO o_record FROM {schema}.records AS r \
+              WHERE r.consumer = p_consumer AND r.message_key = p_key; \
+         END $f$;",
+    )
+    .await?;
+    install(&mut client, &names).await?;
+    let functions: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE n.nspname = 't_migrate9' AND p.proname = 'records_claim'",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(functions == 1, "{functions} claim functions after install");
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    kept_answers_as_before_and_new_keys_commit(&consumer, &mut client).await?;
+    Ok(())
+}
+
+/// A new key's record goes out with its claim, and the claim's function inserts it: the claim's
+/// transaction sees it, no other session does, and a rollback takes it away. A commit that
+/// would write the same record (same reading of the clock, empty result) leaves that row as it
+/// is; a commit at a later reading, or with a result, writes its own record over it.
+async fn a_new_keys_record_goes_with_its_claim_and_is_written_once(
+    url: &str,
+) -> Result<(), Failure> {
+    use idemdb::Clock as _;
+    let mut client = connect(url).await?;
+    let other = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_early").await?;
+    let clock = MockClock::new(1_000_000);
+    let store = mock_store(&client, names, &clock, false).await?;
+    let consumer = store.consumer("c")?;
+    let row_of = |key: &str| {
+        format!("SELECT ctid::text FROM t_early.records WHERE message_key = '{key}'::bytea")
+    };
+    let committed_at = |record: Option<idemdb::format::Record>| match record.map(|r| r.state) {
+        Some(idemdb::format::RecordState::Completed {
+            committed_at_ms,
+            result,
+            ..
+        }) => Some((committed_at_ms, result.to_vec())),
+        _ => None,
+    };
+
+    // Rolled back: the row goes with the claim.
+    let Outcome::Fresh(claim) = consumer
+        .begin(&mut client, "dropped", Fingerprint::of(b"d"))
+        .await?
+    else {
+        return Err("`dropped` is not fresh".into());
+    };
+    let inside = claim
+        .transaction()
+        .query(&row_of("dropped"), &[])
+        .await?
+        .len();
+    let outside = other.query(&row_of("dropped"), &[]).await?.len();
+    ensure!(
+        inside == 1 && outside == 0,
+        "during the claim: {inside} row(s) inside its transaction, {outside} outside"
+    );
+    claim.abort().await?;
+    let after = other.query(&row_of("dropped"), &[]).await?.len();
+    ensure!(after == 0, "{after} row(s) after the rollback");
+
+    // The same reading and no result: the claim's row is the record, kept as it is.
+    let mut ctids = Vec::new();
+    for (key, advance_ms, result) in [
+        ("same", 0, &b""[..]),
+        ("later", 7, &b""[..]),
+        ("result", 0, &b"kept"[..]),
+    ] {
+        let Outcome::Fresh(claim) = consumer
+            .begin(&mut client, key, Fingerprint::of(key.as_bytes()))
+            .await?
+        else {
+            return Err(format!("`{key}` is not fresh").into());
+        };
+        let during: String = claim
+            .transaction()
+            .query_one(&row_of(key), &[])
+            .await?
+            .get(0);
+        clock.advance(Duration::from_millis(advance_ms));
+        claim.commit(result).await?;
+        let after: String = other.query_one(&row_of(key), &[]).await?.get(0);
+        ctids.push((key, during == after));
+        let stored = committed_at(consumer.get(&other, key).await?);
+        ensure!(
+            stored == Some((clock.now_ms(), result.to_vec())),
+            "`{key}` stored {stored:?}, committed at {} with {result:?}",
+            clock.now_ms()
+        );
+        match consumer
+            .begin(&mut client, key, Fingerprint::of(key.as_bytes()))
+            .await?
+        {
+            Outcome::Duplicate { result: seen, .. } if seen.as_ref() == result => {}
+            outcome => return Err(format!("`{key}` again: {outcome:?}").into()),
+        }
+    }
+    ensure!(
+        ctids == [("same", true), ("later", false), ("result", false)],
+        "the row left as the claim inserted it: {ctids:?}"
+    );
+    Ok(())
+}
+
 /// Version 7 (no batch claim function) is refused until `install` adds the function; a batch
 /// then answers the stored record and claims new keys through it.
 async fn a_version_7_schema_gains_the_batch_function_on_install(url: &str) -> Result<(), Failure> {
@@ -4671,7 +4801,7 @@ async fn a_version_2_schema_is_migrated_by_install(url: &str) -> Result<(), Fail
         .await?
         .get(0);
     ensure!(
-        version == SCHEMA_VERSION && version == 9,
+        version == SCHEMA_VERSION && version == 10,
         "migrated to {version}"
     );
     let store = mock_store(&client, names.clone(), &clock, false).await?;

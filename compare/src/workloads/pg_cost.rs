@@ -60,6 +60,11 @@ pub struct Cost {
     pub exec_us: f64,
     /// The session's backend's time on CPU.
     pub cpu_us: f64,
+    /// The harness process's time on CPU (the contender's client: its library, the driver,
+    /// the runtime), every thread.
+    pub client_cpu_us: f64,
+    /// Time from the first call to the last returning, per message.
+    pub wall_us: f64,
 }
 
 pub fn run(args: &PgCostArgs) -> Result<Vec<Cost>> {
@@ -118,7 +123,11 @@ pub fn run(args: &PgCostArgs) -> Result<Vec<Cost>> {
         observer.batch_execute("CHECKPOINT")?;
         observer.execute("SELECT pg_stat_statements_reset()", &[])?;
         let cpu_before = backends_cpu_ns(&mut observer)?;
+        let client_before = own_cpu_ns();
+        let started = std::time::Instant::now();
         deliver(session)?;
+        let wall = started.elapsed();
+        let client_after = own_cpu_ns();
         let cpu_after = backends_cpu_ns(&mut observer)?;
         let row = observer.query_one(
             "SELECT sum(calls)::float8, sum(wal_bytes)::float8, \
@@ -140,21 +149,40 @@ pub fn run(args: &PgCostArgs) -> Result<Vec<Cost>> {
             buffers_dirtied: per(row.get(4)),
             exec_us: per(row.get::<_, Option<f64>>(5).map(|ms| ms * 1000.0)),
             cpu_us: cpu_after.saturating_sub(cpu_before) as f64 / 1000.0 / messages as f64,
+            client_cpu_us: client_after.saturating_sub(client_before) as f64
+                / 1000.0
+                / messages as f64,
+            wall_us: wall.as_secs_f64() * 1e6 / messages as f64,
         };
         eprintln!(
-            "{:<64} {:>5.2} statements  {:>6.0} WAL bytes  {:>6.1} hit  {:>5.2} dirtied  {:>6.1} us exec  {:>6.1} us backend CPU",
+            "{:<64} {:>5.2} statements  {:>6.0} WAL bytes  {:>6.1} hit  {:>5.2} dirtied  {:>6.1} us exec  {:>6.1} us backend CPU  {:>6.1} us client CPU  {:>6.1} us wall",
             cost.name,
             cost.statements,
             cost.wal_bytes,
             cost.buffers_hit,
             cost.buffers_dirtied,
             cost.exec_us,
-            cost.cpu_us
+            cost.cpu_us,
+            cost.client_cpu_us,
+            cost.wall_us
         );
         costs.push(cost);
     }
     drop(server);
     Ok(costs)
+}
+
+/// The time on CPU of this process, every thread (`/proc/self/task/*/schedstat`; a thread that
+/// ended meanwhile is left out, so the harness's threads must outlive the count), nanoseconds.
+fn own_cpu_ns() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|task| task.ok())
+        .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+        .filter_map(|schedstat| schedstat.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// The time on CPU of the server's client backends other than the observer's (the session's
@@ -188,17 +216,18 @@ pub fn table(args: &PgCostArgs, costs: &[Cost]) -> String {
          messages on one connection, one call at a time ({}% re-sent), after as many \
          uncounted; per message: statements, WAL bytes, shared buffers hit, read and dirtied and \
          execution time from `pg_stat_statements` (`track = top`, `BEGIN` and `COMMIT` \
-         included), and the CPU time of the session's backend process (`/proc/<pid>/schedstat`; autovacuum and \
-         the server's writers left out).\n\n\
-         | contender | statements | WAL bytes | buffers hit | buffers read | buffers dirtied | executor us | backend CPU us |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+         included), the CPU time of the session's backend process (`/proc/<pid>/schedstat`; autovacuum and \
+         the server's writers left out), the CPU time of the harness's process, which is the \
+         contender's client (every thread), and the time from the first call to the last.\n\n\
+         | contender | statements | WAL bytes | buffers hit | buffers read | buffers dirtied | executor us | backend CPU us | client CPU us | wall us |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         args.messages,
         args.messages,
         args.duplicate_ratio * 100.0
     );
     for cost in costs {
         out.push_str(&format!(
-            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} |\n",
+            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
             cost.name,
             cost.statements,
             cost.wal_bytes,
@@ -206,7 +235,9 @@ pub fn table(args: &PgCostArgs, costs: &[Cost]) -> String {
             cost.buffers_read,
             cost.buffers_dirtied,
             cost.exec_us,
-            cost.cpu_us
+            cost.cpu_us,
+            cost.client_cpu_us,
+            cost.wall_us
         ));
     }
     out

@@ -47,7 +47,6 @@ use crate::storage::records::lock_id;
 use crate::storage::store::CLOCK_TOLERANCE_MS;
 use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
-use crate::storage::store::PgStore;
 
 /// One call of `apply` or `apply_at`: the message, what it commits, and the one reading of the
 /// store's clock it is decided at.
@@ -86,21 +85,6 @@ pub struct Applied {
     /// `begin_message` and `commit_with`. On a connection the store has not used before, the
     /// statements are prepared first, in round trips of their own, whichever path it takes.
     pub one_round_trip: bool,
-}
-
-impl PgStore {
-    /// Now on the store's clock before asking the database (the call's reading `clock` of an
-    /// injected one), and the time the database must agree with (`None`: the injected clock
-    /// decides, nothing to check). `None` overall until a claim has seen the database's clock.
-    fn estimated_now_ms(&self, clock: ClockReading) -> Option<(u64, Option<i64>)> {
-        match clock.injected() {
-            Some(now_ms) => Some((now_ms, None)),
-            None => {
-                let now_ms = self.inner.clock_offset.estimate_ms()?;
-                Some((now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX))))
-            }
-        }
-    }
 }
 
 impl PgConsumer {

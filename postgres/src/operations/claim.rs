@@ -21,6 +21,7 @@ use crate::storage::records::completed_record;
 use crate::storage::records::decode_record;
 use crate::storage::records::decode_version;
 use crate::storage::records::entity_lock_id;
+use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
 use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
@@ -179,10 +180,24 @@ impl PgConsumer {
         let entity_key: &[u8] = entity.map_or(&[], |(entity_key, ..)| entity_key);
         let version_params: [(&(dyn ToSql + Sync), Type); 2] =
             [(&id, Type::BYTEA), (&entity_key, Type::BYTEA)];
-        let claim_params: [(&(dyn ToSql + Sync), Type); 3] = [
+        // A new key's completed record (an empty result), which the claim's function inserts
+        // when the key has no row: the commit then sends no write of its own if its record is
+        // the same (see `PgClaim::commit_at`). Not with an entity version, whose statements
+        // run after the function.
+        let early = match entity {
+            None => EarlyRecord::new(self, message, clock),
+            Some(_) => None,
+        };
+        let early_bytes: Option<&[u8]> = early.as_ref().map(|early| &early.encoded[..]);
+        let early_expires: Option<i64> = early.as_ref().map(|early| early.expires_column);
+        let early_check: Option<i64> = early.as_ref().and_then(|early| early.check_ms);
+        let claim_params: [(&(dyn ToSql + Sync), Type); 6] = [
             (&lock_number, Type::INT8),
             (&id, Type::BYTEA),
             (&key, Type::BYTEA),
+            (&early_bytes, Type::BYTEA),
+            (&early_expires, Type::INT8),
+            (&early_check, Type::INT8),
         ];
         // The key's lock, the time and the key's row in one call of the store's function,
         // which reads after the lock was granted (see `create_claim_functions`); with an
@@ -213,6 +228,7 @@ impl PgConsumer {
             replaces_epoch,
             previous,
             version,
+            inserted,
         } = match verdict {
             Ok(claimable) => claimable,
             Err(outcome) => {
@@ -233,6 +249,9 @@ impl PgConsumer {
             version,
             positions: StagedPositions::default(),
             correlation_id: message.correlation().map(Into::into),
+            early: early
+                .filter(|_| inserted)
+                .map(|early| (early.now_ms, early.taken_at)),
         };
         Ok((now_ms, Outcome::Fresh(claim)))
     }
@@ -265,6 +284,42 @@ struct Claimable {
     previous: Option<PreviousAttempt>,
     /// The ordering guard's (entity key, version) to record.
     version: Option<(Vec<u8>, u64)>,
+    /// The claim's function inserted the new key's record ([`EarlyRecord`]).
+    inserted: bool,
+}
+
+/// A new key's completed record with an empty result, sent with the claim for its function
+/// to insert when the key has no row, its lock was granted and the record's time is within
+/// [`CLOCK_TOLERANCE_MS`](crate::tables::names::CLOCK_TOLERANCE_MS) of the database's clock
+/// (an injected clock is not checked). Its time is the store's estimate of the database's
+/// clock, as `apply`'s record's; its epoch is 1. Inserted, it is the key's row for the rest of
+/// the claim's transaction, and rolls back with it.
+struct EarlyRecord {
+    now_ms: u64,
+    /// When this process took `now_ms`.
+    taken_at: Instant,
+    encoded: Vec<u8>,
+    expires_column: i64,
+    /// What the database checks `now_ms` against (`None` for an injected clock).
+    check_ms: Option<i64>,
+}
+
+impl EarlyRecord {
+    /// The record for `message` at the store's estimate of the database's clock; `None` until
+    /// a call has seen that clock.
+    fn new(consumer: &PgConsumer, message: &Message<'_>, clock: ClockReading) -> Option<Self> {
+        let taken_at = Instant::now();
+        let (now_ms, check_ms) = consumer.store.estimated_now_ms(clock)?;
+        let (record, removable_at_ms) =
+            completed_record(&consumer.store, 1, message.fingerprint(), now_ms, b"", true);
+        Some(EarlyRecord {
+            now_ms,
+            taken_at,
+            encoded: record.encode(),
+            expires_column: expires_column(removable_at_ms),
+            check_ms,
+        })
+    }
 }
 
 /// Decides a claim from the answers of the claim's function (the key's lock, the time and
@@ -326,10 +381,12 @@ fn decide_claim(
         }
         version = Some((entity_key.to_vec(), new_version));
     }
+    let inserted = lock.get::<_, bool>(3);
     decided(Ok(Claimable {
         replaces_epoch,
         previous,
         version,
+        inserted,
     }))
 }
 
@@ -360,6 +417,9 @@ pub struct PgClaim<'c> {
     positions: StagedPositions,
     /// The message's correlation id, for the commit's log event.
     correlation_id: Option<Box<str>>,
+    /// The time of the record the claim's function inserted for the new key, if it did, and
+    /// when this process took it.
+    early: Option<(u64, Instant)>,
 }
 
 impl std::fmt::Debug for PgClaim<'_> {
@@ -534,9 +594,23 @@ impl<'c> PgClaim<'c> {
         let consumer = &self.consumer;
         let store = &consumer.store;
         let (db_ms, decided) = self.decided_at;
-        let now_ms = clock.now_ms(
-            db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
-        );
+        // The commit's time: the injected clock's reading; else the database's clock at the
+        // claim advanced by the time since, or, for a record the claim's function inserted,
+        // that record's time advanced by the time since it was taken (both estimates of the
+        // database's clock now; the second was checked by the database when it inserted).
+        let elapsed_ms =
+            |since: Instant| i64::try_from(since.elapsed().as_millis()).unwrap_or(i64::MAX);
+        let now_ms = match self.early {
+            Some((early_ms, taken_at)) if clock.injected().is_none() => {
+                early_ms.saturating_add(u64::try_from(elapsed_ms(taken_at)).unwrap_or(u64::MAX))
+            }
+            _ => clock.now_ms(db_ms.saturating_add(elapsed_ms(decided))),
+        };
+        // The record inserted by the claim's function is the one this commit would write when
+        // their times agree and the result is empty (the state, epoch and fingerprint are
+        // the same by construction): then nothing is sent for it.
+        let early_stands =
+            matches!(self.early, Some((early_ms, _)) if early_ms == now_ms) && result.is_empty();
         let epoch = self.epoch();
         let (record, expires_at_ms) =
             completed_record(store, epoch, self.fingerprint, now_ms, result, true);
@@ -545,7 +619,7 @@ impl<'c> PgClaim<'c> {
             &self.key,
             &record,
             expires_at_ms,
-            self.replaces_epoch != 0,
+            self.replaces_epoch != 0 || self.early.is_some(),
         );
         let row_params = row.params();
         let id: &[u8] = &consumer.id;
@@ -559,7 +633,10 @@ impl<'c> PgClaim<'c> {
             (&entity_key, Type::BYTEA),
             (&version_value, Type::BYTEA),
         ];
-        let mut writes: Vec<TypedStatement<'_>> = vec![(row.sql, &row_params)];
+        let mut writes: Vec<TypedStatement<'_>> = Vec::new();
+        if !early_stands {
+            writes.push((row.sql, &row_params));
+        }
         if self.version.is_some() {
             writes.push((&store.inner.write_version, &version_params));
         }

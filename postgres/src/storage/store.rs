@@ -137,7 +137,7 @@ impl StoreBuilder {
                     "SELECT record FROM {records} WHERE consumer = $1 AND message_key = $2"
                 ),
                 claim: format!(
-                    "SELECT o_locked, o_now_ms, o_record FROM {}($1, $2, $3)",
+                    "SELECT o_locked, o_now_ms, o_record, o_inserted FROM {}($1, $2, $3, $4, $5, $6)",
                     self.names.claim_function()
                 ),
                 insert: format!(
@@ -396,6 +396,21 @@ impl PgStore {
             None => None,
         };
         Ok(ClockReading { injected })
+    }
+
+    /// Now on the store's clock before asking the database (the call's reading `clock` of an
+    /// injected one), and the time the database must agree with (`None`: the injected clock
+    /// decides, nothing to check). `None` overall until a claim has seen the database's clock.
+    /// What a record written in the call's first round trip carries (`apply`'s, and a new
+    /// key's record that `begin` inserts).
+    pub(crate) fn estimated_now_ms(&self, clock: ClockReading) -> Option<(u64, Option<i64>)> {
+        match clock.injected() {
+            Some(now_ms) => Some((now_ms, None)),
+            None => {
+                let now_ms = self.inner.clock_offset.estimate_ms()?;
+                Some((now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX))))
+            }
+        }
     }
 
     /// [`PgStore::read_clock`] for a call that only reads: never refused (reads work at any

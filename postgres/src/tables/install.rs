@@ -11,6 +11,9 @@ use crate::tables::names::Names;
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
+/// Version 10 changes no table: the claim's function (`<table>_claim`) takes a new key's
+/// record and inserts it when the key has no row, so that a claim's commit usually writes no
+/// record of its own; releases before it call the function with the key alone.
 /// Version 9 changes no table: from it on, records may be stored in record format 2 (shorter;
 /// the embedded engine's, docs/design.md section 4), which releases before it cannot read, so
 /// they refuse version 9 instead. Version 8 adds the function a batch claim takes its keys' locks and reads their rows with
@@ -21,7 +24,7 @@ use crate::tables::names::Names;
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 9;
+pub const SCHEMA_VERSION: i32 = 10;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -63,7 +66,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=8) => {
+        Some(version @ 1..=9) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
@@ -220,7 +223,10 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
 /// statements).
 ///
 /// `<table>_claim`, a claim's first round trip: the key's advisory lock tried without waiting,
-/// the database's time, and, when the lock was granted, the key's row. `<table>_claim_many`,
+/// the database's time, and, when the lock was granted, the key's row; when there is no row and
+/// the caller sent a record for a new key whose time `p_check_ms` is within the tolerance of the
+/// database's clock (null: an injected clock decides), that record is inserted too (`o_inserted`),
+/// so that the claim's commit sends no write of its own when it would write the same record. `<table>_claim_many`,
 /// a batch claim's first round trip: the lock of every key (the caller gives them sorted and
 /// each once) tried without waiting, in that order, the database's time, the locks refused,
 /// and the row of every key that has one, as one row of arrays: the batch's answer is one row
@@ -246,16 +252,26 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
 /// own setting is back when the function returns.
 async fn create_claim_functions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
     tx.batch_execute(&format!(
-        "CREATE OR REPLACE FUNCTION {claim}(p_lock bigint, p_consumer bytea, p_key bytea,
+        "DROP FUNCTION IF EXISTS {claim}(bigint, bytea, bytea);
+         CREATE OR REPLACE FUNCTION {claim}(p_lock bigint, p_consumer bytea, p_key bytea,
+                                           p_record bytea, p_expires_at_ms bigint,
+                                           p_check_ms bigint,
                                            OUT o_locked boolean, OUT o_now_ms bigint,
-                                           OUT o_record bytea)
+                                           OUT o_record bytea, OUT o_inserted boolean)
          LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $idemdb$
          BEGIN
              o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8;
              o_locked := pg_try_advisory_xact_lock(p_lock);
+             o_inserted := false;
              IF o_locked THEN
                  SELECT r.record INTO o_record FROM {records} AS r
                   WHERE r.consumer = p_consumer AND r.message_key = p_key;
+                 IF o_record IS NULL AND p_record IS NOT NULL
+                    AND (p_check_ms IS NULL OR abs(o_now_ms - p_check_ms) <= {tolerance}) THEN
+                     INSERT INTO {records} (consumer, message_key, record, expires_at_ms)
+                     VALUES (p_consumer, p_key, p_record, p_expires_at_ms);
+                     o_inserted := true;
+                 END IF;
              END IF;
          END
          $idemdb$;
