@@ -25,6 +25,7 @@ use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
 use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
+use crate::tables::names::CLOCK_TOLERANCE_MS;
 
 impl PgConsumer {
     /// Claims `key` for a message with `fingerprint`, in a new transaction on `client`. Never
@@ -249,9 +250,7 @@ impl PgConsumer {
             version,
             positions: StagedPositions::default(),
             correlation_id: message.correlation().map(Into::into),
-            early: early
-                .filter(|_| inserted)
-                .map(|early| (early.now_ms, early.taken_at)),
+            early: early.filter(|_| inserted).map(|early| early.now_ms),
         };
         Ok((now_ms, Outcome::Fresh(claim)))
     }
@@ -296,8 +295,6 @@ struct Claimable {
 /// the claim's transaction, and rolls back with it.
 struct EarlyRecord {
     now_ms: u64,
-    /// When this process took `now_ms`.
-    taken_at: Instant,
     encoded: Vec<u8>,
     expires_column: i64,
     /// What the database checks `now_ms` against (`None` for an injected clock).
@@ -308,13 +305,11 @@ impl EarlyRecord {
     /// The record for `message` at the store's estimate of the database's clock; `None` until
     /// a call has seen that clock.
     fn new(consumer: &PgConsumer, message: &Message<'_>, clock: ClockReading) -> Option<Self> {
-        let taken_at = Instant::now();
         let (now_ms, check_ms) = consumer.store.estimated_now_ms(clock)?;
         let (record, removable_at_ms) =
             completed_record(&consumer.store, 1, message.fingerprint(), now_ms, b"", true);
         Some(EarlyRecord {
             now_ms,
-            taken_at,
             encoded: record.encode(),
             expires_column: expires_column(removable_at_ms),
             check_ms,
@@ -417,9 +412,8 @@ pub struct PgClaim<'c> {
     positions: StagedPositions,
     /// The message's correlation id, for the commit's log event.
     correlation_id: Option<Box<str>>,
-    /// The time of the record the claim's function inserted for the new key, if it did, and
-    /// when this process took it.
-    early: Option<(u64, Instant)>,
+    /// The time of the record the claim's function inserted for the new key, if it did.
+    early: Option<u64>,
 }
 
 impl std::fmt::Debug for PgClaim<'_> {
@@ -516,6 +510,11 @@ impl<'c> PgClaim<'c> {
     /// Writes the completed record with `result` (returned to duplicates) and commits the
     /// transaction: the record and the business SQL land together or not at all.
     ///
+    /// A new key's record went out with the claim, and is already in the claim's transaction:
+    /// with an empty result and a commit within a second of the claim (the clock tolerance
+    /// `apply`'s records are written within), that record stands, with the claim's time (its retention starts then), and nothing more is
+    /// written for it; otherwise the commit writes the record at its own time.
+    ///
     /// # Errors
     /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`, or an injected clock
     /// ([`StoreBuilder::clock`](crate::StoreBuilder::clock)) reading past
@@ -594,23 +593,16 @@ impl<'c> PgClaim<'c> {
         let consumer = &self.consumer;
         let store = &consumer.store;
         let (db_ms, decided) = self.decided_at;
-        // The commit's time: the injected clock's reading; else the database's clock at the
-        // claim advanced by the time since, or, for a record the claim's function inserted,
-        // that record's time advanced by the time since it was taken (both estimates of the
-        // database's clock now; the second was checked by the database when it inserted).
-        let elapsed_ms =
-            |since: Instant| i64::try_from(since.elapsed().as_millis()).unwrap_or(i64::MAX);
-        let now_ms = match self.early {
-            Some((early_ms, taken_at)) if clock.injected().is_none() => {
-                early_ms.saturating_add(u64::try_from(elapsed_ms(taken_at)).unwrap_or(u64::MAX))
-            }
-            _ => clock.now_ms(db_ms.saturating_add(elapsed_ms(decided))),
-        };
-        // The record inserted by the claim's function is the one this commit would write when
-        // their times agree and the result is empty (the state, epoch and fingerprint are
-        // the same by construction): then nothing is sent for it.
-        let early_stands =
-            matches!(self.early, Some((early_ms, _)) if early_ms == now_ms) && result.is_empty();
+        let now_ms = clock.now_ms(
+            db_ms.saturating_add(i64::try_from(decided.elapsed().as_millis()).unwrap_or(i64::MAX)),
+        );
+        // The record the claim's function inserted stands for this commit's when the result is
+        // empty (the state, epoch and fingerprint are the same by construction) and its time is
+        // within the clock tolerance of the commit's: nothing is sent for it then. Its time is
+        // the claim's, up to the tolerance from the commit's, as a record `apply` writes is up to
+        // it from the database's clock. A commit later than that writes its own record.
+        let early_stands = result.is_empty()
+            && matches!(self.early, Some(early_ms) if early_ms.abs_diff(now_ms) <= CLOCK_TOLERANCE_MS);
         let epoch = self.epoch();
         let (record, expires_at_ms) =
             completed_record(store, epoch, self.fingerprint, now_ms, result, true);
