@@ -250,6 +250,7 @@ fn main() {
     scenario!(a_version_8_schema_keeps_its_format_1_records_and_writes_format_2);
     scenario!(a_version_9_schema_gains_the_claim_function_that_inserts_on_install);
     scenario!(a_new_keys_record_goes_with_its_claim_and_is_written_once);
+    scenario!(the_longest_table_name_works_for_every_call);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
     use clock::*;
     scenario!(every_call_reads_an_injected_clock_once);
@@ -404,6 +405,70 @@ async fn install_is_versioned_and_refuses_a_newer_schema(url: &str) -> Result<()
         );
     }
     Ok(())
+}
+
+/// A table name of the longest length `Names` takes: every object made from it (the longest
+/// suffix is `_advance_positions`) is created and found, by every call that uses one.
+async fn the_longest_table_name_works_for_every_call(url: &str) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let table = format!("r{}", "x".repeat(54));
+    client
+        .batch_execute("DROP SCHEMA IF EXISTS t_long CASCADE")
+        .await?;
+    let names = Names::new("t_long", &table)?;
+    install(&mut client, &names).await?;
+    install(&mut client, &names).await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    commit_one(&consumer, &mut client, "single", "single", "done").await?;
+    let batch = consumer
+        .begin_batch(&mut client, &messages(&[("b-1", "b-1"), ("b-2", "b-2")]))
+        .await?;
+    ensure!(
+        batch
+            .outcomes()
+            .iter()
+            .all(|o| matches!(o, PgBatchOutcome::Fresh)),
+        "batch: {:?}",
+        batch.outcomes()
+    );
+    batch.commit(|_| "ok").await?;
+    let applied = consumer
+        .apply(
+            &mut client,
+            &Message::new("applied", Fingerprint::of(b"a")),
+            b"ok",
+            &[],
+        )
+        .await?;
+    ensure!(matches!(applied, Outcome::Fresh(_)), "apply: {applied:?}");
+    let Outcome::Fresh(mut claim) = consumer
+        .begin(&mut client, "positioned", Fingerprint::of(b"p"))
+        .await?
+    else {
+        return Err("`positioned` is not fresh".into());
+    };
+    claim.stage_position("orders", 0, 7)?;
+    claim.commit(b"").await?;
+    consumer
+        .positions()
+        .advance(&client, "orders", 0, 8)
+        .await?;
+    let positions = consumer.positions().list(&client).await?;
+    ensure!(positions.len() == 1, "positions: {positions:?}");
+    let versioned = Message::new("v", Fingerprint::of(b"v")).version("entity", 1);
+    let Outcome::Fresh(claim) = consumer.begin_message(&mut client, &versioned).await? else {
+        return Err("the versioned claim is not fresh".into());
+    };
+    claim.commit(b"").await?;
+    store.maintain(&client).await?;
+    match consumer
+        .begin(&mut client, "single", Fingerprint::of(b"single"))
+        .await?
+    {
+        Outcome::Duplicate { .. } => Ok(()),
+        other => Err(format!("`single` again: {other:?}").into()),
+    }
 }
 
 async fn outcomes_with_the_business_row_in_the_claims_transaction(

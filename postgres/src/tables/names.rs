@@ -2,8 +2,12 @@
 
 use crate::error::{Error, Result};
 
-/// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less the longest suffix added to the
-/// table's name (`_version`; `_entity` and `_expiry` add 7).
+/// Longest identifier PostgreSQL keeps (NAMEDATALEN - 1), less `_version`: the version table's
+/// name, which is looked up by its text (`to_regclass`), is kept whole. The names with longer
+/// suffixes (`_position`, `_claim_many`, `_advance_positions`) may be longer than PostgreSQL
+/// keeps: it cuts them to 63 bytes the same way in the statement that creates each object and
+/// in every statement that uses it, so they are found (the scenario
+/// `the_longest_table_name_works_for_every_call` runs every call on a table of this length).
 const NAME_BYTES_MAX: usize = 63 - "_version".len();
 
 /// One day in milliseconds.
