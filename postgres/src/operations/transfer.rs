@@ -503,7 +503,8 @@ fn check_import<'a>(
     positions: &[u64],
     lock_namespace: &str,
 ) -> Result<Vec<ImportRow<'a>>> {
-    assert_eq!(records.len(), positions.len(), "a position per record");
+    // Both callers make `positions` from the same list as `records` (no input can part them).
+    debug_assert_eq!(records.len(), positions.len(), "a position per record");
     let mut seen = HashSet::with_capacity(records.len());
     let mut rows = Vec::with_capacity(records.len());
     for (record, &position) in records.iter().zip(positions) {
