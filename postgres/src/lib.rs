@@ -125,7 +125,8 @@
 //! **Upgrading an older install.** [`SCHEMA_VERSION`] is 10. A store opened on tables at
 //! versions 1 to 9 (written by earlier releases) is refused with [`Error::SchemaTooOld`] and
 //! nothing is touched; [`install`] migrates them in one transaction, under the installers'
-//! lock. Version 9 gains no table: the claim's function (`<table>_claim`) is replaced by one
+//! lock. (Below, "version N gains" is what tables at version N gain when `install` migrates
+//! them.) Version 9 gains no table: the claim's function (`<table>_claim`) is replaced by one
 //! that also inserts a new key's record; a process of an earlier release still running then fails
 //! its claims (the function it calls is gone) and processes nothing twice. Version 8 gains
 //! no table, only the version: the records written from then on are in

@@ -66,6 +66,12 @@
 //! read, past `CLOCK_MS_MAX` from the second, changes no call's decision or writes. `install`
 //! and an import given up during their `BEGIN` or a lock wait leave the connection clean.
 //!
+//! A new key's record sent with its claim (schema 10, `scenarios/early_record.rs`): read
+//! inside the claim's transaction only, taken away by every failed commit and rollback, its
+//! time and expiry the claim's when it stands and the commit's when rewritten, claimants of a
+//! held key (claims, `apply`, batches) in progress at once, read positions written with it,
+//! nothing inserted on a clock estimate a second off, and version 9 tables installed over.
+//!
 //! The `idemdb-pg` binary (`scenarios/cli.rs`), run against the server: `positions list`,
 //! `set` and `remove`, and `maintain --busy-percent`, with their refusals.
 //!
@@ -265,6 +271,17 @@ fn main() {
     use cli::*;
     scenario!(the_operator_tool_lists_sets_and_removes_read_positions);
     scenario!(the_operator_tools_maintain_runs_at_the_busy_share_it_is_given);
+    use early_record::*;
+    scenario!(a_claims_transaction_reads_its_new_keys_record_before_the_commit);
+    scenario!(a_key_held_with_its_record_is_in_progress_at_once_to_every_other_claimant);
+    scenario!(a_failing_business_statement_takes_the_claims_record_away);
+    scenario!(a_refused_commit_takes_the_claims_record_away);
+    scenario!(a_record_that_stood_expires_a_retention_after_its_claim);
+    scenario!(a_key_that_had_a_row_or_a_version_is_written_at_the_commits_time);
+    scenario!(batches_and_apply_take_turns_with_claims_whose_records_went_with_them);
+    scenario!(a_read_position_lands_with_a_record_that_stood_and_one_behind_takes_it_away);
+    scenario!(a_claim_whose_clock_estimate_is_off_inserts_nothing_and_commits_the_databases_time);
+    scenario!(an_earlier_releases_claim_call_fails_once_version_9_tables_are_installed_over);
     if failed > 0 {
         eprintln!(
             "{failed} scenario(s) failed; server log: {}",
@@ -339,6 +356,8 @@ macro_rules! ensure {
 mod cli;
 #[path = "scenarios/clock.rs"]
 mod clock;
+#[path = "scenarios/early_record.rs"]
+mod early_record;
 #[path = "scenarios/positions.rs"]
 mod positions;
 
@@ -4679,6 +4698,18 @@ async fn a_version_8_schema_keeps_its_format_1_records_and_writes_format_2(
     Ok(())
 }
 
+/// Version 9's claim function, in place of this version's: the key's lock, the time and the
+/// key's row, for the key alone (`older_schema`'s downgrade).
+const VERSION_9_CLAIM_FUNCTION: &str = "DROP FUNCTION {schema}.records_claim; \
+     CREATE FUNCTION {schema}.records_claim(p_lock bigint, p_consumer bytea, p_key bytea, \
+         OUT o_locked boolean, OUT o_now_ms bigint, OUT o_record bytea) \
+     LANGUAGE plpgsql AS $f$ BEGIN \
+         o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8; \
+         o_locked := pg_try_advisory_xact_lock(p_lock); \
+         SELECT r.record INTO o_record FROM {schema}.records AS r \
+          WHERE r.consumer = p_consumer AND r.message_key = p_key; \
+     END $f$;";
+
 /// Version 9's claim function takes the key alone; `install` replaces it with the one that
 /// also inserts a new key's record (the old one is dropped, not left beside it as an overload),
 /// and claims then answer and commit through it.
@@ -4686,21 +4717,7 @@ async fn a_version_9_schema_gains_the_claim_function_that_inserts_on_install(
     url: &str,
 ) -> Result<(), Failure> {
     let mut client = connect(url).await?;
-    let names = older_schema(
-        &mut client,
-        "t_migrate9",
-        9,
-        "DROP FUNCTION {schema}.records_claim; \
-         CREATE FUNCTION {schema}.records_claim(p_lock bigint, p_consumer bytea, p_key bytea, \
-             OUT o_locked boolean, OUT o_now_ms bigint, OUT o_record bytea) \
-         LANGUAGE plpgsql AS $f$ BEGIN \
-             o_now_ms := floor(extract(epoch FROM statement_timestamp()) * 1000)::int8; \
-             o_locked := pg_try_advisory_xact_lock(p_lock); \
-             SELECT r.record INTO o_record FROM {schema}.records AS r \
-              WHERE r.consumer = p_consumer AND r.message_key = p_key; \
-         END $f$;",
-    )
-    .await?;
+    let names = older_schema(&mut client, "t_migrate9", 9, VERSION_9_CLAIM_FUNCTION).await?;
     install(&mut client, &names).await?;
     let functions: i64 = client
         .query_one(
@@ -4718,10 +4735,10 @@ async fn a_version_9_schema_gains_the_claim_function_that_inserts_on_install(
 }
 
 /// A new key's record goes out with its claim, and the claim's function inserts it: the claim's
-/// transaction sees it, no other session does, and a rollback takes it away. A commit with an
-/// empty result within the clock tolerance (a second) of the claim leaves that row as it is,
-/// with the claim's time; a commit later than that, or with a result, writes its own record
-/// over it, with the commit's time.
+/// transaction sees it, no other session does, and a rollback takes it away. A commit with the
+/// caller's SQL and an empty result within the clock tolerance (a second) of the claim leaves
+/// that row as it is, with the claim's time; a commit later than that, or with a result, or
+/// with no SQL of the caller's, writes its own record over it, with the commit's time.
 async fn a_new_keys_record_goes_with_its_claim_and_is_written_once(
     url: &str,
 ) -> Result<(), Failure> {
@@ -4772,6 +4789,7 @@ async fn a_new_keys_record_goes_with_its_claim_and_is_written_once(
         ("within", 1_000, &b""[..]),
         ("later", 1_001, &b""[..]),
         ("result", 0, &b"kept"[..]),
+        ("alone", 0, &b""[..]),
     ] {
         let claimed_ms = clock.now_ms();
         let Outcome::Fresh(claim) = consumer
@@ -4786,7 +4804,12 @@ async fn a_new_keys_record_goes_with_its_claim_and_is_written_once(
             .await?
             .get(0);
         clock.advance(Duration::from_millis(advance_ms));
-        claim.commit(result).await?;
+        // The caller's SQL in the commit: its answer is what says the transaction stands.
+        if key == "alone" {
+            claim.commit(result).await?;
+        } else {
+            claim.commit_with(result, &[("SELECT 1", &[])]).await?;
+        }
         let after: String = other.query_one(&row_of(key), &[]).await?.get(0);
         let stands = during == after;
         ctids.push((key, stands));
@@ -4811,7 +4834,8 @@ async fn a_new_keys_record_goes_with_its_claim_and_is_written_once(
                 ("same", true),
                 ("within", true),
                 ("later", false),
-                ("result", false)
+                ("result", false),
+                ("alone", false)
             ],
         "the row left as the claim inserted it: {ctids:?}"
     );

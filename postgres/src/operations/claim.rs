@@ -511,9 +511,12 @@ impl<'c> PgClaim<'c> {
     /// transaction: the record and the business SQL land together or not at all.
     ///
     /// A new key's record went out with the claim, and is already in the claim's transaction:
-    /// with an empty result and a commit within a second of the claim (the clock tolerance
-    /// `apply`'s records are written within), that record stands, with the claim's time (its retention starts then), and nothing more is
-    /// written for it; otherwise the commit writes the record at its own time.
+    /// with an empty result, business SQL given to [`commit_with`](PgClaim::commit_with) (or a
+    /// staged read position) and a commit within a second of the claim (the clock tolerance
+    /// `apply`'s records are written within), that record stands, with the claim's time (its
+    /// retention starts then), and nothing more is written for it; otherwise (a result, no SQL
+    /// of the caller's, a later commit, a key that had a row, an entity version) the commit
+    /// writes the record at its own time.
     ///
     /// # Errors
     /// [`Error::Idemdb`] for a result over `RESULT_BYTES_MAX`, or an injected clock
@@ -600,8 +603,14 @@ impl<'c> PgClaim<'c> {
         // empty (the state, epoch and fingerprint are the same by construction) and its time is
         // within the clock tolerance of the commit's: nothing is sent for it then. Its time is
         // the claim's, up to the tolerance from the commit's, as a record `apply` writes is up to
-        // it from the database's clock. A commit later than that writes its own record.
+        // it from the database's clock. A commit later than that writes its own record. So does
+        // a commit that would send `COMMIT` alone: PostgreSQL answers the `COMMIT` of a
+        // transaction that a statement on `transaction()` aborted with a rollback and no
+        // error, so some statement's answer must say the transaction still stands (the
+        // caller's, or a read position's, checked before the `COMMIT`'s).
+        let answered_before_commit = !statements.is_empty() || !self.positions.is_empty();
         let early_stands = result.is_empty()
+            && answered_before_commit
             && matches!(self.early, Some(early_ms) if early_ms.abs_diff(now_ms) <= CLOCK_TOLERANCE_MS);
         let epoch = self.epoch();
         let (record, expires_at_ms) =
