@@ -21,12 +21,17 @@
 //! writes its record whether removal got there first or not.
 //!
 //! **Two round trips.** `BEGIN` and a call of the store's function `<table>_claim` (the key's
-//! lock, the database's time, and then the key's row) go out together, and so do the caller's
-//! SQL, the record's write and `COMMIT`: a claim and its commit cost two round trips and five
-//! statements. The function turns sequential scans off for its own read only, so the caller's
-//! SQL sees the session's own setting (see [`StoreBuilder::prepared_statements`]).
-//! The commit's time is the database's clock read by the claim's function, advanced by
-//! this process's monotonic clock since. A handler whose SQL does not depend on the answer
+//! lock, the database's time, and then the key's row; for a new key, its record inserted) go
+//! out together, and so do the caller's SQL and `COMMIT`: a claim and its commit cost two round
+//! trips and four statements, what a hand-written dedup insert sends when its business SQL waits
+//! for the insert's answer. The new key's record stands for the commit's when the result is
+//! empty, the commit carries SQL of the caller's (whose answer says the transaction stands) and
+//! comes within a second of the claim: its time is the claim's, this process's estimate of the
+//! database's clock. Otherwise the record's write goes with the commit (five statements), at
+//! the commit's time: the database's clock read by the claim's function, advanced by this
+//! process's monotonic clock since. The function turns sequential scans off for its own read
+//! only, so the caller's SQL sees the session's own setting (see
+//! [`StoreBuilder::prepared_statements`]). A handler whose SQL does not depend on the answer
 //! sends it with the claim instead: [`PgConsumer::apply`] costs one round trip for a new key,
 //! and four statements (`BEGIN`, one that takes the key's lock and inserts the record,
 //! the caller's SQL, `COMMIT`): what a hand-written dedup insert in front of the same SQL sends.
@@ -128,7 +133,8 @@
 //! lock. (Below, "version N gains" is what tables at version N gain when `install` migrates
 //! them.) Version 9 gains no table: the claim's function (`<table>_claim`) is replaced by one
 //! that also inserts a new key's record; a process of an earlier release still running then fails
-//! its claims (the function it calls is gone) and processes nothing twice. Version 8 gains
+//! its `begin` claims (the function it calls is gone; its `apply` and batches call functions that
+//! stay) and processes nothing twice. Version 8 gains
 //! no table, only the version: the records written from then on are in
 //! the shorter record format 2, which earlier releases cannot read (the records already there
 //! stay in format 1 and read as before). Stop every process of an earlier release before that

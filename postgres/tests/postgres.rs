@@ -256,6 +256,7 @@ fn main() {
     scenario!(a_version_8_schema_keeps_its_format_1_records_and_writes_format_2);
     scenario!(a_version_9_schema_gains_the_claim_function_that_inserts_on_install);
     scenario!(a_new_keys_record_goes_with_its_claim_and_is_written_once);
+    scenario!(a_claims_record_stands_only_where_it_answers_for_the_commit);
     scenario!(the_longest_table_name_works_for_every_call);
     scenario!(removal_never_takes_a_live_or_reclaimed_record);
     use clock::*;
@@ -4838,6 +4839,91 @@ async fn a_new_keys_record_goes_with_its_claim_and_is_written_once(
                 ("alone", false)
             ],
         "the row left as the claim inserted it: {ctids:?}"
+    );
+    Ok(())
+}
+
+/// Where the record a claim inserted must not stand for the commit's: behind a transaction a
+/// failed statement aborted (the commit's own statement then fails, and the commit with it,
+/// nothing landing), under the admission floor for a message produced after the claim's time
+/// (no record goes with the claim: it would be older than the message), and past a retention
+/// shorter than the wait (it would be expired at the commit: the commit writes its own).
+async fn a_claims_record_stands_only_where_it_answers_for_the_commit(
+    url: &str,
+) -> Result<(), Failure> {
+    use idemdb::Clock as _;
+    let mut client = connect(url).await?;
+    let other = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_stands").await?;
+    let clock = MockClock::new(1_000_000);
+    let floor_store = mock_store(&client, names.clone(), &clock, true).await?;
+    let consumer = floor_store.consumer("c")?;
+    let committed_at = |record: Option<idemdb::format::Record>| match record.map(|r| r.state) {
+        Some(idemdb::format::RecordState::Completed {
+            committed_at_ms, ..
+        }) => Some(committed_at_ms),
+        _ => None,
+    };
+    let sql: [idemdb_postgres::TypedStatement<'_>; 1] = [("SELECT 1", &[])];
+
+    // A statement on the claim's transaction failed: the commit's own statement fails.
+    let Outcome::Fresh(claim) = consumer
+        .begin(&mut client, "aborted", Fingerprint::of(b"a"))
+        .await?
+    else {
+        return Err("`aborted` is not fresh".into());
+    };
+    let failed = claim.transaction().batch_execute("SELECT 1/0").await;
+    ensure!(failed.is_err(), "the division by zero succeeded");
+    let committed = claim.commit_with(b"", &sql).await;
+    ensure!(
+        committed.is_err(),
+        "a commit behind an aborted transaction: {committed:?}"
+    );
+    let left = consumer.get(&other, "aborted").await?;
+    ensure!(left.is_none(), "`aborted` has a record: {left:?}");
+
+    // Produced after the claim's time, under the admission floor: no record with the claim.
+    let produced = Message::new("ahead", Fingerprint::of(b"h")).produced_at_ms(1_000_500);
+    let Outcome::Fresh(claim) = consumer.begin_message(&mut client, &produced).await? else {
+        return Err("`ahead` is not fresh".into());
+    };
+    let inside = consumer.get(claim.transaction(), "ahead").await?;
+    ensure!(
+        inside.is_none(),
+        "a record went with the claim of a message produced after it: {inside:?}"
+    );
+    clock.advance(Duration::from_millis(600));
+    claim.commit_with(b"", &sql).await?;
+    let stored = committed_at(consumer.get(&other, "ahead").await?);
+    ensure!(stored == Some(1_000_600), "`ahead` committed at {stored:?}");
+
+    // A retention of 5 ms and a commit 5 ms after the claim: the commit's own record.
+    let short = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(5))
+        .clock(clock.clone())
+        .open(&client)
+        .await?
+        .consumer("c")?;
+    let claimed_ms = clock.now_ms();
+    let Outcome::Fresh(claim) = short
+        .begin(&mut client, "short", Fingerprint::of(b"s"))
+        .await?
+    else {
+        return Err("`short` is not fresh".into());
+    };
+    let inside = committed_at(short.get(claim.transaction(), "short").await?);
+    ensure!(
+        inside == Some(claimed_ms),
+        "`short` inside its claim: {inside:?}"
+    );
+    clock.advance(Duration::from_millis(5));
+    claim.commit_with(b"", &sql).await?;
+    let stored = committed_at(short.get(&other, "short").await?);
+    ensure!(
+        stored == Some(claimed_ms + 5),
+        "`short` committed at {stored:?}, claimed at {claimed_ms}"
     );
     Ok(())
 }

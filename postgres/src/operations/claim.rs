@@ -38,7 +38,8 @@ impl PgConsumer {
     /// its commit or rollback would end the caller's earlier statements with it. The same
     /// holds for every call that takes a `&mut Client`. The caller's statements given to
     /// [`PgClaim::commit_with`] or [`PgConsumer::apply`] must not end the transaction either
-    /// (`COMMIT`, `ROLLBACK`): the record is written after them.
+    /// (`COMMIT`, `ROLLBACK`): the record's write and the `COMMIT` behind them count on it
+    /// being open (a new key's record, inserted by the claim, would be rolled back with it).
     ///
     /// # Errors
     /// [`Error::Idemdb`] for a key outside the limits; [`Error::Corrupt`] for a stored record
@@ -306,6 +307,17 @@ impl EarlyRecord {
     /// a call has seen that clock.
     fn new(consumer: &PgConsumer, message: &Message<'_>, clock: ClockReading) -> Option<Self> {
         let (now_ms, check_ms) = consumer.store.estimated_now_ms(clock)?;
+        // With the admission floor, a record's time must not be before its message's
+        // production time: a redelivery is refused as too late from the production time on,
+        // and the record must answer it until then. An estimate that trails the database's
+        // clock could put it before; the commit's own time is never before the claim's.
+        if consumer.store.inner.admission_floor
+            && message
+                .production_time_ms()
+                .is_some_and(|produced_at_ms| produced_at_ms > now_ms)
+        {
+            return None;
+        }
         let (record, removable_at_ms) =
             completed_record(&consumer.store, 1, message.fingerprint(), now_ms, b"", true);
         Some(EarlyRecord {
@@ -608,10 +620,15 @@ impl<'c> PgClaim<'c> {
         // transaction that a statement on `transaction()` aborted with a rollback and no
         // error, so some statement's answer must say the transaction still stands (the
         // caller's, or a read position's, checked before the `COMMIT`'s).
+        // And a retention shorter than the wait would leave a record already expired at its
+        // commit: it stands only while it is live.
         let answered_before_commit = !statements.is_empty() || !self.positions.is_empty();
+        let retention_ms = store.inner.retention_ms;
         let early_stands = result.is_empty()
             && answered_before_commit
-            && matches!(self.early, Some(early_ms) if early_ms.abs_diff(now_ms) <= CLOCK_TOLERANCE_MS);
+            && matches!(self.early, Some(early_ms)
+                if early_ms.abs_diff(now_ms) <= CLOCK_TOLERANCE_MS
+                    && early_ms.saturating_add(retention_ms) > now_ms);
         let epoch = self.epoch();
         let (record, expires_at_ms) =
             completed_record(store, epoch, self.fingerprint, now_ms, result, true);

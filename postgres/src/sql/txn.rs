@@ -4,7 +4,8 @@
 //! `tokio_postgres::Transaction` waits for the answer to `BEGIN` before anything else can be
 //! sent, and takes itself by value to commit, so neither `BEGIN` nor `COMMIT` can travel with
 //! another statement. Here `BEGIN` goes out with the claim's lock and read, and `COMMIT` with
-//! the record's write: a claim and its commit cost two round trips besides the caller's SQL.
+//! the caller's SQL and the record's write (when the commit writes one): a claim and its commit
+//! cost two round trips.
 //! tokio-postgres sends a request when its future is first polled, and the server runs the
 //! requests of a connection in the order they arrive, so futures joined in order are pipelined.
 //!
