@@ -282,21 +282,17 @@ impl PgConsumer {
         } = *call;
         let store = &self.store;
         let inner = &store.inner;
-        let Some((now_ms, db_check_ms)) = store.estimated_now_ms(clock) else {
+        let Some((now_ms, db_check_ms)) = store.estimated_now_ms(clock, message) else {
             return Ok(OneTrip::LongWay);
         };
         // A message produced near the admission floor's horizon is left to the database's own
-        // clock: within the tolerance, the estimate could admit what the database refuses. So
-        // is one produced after the estimate: its record's time must not be before its
-        // production time (a redelivery is refused as too late only from the production time
-        // on, and the record must answer it until then).
+        // clock: within the tolerance, the estimate could admit what the database refuses.
         if inner.admission_floor
             && let Some(produced_at_ms) = message.production_time_ms()
-            && (produced_at_ms
+            && produced_at_ms
                 <= now_ms
                     .saturating_sub(inner.retention_ms)
                     .saturating_add(CLOCK_TOLERANCE_MS)
-                || produced_at_ms > now_ms)
         {
             return Ok(OneTrip::LongWay);
         }

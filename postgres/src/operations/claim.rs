@@ -23,9 +23,9 @@ use crate::storage::records::decode_version;
 use crate::storage::records::entity_lock_id;
 use crate::storage::records::expires_column;
 use crate::storage::records::lock_id;
+use crate::storage::store::CLOCK_TOLERANCE_MS;
 use crate::storage::store::ClockReading;
 use crate::storage::store::PgConsumer;
-use crate::tables::names::CLOCK_TOLERANCE_MS;
 
 impl PgConsumer {
     /// Claims `key` for a message with `fingerprint`, in a new transaction on `client`. Never
@@ -303,21 +303,10 @@ struct EarlyRecord {
 }
 
 impl EarlyRecord {
-    /// The record for `message` at the store's estimate of the database's clock; `None` until
-    /// a call has seen that clock.
+    /// The record for `message` at the store's estimate of the database's clock; `None` where
+    /// there is none ([`PgStore::estimated_now_ms`](crate::storage::store::PgStore::estimated_now_ms)).
     fn new(consumer: &PgConsumer, message: &Message<'_>, clock: ClockReading) -> Option<Self> {
-        let (now_ms, check_ms) = consumer.store.estimated_now_ms(clock)?;
-        // With the admission floor, a record's time must not be before its message's
-        // production time: a redelivery is refused as too late from the production time on,
-        // and the record must answer it until then. An estimate that trails the database's
-        // clock could put it before; the commit's own time is never before the claim's.
-        if consumer.store.inner.admission_floor
-            && message
-                .production_time_ms()
-                .is_some_and(|produced_at_ms| produced_at_ms > now_ms)
-        {
-            return None;
-        }
+        let (now_ms, check_ms) = consumer.store.estimated_now_ms(clock, message)?;
         let (record, removable_at_ms) =
             completed_record(&consumer.store, 1, message.fingerprint(), now_ms, b"", true);
         Some(EarlyRecord {
@@ -630,16 +619,19 @@ impl<'c> PgClaim<'c> {
                 if early_ms.abs_diff(now_ms) <= CLOCK_TOLERANCE_MS
                     && early_ms.saturating_add(retention_ms) > now_ms);
         let epoch = self.epoch();
-        let (record, expires_at_ms) =
-            completed_record(store, epoch, self.fingerprint, now_ms, result, true);
-        let row = RecordRow::new(
-            consumer,
-            &self.key,
-            &record,
-            expires_at_ms,
-            self.replaces_epoch != 0 || self.early.is_some(),
-        );
-        let row_params = row.params();
+        // The commit's own record, made only when it is written.
+        let row = (!early_stands).then(|| {
+            let (record, expires_at_ms) =
+                completed_record(store, epoch, self.fingerprint, now_ms, result, true);
+            RecordRow::new(
+                consumer,
+                &self.key,
+                &record,
+                expires_at_ms,
+                self.replaces_epoch != 0 || self.early.is_some(),
+            )
+        });
+        let row_params = row.as_ref().map(RecordRow::params);
         let id: &[u8] = &consumer.id;
         let (entity_key, version_bytes) = match &self.version {
             Some((entity_key, version)) => (entity_key.as_slice(), version.to_be_bytes()),
@@ -652,8 +644,8 @@ impl<'c> PgClaim<'c> {
             (&version_value, Type::BYTEA),
         ];
         let mut writes: Vec<TypedStatement<'_>> = Vec::new();
-        if !early_stands {
-            writes.push((row.sql, &row_params));
+        if let (Some(row), Some(params)) = (&row, &row_params) {
+            writes.push((row.sql, params));
         }
         if self.version.is_some() {
             writes.push((&store.inner.write_version, &version_params));

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idemdb::Clock;
+use idemdb::Message;
 use idemdb::format::encode_key;
 use tokio_postgres::Client;
 
@@ -398,19 +399,33 @@ impl PgStore {
         Ok(ClockReading { injected })
     }
 
-    /// Now on the store's clock before asking the database (the call's reading `clock` of an
-    /// injected one), and the time the database must agree with (`None`: the injected clock
-    /// decides, nothing to check). `None` overall until a claim has seen the database's clock.
-    /// What a record written in the call's first round trip carries (`apply`'s, and a new
-    /// key's record that `begin` inserts).
-    pub(crate) fn estimated_now_ms(&self, clock: ClockReading) -> Option<(u64, Option<i64>)> {
-        match clock.injected() {
-            Some(now_ms) => Some((now_ms, None)),
+    /// The time a record of `message` written in the call's first round trip carries
+    /// (`apply`'s, and a new key's record that `begin` inserts): now on the store's clock before
+    /// asking the database (the call's reading `clock` of an injected one), and the time the
+    /// database must agree with (`None`: the injected clock decides, nothing to check).
+    ///
+    /// `None` until a claim has seen the database's clock, and, under the admission floor, for
+    /// a message produced after that time: a redelivery is refused as too late only from the
+    /// production time on, so the record must not be older than the message (an estimate that
+    /// trails the database's clock could make it so; the commit's own time is never before the
+    /// claim's).
+    pub(crate) fn estimated_now_ms(
+        &self,
+        clock: ClockReading,
+        message: &Message<'_>,
+    ) -> Option<(u64, Option<i64>)> {
+        let (now_ms, check_ms) = match clock.injected() {
+            Some(now_ms) => (now_ms, None),
             None => {
                 let now_ms = self.inner.clock_offset.estimate_ms()?;
-                Some((now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX))))
+                (now_ms, Some(i64::try_from(now_ms).unwrap_or(i64::MAX)))
             }
-        }
+        };
+        let produced_later = self.inner.admission_floor
+            && message
+                .production_time_ms()
+                .is_some_and(|produced_at_ms| produced_at_ms > now_ms);
+        (!produced_later).then_some((now_ms, check_ms))
     }
 
     /// [`PgStore::read_clock`] for a call that only reads: never refused (reads work at any
