@@ -163,6 +163,61 @@ fn trim(log: &mut CommitLog) {
     }
 }
 
+/// The bytes of `batch`'s log record.
+fn record_bytes(batch: &WriteBatch) -> u64 {
+    (crate::format::commit_log::LOG_RECORD_HEADER_BYTES + batch.data().len()) as u64
+}
+
+/// Frees the segments whose records RocksDB's own flushes put into table files, when
+/// appending `bytes` would switch into the ring's last free slot. RocksDB flushes the tables
+/// on its own once a memtable fills: those segments are free again, and the ring need not
+/// grow for them. Asked before the switch that takes the last free slot, which would start
+/// making one more (not before every group: a read, while the segment has room, for nothing).
+fn release_flushed(state: &mut State, db: &DB, bytes: u64) {
+    if !state.log.switch_would_fill(bytes) {
+        return;
+    }
+    match persisted_lsn(db) {
+        Ok(persisted) => {
+            state.log.release_through(persisted + 1);
+            trim(&mut state.log);
+        }
+        Err(error) => {
+            tracing::warn!(target: "idemdb", %error, "the tables' flushed LSN unread");
+        }
+    }
+}
+
+/// Waits until every group before `group` is applied to the tables (or failed).
+fn wait_for_turn(state: &mut parking_lot::MutexGuard<'_, State>, group: u64) {
+    while state.applied_groups != group {
+        state.turn_waiters.insert(group, std::thread::current());
+        park(state);
+    }
+}
+
+/// Ends a group's turn at the tables with its `outcome`: `written` is its last LSN when it
+/// wrote batches. A failure fails every later group; the next group's leader is woken if it
+/// waits for its turn.
+fn end_turn(state: &mut State, outcome: &Result<()>, written: Option<u64>) {
+    state.applied_groups += 1;
+    match (outcome, written) {
+        (Ok(()), Some(last_lsn)) => state.written_lsn = last_lsn,
+        (Ok(()), None) => {}
+        (Err(error), _) => {
+            state.failed.get_or_insert_with(|| error.clone());
+        }
+    }
+    let next = state.applied_groups;
+    // (Looked up only when some leader waits: hashing the group for an empty map cost a lone
+    // writer 130 instructions a commit.)
+    if !state.turn_waiters.is_empty()
+        && let Some(waiter) = state.turn_waiters.remove(&next)
+    {
+        waiter.unpark();
+    }
+}
+
 /// Releases `state`'s lock and parks the thread until it is unparked (or spuriously: callers
 /// check their condition again).
 fn park(state: &mut parking_lot::MutexGuard<'_, State>) {
@@ -254,8 +309,17 @@ impl LogWriter {
         if !state.leading && state.queue.is_empty() {
             // No group is being led and no writer waits: this one leads its batch as a group of
             // one, without queueing (a waiter to answer is an allocation and a lock more: 300
-            // instructions a commit). Its record is the group's first, which is never left for
-            // a later group.
+            // instructions a commit), and without a group's lists of batches and members (700
+            // more) while its record fits the ring.
+            release_flushed(&mut state, db, record_bytes(&batch));
+            match state.log.append(batch.data()) {
+                Ok(_) => return self.write_alone(state, db, batch, &io, &flush),
+                // Larger than the whole log: refused, nothing appended.
+                Err(error) if !error.is_retryable() => return Err(error),
+                // The ring is full: the group's way below grows it or flushes for room.
+                Err(_) => {}
+            }
+            // Its record is the group's first, which is never left for a later group.
             let (group, _) = self.lead(
                 &mut state,
                 db,
@@ -300,6 +364,33 @@ impl LogWriter {
             }
             state = self.state.lock();
         }
+    }
+
+    /// The rest of a lone writer's write whose record the log took ([`CommitLog::append`]
+    /// under `state`, with no group led and none queued): it leads a group of that record,
+    /// writes it (and syncs it with `Durability::Sync`) and gives up the lead, then writes
+    /// `batch` to the tables in the group's turn.
+    fn write_alone(
+        &self,
+        mut state: parking_lot::MutexGuard<'_, State>,
+        db: &DB,
+        batch: WriteBatch,
+        io: &LogIo<'_>,
+        flush: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        state.leading = true;
+        let group = state.next_group;
+        state.next_group += 1;
+        let (last_lsn, durable) = self.write_records(&mut state, io);
+        wait_for_turn(&mut state, group);
+        let durable = match &state.failed {
+            Some(earlier) => Err(earlier.clone()),
+            None => durable,
+        };
+        drop(state);
+        let outcome = durable.and_then(|()| self.write_to_tables(db, batch, last_lsn, flush));
+        end_turn(&mut self.state.lock(), &outcome, Some(last_lsn));
+        outcome
     }
 
     /// The first half of a write for a caller that keeps the log busy (the async committer):
@@ -353,26 +444,9 @@ impl LogWriter {
         let bytes = members
             .as_slice()
             .iter()
-            .map(|(_, batch)| {
-                (crate::format::commit_log::LOG_RECORD_HEADER_BYTES + batch.data().len()) as u64
-            })
+            .map(|(_, batch)| record_bytes(batch))
             .sum();
-        if state.log.switch_would_fill(bytes) {
-            // RocksDB flushes the tables on its own once a memtable fills: the segments whose
-            // records its files hold are free again, and the ring need not grow for them.
-            // Asked before the switch that takes the last free slot, which would start making
-            // one more (not before every group: a read, while the segment has room, for
-            // nothing).
-            match persisted_lsn(db) {
-                Ok(persisted) => {
-                    state.log.release_through(persisted + 1);
-                    trim(&mut state.log);
-                }
-                Err(error) => {
-                    tracing::warn!(target: "idemdb", %error, "the tables' flushed LSN unread");
-                }
-            }
-        }
+        release_flushed(state, db, bytes);
         let mut batches = GroupBatches::with_capacity(members.len());
         let mut refused = Vec::new();
         let mut deferred = Vec::new();
@@ -400,10 +474,7 @@ impl LogWriter {
                 Err(full) if full.is_retryable() => {
                     // The ring is full: once every earlier group is in RocksDB, every batch
                     // written so far goes to table files, and their segments are free again.
-                    while state.applied_groups != group {
-                        state.turn_waiters.insert(group, std::thread::current());
-                        park(state);
-                    }
+                    wait_for_turn(state, group);
                     flush().and_then(|()| {
                         let written = state.written_lsn;
                         state.log.release_through(written + 1);
@@ -432,6 +503,27 @@ impl LogWriter {
             deferred.append(&mut state.queue);
             state.queue = deferred;
         }
+        let (last_lsn, durable) = self.write_records(state, io);
+        (
+            DurableGroup {
+                group,
+                batches,
+                refused,
+                last_lsn,
+                durable,
+            },
+            own_left,
+        )
+    }
+
+    /// The end of a lead: the records appended are written (and synced with
+    /// `Durability::Sync`) without the lock, and the lead is given up. Returns the last LSN
+    /// appended and whether the records are durable.
+    fn write_records(
+        &self,
+        state: &mut parking_lot::MutexGuard<'_, State>,
+        io: &LogIo<'_>,
+    ) -> (u64, Result<()>) {
         self.ask_for_shrinker(state);
         let writes = state.log.take_writes();
         let last_lsn = state.log.next_lsn() - 1;
@@ -449,19 +541,24 @@ impl LogWriter {
         if let Some((waiter, _)) = state.queue.first() {
             waiter.thread.unpark();
         }
-        for waiter in state.lead_waiters.drain(..) {
-            waiter.unpark();
+        if !state.lead_waiters.is_empty() {
+            for waiter in state.lead_waiters.drain(..) {
+                waiter.unpark();
+            }
         }
-        (
-            DurableGroup {
-                group,
-                batches,
-                refused,
-                last_lsn,
-                durable,
-            },
-            own_left,
-        )
+        (last_lsn, durable)
+    }
+
+    /// Writes a group's `batch` to the tables, with a put of its last LSN.
+    fn write_to_tables(
+        &self,
+        db: &DB,
+        mut batch: WriteBatch,
+        last_lsn: u64,
+        flush: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        batch.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
+        crate::storage::unstalled_write::write_unstalled(db, batch, &self.table_writes, flush)
     }
 
     /// Applies a group led by [`LogWriter::lead`] to `db` once every earlier group is applied,
@@ -484,10 +581,7 @@ impl LogWriter {
             durable,
         } = group;
         let mut state = self.state.lock();
-        while state.applied_groups != group {
-            state.turn_waiters.insert(group, std::thread::current());
-            park(&mut state);
-        }
+        wait_for_turn(&mut state, group);
         let durable = match &state.failed {
             Some(earlier) => Err(earlier.clone()),
             None => durable,
@@ -503,29 +597,11 @@ impl LogWriter {
             if writes.is_empty() {
                 return Ok(());
             }
-            let mut group = crate::storage::log::wal_file::join(writes);
-            group.put_cf(default_table(db), LOG_LSN_KEY, last_lsn.to_be_bytes());
-            crate::storage::unstalled_write::write_unstalled(db, group, &self.table_writes, flush)
+            let group = crate::storage::log::wal_file::join(writes);
+            self.write_to_tables(db, group, last_lsn, flush)
         });
-        let mut state = self.state.lock();
-        state.applied_groups += 1;
-        match &outcome {
-            Ok(()) if !members.is_empty() => state.written_lsn = last_lsn,
-            Ok(()) => {}
-            Err(error) => {
-                state.failed.get_or_insert_with(|| error.clone());
-            }
-        }
-        // The next group's leader may be waiting for its turn.
-        let next = state.applied_groups;
-        // (Looked up only when some leader waits: hashing the group for an empty map cost a
-        // lone writer 130 instructions a commit.)
-        if !state.turn_waiters.is_empty()
-            && let Some(waiter) = state.turn_waiters.remove(&next)
-        {
-            waiter.unpark();
-        }
-        drop(state);
+        let written = (!members.is_empty()).then_some(last_lsn);
+        end_turn(&mut self.state.lock(), &outcome, written);
         let mut own = OwnOutcomes::new();
         let answers = members
             .into_iter()
