@@ -269,8 +269,12 @@ fn the_shrink_can_be_turned_off_and_zero_is_refused() {
     let consumer = engine.consumer("orders").unwrap();
     commit_many(&consumer, "burst", 16_000);
     let grown = segments(dir.path()).len();
+    assert!(grown > 2, "{grown} segments");
     std::thread::sleep(std::time::Duration::from_millis(500));
-    assert_eq!(segments(dir.path()).len(), grown);
+    // At least as many: a slot the ring was making ahead of need may land meanwhile (its file
+    // is made by a thread of its own), and a shrink would have left two.
+    let kept = segments(dir.path()).len();
+    assert!(kept >= grown, "{grown} segments, then {kept}");
 }
 
 /// A ring grown before a restart (here: by an open that kept its segments) is given back once

