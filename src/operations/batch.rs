@@ -11,11 +11,9 @@ use crate::decision::inspect_record;
 use crate::format::error::{Error, Limit, Result, check_limit};
 use crate::format::fingerprint::Fingerprint;
 use crate::format::record::{Committed, Record};
-use crate::operations::claim::{
-    Claim, Outcome, Pending, Request, batch_for, begin, decide_in_place,
-};
+use crate::operations::claim::{Claim, Outcome, Pending, Request, begin, decide_in_place};
 use crate::operations::position::StagedPositions;
-use crate::operations::staging::Staged;
+use crate::operations::staging::{Staged, batch_for};
 use crate::storage::business_table::BusinessTable;
 use crate::storage::latch::KeyHashBuilder;
 use crate::storage::store::{AcceptedPositions, Storage};
@@ -344,7 +342,7 @@ impl ClaimBatch {
             .map(|claim| claim.commit_bytes(0))
             .sum::<usize>()
             + self.positions.batch_bytes()
-            + self.staged.writes() * crate::operations::claim::BATCH_ENTRY_OVERHEAD_BYTES
+            + self.staged.writes() * crate::operations::staging::BATCH_ENTRY_OVERHEAD_BYTES
             + self.staged.bytes;
         let mut batch = batch_for(bytes);
         let mut committed: Vec<Option<Committed>> = Vec::with_capacity(self.claims.len());

@@ -14,7 +14,7 @@ use crate::format::fingerprint::Fingerprint;
 use crate::format::key::StoredKey;
 use crate::format::record::{Committed, EXPIRES_NEVER_MS, EncodedBytes, Record};
 use crate::operations::position::{StagedPositions, consumer_prefix_of};
-use crate::operations::staging::{Staged, staging_methods};
+use crate::operations::staging::{BATCH_ENTRY_OVERHEAD_BYTES, Staged, batch_for, staging_methods};
 use crate::storage::business_table::BusinessTable;
 use crate::storage::observe::ConsumerMetrics;
 use crate::storage::options::{RETENTION_MS_MAX, RETENTION_MS_MIN};
@@ -34,20 +34,6 @@ pub(crate) fn inspect(
 ) -> Result<Found> {
     let record = inner.read_record_raw(marker, stored_key)?;
     Ok(inspect_record(record, fingerprint, now_ms))
-}
-
-/// What a write batch adds to each entry besides its key and value, at most: the entry's tag,
-/// its column family's id and the two lengths, each a varint of up to 5 bytes.
-pub(crate) const BATCH_ENTRY_OVERHEAD_BYTES: usize = 16;
-
-/// The write batch's own header: sequence number and entry count.
-const BATCH_HEADER_BYTES: usize = 12;
-
-/// An empty write batch with room for `bytes` of entries. Reserved up front, its buffer is
-/// allocated once: grown by doubling from empty, a claim's commit reallocated it three or four
-/// times.
-pub(crate) fn batch_for(bytes: usize) -> WriteBatch {
-    WriteBatch::with_capacity_bytes(BATCH_HEADER_BYTES + bytes)
 }
 
 /// How long a committed record is kept.
@@ -179,7 +165,9 @@ pub(crate) fn begin_at(
         Err(since_ms) => return Ok(Outcome::held_by_claim(since_ms)),
     };
     // The claim owns the latch from here: its drop releases it on every path below.
-    let (claim, pending) = request.into_latched_claim(inner, marker, now_ms);
+    let (mut claim, pending) = request.into_latched_claim(inner, marker, now_ms);
+    // Committed alone: its writes go straight into its commit's batch.
+    claim.staged = Staged::direct(claim.commit_bytes(0));
     let found = if unchanged {
         found
     } else {
@@ -399,7 +387,7 @@ impl Claim {
     /// store holds the whole batch or none of it.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
         let started = Instant::now();
-        let mut batch = batch_for(self.commit_bytes(result.as_ref().len()));
+        let mut batch = self.commit_batch(result.as_ref().len());
         let now_ms = self.inner.write_clock_ms()?;
         let committed = self.append_commit(&mut batch, result.as_ref(), now_ms)?;
         let positions = std::mem::take(&mut self.positions).append_to(
@@ -414,6 +402,15 @@ impl Claim {
         }
         self.report_commit(&committed, started);
         Ok(committed)
+    }
+
+    /// The write batch this claim's commit writes: the one its writes were staged into
+    /// ([`Staged::direct`]), or a new one with room for the commit's entries.
+    fn commit_batch(&mut self, result_len: usize) -> WriteBatch {
+        match self.staged.take_batch() {
+            Some(batch) => batch,
+            None => batch_for(self.commit_bytes(result_len)),
+        }
     }
 
     /// At most the bytes [`Claim::append_commit`] adds to a write batch, with a result of
@@ -534,11 +531,15 @@ impl Drop for Claim {
     }
 }
 
-// Claims move between threads (a worker pool, an async runtime): keep them `Send`.
+// Claims move between threads (a worker pool, an async runtime): keep them `Send`; and `Sync`,
+// so that a future holding a `&Claim` across an await stays `Send`.
 const _: () = {
     const fn assert_send<T: Send>() {}
+    const fn assert_sync<T: Sync>() {}
     assert_send::<Claim>();
     assert_send::<Outcome>();
+    assert_sync::<Claim>();
+    assert_sync::<Outcome>();
 };
 
 impl std::fmt::Debug for Claim {
@@ -619,7 +620,7 @@ impl Claim {
             Ok(committer) => committer,
             Err(error) => return reply(Err(error)),
         };
-        let mut batch = batch_for(self.commit_bytes(result.len()));
+        let mut batch = self.commit_batch(result.len());
         // Nothing is appended on error, and the claim is released as `commit` would.
         let prepared = storage
             .write_clock_ms()

@@ -98,15 +98,18 @@ fn claim_limits() {
     assert_limit(claim.put(&orders, b"x", b""), Limit::StagedWrites);
     drop(claim);
 
-    let Outcome::Fresh(claim) = consumer.begin(b"k", fp).unwrap() else {
+    let Outcome::Fresh(mut claim) = consumer.begin(b"k", fp).unwrap() else {
         panic!("fresh expected");
     };
+    // Staged into the batch the commit would have written.
+    claim.put(&orders, b"staged", b"v").unwrap();
     assert_limit(
         claim.commit(vec![0u8; RESULT_BYTES_MAX + 1]),
         Limit::ResultBytes,
     );
     // The failed commit wrote nothing and released the key.
     assert!(consumer.get(b"k").unwrap().is_none());
+    assert_eq!(orders.get(b"staged").unwrap(), None);
     assert!(matches!(
         consumer.begin(b"k", fp).unwrap(),
         Outcome::Fresh(_)
