@@ -49,6 +49,9 @@ pub enum Expiry {
 /// Exclusive ownership of one key, from a `Fresh` outcome until [`Claim::commit`],
 /// [`Claim::abort`] or drop. Business writes staged on it land in the same RocksDB write batch
 /// as the marker, or not at all.
+///
+/// A claim is `Send` and `Sync`: it may move to another thread (a worker pool, an async
+/// runtime), and a future holding a `&Claim` across an await stays `Send`.
 pub struct Claim {
     inner: Arc<Storage>,
     marker: usize,
@@ -379,11 +382,15 @@ impl Claim {
     /// released when this returns, whatever the outcome.
     ///
     /// # Errors
-    /// [`crate::Error::LimitExceeded`] if `result` is larger than [`crate::RESULT_BYTES_MAX`] (nothing is
-    /// written; the claim is released). [`crate::Error::Poisoned`] or [`crate::Error::Storage`] if the write
-    /// fails. A retryable error wrote nothing. Any other leaves the batch's durability unknown
-    /// (a failed fsync, say: the batch may be visible in this process and still be lost by a
-    /// crash), so the engine refuses further writes until it is reopened, and the reopened
+    /// Refusals, each writing nothing, releasing the claim and leaving the engine as it was:
+    /// [`crate::Error::LimitExceeded`] if `result` is larger than [`crate::RESULT_BYTES_MAX`];
+    /// [`crate::Error::PositionBehind`] if a staged read position is behind its partition's;
+    /// [`crate::Error::InvalidArgument`] for a commit larger than the whole commit log
+    /// ([`crate::EngineBuilder::commit_log`]); [`crate::Error::ClockOutOfRange`] for a clock
+    /// past the records' range. [`crate::Error::Poisoned`] or [`crate::Error::Storage`] if the
+    /// write fails: a retryable error wrote nothing; any other leaves the batch's durability
+    /// unknown (a failed fsync, say: the batch may be visible in this process and still be lost
+    /// by a crash), so the engine refuses further writes until it is reopened, and the reopened
     /// store holds the whole batch or none of it.
     pub fn commit(mut self, result: impl AsRef<[u8]>) -> Result<Committed> {
         let started = Instant::now();

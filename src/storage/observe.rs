@@ -221,8 +221,9 @@ pub struct ConsumerStats {
 pub struct Stats {
     /// Per consumer, in the order consumers were first opened.
     pub consumers: Vec<ConsumerStats>,
-    /// Write batches written to RocksDB (each one WAL write): commits, batch commits, lease
-    /// steps.
+    /// Write batches the engine wrote: commits, batch commits, lease steps, one each, however
+    /// they were grouped (with the commit log, each is one record of the log, and a group of
+    /// them one write to the tables; without it, each is one WAL write).
     pub write_batches: u64,
     /// Claims held in this process right now.
     pub open_claims: usize,

@@ -30,6 +30,7 @@ mod pipeline_docs;
 mod positions;
 mod race;
 mod shrink_docs;
+mod staging_docs;
 #[path = "../support/tmpfs.rs"]
 mod tmpfs;
 mod ttl;
