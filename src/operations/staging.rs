@@ -114,6 +114,17 @@ enum StagedKind {
     Merge,
 }
 
+impl StagedKind {
+    /// Appends a write of this kind to `batch` (a delete ignores `value`).
+    fn append(self, batch: &mut WriteBatch, cf: &rocksdb::ColumnFamily, key: &[u8], value: &[u8]) {
+        match self {
+            StagedKind::Put => batch.put_cf(cf, key, value),
+            StagedKind::Delete => batch.delete_cf(cf, key),
+            StagedKind::Merge => batch.merge_cf(cf, key, value),
+        }
+    }
+}
+
 impl StagedOp {
     fn new(kind: StagedKind, table: usize, key: &[u8], value: &[u8]) -> StagedOp {
         let mut bytes = Vec::with_capacity(key.len() + value.len());
@@ -193,12 +204,7 @@ impl Staged {
                 ))
             })
             .get_mut();
-        let cf = inner.business_cf(table);
-        match kind {
-            StagedKind::Put => batch.put_cf(cf, key, value),
-            StagedKind::Delete => batch.delete_cf(cf, key),
-            StagedKind::Merge => batch.merge_cf(cf, key, value),
-        }
+        kind.append(batch, inner.business_cf(table), key, value);
     }
 
     pub(crate) fn put(
@@ -245,13 +251,9 @@ impl Staged {
     /// directly are in the batch [`Staged::take_batch`] gave already).
     pub(crate) fn drain_into(&mut self, inner: &Storage, batch: &mut WriteBatch) {
         for op in self.ops.drain(..) {
-            let cf = inner.business_cf(op.table);
             let (key, value) = op.bytes.split_at(op.key_len);
-            match op.kind {
-                StagedKind::Put => batch.put_cf(cf, key, value),
-                StagedKind::Delete => batch.delete_cf(cf, key),
-                StagedKind::Merge => batch.merge_cf(cf, key, value),
-            }
+            op.kind
+                .append(batch, inner.business_cf(op.table), key, value);
         }
         self.bytes = 0;
         self.writes = 0;
