@@ -16,6 +16,7 @@ use idemdb::Durability;
 
 use crate::contenders::embedded::{Idemdb, Raw, RawMode, Transactional};
 use crate::contenders::peers::{PostgresSession, RedisSession, SqliteSession, SqliteSync};
+use crate::contenders::pg_floor::FloorShape;
 use crate::workloads::{Session, Shape, WARM_UP_THREAD};
 
 /// What runs: a store and its settings.
@@ -62,17 +63,13 @@ pub enum Kind {
     PostgresWithRow,
     /// The least a claim can cost on the same server as statements between `BEGIN` and
     /// `COMMIT`, with the business row (`crate::contenders::pg_floor`): the ceiling of a design of
-    /// idemdb-postgres built that way.
-    PostgresClaimFloor,
-    /// [`Kind::PostgresClaimFloor`] with the claim's answer waited for before the business row
-    /// and `COMMIT` are sent: two round trips, as a claim API that answers before the caller's
-    /// SQL runs must take.
-    PostgresClaimFloorTwoTrips,
-    /// [`Kind::PostgresClaimFloor`]'s batch that answers duplicates in one round trip: the
-    /// markers' `INSERT ... ON CONFLICT DO NOTHING RETURNING key` and the winners' business rows
-    /// in one statement, sent with `BEGIN` and `COMMIT` (the floor's batch waits for its
-    /// winners before writing their rows).
-    PostgresClaimFloorOneTripBatch,
+    /// idemdb-postgres built that way. Its shape says how many round trips a single claim and
+    /// a batch take (with `two_trips`, the claim's answer is waited for before the business
+    /// row and `COMMIT` are sent, as a claim API that answers before the caller's SQL runs
+    /// must; with `one_trip_batch`, the markers' `INSERT ... ON CONFLICT DO NOTHING RETURNING`
+    /// and the winners' business rows are one statement sent with `BEGIN` and `COMMIT`), and
+    /// whether it claims into idemdb's table or a key-only one.
+    PostgresClaimFloor(FloorShape),
     /// idemdb's PostgreSQL backend on the same server, `synchronous_commit` on: a claim, the
     /// business row in its transaction, the commit; or with `apply`, the deliveries through
     /// `PgConsumer::apply` (the business row sent with the claim, one round trip for a new
@@ -120,9 +117,7 @@ impl Spec {
             self.kind,
             Kind::Postgres { .. }
                 | Kind::PostgresWithRow
-                | Kind::PostgresClaimFloor
-                | Kind::PostgresClaimFloorTwoTrips
-                | Kind::PostgresClaimFloorOneTripBatch
+                | Kind::PostgresClaimFloor(_)
                 | Kind::IdemdbPostgres { .. }
         )
     }
@@ -483,16 +478,17 @@ pub fn all() -> Vec<Spec> {
             Kind::PostgresWithRow,
             threads,
         ));
-        specs.push(sweep(
-            "postgres claim floor",
-            Kind::PostgresClaimFloor,
-            threads,
-        ));
-        specs.push(sweep(
-            "postgres claim floor, two round trips",
-            Kind::PostgresClaimFloorTwoTrips,
-            threads,
-        ));
+        for (label, records) in [
+            ("postgres claim floor", false),
+            ("postgres record floor", true),
+        ] {
+            specs.push(sweep(label, floor(false, false, records), threads));
+            specs.push(sweep(
+                &format!("{label}, two round trips"),
+                floor(true, false, records),
+                threads,
+            ));
+        }
     }
     specs.push(Spec::new(
         "postgres sync on + business row, 8 clients, 64 rows/txn",
@@ -501,20 +497,25 @@ pub fn all() -> Vec<Spec> {
         64,
         1,
     ));
-    specs.push(Spec::new(
-        "postgres claim floor, 8 clients, batch 64",
-        Kind::PostgresClaimFloor,
-        8,
-        64,
-        1,
-    ));
-    specs.push(Spec::new(
-        "postgres claim floor answering duplicates, 8 clients, batch 64",
-        Kind::PostgresClaimFloorOneTripBatch,
-        8,
-        64,
-        1,
-    ));
+    for (label, records) in [
+        ("postgres claim floor", false),
+        ("postgres record floor", true),
+    ] {
+        specs.push(Spec::new(
+            &format!("{label}, 8 clients, batch 64"),
+            floor(false, false, records),
+            8,
+            64,
+            1,
+        ));
+        specs.push(Spec::new(
+            &format!("{label} answering duplicates, 8 clients, batch 64"),
+            floor(false, true, records),
+            8,
+            64,
+            1,
+        ));
+    }
     specs.push(Spec::new(
         "idemdb-postgres, 8 clients, batch 64",
         PG_CLAIM,
@@ -523,6 +524,15 @@ pub fn all() -> Vec<Spec> {
         1,
     ));
     specs
+}
+
+/// A claim floor of this shape (see [`FloorShape`]).
+const fn floor(two_trips: bool, one_trip_batch: bool, records: bool) -> Kind {
+    Kind::PostgresClaimFloor(FloorShape {
+        two_trips,
+        one_trip_batch,
+        records,
+    })
 }
 
 /// The PostgreSQL backend's contenders: through `begin` + `commit_with`, or through `apply`.
@@ -539,9 +549,7 @@ pub fn sweep(label: &str, kind: Kind, threads: usize) -> Spec {
         Kind::Redis { .. }
             | Kind::Postgres { .. }
             | Kind::PostgresWithRow
-            | Kind::PostgresClaimFloor
-            | Kind::PostgresClaimFloorTwoTrips
-            | Kind::PostgresClaimFloorOneTripBatch
+            | Kind::PostgresClaimFloor(_)
             | Kind::IdemdbPostgres { .. }
     ) {
         "clients"
@@ -714,19 +722,11 @@ pub fn prepare(spec: &Spec, dir: &Path, ports: Ports) -> Result<Prepared> {
                 )?))
             })
         }
-        Kind::PostgresClaimFloor
-        | Kind::PostgresClaimFloorTwoTrips
-        | Kind::PostgresClaimFloorOneTripBatch => {
+        Kind::PostgresClaimFloor(shape) => {
             crate::contenders::pg_floor::reset(ports.postgres)?;
-            let two_trips = spec.kind == Kind::PostgresClaimFloorTwoTrips;
-            let one_trip_batch = spec.kind == Kind::PostgresClaimFloorOneTripBatch;
             Prepared::connected(threads, || {
                 Ok(Box::new(
-                    crate::contenders::pg_floor::ClaimFloorSession::connect(
-                        ports.postgres,
-                        two_trips,
-                        one_trip_batch,
-                    )?,
+                    crate::contenders::pg_floor::ClaimFloorSession::connect(ports.postgres, shape)?,
                 ))
             })
         }

@@ -11,6 +11,13 @@
 //! answers duplicates in one round trip does both in one statement: the markers' insert returns
 //! the winners, whose business rows the same statement inserts, sent with `BEGIN` and `COMMIT`.
 //!
+//! Its twin on idemdb's table (`records`) claims into a table of the backend's shape instead:
+//! the key is (consumer, message key), the row holds a completed record of the backend's size
+//! and its removal time, with an index on that time, and the table has the backend's
+//! autovacuum settings. It is the same statements on the same rows idemdb-postgres writes,
+//! without the lock, the read before the write or the function: what the backend's table
+//! alone costs the floor.
+//!
 //! What it leaves out, and idemdb-postgres does not: a second claimant of a held key waits
 //! for the holder's transaction to end instead of hearing "in progress" at once; a duplicate
 //! gets no stored result, fingerprint or state; nothing expires. So it bounds from above what
@@ -21,6 +28,7 @@ use anyhow::Result;
 use futures_util::future::{join, join3, join4};
 use tokio::runtime::Runtime;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 
 use crate::contenders::pg_backend::runtime;
@@ -57,6 +65,34 @@ const CLAIM_MANY_WITH_ROWS: &str = "WITH claimed AS ( \
 const ORDERS: &str = "INSERT INTO bench_floor.orders (key, value) \
      SELECT * FROM unnest($1::bytea[], $2::bytea[])";
 
+/// The claim of one key on idemdb's table: as [`CLAIM`].
+const CLAIM_RECORD: &str = "WITH claimed AS ( \
+         INSERT INTO bench_floor.records (consumer, message_key, record, expires_at_ms) \
+         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING RETURNING 1 \
+     ) SELECT 1 / count(*)::int4 FROM claimed";
+
+/// The claim of a batch's keys on idemdb's table: as [`CLAIM_MANY`], the winners' keys.
+const CLAIM_MANY_RECORDS: &str = "INSERT INTO bench_floor.records (consumer, message_key, record, expires_at_ms) \
+     SELECT $1, n.message_key, n.record, $4 FROM unnest($2::bytea[], $3::bytea[]) \
+         AS n(message_key, record) \
+     ON CONFLICT DO NOTHING RETURNING message_key";
+
+/// [`CLAIM_MANY_WITH_ROWS`] on idemdb's table: a business row's value is its key followed by
+/// `$5` (as [`Delivery::value`] makes it).
+const CLAIM_MANY_RECORDS_WITH_ROWS: &str = "WITH claimed AS ( \
+         INSERT INTO bench_floor.records (consumer, message_key, record, expires_at_ms) \
+         SELECT $1, n.message_key, n.record, $4 FROM unnest($2::bytea[], $3::bytea[]) \
+             AS n(message_key, record) \
+         ON CONFLICT DO NOTHING RETURNING message_key \
+     ), ordered AS ( \
+         INSERT INTO bench_floor.orders (key, value) \
+         SELECT message_key, message_key || $5 FROM claimed \
+     ) SELECT message_key FROM claimed";
+
+/// The length of the completed record idemdb-postgres stores for a message of the harness: an
+/// empty result, epoch 1, in record format 2 (docs/design.md, section 4).
+const RECORD_BYTES: usize = 31;
+
 /// Drops and re-creates the floor's tables: every run starts empty.
 pub fn reset(port: u16) -> Result<()> {
     runtime()?.block_on(async {
@@ -66,6 +102,14 @@ pub fn reset(port: u16) -> Result<()> {
                 "DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}; \
                  CREATE TABLE {SCHEMA}.inbox (key bytea PRIMARY KEY, value bytea NOT NULL); \
                  CREATE TABLE {SCHEMA}.orders (key bytea PRIMARY KEY, value bytea NOT NULL); \
+                 CREATE TABLE {SCHEMA}.records ( \
+                     consumer bytea NOT NULL, message_key bytea NOT NULL, \
+                     record bytea NOT NULL, expires_at_ms bigint NOT NULL, \
+                     PRIMARY KEY (consumer, message_key) \
+                 ) WITH (autovacuum_vacuum_scale_factor = 0.01, \
+                         autovacuum_vacuum_insert_scale_factor = 0.01, \
+                         autovacuum_analyze_scale_factor = 0.02); \
+                 CREATE INDEX ON {SCHEMA}.records (expires_at_ms); \
                  CHECKPOINT;"
             ))
             .await?;
@@ -73,13 +117,21 @@ pub fn reset(port: u16) -> Result<()> {
     })
 }
 
-pub struct ClaimFloorSession {
+/// The floor's shape: how many round trips, and on which table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FloorShape {
     /// A single delivery waits for its claim's answer before sending the business row and
     /// `COMMIT` (two round trips).
-    two_trips: bool,
+    pub two_trips: bool,
     /// A batch claims its keys, writes the winners' business rows and commits in one round
     /// trip ([`CLAIM_MANY_WITH_ROWS`]) instead of two.
-    one_trip_batch: bool,
+    pub one_trip_batch: bool,
+    /// Claims into idemdb's table (`records`) instead of the key-only `inbox`.
+    pub records: bool,
+}
+
+pub struct ClaimFloorSession {
+    shape: FloorShape,
     runtime: Runtime,
     client: Client,
     claim: Statement,
@@ -90,13 +142,22 @@ pub struct ClaimFloorSession {
 }
 
 impl ClaimFloorSession {
-    pub fn connect(port: u16, two_trips: bool, one_trip_batch: bool) -> Result<ClaimFloorSession> {
+    pub fn connect(port: u16, shape: FloorShape) -> Result<ClaimFloorSession> {
         let runtime = runtime()?;
+        let claims = if shape.records {
+            [
+                CLAIM_RECORD,
+                CLAIM_MANY_RECORDS,
+                CLAIM_MANY_RECORDS_WITH_ROWS,
+            ]
+        } else {
+            [CLAIM, CLAIM_MANY, CLAIM_MANY_WITH_ROWS]
+        };
         let (client, [claim, order, claim_many, orders, claim_many_with_rows]) =
             runtime.block_on(async {
                 let client = crate::contenders::pg_backend::connect(port, true).await?;
                 let mut prepared = Vec::new();
-                for sql in [CLAIM, ORDER, CLAIM_MANY, ORDERS, CLAIM_MANY_WITH_ROWS] {
+                for sql in [claims[0], ORDER, claims[1], ORDERS, claims[2]] {
                     prepared.push(client.prepare(sql).await?);
                 }
                 let prepared: [Statement; 5] = prepared
@@ -105,8 +166,7 @@ impl ClaimFloorSession {
                 anyhow::Ok((client, prepared))
             })?;
         Ok(ClaimFloorSession {
-            two_trips,
-            one_trip_batch,
+            shape,
             runtime,
             client,
             claim,
@@ -118,11 +178,66 @@ impl ClaimFloorSession {
     }
 }
 
+/// What a delivery's claim inserts: into `inbox`, its peer key and value; into idemdb's
+/// `records`, its consumer, message key, a record and the record's removal time.
+enum Marker {
+    Inbox {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    Record {
+        consumer: &'static [u8],
+        key: Vec<u8>,
+        record: Vec<u8>,
+        expires_at_ms: i64,
+    },
+}
+
+impl Marker {
+    fn of(delivery: &Delivery, records: bool) -> Marker {
+        let value = delivery.value();
+        if records {
+            Marker::Record {
+                consumer: crate::workloads::CONSUMER.as_bytes(),
+                key: delivery.key.to_vec(),
+                record: value[..RECORD_BYTES].to_vec(),
+                expires_at_ms: expires_at_ms(),
+            }
+        } else {
+            Marker::Inbox {
+                key: delivery.peer_key().to_vec(),
+                value: value.to_vec(),
+            }
+        }
+    }
+
+    fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        match self {
+            Marker::Inbox { key, value } => vec![key, value],
+            Marker::Record {
+                consumer,
+                key,
+                record,
+                expires_at_ms,
+            } => vec![consumer, key, record, expires_at_ms],
+        }
+    }
+}
+
+/// A record's removal time if written now: the wall clock plus the default retention.
+fn expires_at_ms() -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        });
+    now.saturating_add(i64::try_from(idemdb_postgres::RETENTION_MS_DEFAULT).unwrap_or(0))
+}
+
 impl Session for ClaimFloorSession {
     fn deliver(&mut self, deliveries: &[Delivery]) -> Result<()> {
         let ClaimFloorSession {
-            two_trips,
-            one_trip_batch,
+            shape,
             runtime,
             client,
             claim,
@@ -131,43 +246,49 @@ impl Session for ClaimFloorSession {
             orders,
             claim_many_with_rows,
         } = self;
+        let shape = *shape;
         let client: &Client = client;
         runtime.block_on(async {
-            if let [delivery] = deliveries
-                && *two_trips
-            {
-                let (key, value) = (delivery.peer_key(), delivery.value());
-                let (key, value): (&[u8], &[u8]) = (&key, &value);
-                let (begun, claimed) = join(
-                    client.batch_execute("BEGIN"),
-                    client.execute(claim, &[&key, &value]),
-                )
-                .await;
-                begun?;
-                match claimed {
-                    Ok(_) => {
-                        let (ordered, committed) = join(
-                            client.execute(order, &[&key, &value]),
-                            client.batch_execute("COMMIT"),
-                        )
-                        .await;
-                        ordered?;
-                        committed?;
-                    }
-                    Err(error) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
-                        client.batch_execute("ROLLBACK").await?;
-                    }
-                    Err(error) => return Err(error.into()),
-                }
-                return Ok(());
-            }
             if let [delivery] = deliveries {
-                let (key, value) = (delivery.peer_key(), delivery.value());
-                let (key, value): (&[u8], &[u8]) = (&key, &value);
+                let marker = Marker::of(delivery, shape.records);
+                let marker = marker.params();
+                // The business row: keyed as the claim's key is (idemdb's rows by the message
+                // key, the inbox's by its peer key).
+                let value = delivery.value();
+                let order_key = if shape.records {
+                    delivery.key.to_vec()
+                } else {
+                    delivery.peer_key().to_vec()
+                };
+                let (key, value): (&[u8], &[u8]) = (&order_key, &value);
+                if shape.two_trips {
+                    let (begun, claimed) = join(
+                        client.batch_execute("BEGIN"),
+                        client.execute(claim, &marker),
+                    )
+                    .await;
+                    begun?;
+                    match claimed {
+                        Ok(_) => {
+                            let (ordered, committed) = join(
+                                client.execute(order, &[&key, &value]),
+                                client.batch_execute("COMMIT"),
+                            )
+                            .await;
+                            ordered?;
+                            committed?;
+                        }
+                        Err(error) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
+                            client.batch_execute("ROLLBACK").await?;
+                        }
+                        Err(error) => return Err(error.into()),
+                    }
+                    return Ok(());
+                }
                 // Polled in order, so sent in order without waiting in between.
                 let (begun, claimed, ordered, committed) = join4(
                     client.batch_execute("BEGIN"),
-                    client.execute(claim, &[&key, &value]),
+                    client.execute(claim, &marker),
                     client.execute(order, &[&key, &value]),
                     client.batch_execute("COMMIT"),
                 )
@@ -186,12 +307,37 @@ impl Session for ClaimFloorSession {
                 }
                 return Ok(());
             }
-            let keys: Vec<Vec<u8>> = deliveries.iter().map(|d| d.peer_key().to_vec()).collect();
-            let values: Vec<Vec<u8>> = deliveries.iter().map(|d| d.value().to_vec()).collect();
-            if *one_trip_batch {
+            let markers: Vec<Marker> = deliveries
+                .iter()
+                .map(|delivery| Marker::of(delivery, shape.records))
+                .collect();
+            let mut keys: Vec<&[u8]> = Vec::with_capacity(markers.len());
+            let mut values: Vec<&[u8]> = Vec::with_capacity(markers.len());
+            for marker in &markers {
+                let (key, value) = match marker {
+                    Marker::Inbox { key, value } => (key, value),
+                    Marker::Record { key, record, .. } => (key, record),
+                };
+                keys.push(key);
+                values.push(value);
+            }
+            let consumer: &[u8] = crate::workloads::CONSUMER.as_bytes();
+            let expires = expires_at_ms();
+            // What follows the key in a delivery's value.
+            let padded = Delivery {
+                key: [0; crate::workloads::MESSAGE_KEY_BYTES],
+            }
+            .value();
+            let padding: &[u8] = &padded[crate::workloads::MESSAGE_KEY_BYTES..];
+            let params: Vec<&(dyn ToSql + Sync)> = match (shape.records, shape.one_trip_batch) {
+                (true, true) => vec![&consumer, &keys, &values, &expires, &padding],
+                (true, false) => vec![&consumer, &keys, &values, &expires],
+                (false, _) => vec![&keys, &values],
+            };
+            if shape.one_trip_batch {
                 let (begun, winners, committed) = join3(
                     client.batch_execute("BEGIN"),
-                    client.query(claim_many_with_rows, &[&keys, &values]),
+                    client.query(claim_many_with_rows, &params),
                     client.batch_execute("COMMIT"),
                 )
                 .await;
@@ -205,7 +351,7 @@ impl Session for ClaimFloorSession {
             }
             let (begun, winners) = join(
                 client.batch_execute("BEGIN"),
-                client.query(claim_many, &[&keys, &values]),
+                client.query(claim_many, &params),
             )
             .await;
             begun?;
@@ -216,10 +362,21 @@ impl Session for ClaimFloorSession {
                     return Err(error.into());
                 }
             };
-            let keys: Vec<&[u8]> = winners.iter().map(|row| row.get(0)).collect();
-            let values: Vec<&[u8]> = winners.iter().map(|row| row.get(1)).collect();
+            // The winners' business rows: the inbox answers each winner's value; on idemdb's
+            // table the value is made from the key, as the delivery made it.
+            let won: Vec<&[u8]> = winners.iter().map(|row| row.get(0)).collect();
+            let made: Vec<Vec<u8>> = if shape.records {
+                won.iter().map(|key| [*key, padding].concat()).collect()
+            } else {
+                Vec::new()
+            };
+            let won_values: Vec<&[u8]> = if shape.records {
+                made.iter().map(Vec::as_slice).collect()
+            } else {
+                winners.iter().map(|row| row.get(1)).collect()
+            };
             let (ordered, committed) = join(
-                client.execute(orders, &[&keys, &values]),
+                client.execute(orders, &[&won, &won_values]),
                 client.batch_execute("COMMIT"),
             )
             .await;

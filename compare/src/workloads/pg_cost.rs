@@ -38,13 +38,16 @@ pub struct PgCostArgs {
 
 /// The contenders measured, by their names in `contenders::all()`; each runs on one connection
 /// whatever its client count there.
-pub const CONTENDERS: [&str; 7] = [
+pub const CONTENDERS: [&str; 10] = [
     "postgres claim floor, 1 client",
     "postgres claim floor, two round trips, 1 client",
+    "postgres record floor, 1 client",
+    "postgres record floor, two round trips, 1 client",
     "idemdb-postgres, 1 client",
     "idemdb-postgres apply, 1 client",
     "postgres claim floor, 8 clients, batch 64",
     "postgres claim floor answering duplicates, 8 clients, batch 64",
+    "postgres record floor answering duplicates, 8 clients, batch 64",
     "idemdb-postgres, 8 clients, batch 64",
 ];
 
