@@ -231,6 +231,7 @@ fn main() {
     scenario!(a_batch_of_messages_takes_the_admission_floor_and_the_ordering_guard);
     scenario!(a_keys_lock_and_an_entitys_lock_of_the_same_bits_do_not_meet);
     scenario!(prepared_statements_outlive_their_connection_and_a_deallocate);
+    scenario!(a_callers_statement_is_prepared_once_per_text_and_types_up_to_the_cap);
     scenario!(business_sql_sent_with_the_commit_lands_with_the_record_or_not_at_all);
     scenario!(log_events_carry_the_embedded_names_and_fields);
     scenario!(kept_plans_look_keys_up_in_the_index_whatever_the_table_held_when_planned);
@@ -5954,6 +5955,80 @@ async fn claim_each_way(
     for kind in ["batch", "begin", "external"] {
         call_of_kind(consumer, client, kind, round).await?;
     }
+    Ok(())
+}
+
+/// How many statements `client`'s connection keeps prepared that insert into `schema.orders`.
+async fn callers_kept(client: &Client, schema: &str) -> Result<i64, Failure> {
+    Ok(client
+        .query_one(
+            "SELECT count(*) FROM pg_prepared_statements \
+             WHERE statement LIKE 'INSERT INTO ' || $1 || '.orders%'",
+            &[&schema],
+        )
+        .await?
+        .get(0))
+}
+
+/// The caller's statements sent with commits are prepared once per connection for each text
+/// and parameter types (the same text with other types is another statement, and both run),
+/// and past `CALLER_STATEMENTS_MAX` distinct ones the rest are sent unnamed: every row lands,
+/// and the connection keeps no more than the cap.
+async fn a_callers_statement_is_prepared_once_per_text_and_types_up_to_the_cap(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_callers").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let insert = "INSERT INTO t_callers.orders (id, body) VALUES ($1, $2)";
+    let mut committed: i64 = 0;
+    for (round, ty) in [
+        Type::TEXT,
+        Type::TEXT,
+        Type::TEXT,
+        Type::VARCHAR,
+        Type::VARCHAR,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("same-{round}");
+        let Outcome::Fresh(claim) = consumer.begin(&mut client, &id, body).await? else {
+            return Err(format!("{id} not fresh").into());
+        };
+        claim
+            .commit_with(b"", &[(insert, &[(&id, ty.clone()), (&"x", ty)])])
+            .await?;
+        committed += 1;
+    }
+    let kept = callers_kept(&client, "t_callers").await?;
+    ensure!(
+        kept == 2,
+        "one text with two sets of types: {kept} statements kept"
+    );
+    for n in 0..idemdb_postgres::CALLER_STATEMENTS_MAX + 6 {
+        let id = format!("text-{n}");
+        let sql = format!("INSERT INTO t_callers.orders (id, body) VALUES ($1, 'n{n}')");
+        let Outcome::Fresh(claim) = consumer.begin(&mut client, &id, body).await? else {
+            return Err(format!("{id} not fresh").into());
+        };
+        claim
+            .commit_with(b"", &[(sql.as_str(), &[(&id, Type::TEXT)])])
+            .await?;
+        committed += 1;
+    }
+    let kept = callers_kept(&client, "t_callers").await?;
+    ensure!(
+        usize::try_from(kept)? == idemdb_postgres::CALLER_STATEMENTS_MAX,
+        "{kept} of the caller's statements kept"
+    );
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM t_callers.orders", &[])
+        .await?
+        .get(0);
+    ensure!(rows == committed, "{rows} rows of {committed}");
     Ok(())
 }
 

@@ -20,9 +20,10 @@
 //! `StatementDeallocated`, nothing written.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Mutex;
 
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
 use crate::sql::pipeline::in_order;
@@ -30,6 +31,11 @@ use crate::sql::pipeline::in_order;
 /// How many connections' statements are kept; past it the least recently used connection's
 /// are dropped (and closed on the server, when that connection is still open).
 const CONNECTIONS_MAX: usize = 1024;
+
+/// A statement as the transactions send it: its SQL and its parameters with their types (the
+/// cache looks at the types only). The same shape as `crate::sql::txn::Statement`, spelled out
+/// so that this module does not look up at the one that uses it.
+type Sent<'a> = (&'a str, &'a [(&'a (dyn ToSql + Sync), Type)]);
 
 /// The statements prepared on each connection a store ran on.
 #[derive(Debug)]
@@ -39,20 +45,73 @@ pub(crate) struct StatementCache {
     connections: Mutex<Connections>,
 }
 
+/// Hashes a key with one xxh3 call per write: the keys are SQL texts of a few hundred bytes,
+/// looked up on every claim, and SipHash (the standard maps' default) cost about 600
+/// instructions a text. The maps hold a store's own statements and at most
+/// [`CALLER_STATEMENTS_MAX`] of the caller's per connection, so a key that collides on purpose
+/// slows one connection's lookups at most.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type KeyMap<K, V> = HashMap<K, V, BuildHasherDefault<KeyHasher>>;
+
 #[derive(Debug, Default)]
 struct Connections {
     /// Bumped at every use, to find the least recently used connection.
     clock: u64,
-    by_address: HashMap<usize, Prepared>,
+    by_address: KeyMap<usize, Prepared>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Prepared {
     last_used: u64,
-    /// The store's statements by their SQL, and the caller's by [`caller_key`].
-    by_sql: HashMap<String, Statement>,
-    /// How many of `by_sql` are the caller's.
-    callers: usize,
+    /// The store's statements by their SQL.
+    by_sql: KeyMap<String, Statement>,
+    /// The caller's statements by [`caller_hash`] of their SQL and parameter types (the same
+    /// text may come with other types); texts whose hashes meet share the list.
+    callers: KeyMap<u64, Vec<CallerStatement>>,
+    /// How many statements `callers` holds.
+    caller_count: usize,
+}
+
+/// A caller's statement kept, with what it was prepared from.
+#[derive(Debug)]
+struct CallerStatement {
+    sql: String,
+    types: Vec<Type>,
+    statement: Statement,
+}
+
+impl CallerStatement {
+    fn is(&self, (sql, params): &Sent<'_>) -> bool {
+        self.sql == *sql
+            && self.types.len() == params.len()
+            && self
+                .types
+                .iter()
+                .zip(params.iter())
+                .all(|(kept, (_, ty))| kept == ty)
+    }
+}
+
+impl Prepared {
+    fn caller(&self, hash: u64, sent: &Sent<'_>) -> Option<&Statement> {
+        self.callers
+            .get(&hash)?
+            .iter()
+            .find(|kept| kept.is(sent))
+            .map(|kept| &kept.statement)
+    }
 }
 
 /// The most statements of the caller's kept per connection: a handler's SQL is a few fixed
@@ -60,17 +119,20 @@ struct Prepared {
 /// statements are then sent unnamed), so the server's memory does not grow with it.
 pub const CALLER_STATEMENTS_MAX: usize = 64;
 
-/// The key of a caller's statement: its SQL and its parameters' types (the same text may come
-/// with other types). A NUL byte cannot occur in SQL that is sent (`check_sendable`).
-fn caller_key(sql: &str, types: &[Type]) -> String {
-    let mut key = String::with_capacity(sql.len() + 8 * types.len() + 1);
-    key.push_str(sql);
-    key.push('\0');
-    for ty in types {
-        key.push_str(&ty.oid().to_string());
-        key.push(',');
+/// The key of a caller's statement: its SQL and its parameters' types, hashed without copying
+/// either.
+fn caller_hash((sql, params): &Sent<'_>) -> u64 {
+    let mut hasher = KeyHasher::default();
+    hasher.write(sql.as_bytes());
+    for (_, ty) in params.iter() {
+        hasher.write(&ty.oid().to_le_bytes());
     }
-    key
+    hasher.finish()
+}
+
+/// The parameters' types of `statement`, to prepare it with.
+fn types((_, params): &Sent<'_>) -> Vec<Type> {
+    params.iter().map(|(_, ty)| ty.clone()).collect()
 }
 
 impl StatementCache {
@@ -86,21 +148,27 @@ impl StatementCache {
         }
     }
 
-    /// The prepared form of each statement, in order, on `client`: those kept already, and the
-    /// others prepared now (together, in one round trip). All `None` when the cache is off.
+    /// The prepared form of each of the store's statements, in order, on `client`: those kept
+    /// already, and the others prepared now (together, in one round trip). All `None` when the
+    /// cache is off.
     ///
     /// # Errors
     /// The first error of a `PREPARE` (a table that does not exist, say).
     pub(crate) async fn prepare(
         &self,
         client: &Client,
-        statements: &[(&str, Vec<Type>)],
+        statements: &[Sent<'_>],
     ) -> Result<Vec<Option<Statement>>, tokio_postgres::Error> {
         if !self.enabled {
             return Ok(vec![None; statements.len()]);
         }
         let address = address(client);
-        let (mut found, _) = self.kept(address, statements.iter().map(|(sql, _)| *sql));
+        let mut found: Vec<Option<Statement>> = self.kept(address, |prepared| {
+            statements
+                .iter()
+                .map(|(sql, _)| prepared.and_then(|prepared| prepared.by_sql.get(*sql).cloned()))
+                .collect()
+        });
         let missing: Vec<usize> = (0..statements.len())
             .filter(|&index| found[index].is_none())
             .collect();
@@ -108,8 +176,8 @@ impl StatementCache {
             return Ok(found);
         }
         let prepared = in_order(missing.iter().map(|&index| {
-            let (sql, types) = &statements[index];
-            client.prepare_typed(sql, types)
+            let statement = &statements[index];
+            async move { client.prepare_typed(statement.0, &types(statement)).await }
         }))
         .await
         .into_iter()
@@ -135,8 +203,7 @@ impl StatementCache {
             .entry(address)
             .or_insert_with(|| Prepared {
                 last_used: now,
-                by_sql: HashMap::new(),
-                callers: 0,
+                ..Prepared::default()
             });
         for (index, statement) in missing.into_iter().zip(prepared) {
             kept.by_sql
@@ -154,17 +221,23 @@ impl StatementCache {
     pub(crate) async fn prepare_callers(
         &self,
         client: &Client,
-        statements: &[(&str, Vec<Type>)],
+        statements: &[Sent<'_>],
     ) -> Vec<Result<Option<Statement>, tokio_postgres::Error>> {
         if !self.enabled || statements.is_empty() {
             return statements.iter().map(|_| Ok(None)).collect();
         }
         let address = address(client);
-        let keys: Vec<String> = statements
-            .iter()
-            .map(|(sql, types)| caller_key(sql, types))
-            .collect();
-        let (mut found, callers) = self.kept(address, keys.iter().map(String::as_str));
+        let hashes: Vec<u64> = statements.iter().map(caller_hash).collect();
+        let (mut found, callers) = self.kept(address, |prepared| {
+            let found: Vec<Option<Statement>> = statements
+                .iter()
+                .zip(&hashes)
+                .map(|(sent, &hash)| {
+                    prepared.and_then(|prepared| prepared.caller(hash, sent).cloned())
+                })
+                .collect();
+            (found, prepared.map_or(0, |prepared| prepared.caller_count))
+        });
         let room = CALLER_STATEMENTS_MAX.saturating_sub(callers);
         let missing: Vec<usize> = (0..statements.len())
             .filter(|&index| found[index].is_none())
@@ -174,30 +247,29 @@ impl StatementCache {
             return sendable(found, statements).into_iter().map(Ok).collect();
         }
         let prepared = in_order(missing.iter().map(|&index| {
-            let (sql, types) = &statements[index];
-            client.prepare_typed(sql, types)
+            let statement = &statements[index];
+            async move { client.prepare_typed(statement.0, &types(statement)).await }
         }))
         .await;
         let mut errors: Vec<Option<tokio_postgres::Error>> =
             statements.iter().map(|_| None).collect();
         let mut connections = self.lock();
-        let kept = connections
-            .by_address
-            .entry(address)
-            .or_insert_with(|| Prepared {
-                last_used: 0,
-                by_sql: HashMap::new(),
-                callers: 0,
-            });
+        let kept = connections.by_address.entry(address).or_default();
         for (index, answer) in missing.into_iter().zip(prepared) {
             match answer {
                 Ok(statement) => {
-                    if kept
-                        .by_sql
-                        .insert(keys[index].clone(), statement.clone())
-                        .is_none()
-                    {
-                        kept.callers += 1;
+                    let sent = &statements[index];
+                    // The same statement twice in one call is prepared twice and kept once.
+                    if kept.caller(hashes[index], sent).is_none() {
+                        kept.callers
+                            .entry(hashes[index])
+                            .or_default()
+                            .push(CallerStatement {
+                                sql: sent.0.to_owned(),
+                                types: types(sent),
+                                statement: statement.clone(),
+                            });
+                        kept.caller_count += 1;
                     }
                     found[index] = Some(statement);
                 }
@@ -220,24 +292,17 @@ impl StatementCache {
         self.lock().by_address.remove(&address(client));
     }
 
-    /// The statements kept for `address` under `keys`, `None` where one is not, and how many
-    /// of the caller's the address keeps.
-    fn kept<'k>(
-        &self,
-        address: usize,
-        keys: impl Iterator<Item = &'k str>,
-    ) -> (Vec<Option<Statement>>, usize) {
+    /// What `look` finds among the statements kept for `address` (`None`: nothing is kept for
+    /// it), marking the address used.
+    fn kept<T>(&self, address: usize, look: impl FnOnce(Option<&Prepared>) -> T) -> T {
         let mut connections = self.lock();
         connections.clock += 1;
         let now = connections.clock;
-        match connections.by_address.get_mut(&address) {
-            Some(prepared) => {
-                prepared.last_used = now;
-                let found = keys.map(|key| prepared.by_sql.get(key).cloned()).collect();
-                (found, prepared.callers)
-            }
-            None => (keys.map(|_| None).collect(), 0),
-        }
+        let prepared = connections.by_address.get_mut(&address).map(|prepared| {
+            prepared.last_used = now;
+            &*prepared
+        });
+        look(prepared)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Connections> {
@@ -254,15 +319,12 @@ impl StatementCache {
 /// rest). tokio-postgres refuses to bind it on the client, so it would never reach the server,
 /// and nothing would abort the transaction: the `COMMIT` behind it would commit the record
 /// without it. Sent unnamed instead, the server refuses it, which aborts the transaction.
-fn sendable(
-    found: Vec<Option<Statement>>,
-    statements: &[(&str, Vec<Type>)],
-) -> Vec<Option<Statement>> {
+fn sendable(found: Vec<Option<Statement>>, statements: &[Sent<'_>]) -> Vec<Option<Statement>> {
     found
         .into_iter()
         .zip(statements)
-        .map(|(statement, (_, types))| {
-            statement.filter(|statement| statement.params().len() == types.len())
+        .map(|(statement, (_, params))| {
+            statement.filter(|statement| statement.params().len() == params.len())
         })
         .collect()
 }

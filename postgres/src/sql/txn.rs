@@ -205,7 +205,7 @@ impl<'c> ClaimTransaction<'c> {
         let mut retried = false;
         loop {
             let client = connection.get_mut();
-            let prepared = cache.prepare(client, &types_of(&guarded)).await?;
+            let prepared = cache.prepare(client, &guarded).await?;
             let (begun, mut answers) = {
                 let shared: &Client = client;
                 // From the first poll on, `BEGIN` and the key's lock are on their way: a call
@@ -286,14 +286,12 @@ impl<'c> ClaimTransaction<'c> {
         let mut retried = false;
         let (mut answers, committed) = loop {
             // The store's statements before and after the caller's, prepared together.
-            let mut prepared = cache
-                .prepare(client, &[types_of(statements), types_of(after)].concat())
-                .await?;
+            let mut prepared = cache.prepare(client, &[statements, after].concat()).await?;
             let prepared_after = prepared.split_off(statements.len());
             // A caller's statement that does not prepare is sent unnamed, and fails in the
             // transaction as it would have anyway (nothing was sent yet).
             let callers = cache
-                .prepare_callers(client, &types_of(staged))
+                .prepare_callers(client, staged)
                 .await
                 .into_iter()
                 .map(|prepared| prepared.ok().flatten());
@@ -347,10 +345,7 @@ impl<'c> ClaimTransaction<'c> {
         staged: &[Statement<'_>],
         writes: &[Statement<'_>],
     ) -> std::result::Result<Vec<Vec<Row>>, CommitFailed> {
-        let prepared = self
-            .cache
-            .prepare(self.client.get(), &types_of(writes))
-            .await;
+        let prepared = self.cache.prepare(self.client.get(), writes).await;
         let prepared = self
             .release_on_error(prepared)
             .await
@@ -358,11 +353,7 @@ impl<'c> ClaimTransaction<'c> {
         // A caller's statement that does not prepare has aborted the transaction (a parse
         // error inside a transaction does): its own error, after the rollback.
         let mut callers = Vec::with_capacity(staged.len());
-        for answer in self
-            .cache
-            .prepare_callers(self.client.get(), &types_of(staged))
-            .await
-        {
+        for answer in self.cache.prepare_callers(self.client.get(), staged).await {
             match answer {
                 Ok(prepared) => callers.push(prepared),
                 Err(error) => {
@@ -519,14 +510,6 @@ async fn run(
         }
         None => client.query_typed(sql, params).await,
     }
-}
-
-/// Each statement's text and parameter types, to prepare it.
-fn types_of<'a>(statements: &[Statement<'a>]) -> Vec<(&'a str, Vec<Type>)> {
-    statements
-        .iter()
-        .map(|(sql, params)| (*sql, params.iter().map(|(_, ty)| ty.clone()).collect()))
-        .collect()
 }
 
 /// The one row of a statement that always returns one (a `SELECT` without `FROM`).
