@@ -194,20 +194,37 @@ enum Marker {
 }
 
 impl Marker {
-    fn of(delivery: &Delivery, records: bool) -> Marker {
+    /// The marker of `delivery`; a record's removal time is `expires_at_ms` (read once for a
+    /// batch).
+    fn of(delivery: &Delivery, records: bool, expires_at_ms: i64) -> Marker {
         let value = delivery.value();
         if records {
             Marker::Record {
                 consumer: crate::workloads::CONSUMER.as_bytes(),
                 key: delivery.key.to_vec(),
                 record: value[..RECORD_BYTES].to_vec(),
-                expires_at_ms: expires_at_ms(),
+                expires_at_ms,
             }
         } else {
             Marker::Inbox {
                 key: delivery.peer_key().to_vec(),
                 value: value.to_vec(),
             }
+        }
+    }
+
+    /// The key the marker is claimed by, which the business row is keyed by too.
+    fn key(&self) -> &[u8] {
+        match self {
+            Marker::Inbox { key, .. } | Marker::Record { key, .. } => key,
+        }
+    }
+
+    /// What the marker's row holds beside its key: the inbox's value, or the record.
+    fn value(&self) -> &[u8] {
+        match self {
+            Marker::Inbox { value, .. } => value,
+            Marker::Record { record, .. } => record,
         }
     }
 
@@ -250,17 +267,12 @@ impl Session for ClaimFloorSession {
         let client: &Client = client;
         runtime.block_on(async {
             if let [delivery] = deliveries {
-                let marker = Marker::of(delivery, shape.records);
-                let marker = marker.params();
+                let marker = Marker::of(delivery, shape.records, expires_at_ms());
                 // The business row: keyed as the claim's key is (idemdb's rows by the message
                 // key, the inbox's by its peer key).
                 let value = delivery.value();
-                let order_key = if shape.records {
-                    delivery.key.to_vec()
-                } else {
-                    delivery.peer_key().to_vec()
-                };
-                let (key, value): (&[u8], &[u8]) = (&order_key, &value);
+                let (key, value): (&[u8], &[u8]) = (marker.key(), &value);
+                let marker = marker.params();
                 if shape.two_trips {
                     let (begun, claimed) = join(
                         client.batch_execute("BEGIN"),
@@ -307,22 +319,14 @@ impl Session for ClaimFloorSession {
                 }
                 return Ok(());
             }
+            let expires = expires_at_ms();
             let markers: Vec<Marker> = deliveries
                 .iter()
-                .map(|delivery| Marker::of(delivery, shape.records))
+                .map(|delivery| Marker::of(delivery, shape.records, expires))
                 .collect();
-            let mut keys: Vec<&[u8]> = Vec::with_capacity(markers.len());
-            let mut values: Vec<&[u8]> = Vec::with_capacity(markers.len());
-            for marker in &markers {
-                let (key, value) = match marker {
-                    Marker::Inbox { key, value } => (key, value),
-                    Marker::Record { key, record, .. } => (key, record),
-                };
-                keys.push(key);
-                values.push(value);
-            }
+            let keys: Vec<&[u8]> = markers.iter().map(Marker::key).collect();
+            let values: Vec<&[u8]> = markers.iter().map(Marker::value).collect();
             let consumer: &[u8] = crate::workloads::CONSUMER.as_bytes();
-            let expires = expires_at_ms();
             // What follows the key in a delivery's value.
             let padded = Delivery {
                 key: [0; crate::workloads::MESSAGE_KEY_BYTES],
@@ -365,6 +369,8 @@ impl Session for ClaimFloorSession {
             // The winners' business rows: the inbox answers each winner's value; on idemdb's
             // table the value is made from the key, as the delivery made it.
             let won: Vec<&[u8]> = winners.iter().map(|row| row.get(0)).collect();
+            // (The inbox's values are borrowed from its answer, not copied: the floor's client
+            // does no more than it must.)
             let made: Vec<Vec<u8>> = if shape.records {
                 won.iter().map(|key| [*key, padding].concat()).collect()
             } else {

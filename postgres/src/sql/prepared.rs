@@ -135,6 +135,20 @@ fn types((_, params): &Sent<'_>) -> Vec<Type> {
     params.iter().map(|(_, ty)| ty.clone()).collect()
 }
 
+/// Prepares the statements of `statements` at `indexes`, together (one round trip), with their
+/// parameters' types; each one's own answer, in that order.
+async fn prepare_each(
+    client: &Client,
+    statements: &[Sent<'_>],
+    indexes: &[usize],
+) -> Vec<Result<Statement, tokio_postgres::Error>> {
+    in_order(indexes.iter().map(|&index| {
+        let statement = &statements[index];
+        async move { client.prepare_typed(statement.0, &types(statement)).await }
+    }))
+    .await
+}
+
 impl StatementCache {
     /// Whether statements are prepared (and kept).
     pub(crate) fn enabled(&self) -> bool {
@@ -175,13 +189,10 @@ impl StatementCache {
         if missing.is_empty() {
             return Ok(found);
         }
-        let prepared = in_order(missing.iter().map(|&index| {
-            let statement = &statements[index];
-            async move { client.prepare_typed(statement.0, &types(statement)).await }
-        }))
-        .await
-        .into_iter()
-        .collect::<Result<Vec<Statement>, _>>()?;
+        let prepared = prepare_each(client, statements, &missing)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<Statement>, _>>()?;
         let mut connections = self.lock();
         let connections = &mut *connections;
         connections.clock += 1;
@@ -246,11 +257,7 @@ impl StatementCache {
         if missing.is_empty() {
             return sendable(found, statements).into_iter().map(Ok).collect();
         }
-        let prepared = in_order(missing.iter().map(|&index| {
-            let statement = &statements[index];
-            async move { client.prepare_typed(statement.0, &types(statement)).await }
-        }))
-        .await;
+        let prepared = prepare_each(client, statements, &missing).await;
         let mut errors: Vec<Option<tokio_postgres::Error>> =
             statements.iter().map(|_| None).collect();
         let mut connections = self.lock();

@@ -375,7 +375,7 @@ impl LogWriter {
         state.queue.push((waiter.clone(), batch));
         // A synced group's leader waits for its sync (a hundred microseconds and more here),
         // longer than the yields last: a queued writer then parks at once (yielding first cost
-        // two synced writers 10-13%).
+        // two synced writers 10-19%).
         let mut yields = if self.sync_each {
             0
         } else {
