@@ -34,6 +34,10 @@ pub struct PgCostArgs {
     /// Where the table goes (`pg-cost.md`).
     #[arg(long, default_value = "docs/bench")]
     pub out: PathBuf,
+    /// Also print each contender's statements (stderr): calls, execution time per call, and
+    /// how often each was planned, the costliest first.
+    #[arg(long)]
+    pub statements: bool,
 }
 
 /// The contenders measured, by their names in `contenders::all()`; each runs on one connection
@@ -139,6 +143,9 @@ pub fn run(args: &PgCostArgs) -> Result<Vec<Cost>> {
              FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%'",
             &[],
         )?;
+        if args.statements {
+            print_statements(&mut observer)?;
+        }
         drop(prepared);
         std::fs::remove_dir_all(&dir)?;
         let messages = calls * per_call as u64;
@@ -173,6 +180,27 @@ pub fn run(args: &PgCostArgs) -> Result<Vec<Cost>> {
     }
     drop(server);
     Ok(costs)
+}
+
+/// Prints the statements counted since the last reset, the costliest first: calls, execution
+/// time per call, times planned, and the text's start.
+fn print_statements(observer: &mut postgres::Client) -> Result<()> {
+    let rows = observer.query(
+        "SELECT calls::float8, total_exec_time::float8, plans::float8, \
+             left(regexp_replace(query, '\\s+', ' ', 'g'), 120) \
+         FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_%' \
+         ORDER BY total_exec_time DESC",
+        &[],
+    )?;
+    for row in rows {
+        let (calls, exec_ms, plans, query): (f64, f64, f64, String) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        eprintln!(
+            "    {calls:>8.0} calls {:>8.2} us exec a call {plans:>6.0} plans  {query}",
+            exec_ms * 1000.0 / calls.max(1.0)
+        );
+    }
+    Ok(())
 }
 
 /// The time on CPU of this process, every thread (`/proc/self/task/*/schedstat`; a thread that
