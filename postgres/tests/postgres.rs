@@ -207,6 +207,9 @@ fn main() {
     scenario!(a_deadlock_in_the_business_sql_leaves_nothing_of_the_loser);
     scenario!(a_commit_whose_replaced_row_vanished_writes_it_whole);
     scenario!(random_sequences_agree_with_the_embedded_engines_model);
+    scenario!(random_sequences_agree_with_the_model_on_a_table_past_the_plain_claims_size);
+    scenario!(the_plain_claim_statement_runs_once_the_table_is_large_and_prepared);
+    scenario!(a_row_committed_behind_the_plain_claims_snapshot_is_read_again);
     scenario!(an_external_claim_is_resumed_from_its_ticket);
     scenario!(missing_tables_are_typed_errors_and_a_reinstall_is_used_again);
     scenario!(claims_are_read_committed_under_a_serializable_default);
@@ -3072,15 +3075,61 @@ fn random_ops(rng: &mut u64, len: usize) -> Vec<model_spec::Op> {
 }
 
 async fn random_sequences_agree_with_the_embedded_engines_model(url: &str) -> Result<(), Failure> {
+    model_sequences(url, false).await
+}
+
+/// The same sequences on a records table past `PLAIN_CLAIM_TABLE_BYTES`, where single claims
+/// run as one plain statement instead of the claim's function.
+async fn random_sequences_agree_with_the_model_on_a_table_past_the_plain_claims_size(
+    url: &str,
+) -> Result<(), Failure> {
+    model_sequences(url, true).await
+}
+
+/// Rows of another consumer that take a records table past the size from which claims run as
+/// one plain statement (1 MiB; 20,000 rows of about 110 bytes).
+async fn grow_records(client: &Client, schema: &str) -> Result<(), Failure> {
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {schema}.records (consumer, message_key, record, expires_at_ms) \
+             SELECT '\\xff'::bytea, int8send(g), decode(repeat('ab', 60), 'hex'), {} \
+             FROM generate_series(1, 20000) AS g",
+            i64::MAX
+        ))
+        .await?;
+    Ok(())
+}
+
+/// How many plain claim statements `client`'s session has prepared.
+async fn plain_claims_prepared(client: &Client) -> Result<i64, Failure> {
+    Ok(client
+        .query_one(
+            "SELECT count(*) FROM pg_prepared_statements \
+             WHERE statement LIKE 'WITH l AS MATERIALIZED%pg_try_advisory_xact_lock%'",
+            &[],
+        )
+        .await?
+        .get(0))
+}
+
+/// The model's sequences on `t_model` (its statements name the schema), grown past the plain
+/// claim's size first when `large`.
+async fn model_sequences(url: &str, large: bool) -> Result<(), Failure> {
+    let schema = "t_model";
     let cases: usize = std::env::var("IDEMDB_PG_MODEL_CASES")
         .ok()
         .and_then(|cases| cases.parse().ok())
         .unwrap_or(64);
     let mut client = connect(url).await?;
-    let names = fresh_schema(&mut client, "t_model").await?;
+    let names = fresh_schema(&mut client, schema).await?;
     client
-        .batch_execute("CREATE TABLE t_model.counters (key text PRIMARY KEY, n int8 NOT NULL)")
+        .batch_execute(&format!(
+            "CREATE TABLE {schema}.counters (key text PRIMARY KEY, n int8 NOT NULL)"
+        ))
         .await?;
+    if large {
+        grow_records(&client, schema).await?;
+    }
     let mut rng = 0x1de3_db00_u64;
     let mut steps = 0;
     for case in 0..cases {
@@ -3092,7 +3141,167 @@ async fn random_sequences_agree_with_the_embedded_engines_model(url: &str) -> Re
             return Err(format!("case {case}: {error}\n  ops: {shown}").into());
         }
     }
+    if large {
+        // Each of the model's claims ran on a connection of its own, whose first claim looks
+        // at the table's size: one more such claim shows what they found.
+        // (A store's first claim has no estimate of the database's clock yet, so it sends no
+        // record and calls the function: the second one shows.)
+        let store = PgStore::builder().names(names.clone()).open(&client).await?;
+        let consumer = store.consumer("plain-check")?;
+        for key in ["j", "k"] {
+            let outcome = consumer.begin(&mut client, key, Fingerprint::of(b"k")).await?;
+            drop(outcome);
+        }
+        let prepared = plain_claims_prepared(&client).await?;
+        ensure!(prepared == 1, "the model's claims did not run as the plain statement");
+    }
     println!("    model: {cases} sequences, {steps} steps, no disagreement");
+    Ok(())
+}
+
+async fn the_plain_claim_statement_runs_once_the_table_is_large_and_prepared(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_plain_gate").await?;
+    let store = PgStore::builder().names(names.clone()).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "a", body).await? else {
+        return Err("first claim not fresh".into());
+    };
+    claim.commit(b"kept").await?;
+    ensure!(
+        plain_claims_prepared(&client).await? == 0,
+        "a plain claim on a small table"
+    );
+    // Past the size, the connection finds out at its next look (every 1,024 claims).
+    grow_records(&client, "t_plain_gate").await?;
+    for _ in 0..1025 {
+        let outcome = consumer.begin(&mut client, "a", body).await?;
+        match outcome {
+            Outcome::Duplicate { ref result, .. } if result.as_ref() == b"kept" => {}
+            other => return Err(format!("redelivery: {other:?}").into()),
+        }
+    }
+    ensure!(
+        plain_claims_prepared(&client).await? == 1,
+        "no plain claim once the table is large"
+    );
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "b", body).await? else {
+        return Err("a new key on the large table not fresh".into());
+    };
+    claim.commit(b"second").await?;
+    match consumer.begin(&mut client, "b", body).await? {
+        Outcome::Duplicate { result, .. } if result.as_ref() == b"second" => {}
+        other => return Err(format!("b's redelivery: {other:?}").into()),
+    }
+    // Without prepared statements every claim calls the function: an unnamed plain statement
+    // would be planned at every run.
+    let mut unprepared_client = connect(url).await?;
+    let unprepared = PgStore::builder()
+        .names(names)
+        .prepared_statements(false)
+        .open(&unprepared_client)
+        .await?
+        .consumer("c")?;
+    let Outcome::Fresh(claim) = unprepared.begin(&mut unprepared_client, "c", body).await? else {
+        return Err("a new key without prepared statements not fresh".into());
+    };
+    claim.commit(b"third").await?;
+    let mut watcher = connect(url).await?;
+    let Outcome::Duplicate { .. } = unprepared.begin(&mut watcher, "c", body).await? else {
+        return Err("c's redelivery not a duplicate".into());
+    };
+    let calls: i64 = unprepared_client
+        .query_one(
+            "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH l AS%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(calls == 0, "{calls} plain claims prepared without prepared statements");
+    Ok(())
+}
+
+/// The plain claim statement reads the key's row in its own snapshot, taken before it tries
+/// the key's lock: a row committed after that snapshot is missed by its read, found by its
+/// insert (which then inserts nothing), and must be read again. Made deterministic with a row
+/// written by a transaction that does not take the key's lock: the claim's insert waits for
+/// it, and it commits while the claim waits.
+async fn a_row_committed_behind_the_plain_claims_snapshot_is_read_again(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_plain_race").await?;
+    grow_records(&client, "t_plain_race").await?;
+    let store = PgStore::builder().names(names).open(&client).await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "done", body).await? else {
+        return Err("first claim not fresh".into());
+    };
+    claim.commit(b"kept").await?;
+    // A store's first claim has no estimate of the database's clock yet, so it sends no record
+    // and calls the function; the second runs as the plain statement.
+    let outcome = consumer.begin(&mut client, "done", body).await?;
+    ensure!(
+        matches!(outcome, Outcome::Duplicate { .. }),
+        "redelivery: {outcome:?}"
+    );
+    drop(outcome);
+    ensure!(
+        plain_claims_prepared(&client).await? == 1,
+        "a claim on a large table did not run as the plain statement"
+    );
+    let writer = connect(url).await?;
+    writer
+        .batch_execute(
+            "BEGIN; INSERT INTO t_plain_race.records (consumer, message_key, record, expires_at_ms) \
+             SELECT consumer, 'k'::bytea, record, expires_at_ms FROM t_plain_race.records \
+             WHERE message_key = 'done'::bytea",
+        )
+        .await?;
+    let claimant = tokio::spawn({
+        let consumer = consumer.clone();
+        let claimant = connect(url).await?;
+        async move {
+            // Its connection's first claim looks at the table's size, then runs the statement.
+            match consumer
+                .begin_owned(Box::new(claimant), &idemdb::Message::new(b"k", body))
+                .await
+            {
+                Ok(Outcome::Duplicate { result, .. }) => Ok(result),
+                other => Err(format!("the claim behind the writer: {other:?}")),
+            }
+        }
+    });
+    // Until the claim's insert waits for the writer's transaction (bounded, so that a
+    // regression fails instead of hanging).
+    let mut waited = 0;
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND wait_event = 'transactionid' AND query LIKE 'WITH l AS MATERIALIZED%'",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting == 1 {
+            break;
+        }
+        ensure!(
+            !claimant.is_finished(),
+            "the claim ended without waiting for the writer"
+        );
+        waited += 1;
+        ensure!(waited < 3000, "the claim never waited for the writer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    writer.batch_execute("COMMIT").await?;
+    let result = claimant.await??;
+    ensure!(result.as_ref() == b"kept", "{result:?}");
     Ok(())
 }
 

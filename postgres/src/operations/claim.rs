@@ -11,6 +11,7 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
+use crate::sql::prepared::PlainClaim;
 use crate::sql::txn::CommitFailed;
 use crate::sql::txn::Statement as TypedStatement;
 use crate::sql::txn::{ClaimTransaction, Connection};
@@ -202,12 +203,32 @@ impl PgConsumer {
             (&early_check, Type::INT8),
         ];
         // The key's lock, the time and the key's row in one call of the store's function,
-        // which reads after the lock was granted (see `create_claim_functions`); with an
-        // entity version, the entity's lock and then its read behind it, each read's snapshot
-        // taken after its lock.
+        // which reads after the lock was granted (see `create_claim_functions`), or in one
+        // plain statement once the table is large (see `plain_claim_sql`); with an entity
+        // version, the entity's lock and then its read behind it, each read's snapshot taken
+        // after its lock.
+        let plain = if early.is_some() && entity.is_none() {
+            // Bound apart so that the future holds a `&Client` across the wait, not the
+            // connection (whose owned form is `Send` but not `Sync`).
+            let shared: &Client = client.get();
+            self.plain_claim(shared).await?
+        } else {
+            false
+        };
         let (mut tx, answers) = if entity.is_none() {
-            let statements: [TypedStatement<'_>; 1] = [(&inner.claim, &claim_params)];
-            ClaimTransaction::begin_with_functions(client, &inner.statements, &statements).await?
+            let claim = if plain { &inner.claim_plain } else { &inner.claim };
+            let statements: [TypedStatement<'_>; 1] = [(claim, &claim_params)];
+            let (mut tx, answers) =
+                ClaimTransaction::begin_with_functions(client, &inner.statements, &statements)
+                    .await?;
+            let answers = if plain {
+                let shared: &Client = tx.client();
+                let read = self.read_if_missed(shared, answers, lock_number, key).await;
+                tx.release_on_error(read).await?
+            } else {
+                answers
+            };
+            (tx, answers)
         } else {
             let statements: [TypedStatement<'_>; 3] = [
                 (&inner.claim, &claim_params),
@@ -254,6 +275,65 @@ impl PgConsumer {
             early: early.filter(|_| inserted).map(|early| early.now_ms),
         };
         Ok((now_ms, Outcome::Fresh(claim)))
+    }
+
+    /// Whether this claim may run as the plain claim statement on `client`: the table's size
+    /// looked at when the connection has not looked lately (see
+    /// [`StatementCache::plain_claim`](crate::sql::prepared::StatementCache::plain_claim)).
+    async fn plain_claim(&self, client: &Client) -> Result<bool> {
+        let inner = &self.store.inner;
+        Ok(match inner.statements.plain_claim(client) {
+            PlainClaim::Use => true,
+            PlainClaim::Skip => false,
+            PlainClaim::Check => {
+                let large: bool =
+                    crate::sql::txn::single_row(client.query_typed(&inner.records_large, &[]).await?)?
+                        .get(0);
+                inner.statements.plain_claim_checked(client, large);
+                large
+            }
+        })
+    }
+
+    /// The plain claim statement's `answers`, with its row read again when it meant to insert
+    /// the new key's record and inserted nothing: the key's row was committed after the
+    /// statement's snapshot was taken, by a holder that released the lock just before this
+    /// claim took it, and the statement's read missed it. The read again is a call of the
+    /// claim's function without a record (the lock is this transaction's already, and the
+    /// function's read takes a snapshot of its own), whose answer has the same columns.
+    async fn read_if_missed(
+        &self,
+        client: &Client,
+        mut answers: crate::sql::txn::Answers,
+        lock_number: i64,
+        key: &[u8],
+    ) -> Result<crate::sql::txn::Answers> {
+        let missed = match answers.first() {
+            Some(Ok(rows)) => rows
+                .first()
+                .is_some_and(|row| row.get::<_, bool>(4) && !row.get::<_, bool>(3)),
+            _ => false,
+        };
+        if missed {
+            let id: &[u8] = &self.id;
+            let none: Option<&[u8]> = None;
+            let no_time: Option<i64> = None;
+            let again = client
+                .query_typed(
+                    &self.store.inner.claim,
+                    &[
+                        (&lock_number, Type::INT8),
+                        (&id, Type::BYTEA),
+                        (&key, Type::BYTEA),
+                        (&none, Type::BYTEA),
+                        (&no_time, Type::INT8),
+                        (&no_time, Type::INT8),
+                    ],
+                )
+                .await?;
+            answers[0] = Ok(again);
+        }
+        Ok(answers)
     }
 
     /// The record stored under `key`, as it is (it may be expired; see

@@ -82,6 +82,34 @@ struct Prepared {
     callers: KeyMap<u64, Vec<CallerStatement>>,
     /// How many statements `callers` holds.
     caller_count: usize,
+    /// Whether this connection's claims may run as one plain statement.
+    plain_claim: PlainClaimGate,
+}
+
+/// What a connection knows of the records table's size, for the plain claim statement
+/// (`crate::storage::store::PLAIN_CLAIM_TABLE_BYTES`).
+#[derive(Debug, Default)]
+struct PlainClaimGate {
+    /// The table had reached the size when last looked at: it stays open (a table that
+    /// shrinks back leaves kept plans made on the index).
+    open: bool,
+    /// Claims left before the size is looked at again, while closed.
+    until_check: u32,
+}
+
+/// Claims run on a connection between two looks at the records table's size while it is too
+/// small for the plain claim statement: the look is one more round trip, and a table reaches
+/// the size after some thousands of records.
+const PLAIN_CLAIM_CHECK_EVERY: u32 = 1024;
+
+/// Whether a claim may run as the plain claim statement on a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PlainClaim {
+    Use,
+    Skip,
+    /// Look at the table's size first, and say what was found with
+    /// [`StatementCache::plain_claim_checked`].
+    Check,
 }
 
 /// A caller's statement kept, with what it was prepared from.
@@ -292,6 +320,42 @@ impl StatementCache {
                 None => Ok(statement),
             })
             .collect()
+    }
+
+    /// Whether a claim on `client` may run as the plain claim statement: never with the cache
+    /// off (an unnamed statement is planned at every run, which costs more than the function's
+    /// call saves); `Check` on a connection's first claim, and then every
+    /// [`PLAIN_CLAIM_CHECK_EVERY`] claims until the table is large enough.
+    pub(crate) fn plain_claim(&self, client: &Client) -> PlainClaim {
+        if !self.enabled {
+            return PlainClaim::Skip;
+        }
+        let mut connections = self.lock();
+        let Some(gate) = connections
+            .by_address
+            .get_mut(&address(client))
+            .map(|prepared| &mut prepared.plain_claim)
+        else {
+            return PlainClaim::Check;
+        };
+        if gate.open {
+            PlainClaim::Use
+        } else if gate.until_check == 0 {
+            PlainClaim::Check
+        } else {
+            gate.until_check -= 1;
+            PlainClaim::Skip
+        }
+    }
+
+    /// Keeps what a [`PlainClaim::Check`] found on `client`: whether the table is large enough.
+    pub(crate) fn plain_claim_checked(&self, client: &Client, large: bool) {
+        let mut connections = self.lock();
+        let kept = connections.by_address.entry(address(client)).or_default();
+        kept.plain_claim = PlainClaimGate {
+            open: large,
+            until_check: PLAIN_CLAIM_CHECK_EVERY,
+        };
     }
 
     /// Drops what is kept for `client`'s address: it was another connection's.

@@ -128,7 +128,7 @@ pub(crate) enum Connection<'c> {
 }
 
 impl Connection<'_> {
-    fn get(&self) -> &Client {
+    pub(crate) fn get(&self) -> &Client {
         match self {
             Connection::Borrowed(client) => client,
             Connection::Owned(client) => client,
@@ -182,7 +182,8 @@ impl<'c> ClaimTransaction<'c> {
 
     /// [`ClaimTransaction::begin_with`] for statements that need no guard around their plans:
     /// calls of the store's functions, which turn sequential scans off themselves while they
-    /// run. Only `BEGIN` goes in front of them, nothing behind.
+    /// run, and the plain claim statement, run only on a table large enough that no plan of
+    /// its read scans it. Only `BEGIN` goes in front of them, nothing behind.
     pub(crate) async fn begin_with_functions(
         client: impl Into<Connection<'c>>,
         cache: &Arc<StatementCache>,
