@@ -216,7 +216,11 @@ impl PgConsumer {
             false
         };
         let (mut tx, answers) = if entity.is_none() {
-            let claim = if plain { &inner.claim_plain } else { &inner.claim };
+            let claim = if plain {
+                &inner.claim_plain
+            } else {
+                &inner.claim
+            };
             let statements: [TypedStatement<'_>; 1] = [(claim, &claim_params)];
             let (mut tx, answers) =
                 ClaimTransaction::begin_with_functions(client, &inner.statements, &statements)
@@ -277,18 +281,19 @@ impl PgConsumer {
         Ok((now_ms, Outcome::Fresh(claim)))
     }
 
-    /// Whether this claim may run as the plain claim statement on `client`: the table's size
+    /// Whether this claim (or `apply`) may run as its plain statement on `client`: the table's size
     /// looked at when the connection has not looked lately (see
     /// [`StatementCache::plain_claim`](crate::sql::prepared::StatementCache::plain_claim)).
-    async fn plain_claim(&self, client: &Client) -> Result<bool> {
+    pub(crate) async fn plain_claim(&self, client: &Client) -> Result<bool> {
         let inner = &self.store.inner;
         Ok(match inner.statements.plain_claim(client) {
             PlainClaim::Use => true,
             PlainClaim::Skip => false,
             PlainClaim::Check => {
-                let large: bool =
-                    crate::sql::txn::single_row(client.query_typed(&inner.records_large, &[]).await?)?
-                        .get(0);
+                let large: bool = crate::sql::txn::single_row(
+                    client.query_typed(&inner.records_large, &[]).await?,
+                )?
+                .get(0);
                 inner.statements.plain_claim_checked(client, large);
                 large
             }
