@@ -312,14 +312,7 @@ impl PgConsumer {
             (&db_check_ms, Type::INT8),
             (&lock_number, Type::INT8),
         ];
-        // One plain statement on a large table, a call of `<table>_apply` on a small one (see
-        // `plain_apply_sql`): the same answers and refusals.
-        let insert_if_new = if self.plain_claim(client).await? {
-            &inner.insert_if_new_plain
-        } else {
-            &inner.insert_if_new
-        };
-        let store_statements: [Statement<'_>; 1] = [(insert_if_new, &insert_params)];
+        let store_statements: [Statement<'_>; 1] = [(&inner.insert_if_new, &insert_params)];
         // A read position is written after the caller's statements, as a claim's commit
         // writes it: its row is locked in the same order either way.
         let position_params = positions.params(id, now_ms);

@@ -281,10 +281,10 @@ impl PgConsumer {
         Ok((now_ms, Outcome::Fresh(claim)))
     }
 
-    /// Whether this claim (or `apply`) may run as its plain statement on `client`: the table's size
+    /// Whether this claim may run as the plain claim statement on `client`: the table's size
     /// looked at when the connection has not looked lately (see
     /// [`StatementCache::plain_claim`](crate::sql::prepared::StatementCache::plain_claim)).
-    pub(crate) async fn plain_claim(&self, client: &Client) -> Result<bool> {
+    async fn plain_claim(&self, client: &Client) -> Result<bool> {
         let inner = &self.store.inner;
         Ok(match inner.statements.plain_claim(client) {
             PlainClaim::Use => true,

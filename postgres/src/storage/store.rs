@@ -142,7 +142,6 @@ impl StoreBuilder {
                     self.names.claim_function()
                 ),
                 claim_plain: plain_claim_sql(&records),
-                insert_if_new_plain: plain_apply_sql(&records, &self.names.not_new_function()),
                 records_large: format!(
                     "SELECT pg_relation_size('{records}'::regclass) >= {PLAIN_CLAIM_TABLE_BYTES}"
                 ),
@@ -317,9 +316,6 @@ pub(crate) struct Inner {
     /// for a table large enough that its kept plan reads by the index (see
     /// [`plain_claim_sql`]).
     pub(crate) claim_plain: String,
-    /// `insert_if_new` as one plain statement, for a large table as `claim_plain` (see
-    /// [`plain_apply_sql`]).
-    pub(crate) insert_if_new_plain: String,
     /// Whether the records table has reached [`PLAIN_CLAIM_TABLE_BYTES`].
     pub(crate) records_large: String,
     pub(crate) insert: String,
@@ -485,35 +481,6 @@ pub use crate::tables::names::CLOCK_TOLERANCE_MS;
 /// plan it makes reads by the index (a scan's estimate is ten times the index's), so a kept
 /// plan can no longer be a scan that goes on as the table grows.
 pub(crate) const PLAIN_CLAIM_TABLE_BYTES: u64 = 1 << 20;
-
-/// `apply`'s one statement in place of `<table>_apply`'s call, for a table of
-/// [`PLAIN_CLAIM_TABLE_BYTES`] or more (its read's plan is the connection's, as the plain
-/// claim's): the same parameters, the same answer (the database's time) and the same refusal.
-/// The key's lock is tried, the database's time taken, the key's row read, and the new key's
-/// record inserted when the lock was granted, there is no row and the record's time is within
-/// the tolerance; otherwise `<table>_not_new` raises the refusal with the time and the row
-/// (called only then: a new key's statement runs no PL/pgSQL). The read's snapshot is taken
-/// before the lock, so a row committed in between is missed by it; the plain insert then
-/// fails on the unique key, which `apply` answers by reading the row in one more round trip,
-/// as it did when the function's insert failed that way.
-fn plain_apply_sql(records: &str, not_new: &str) -> String {
-    format!(
-        "WITH l AS MATERIALIZED ( \
-             SELECT pg_try_advisory_xact_lock($6) AS locked, \
-                    floor(extract(epoch FROM statement_timestamp()) * 1000)::int8 AS now_ms \
-         ), r AS MATERIALIZED ( \
-             SELECT k.record FROM {records} AS k WHERE k.consumer = $1 AND k.message_key = $2 \
-         ), i AS ( \
-             INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
-             SELECT $1, $2, $3, $4 FROM l \
-             WHERE l.locked AND NOT EXISTS (SELECT 1 FROM r) \
-               AND ($5::int8 IS NULL OR abs(l.now_ms - $5::int8) <= {CLOCK_TOLERANCE_MS}) \
-             RETURNING true \
-         ) SELECT CASE WHEN EXISTS (SELECT 1 FROM i) THEN l.now_ms \
-                       ELSE {not_new}(l.now_ms, (SELECT record FROM r)) END \
-         FROM l"
-    )
-}
 
 /// A claim's first round trip as one statement, with the answer of `<table>_claim`'s call
 /// (`o_locked`, `o_now_ms`, `o_record`, `o_inserted`) and a fifth column, whether it meant to

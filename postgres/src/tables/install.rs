@@ -11,8 +11,6 @@ use crate::tables::names::Names;
 /// The version of the tables this crate reads and writes. [`install`] creates them at this
 /// version (or migrates older ones); a store at a newer version is refused, not touched.
 ///
-/// Version 11 changes no table: it adds `<table>_not_new`, which raises `apply`'s refusal for
-/// the plain statement `apply` runs on a large table instead of calling `<table>_apply`.
 /// Version 10 changes no table: the claim's function (`<table>_claim`) takes a new key's
 /// record and inserts it when the key has no row, so that a claim's commit usually writes no
 /// record of its own; releases before it call the function with the key alone.
@@ -26,7 +24,7 @@ use crate::tables::names::Names;
 /// on the removal time; version 4 recorded the width of day partitions; version 3 added the
 /// ordering guard's table of entity versions (`<table>_entity`); version 2 partitioned the
 /// records by the day they become removable; version 1 was one plain table.
-pub const SCHEMA_VERSION: i32 = 11;
+pub const SCHEMA_VERSION: i32 = 10;
 
 /// Creates the schema and tables at [`SCHEMA_VERSION`] if they are missing; leaves them as
 /// they are if they are at it, and migrates older ones (see the crate's docs on upgrading).
@@ -68,7 +66,7 @@ pub async fn install(client: &mut Client, names: &Names) -> Result<()> {
             });
         }
         Some(SCHEMA_VERSION) => {}
-        Some(version @ 1..=10) => {
+        Some(version @ 1..=9) => {
             if version <= 2 {
                 create_entity_versions(&tx, names).await?;
             }
@@ -245,8 +243,6 @@ async fn create_positions(tx: &Transaction<'_>, names: &Names) -> Result<()> {
 /// detail carries the database's time and the key's row, so that a duplicate is answered
 /// without a second round trip. The row is read after the lock was granted or refused; the
 /// insert's unique key backs the read up (a row it did not see fails the insert).
-/// `<table>_not_new` raises that same refusal for `apply`'s plain statement (a large table's:
-/// `crate::storage::store`), which calls it only when it inserted nothing.
 ///
 /// The reads run after the lock was granted and takes its own snapshot then (a volatile
 /// function's statements each take a new one under READ COMMITTED), so it sees the commit of
@@ -304,15 +300,6 @@ async fn create_claim_functions(tx: &Transaction<'_>, names: &Names) -> Result<(
               WHERE f.record IS NOT NULL;
          END
          $idemdb$;
-         CREATE OR REPLACE FUNCTION {not_new}(p_now_ms bigint, p_record bytea)
-         RETURNS bigint
-         LANGUAGE plpgsql VOLATILE AS $idemdb$
-         BEGIN
-             RAISE EXCEPTION 'idemdb: the key is not new'
-                 USING ERRCODE = '{NOT_NEW_SQLSTATE}',
-                       DETAIL = p_now_ms::text || ' ' || coalesce(encode(p_record, 'hex'), '');
-         END
-         $idemdb$;
          CREATE OR REPLACE FUNCTION {apply}(p_consumer bytea, p_key bytea, p_record bytea,
                                            p_expires_at_ms bigint, p_check_ms bigint,
                                            p_lock bigint)
@@ -339,7 +326,6 @@ async fn create_claim_functions(tx: &Transaction<'_>, names: &Names) -> Result<(
         claim = names.claim_function(),
         claim_many = names.claim_many_function(),
         apply = names.apply_function(),
-        not_new = names.not_new_function(),
         records = names.records(),
         tolerance = crate::tables::names::CLOCK_TOLERANCE_MS,
     ))

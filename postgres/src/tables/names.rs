@@ -214,12 +214,6 @@ impl Names {
         format!("{}.{}_claim_many", self.schema, self.table)
     }
 
-    /// `schema.table_not_new`: raises the refusal of `apply`'s plain statement, with the
-    /// database's time and the key's row in its detail, as `schema.table_apply` does.
-    pub(crate) fn not_new_function(&self) -> String {
-        format!("{}.{}_not_new", self.schema, self.table)
-    }
-
     /// `schema.table_apply`: the function that inserts a new key's completed record, or
     /// fails with the key's row in its error (`apply`'s one round trip).
     pub(crate) fn apply_function(&self) -> String {
