@@ -210,6 +210,7 @@ fn main() {
     scenario!(random_sequences_agree_with_the_model_on_a_table_past_the_plain_claims_size);
     scenario!(the_plain_claim_statement_runs_once_the_table_is_large_and_prepared);
     scenario!(a_row_committed_behind_the_plain_claims_snapshot_is_read_again);
+    scenario!(an_expired_row_replaced_behind_the_plain_claims_snapshot_is_read_again);
     scenario!(an_external_claim_is_resumed_from_its_ticket);
     scenario!(missing_tables_are_typed_errors_and_a_reinstall_is_used_again);
     scenario!(claims_are_read_committed_under_a_serializable_default);
@@ -3182,17 +3183,28 @@ async fn the_plain_claim_statement_runs_once_the_table_is_large_and_prepared(
         return Err("first claim not fresh".into());
     };
     claim.commit(b"kept").await?;
+    // The store's first claim had no estimate of the database's clock (no record to send: the
+    // function); the second looks at the table's size and finds it small.
+    match consumer.begin(&mut client, "a", body).await? {
+        Outcome::Duplicate { ref result, .. } if result.as_ref() == b"kept" => {}
+        other => return Err(format!("redelivery: {other:?}").into()),
+    }
     ensure!(
         plain_claims_prepared(&client).await? == 0,
         "a plain claim on a small table"
     );
-    // Past the size, the connection finds out at its next look (every 1,024 claims).
+    // Past the size, the connection finds out at its next look, 1,024 claims later.
     grow_records(&client, "t_plain_gate").await?;
-    for _ in 0..1025 {
-        let outcome = consumer.begin(&mut client, "a", body).await?;
-        match outcome {
+    for round in 0..1025 {
+        if round == 1024 {
+            ensure!(
+                plain_claims_prepared(&client).await? == 0,
+                "the size looked at before its time"
+            );
+        }
+        match consumer.begin(&mut client, "a", body).await? {
             Outcome::Duplicate { ref result, .. } if result.as_ref() == b"kept" => {}
-            other => return Err(format!("redelivery: {other:?}").into()),
+            other => return Err(format!("redelivery {round}: {other:?}").into()),
         }
     }
     ensure!(
@@ -3207,33 +3219,127 @@ async fn the_plain_claim_statement_runs_once_the_table_is_large_and_prepared(
         Outcome::Duplicate { result, .. } if result.as_ref() == b"second" => {}
         other => return Err(format!("b's redelivery: {other:?}").into()),
     }
-    // Without prepared statements every claim calls the function: an unnamed plain statement
-    // would be planned at every run.
+    // Without prepared statements every claim calls the function (an unnamed plain statement
+    // would be planned at every run): counted by the server's statistics of function calls.
     let mut unprepared_client = connect(url).await?;
+    unprepared_client
+        .batch_execute("SET track_functions = 'pl'")
+        .await?;
     let unprepared = PgStore::builder()
         .names(names)
         .prepared_statements(false)
         .open(&unprepared_client)
         .await?
         .consumer("c")?;
-    let Outcome::Fresh(claim) = unprepared.begin(&mut unprepared_client, "c", body).await? else {
-        return Err("a new key without prepared statements not fresh".into());
-    };
-    claim.commit(b"third").await?;
-    let mut watcher = connect(url).await?;
-    let Outcome::Duplicate { .. } = unprepared.begin(&mut watcher, "c", body).await? else {
-        return Err("c's redelivery not a duplicate".into());
-    };
+    for key in ["c", "c", "d"] {
+        let outcome = unprepared.begin(&mut unprepared_client, key, body).await?;
+        if let Outcome::Fresh(claim) = outcome {
+            claim.commit(b"third").await?;
+        }
+    }
+    // Flushed to the shared statistics when the session is next idle, before the next query.
+    unprepared_client
+        .batch_execute("SELECT pg_stat_force_next_flush()")
+        .await?;
     let calls: i64 = unprepared_client
         .query_one(
-            "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH l AS%'",
+            "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_user_functions \
+             WHERE schemaname = 't_plain_gate' AND funcname = 'records_claim'",
             &[],
         )
         .await?
         .get(0);
     ensure!(
-        calls == 0,
-        "{calls} plain claims prepared without prepared statements"
+        calls == 3,
+        "{calls} calls of the claim's function without prepared statements (3 claims)"
+    );
+    Ok(())
+}
+
+/// The plain claim statement reads the key's row in a snapshot taken before it tries the key's
+/// lock: an expired row that a holder replaced and committed in between is still the expired
+/// row in that read, and a claim decided on it would take the key over once more (the
+/// holder's effect, then this claim's). A decision that would replace a row is made again on
+/// a read after the lock. Made deterministic by the claimant's own `pg_try_advisory_xact_lock`
+/// (a function of that name in a schema ahead of `pg_catalog` on its search path) that waits
+/// for the lock: the statement's snapshot is taken before the wait, and the holder commits
+/// during it.
+async fn an_expired_row_replaced_behind_the_plain_claims_snapshot_is_read_again(
+    url: &str,
+) -> Result<(), Failure> {
+    let mut client = connect(url).await?;
+    let names = fresh_schema(&mut client, "t_plain_stale").await?;
+    grow_records(&client, "t_plain_stale").await?;
+    client
+        .batch_execute(
+            "CREATE FUNCTION t_plain_stale.pg_try_advisory_xact_lock(p_lock bigint) \
+             RETURNS boolean LANGUAGE plpgsql VOLATILE AS \
+             $$ BEGIN PERFORM pg_catalog.pg_advisory_xact_lock(p_lock); RETURN true; END $$",
+        )
+        .await?;
+    let clock = MockClock::new(1_000_000);
+    let store = PgStore::builder()
+        .names(names)
+        .retention(Duration::from_millis(500))
+        .clock(clock.clone())
+        .open(&client)
+        .await?;
+    let consumer = store.consumer("c")?;
+    let body = Fingerprint::of(b"m");
+    let Outcome::Fresh(claim) = consumer.begin(&mut client, "k", body).await? else {
+        return Err("first claim not fresh".into());
+    };
+    claim.commit(b"first").await?;
+    clock.set(1_000_500);
+    // The holder takes the expired key over and keeps it.
+    let mut holder = connect(url).await?;
+    let Outcome::Fresh(taken) = consumer.begin(&mut holder, "k", body).await? else {
+        return Err("the takeover not fresh".into());
+    };
+    let claimant_client = connect(url).await?;
+    claimant_client
+        .batch_execute("SET search_path = t_plain_stale, pg_catalog, public")
+        .await?;
+    let claimant = tokio::spawn({
+        let consumer = consumer.clone();
+        async move {
+            match consumer
+                .begin_owned(Box::new(claimant_client), &idemdb::Message::new(b"k", body))
+                .await
+            {
+                Ok(Outcome::Duplicate { result, epoch, .. }) => Ok((result, epoch)),
+                other => Err(format!("the claim behind the holder: {other:?}")),
+            }
+        }
+    });
+    // Until the claimant's statement waits for the holder's lock (bounded, so that a
+    // regression fails instead of hanging).
+    let mut waited = 0;
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND wait_event = 'advisory' AND query LIKE 'WITH l AS MATERIALIZED%'",
+                &[],
+            )
+            .await?
+            .get(0);
+        if waiting == 1 {
+            break;
+        }
+        ensure!(
+            !claimant.is_finished(),
+            "the claim ended without waiting for the holder"
+        );
+        waited += 1;
+        ensure!(waited < 3000, "the claim never waited for the holder");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    taken.commit(b"second").await?;
+    let (result, epoch) = claimant.await??;
+    ensure!(
+        result.as_ref() == b"second" && epoch == 2,
+        "{result:?} at epoch {epoch}"
     );
     Ok(())
 }

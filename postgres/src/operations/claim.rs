@@ -245,11 +245,24 @@ impl PgConsumer {
         let entity = entity.map(|(entity_key, version, ..)| (entity_key, version));
         // An error here (a record that does not decode, say) leaves the key's lock held until
         // the rollback: waited for, so that the key is free when the error returns.
-        let decided = decide_claim(self, answers, message, entity, clock);
+        let mut decided = decide_claim(self, answers, message, entity, clock);
+        // The plain statement read the key's row before its lock: a row that would be
+        // replaced (expired, released, a lease run out) may have been replaced by a holder
+        // that committed in between, so the decision is made again on the row read after
+        // the lock. A live completed row is never replaced, and no row at all is covered by
+        // the insert (`read_if_missed`).
+        if plain && decided.as_ref().is_ok_and(|decided| decided.replaces_a_row) {
+            let shared: &Client = tx.client();
+            decided = match self.read_again(shared, lock_number, key).await {
+                Ok(answers) => decide_claim(self, answers, message, entity, clock),
+                Err(error) => Err(error),
+            };
+        }
         let Decided {
             db_now_ms,
             now_ms,
             verdict,
+            ..
         } = tx.release_on_error(decided).await?;
         let Claimable {
             replaces_epoch,
@@ -300,10 +313,11 @@ impl PgConsumer {
         })
     }
 
-    /// The plain claim statement's `answers`, with its row read again when it meant to insert
-    /// the new key's record and inserted nothing: the key's row was committed after the
+    /// The plain claim statement's `answers`, with its row read again when its read found no
+    /// row and it inserted nothing: the key's row may have been committed after the
     /// statement's snapshot was taken, by a holder that released the lock just before this
-    /// claim took it, and the statement's read missed it. The read again is a call of the
+    /// claim took it (the insert found it), or the record's time was too far from the
+    /// database's clock to insert, and the read may have missed such a row all the same. The read again is a call of the
     /// claim's function without a record (the lock is this transaction's already, and the
     /// function's read takes a snapshot of its own), whose answer has the same columns.
     async fn read_if_missed(
@@ -320,25 +334,37 @@ impl PgConsumer {
             _ => false,
         };
         if missed {
-            let id: &[u8] = &self.id;
-            let none: Option<&[u8]> = None;
-            let no_time: Option<i64> = None;
-            let again = client
-                .query_typed(
-                    &self.store.inner.claim,
-                    &[
-                        (&lock_number, Type::INT8),
-                        (&id, Type::BYTEA),
-                        (&key, Type::BYTEA),
-                        (&none, Type::BYTEA),
-                        (&no_time, Type::INT8),
-                        (&no_time, Type::INT8),
-                    ],
-                )
-                .await?;
-            answers[0] = Ok(again);
+            answers = self.read_again(client, lock_number, key).await?;
         }
         Ok(answers)
+    }
+
+    /// The claim's answer again, from a call of the claim's function without a record: the
+    /// lock is this transaction's already, and the function's read takes a snapshot of its
+    /// own, after it. Unnamed: a rare path, and the function plans its read itself.
+    async fn read_again(
+        &self,
+        client: &Client,
+        lock_number: i64,
+        key: &[u8],
+    ) -> Result<crate::sql::txn::Answers> {
+        let id: &[u8] = &self.id;
+        let none: Option<&[u8]> = None;
+        let no_time: Option<i64> = None;
+        let again = client
+            .query_typed(
+                &self.store.inner.claim,
+                &[
+                    (&lock_number, Type::INT8),
+                    (&id, Type::BYTEA),
+                    (&key, Type::BYTEA),
+                    (&none, Type::BYTEA),
+                    (&no_time, Type::INT8),
+                    (&no_time, Type::INT8),
+                ],
+            )
+            .await?;
+        Ok(vec![Ok(again)])
     }
 
     /// The record stored under `key`, as it is (it may be expired; see
@@ -361,6 +387,9 @@ struct Decided {
     now_ms: u64,
     /// The key claimable, or the outcome that settles the message without a claim.
     verdict: std::result::Result<Claimable, Outcome<std::convert::Infallible>>,
+    /// The key's row was found and is claimable (expired, released, a lease run out): the
+    /// claim would replace it, or the admission floor refused the message on it.
+    replaces_a_row: bool,
 }
 
 /// A claimable key: what the claim replaces and records.
@@ -423,21 +452,29 @@ fn decide_claim(
     let db_now_ms: i64 = lock.get(1);
     inner.clock_offset.learn(db_now_ms);
     let now_ms = clock.now_ms(db_now_ms);
-    let decided = |verdict| {
-        Ok(Decided {
+    if !lock.get::<_, bool>(0) {
+        return Ok(Decided {
             db_now_ms,
             now_ms,
-            verdict,
-        })
-    };
-    if !lock.get::<_, bool>(0) {
-        return decided(Err(Outcome::held_by_claim(now_ms)));
+            verdict: Err(Outcome::held_by_claim(now_ms)),
+            replaces_a_row: false,
+        });
     }
     let record = lock
         .get::<_, Option<&[u8]>>(2)
         .map(|bytes| decode_record(key, bytes))
         .transpose()?;
+    let had_row = record.is_some();
     let found = inspect_record(record, message.fingerprint(), now_ms);
+    let replaces_a_row = had_row && matches!(found, Found::Claimable { .. });
+    let decided = |verdict| {
+        Ok(Decided {
+            db_now_ms,
+            now_ms,
+            verdict,
+            replaces_a_row,
+        })
+    };
     let floor_ms = inner.admission_floor.then_some(inner.retention_ms);
     let (replaces_epoch, previous) =
         match admit(found, message.production_time_ms(), now_ms, floor_ms) {

@@ -72,6 +72,28 @@ struct Connections {
     by_address: KeyMap<usize, Prepared>,
 }
 
+impl Connections {
+    /// What is kept for `address`, made empty if nothing is, marked used; past
+    /// [`CONNECTIONS_MAX`] connections the least recently used one's is dropped first.
+    fn entry(&mut self, address: usize) -> &mut Prepared {
+        self.clock += 1;
+        let now = self.clock;
+        if !self.by_address.contains_key(&address) && self.by_address.len() >= CONNECTIONS_MAX {
+            let oldest = self
+                .by_address
+                .iter()
+                .min_by_key(|(_, prepared)| prepared.last_used)
+                .map(|(&oldest, _)| oldest);
+            if let Some(oldest) = oldest {
+                self.by_address.remove(&oldest);
+            }
+        }
+        let kept = self.by_address.entry(address).or_default();
+        kept.last_used = now;
+        kept
+    }
+}
+
 #[derive(Debug, Default)]
 struct Prepared {
     last_used: u64,
@@ -222,28 +244,7 @@ impl StatementCache {
             .into_iter()
             .collect::<Result<Vec<Statement>, _>>()?;
         let mut connections = self.lock();
-        let connections = &mut *connections;
-        connections.clock += 1;
-        let now = connections.clock;
-        if !connections.by_address.contains_key(&address)
-            && connections.by_address.len() >= CONNECTIONS_MAX
-        {
-            let oldest = connections
-                .by_address
-                .iter()
-                .min_by_key(|(_, prepared)| prepared.last_used)
-                .map(|(&oldest, _)| oldest);
-            if let Some(oldest) = oldest {
-                connections.by_address.remove(&oldest);
-            }
-        }
-        let kept = connections
-            .by_address
-            .entry(address)
-            .or_insert_with(|| Prepared {
-                last_used: now,
-                ..Prepared::default()
-            });
+        let kept = connections.entry(address);
         for (index, statement) in missing.into_iter().zip(prepared) {
             kept.by_sql
                 .insert(statements[index].0.to_owned(), statement.clone());
@@ -289,7 +290,7 @@ impl StatementCache {
         let mut errors: Vec<Option<tokio_postgres::Error>> =
             statements.iter().map(|_| None).collect();
         let mut connections = self.lock();
-        let kept = connections.by_address.entry(address).or_default();
+        let kept = connections.entry(address);
         for (index, answer) in missing.into_iter().zip(prepared) {
             match answer {
                 Ok(statement) => {
@@ -351,7 +352,7 @@ impl StatementCache {
     /// Keeps what a [`PlainClaim::Check`] found on `client`: whether the table is large enough.
     pub(crate) fn plain_claim_checked(&self, client: &Client, large: bool) {
         let mut connections = self.lock();
-        let kept = connections.by_address.entry(address(client)).or_default();
+        let kept = connections.entry(address(client));
         kept.plain_claim = PlainClaimGate {
             open: large,
             until_check: PLAIN_CLAIM_CHECK_EVERY,

@@ -483,8 +483,8 @@ pub use crate::tables::names::CLOCK_TOLERANCE_MS;
 pub(crate) const PLAIN_CLAIM_TABLE_BYTES: u64 = 1 << 20;
 
 /// A claim's first round trip as one statement, with the answer of `<table>_claim`'s call
-/// (`o_locked`, `o_now_ms`, `o_record`, `o_inserted`) and a fifth column, whether it meant to
-/// insert the new key's record. The key's lock is tried, the database's time taken, and, with
+/// (`o_locked`, `o_now_ms`, `o_record`, `o_inserted`) and a fifth column, whether its read
+/// found no row with the lock granted. The key's lock is tried, the database's time taken, and, with
 /// the lock, the key's row read and, when there is none, the new key's record (`$4`, with its
 /// removal time `$5`, checked against the database's clock when `$6` is not null) inserted.
 ///
@@ -496,8 +496,11 @@ pub(crate) const PLAIN_CLAIM_TABLE_BYTES: u64 = 1 << 20;
 /// - **Its read's snapshot is the statement's**, taken before the lock: a holder that commits
 ///   and releases the lock in between has its row missed by the read. The insert then finds
 ///   the row (`ON CONFLICT` looks at committed rows whatever the snapshot) and inserts nothing;
-///   the caller sees that it meant to insert and did not, and reads the row again in a
-///   statement of its own (`PgConsumer::claim_message`). A claim without a record to insert
+///   the caller sees that the read found no row and nothing was inserted (also when the
+///   record's time was too far from the database's clock to insert it), and reads the row
+///   again in a statement of its own (`PgConsumer::claim_message`). A row the read found may
+///   have been replaced in between too: a decision to replace it is made again on a read
+///   after the lock (a live completed row is never replaced). A claim without a record to insert
 ///   (an entity version's) uses the function.
 /// - **Its read's plan is the connection's**, kept and made again only after an analyze,
 ///   without the function's `enable_seqscan = off`: so it is used only once the table has
@@ -520,7 +523,8 @@ fn plain_claim_sql(records: &str) -> String {
              INSERT INTO {records} (consumer, message_key, record, expires_at_ms) \
              SELECT $2, $3, $4, $5 FROM w WHERE w.wanted \
              ON CONFLICT (consumer, message_key) DO NOTHING RETURNING true \
-         ) SELECT l.locked, l.now_ms, (SELECT record FROM r), EXISTS (SELECT 1 FROM i), w.wanted \
+         ) SELECT l.locked, l.now_ms, (SELECT record FROM r), EXISTS (SELECT 1 FROM i), \
+                  l.locked AND NOT EXISTS (SELECT 1 FROM r) \
          FROM l, w"
     )
 }
