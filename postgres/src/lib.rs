@@ -21,7 +21,9 @@
 //! writes its record whether removal got there first or not.
 //!
 //! **Two round trips.** `BEGIN` and a call of the store's function `<table>_claim` (the key's
-//! lock, the database's time, and then the key's row; for a new key, its record inserted) go
+//! lock, the database's time, and then the key's row; for a new key, its record inserted; once
+//! the table has reached 1 MiB, the same as one plain statement, cheaper on the server, whose
+//! read is checked again after the lock where it could be stale: docs/design.md) go
 //! out together, and so do the caller's SQL and `COMMIT`: a claim and its commit cost two round
 //! trips and four statements, what a hand-written dedup insert sends when its business SQL waits
 //! for the insert's answer. The new key's record stands for the commit's when the result is
