@@ -340,15 +340,20 @@ impl CommitLog {
         }
     }
 
-    /// Takes a slot made ahead of need if it is ready (without waiting).
-    pub(super) fn adopt_prepared(&mut self) {
-        let ready = self.preparing.as_ref().is_some_and(|preparing| {
+    /// Whether a slot made ahead of need is ready to be taken: its thread has ended (the
+    /// slot's file is named into the directory before that).
+    pub(super) fn ahead_ready(&self) -> bool {
+        self.preparing.as_ref().is_some_and(|preparing| {
             preparing
                 .thread
                 .as_ref()
                 .is_none_or(|thread| thread.is_finished())
-        });
-        if !ready {
+        })
+    }
+
+    /// Takes a slot made ahead of need if it is ready (without waiting).
+    pub(super) fn adopt_prepared(&mut self) {
+        if !self.ahead_ready() {
             return;
         }
         if let Some(preparing) = self.preparing.take() {

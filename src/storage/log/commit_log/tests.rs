@@ -390,11 +390,15 @@ fn the_next_slot_is_made_ahead_of_need() {
     while log.active == 0 {
         lsn = log.append(&payload(lsn, 10_000)).unwrap() + 1;
     }
+    // Until the thread making it has ended: its file is named into the directory a moment
+    // before, and an append in that moment finds nothing ready to take (the ring is full then,
+    // a retryable error whose caller grows the log, waiting for the slot under way).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !slot_path(&path, 2).exists() {
+    while !log.ahead_ready() {
         assert!(std::time::Instant::now() < deadline, "no slot made ahead");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    assert!(slot_path(&path, 2).exists(), "made ahead, but not named");
     assert_eq!(log.slots(), 2, "made, not yet taken");
     // The ring fills; the switch takes the slot made ahead without growing on its own.
     loop {
