@@ -3256,6 +3256,35 @@ async fn the_plain_claim_statement_runs_once_the_table_is_large_and_prepared(
     Ok(())
 }
 
+/// Waits until one plain claim statement waits for a lock of the kind `wait_event`
+/// (`pg_stat_activity`), while `claimant`, the task running it, has not ended; bounded, so that
+/// a regression fails instead of hanging.
+async fn until_the_plain_claim_waits<T>(
+    client: &Client,
+    wait_event: &str,
+    claimant: &tokio::task::JoinHandle<T>,
+) -> Result<(), Failure> {
+    for _ in 0..3000 {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND wait_event = $1 AND query LIKE 'WITH l AS MATERIALIZED%'",
+                &[&wait_event],
+            )
+            .await?
+            .get(0);
+        if waiting == 1 {
+            return Ok(());
+        }
+        ensure!(
+            !claimant.is_finished(),
+            "the claim ended without waiting ({wait_event})"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err(format!("the claim never waited ({wait_event})").into())
+}
+
 /// The plain claim statement reads the key's row in a snapshot taken before it tries the key's
 /// lock: an expired row that a holder replaced and committed in between is still the expired
 /// row in that read, and a claim decided on it would take the key over once more (the
@@ -3312,29 +3341,8 @@ async fn an_expired_row_replaced_behind_the_plain_claims_snapshot_is_read_again(
             }
         }
     });
-    // Until the claimant's statement waits for the holder's lock (bounded, so that a
-    // regression fails instead of hanging).
-    let mut waited = 0;
-    loop {
-        let waiting: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-                 AND wait_event = 'advisory' AND query LIKE 'WITH l AS MATERIALIZED%'",
-                &[],
-            )
-            .await?
-            .get(0);
-        if waiting == 1 {
-            break;
-        }
-        ensure!(
-            !claimant.is_finished(),
-            "the claim ended without waiting for the holder"
-        );
-        waited += 1;
-        ensure!(waited < 3000, "the claim never waited for the holder");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // Until the claimant's statement waits for the holder's lock.
+    until_the_plain_claim_waits(&client, "advisory", &claimant).await?;
     taken.commit(b"second").await?;
     let (result, epoch) = claimant.await??;
     ensure!(
@@ -3396,29 +3404,8 @@ async fn a_row_committed_behind_the_plain_claims_snapshot_is_read_again(
             }
         }
     });
-    // Until the claim's insert waits for the writer's transaction (bounded, so that a
-    // regression fails instead of hanging).
-    let mut waited = 0;
-    loop {
-        let waiting: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-                 AND wait_event = 'transactionid' AND query LIKE 'WITH l AS MATERIALIZED%'",
-                &[],
-            )
-            .await?
-            .get(0);
-        if waiting == 1 {
-            break;
-        }
-        ensure!(
-            !claimant.is_finished(),
-            "the claim ended without waiting for the writer"
-        );
-        waited += 1;
-        ensure!(waited < 3000, "the claim never waited for the writer");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // Until the claim's insert waits for the writer's transaction.
+    until_the_plain_claim_waits(&client, "transactionid", &claimant).await?;
     writer.batch_execute("COMMIT").await?;
     let result = claimant.await??;
     ensure!(result.as_ref() == b"kept", "{result:?}");

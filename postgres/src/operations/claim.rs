@@ -222,17 +222,7 @@ impl PgConsumer {
                 &inner.claim
             };
             let statements: [TypedStatement<'_>; 1] = [(claim, &claim_params)];
-            let (mut tx, answers) =
-                ClaimTransaction::begin_with_functions(client, &inner.statements, &statements)
-                    .await?;
-            let answers = if plain {
-                let shared: &Client = tx.client();
-                let read = self.read_if_missed(shared, answers, lock_number, key).await;
-                tx.release_on_error(read).await?
-            } else {
-                answers
-            };
-            (tx, answers)
+            ClaimTransaction::begin_with_functions(client, &inner.statements, &statements).await?
         } else {
             let statements: [TypedStatement<'_>; 3] = [
                 (&inner.claim, &claim_params),
@@ -245,13 +235,15 @@ impl PgConsumer {
         let entity = entity.map(|(entity_key, version, ..)| (entity_key, version));
         // An error here (a record that does not decode, say) leaves the key's lock held until
         // the rollback: waited for, so that the key is free when the error returns.
+        let missed = plain && missed_a_row(&answers);
         let mut decided = decide_claim(self, answers, message, entity, clock);
-        // The plain statement read the key's row before its lock: a row that would be
-        // replaced (expired, released, a lease run out) may have been replaced by a holder
-        // that committed in between, so the decision is made again on the row read after
-        // the lock. A live completed row is never replaced, and no row at all is covered by
-        // the insert (`read_if_missed`).
-        if plain && decided.as_ref().is_ok_and(|decided| decided.replaces_a_row) {
+        // The plain statement read the key's row before its lock, so a holder that committed
+        // and released the lock in between may have written a row it did not see: the
+        // decision is made again on a read after the lock when the read found no row and
+        // nothing was inserted (`missed_a_row`), or when it found a row the claim would
+        // replace (expired, released, a lease run out). A live completed row is never
+        // replaced, so a duplicate stands as the statement answered it.
+        if missed || plain && decided.as_ref().is_ok_and(|decided| decided.replaces_a_row) {
             let shared: &Client = tx.client();
             decided = match self.read_again(shared, lock_number, key).await {
                 Ok(answers) => decide_claim(self, answers, message, entity, clock),
@@ -313,32 +305,6 @@ impl PgConsumer {
         })
     }
 
-    /// The plain claim statement's `answers`, with its row read again when its read found no
-    /// row and it inserted nothing: the key's row may have been committed after the
-    /// statement's snapshot was taken, by a holder that released the lock just before this
-    /// claim took it (the insert found it), or the record's time was too far from the
-    /// database's clock to insert, and the read may have missed such a row all the same. The read again is a call of the
-    /// claim's function without a record (the lock is this transaction's already, and the
-    /// function's read takes a snapshot of its own), whose answer has the same columns.
-    async fn read_if_missed(
-        &self,
-        client: &Client,
-        mut answers: crate::sql::txn::Answers,
-        lock_number: i64,
-        key: &[u8],
-    ) -> Result<crate::sql::txn::Answers> {
-        let missed = match answers.first() {
-            Some(Ok(rows)) => rows
-                .first()
-                .is_some_and(|row| row.get::<_, bool>(4) && !row.get::<_, bool>(3)),
-            _ => false,
-        };
-        if missed {
-            answers = self.read_again(client, lock_number, key).await?;
-        }
-        Ok(answers)
-    }
-
     /// The claim's answer again, from a call of the claim's function without a record: the
     /// lock is this transaction's already, and the function's read takes a snapshot of its
     /// own, after it. Unnamed: a rare path, and the function plans its read itself.
@@ -376,6 +342,20 @@ impl PgConsumer {
         let key = key.as_ref();
         encode_key(&self.id, key)?;
         self.read(client, key).await
+    }
+}
+
+/// Whether the plain claim statement's answer says that its read found no row (with the
+/// lock granted) and nothing was inserted: the key's row may have been committed after the
+/// statement's snapshot by a holder that released the lock just before this claim took it
+/// (the insert then found it), or the record's time was too far from the database's clock
+/// to insert, and the read may have missed such a row all the same.
+fn missed_a_row(answers: &crate::sql::txn::Answers) -> bool {
+    match answers.first() {
+        Some(Ok(rows)) => rows
+            .first()
+            .is_some_and(|row| row.get::<_, bool>(4) && !row.get::<_, bool>(3)),
+        _ => false,
     }
 }
 
@@ -464,9 +444,10 @@ fn decide_claim(
         .get::<_, Option<&[u8]>>(2)
         .map(|bytes| decode_record(key, bytes))
         .transpose()?;
-    let had_row = record.is_some();
     let found = inspect_record(record, message.fingerprint(), now_ms);
-    let replaces_a_row = had_row && matches!(found, Found::Claimable { .. });
+    // Epochs start at 1: a claimable key with a row replaces a nonzero epoch.
+    let replaces_a_row =
+        matches!(found, Found::Claimable { replaces_epoch, .. } if replaces_epoch != 0);
     let decided = |verdict| {
         Ok(Decided {
             db_now_ms,
